@@ -1,0 +1,164 @@
+"""Tiny random checkpoints + tokenizer, written with transformers' own classes.
+
+Used by the tests, the demo and the CPU benchmarks: real `config.json` + safetensors + tokenizer files
+that both vLLM and the NexRT engine load through their normal loading code. Needs torch and
+transformers (imported lazily, so importing this module is cheap).
+
+Choices that make parity tests meaningful (see shared/DESIGN.md §7):
+- the tokenizer is a Metaspace BPE over ASCII letters (no byte fallback), so any token sequence
+  detokenizes to the same text everywhere; `vocab_size` == tokenizer length;
+- matrices are re-initialised wider (std 0.06) so greedy decoding does not collapse into one token;
+- head dims default to 64 (vLLM's CPU kernels accept 64 or 128, not 32).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import string
+
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN = "<|im_end|>"
+# ChatML, as the Qwen family uses; vLLM applies it for /v1/chat/completions.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _corpus(n_words: int = 4000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    letters = string.ascii_lowercase
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(1, 8))) for _ in range(600)]
+    lines = []
+    for _ in range(n_words // 10):
+        lines.append(" ".join(rng.choice(words) for _ in range(10)))
+    lines.append(string.ascii_letters + " " + string.punctuation + " " + string.digits)
+    return lines
+
+
+def make_tokenizer(path: str, vocab_size: int = 384) -> int:
+    """Write tokenizer.json + tokenizer_config.json to `path`; return the tokenizer length."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    alphabet = list(string.ascii_letters + string.digits + string.punctuation) + ["▁"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "unk_token": None,
+        "model_max_length": 1 << 20,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def tiny_config(arch: str, vocab_size: int, eos_token_id: int, **overrides):
+    """A transformers config object of the given family, small enough for CPU tests."""
+    import transformers as tf
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    num_layers = overrides.pop("num_hidden_layers", 4)
+    interval = overrides.pop("full_attention_interval", 4)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        initializer_range=0.06,
+        tie_word_embeddings=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+        bos_token_id=None,
+        layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                     for i in range(num_layers)],
+    )
+    # The family's RoPE: theta 1e7, rotary on the first 25 % of head_dim.
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    if arch == "qwen3_5":
+        common.update(intermediate_size=256)
+        cls = tf.Qwen3_5TextConfig
+    else:
+        common.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=64)
+        if arch == "qwen3_next":
+            common.update(intermediate_size=256, decoder_sparse_step=1, norm_topk_prob=True,
+                          mlp_only_layers=[])
+            cls = tf.Qwen3NextConfig
+        else:
+            cls = tf.Qwen3_5MoeTextConfig
+    common.update(overrides)
+    rope = {**rope, **common.pop("rope_parameters", {})}
+    cfg = cls(**common, rope_parameters=rope)
+    if arch == "qwen3_5":
+        cfg.architectures = ["Qwen3_5ForCausalLM"]
+    elif arch == "qwen3_5_moe":
+        cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    else:
+        cfg.architectures = ["Qwen3NextForCausalLM"]
+    return cfg
+
+
+def _model_class(arch: str):
+    import transformers as tf
+
+    return {"qwen3_next": tf.Qwen3NextForCausalLM, "qwen3_5": tf.Qwen3_5ForCausalLM,
+            "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM}[arch]
+
+
+def make_checkpoint(path: str, arch: str = "qwen3_next", dtype: str = "bfloat16",
+                    sharded: bool = False, seed: int = 0, init_std: float = 0.06,
+                    **overrides) -> str:
+    """Write a tiny random checkpoint (config.json, safetensors, tokenizer) to `path`; return it.
+
+    `overrides` go into the transformers config (e.g. num_hidden_layers=8, full_attention_interval=2,
+    num_key_value_heads=1, num_experts=4, num_experts_per_tok=1, tie_word_embeddings=True).
+    """
+    import torch
+
+    os.makedirs(path, exist_ok=True)
+    vocab = make_tokenizer(path)
+    from tokenizers import Tokenizer
+
+    eos = Tokenizer.from_file(os.path.join(path, "tokenizer.json")).token_to_id(EOS_TOKEN)
+    cfg = tiny_config(arch, vocab, eos, **overrides)
+    torch.manual_seed(seed)
+    model = _model_class(arch)(cfg)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            # Widen 2-D matrices (projections, experts, embeddings); keep norms, A_log, dt_bias
+            # and conv filters at their family-specific init.
+            if p.dim() >= 2 and "conv1d" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * init_std)
+            elif "norm" in name and p.dim() == 1:
+                # Non-trivial norm weights so a wrong norm convention shows up in parity tests.
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    model = model.to(getattr(torch, dtype))
+    model.config.dtype = dtype
+    model.save_pretrained(path, max_shard_size="300KB" if sharded else "10GB")
+    return path

@@ -1,0 +1,53 @@
+"""Shared pytest fixtures: tiny random checkpoints written once per session."""
+import os
+
+import pytest
+
+# Tests run on 2 shared cores: single-threaded torch is much faster there.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# NIXL/UCX: stay on loopback in tests (else it also listens on eth0).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def _threads():
+    try:
+        import torch
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+
+
+_threads()
+
+
+@pytest.fixture(scope="session")
+def ckpt_factory(tmp_path_factory):
+    """Returns make(arch, dtype="bfloat16", **overrides) -> path, cached per argument set."""
+    from nexrt_vllm.testing import make_checkpoint
+
+    cache = {}
+
+    def make(arch="qwen3_next", dtype="bfloat16", **overrides):
+        key = (arch, dtype, tuple(sorted(overrides.items())))
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"ckpt_{arch}_{dtype}")
+            cache[key] = make_checkpoint(str(d), arch=arch, dtype=dtype, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_ckpt(ckpt_factory):
+    return ckpt_factory("qwen3_next", "bfloat16")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_ckpt(ckpt_factory):
+    return ckpt_factory("qwen3_5", "bfloat16")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_ckpt(ckpt_factory):
+    return ckpt_factory("qwen3_5_moe", "bfloat16")
