@@ -20,7 +20,13 @@ The layout descriptor (``Layout``) describes the sender's pages so the node can 
 convert them (``nexrt_vllm.worker.convert``):
 
 * attention layer: one page per ``block_size`` tokens, page tensor ``(kv_heads, block_size,
-  2*head_dim)`` with K|V packed on the last dim; ``strides`` are element strides inside a page.
+  2*head_dim)``; ``strides`` are element strides inside a page. ``kv_format`` says how K and V sit
+  inside each head's ``block_size*2*head_dim`` elements (added by the connector; see
+  docs/CONNECTOR.md, "Attention page interior"):
+  ``"packed"``: token-major, K|V packed on the last dim (``strides`` apply);
+  ``"cpu_vec"``: vLLM's CPU backend, ISA vec/vec16: K as ``(head_dim, block_size)`` (transposed)
+  then V as ``(block_size, head_dim)``, both contiguous (vLLM views the page as
+  ``(kv_heads, 2*block_size, head_dim)`` and chunks dim 1; the K half is written transposed).
 * GDN layer: one page = conv bytes then recurrent ("temporal") bytes. Conv ``"SD"`` is
   ``(kernel-1, conv_dim)``, ``"DS"`` is ``(conv_dim, kernel-1)``; recurrent ``"HVK"`` is
   ``(v_heads, head_v_dim, head_k_dim)``, ``"HKV"`` is ``(v_heads, head_k_dim, head_v_dim)``.
@@ -42,6 +48,7 @@ LAYOUT_VERSION = 1
 # Bytes per element of every dtype a layout may name.
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
 CONV_LAYOUTS = ("SD", "DS")
+KV_FORMATS = ("packed", "cpu_vec")
 REC_LAYOUTS = ("HVK", "HKV")
 REGION_ALIGN = 256  # region offsets are aligned so page copies stay vectorisable on both ends
 
@@ -90,6 +97,7 @@ class AttentionLayout:
     shape: tuple[int, int, int]
     strides: tuple[int, int, int]  # element strides inside one page
     kind: str = "attention"
+    kv_format: str = "packed"  # one of KV_FORMATS
 
     @property
     def kv_heads(self) -> int:
@@ -229,8 +237,12 @@ def _dtype(x: Any, what: str) -> str:
 def _layer_from_wire(d: dict) -> LayerLayout:
     kind = d.get("kind")
     if kind == "attention":
+        kv_format = d.get("kv_format", "packed")
+        if kv_format not in KV_FORMATS:
+            raise ProtocolError(Reason.BAD_MESSAGE, f"layer {d.get('index')}: kv_format {kv_format!r} not in {KV_FORMATS}")
         layer = AttentionLayout(index=int(d["index"]), dtype=_dtype(d["dtype"], "dtype"),
-                                shape=_ints(d["shape"], 3, "shape"), strides=_ints(d["strides"], 3, "strides"))
+                                shape=_ints(d["shape"], 3, "shape"), strides=_ints(d["strides"], 3, "strides"),
+                                kv_format=kv_format)
         if layer.shape[2] % 2:
             raise ProtocolError(Reason.BAD_MESSAGE, f"layer {layer.index}: last dim must be 2*head_dim")
         return layer
