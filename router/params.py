@@ -1,0 +1,188 @@
+"""Validation of interactive requests and the body of the vLLM prefill leg.
+
+The interactive tier decodes one sequence with temperature/top-p/top-k sampling; every field it
+cannot honour is refused up front (501 for valid-but-unsupported, 400 for malformed), never
+silently ignored. Sampling defaults are resolved here once and sent identically to vLLM and the
+node, so both legs sample the same way (vLLM would otherwise apply the model's
+generation_config defaults to the first token only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import APIError
+
+# field -> predicate that is True when the value is the no-op default the tier can accept.
+_UNSUPPORTED = {
+    "n": lambda v: v in (None, 1),
+    "best_of": lambda v: v in (None, 1),
+    "logprobs": lambda v: v in (None, False),
+    "top_logprobs": lambda v: v in (None, 0),
+    "prompt_logprobs": lambda v: v is None,
+    "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v in (None, 1, 1.0),
+    "logit_bias": lambda v: not v,
+    "min_p": lambda v: v in (None, 0, 0.0),
+    "min_tokens": lambda v: v in (None, 0),
+    "use_beam_search": lambda v: not v,
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "structured_outputs": lambda v: v is None,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "echo": lambda v: not v,
+    "suffix": lambda v: v is None,
+    "bad_words": lambda v: not v,
+    "allowed_token_ids": lambda v: v is None,
+    "include_stop_str_in_output": lambda v: not v,
+    "skip_special_tokens": lambda v: v in (None, True),
+}
+
+# Fields the router owns on the prefill leg (replaced or handled router-side).
+_ROUTER_FIELDS = ("stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
+                  "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids",
+                  "return_token_ids", "kv_transfer_params")
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class GenParams:
+    kind: str                      # "chat" | "completion"
+    model: str | None
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None         # None: up to the context limit
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def sampling(self) -> dict:
+        """Sampling fields sent identically to both legs."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "seed": self.seed, "ignore_eos": self.ignore_eos,
+                "stop_token_ids": list(self.stop_token_ids)}
+
+
+def _bad(msg: str, param: str | None = None) -> APIError:
+    return APIError(400, msg, param=param)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def parse(body, kind: str, max_model_len: int | None) -> GenParams:
+    """Validate a chat/completions body for the interactive tier; raise APIError on refusal."""
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    if kind == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise _bad("'messages' must be a non-empty list of message objects", "messages")
+    else:
+        p = body.get("prompt")
+        if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+            if len(p) > 1:
+                raise APIError(501, "batched prompts are not supported on the interactive tier; "
+                                    "send one prompt per request", param="prompt")
+            p = p[0]
+        if not (isinstance(p, (str, list)) and p and (isinstance(p, str) or all(_is_int(t) for t in p))):
+            raise _bad("'prompt' must be a non-empty string or list of token ids", "prompt")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+
+    for name, ok in _UNSUPPORTED.items():
+        if name in body and not ok(body[name]):
+            raise APIError(501, f"'{name}'={body[name]!r} is not supported on the interactive "
+                                f"tier (send the request as class 'standard' instead)", param=name)
+
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not stream:
+            raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if not isinstance(so, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+        include_usage = so.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise _bad("'stream_options.include_usage' must be a boolean", "stream_options")
+
+    max_tokens = None
+    for name in ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",):
+        v = body.get(name)
+        if v is None:
+            continue
+        if not _is_int(v):
+            raise _bad(f"'{name}' must be an integer", name)
+        if v < 1:
+            raise _bad(f"'{name}' must be at least 1, got {v}", name)
+        if max_model_len is not None and v > max_model_len:
+            raise _bad(f"'{name}'={v} exceeds the model's maximum context length "
+                       f"({max_model_len} tokens)", name)
+        max_tokens = v
+        break
+
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise _bad("'stop' must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _bad(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+
+    stop_ids = body.get("stop_token_ids") or []
+    if not (isinstance(stop_ids, list) and all(_is_int(t) and t >= 0 for t in stop_ids)):
+        raise _bad("'stop_token_ids' must be a list of non-negative integers", "stop_token_ids")
+
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else temperature
+    if not _is_num(temperature) or temperature < 0:
+        raise _bad("'temperature' must be a number >= 0", "temperature")
+    top_p = body.get("top_p")
+    top_p = 1.0 if top_p is None else top_p
+    if not _is_num(top_p) or not 0 < top_p <= 1:
+        raise _bad("'top_p' must be a number in (0, 1]", "top_p")
+    top_k = body.get("top_k")
+    top_k = 0 if top_k in (None, -1) else top_k
+    if not _is_int(top_k) or top_k < 0:
+        raise _bad("'top_k' must be an integer: 0 or -1 (disabled) or >= 1", "top_k")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise _bad("'seed' must be an integer", "seed")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+
+    return GenParams(kind=kind, model=model, stream=stream, include_usage=include_usage,
+                     max_tokens=max_tokens, stop=stop, stop_token_ids=stop_ids,
+                     temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
+                     ignore_eos=ignore_eos)
+
+
+def prefill_body(body: dict, params: GenParams, model: str, kv_params: dict) -> dict:
+    """The client's body rewritten for the vLLM leg: one token, non-streaming, token ids back."""
+    out = {k: v for k, v in body.items() if k not in _ROUTER_FIELDS}
+    out.update(params.sampling())
+    out.update(model=model, max_tokens=1, stream=False, return_token_ids=True,
+               kv_transfer_params={"nexrt": kv_params})
+    return out

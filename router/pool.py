@@ -1,0 +1,160 @@
+"""Decode-node pool: hard limit of one request in flight per node, bounded FIFO of waiters,
+ejection on failure and re-admission by active health checks.
+
+A slot is owned from `acquire()` until `release()`; the router releases only when the client's
+stream has ended and the node has acknowledged any cancel, so there are no phantom free slots.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+
+log = logging.getLogger("nexrt.router.pool")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class QueueTimeout(Exception):
+    pass
+
+
+class NoHealthyNode(Exception):
+    pass
+
+
+class Node:
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.healthy = False          # until the first health check or a successful request
+        self.busy = False             # held by a router request
+        self.caps: dict = {}
+        self.failures = 0
+        self.down_reason = "not checked yet"
+
+    def __repr__(self) -> str:
+        return f"Node({self.url}, healthy={self.healthy}, busy={self.busy})"
+
+
+class NodePool:
+    def __init__(self, urls: list[str], queue_size: int, queue_timeout: float):
+        if not urls:
+            raise ValueError("at least one decode node URL is required")
+        self.nodes = [Node(u) for u in urls]
+        self.queue_size = queue_size
+        self.queue_timeout = queue_timeout
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._next = 0                # round-robin start, so idle nodes share the load
+        self._service_ewma: float | None = None
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def busy_count(self) -> int:
+        return sum(n.busy for n in self.nodes)
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(not f.done() for f in self._waiters)
+
+    @property
+    def healthy_count(self) -> int:
+        return sum(n.healthy for n in self.nodes)
+
+    def retry_after(self) -> int:
+        """Seconds a rejected client should wait: queue ahead of it × mean service time."""
+        per = self._service_ewma or 1.0
+        ahead = self.queue_depth + 1
+        return max(1, min(60, math.ceil(per * ahead / max(1, self.healthy_count))))
+
+    def record_service_time(self, seconds: float) -> None:
+        self._service_ewma = seconds if self._service_ewma is None else \
+            0.8 * self._service_ewma + 0.2 * seconds
+
+    # -- acquire / release -------------------------------------------------------------------
+    def _take_free(self) -> Node | None:
+        n = len(self.nodes)
+        for i in range(n):
+            node = self.nodes[(self._next + i) % n]
+            if node.healthy and not node.busy:
+                self._next = (self._next + i + 1) % n
+                node.busy = True
+                return node
+        return None
+
+    async def acquire(self, deadline: float | None = None) -> Node:
+        """A free healthy node, waiting FIFO until `deadline` (monotonic) if all are busy."""
+        if not self.queue_depth:
+            node = self._take_free()
+            if node is not None:
+                return node
+        if not self.healthy_count:
+            raise NoHealthyNode()
+        if self.queue_depth >= self.queue_size:
+            raise QueueFull()
+        if deadline is None:
+            deadline = time.monotonic() + self.queue_timeout
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            async with asyncio.timeout_at(_loop_time(deadline)):
+                return await fut
+        except BaseException as e:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # Handed a node in the same tick we timed out or were cancelled: give it back.
+                self.release(fut.result())
+            fut.cancel()
+            if isinstance(e, TimeoutError):
+                raise QueueTimeout() from None
+            raise
+        finally:
+            try:
+                self._waiters.remove(fut)
+            except ValueError:
+                pass
+
+    def release(self, node: Node) -> None:
+        assert node.busy, f"double release of {node}"
+        node.busy = False
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._waiters:
+            if self._waiters[0].done():
+                self._waiters.popleft()
+                continue
+            node = self._take_free()
+            if node is None:
+                return
+            self._waiters.popleft().set_result(node)
+
+    # -- health ------------------------------------------------------------------------------
+    def mark_down(self, node: Node, reason: str) -> None:
+        if node.healthy:
+            log.warning("ejecting decode node %s: %s", node.url, reason)
+        node.healthy = False
+        node.down_reason = reason
+        if not self.healthy_count:
+            # Nobody can serve the queue any more: fail the waiters now rather than at timeout.
+            while self._waiters:
+                f = self._waiters.popleft()
+                if not f.done():
+                    f.set_exception(NoHealthyNode())
+
+    def mark_up(self, node: Node, caps: dict) -> None:
+        if not node.healthy:
+            log.info("decode node %s is healthy", node.url)
+        node.healthy = True
+        node.failures = 0
+        node.down_reason = ""
+        node.caps = caps
+        self._dispatch()
+
+
+def _loop_time(monotonic_deadline: float) -> float:
+    # asyncio's clock is time.monotonic() on every platform we run on, but convert explicitly.
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_deadline - time.monotonic())

@@ -1,0 +1,111 @@
+"""HTTP clients for the two upstream legs: the vLLM prefill server and the decode nodes
+(contract: docs/ARCHITECTURE.md §2). Every call has a timeout; failures become typed errors."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+
+from .errors import APIError
+
+
+class NodeError(Exception):
+    """The node is unreachable or misbehaved (transport-level): eject it."""
+
+
+class NodeBusy(Exception):
+    """The node refused admission (409): it holds a request this router does not own."""
+
+
+class NodeClient:
+    def __init__(self, session: aiohttp.ClientSession, admit_timeout: float, read_timeout: float):
+        self.session = session
+        self.admit_timeout = aiohttp.ClientTimeout(total=admit_timeout)
+        # The first line may take a whole KV hand-off; later lines one decode step each.
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=admit_timeout,
+                                                    sock_read=read_timeout)
+
+    async def admit(self, url: str, rid: str) -> dict:
+        try:
+            async with self.session.post(f"{url}/v1/admit", json={"rid": rid},
+                                         timeout=self.admit_timeout) as r:
+                body = await r.json(content_type=None)
+                if r.status == 200:
+                    return body
+                err = (body or {}).get("error", {}) if isinstance(body, dict) else {}
+                if r.status == 409:
+                    raise NodeBusy(err.get("type") or "busy")
+                raise NodeError(f"admit answered {r.status}: {err.get('message') or body}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+            raise NodeError(f"admit failed: {type(e).__name__}: {e}") from None
+
+    async def generate(self, url: str, req: dict) -> AsyncIterator[dict]:
+        """Yields the node's NDJSON lines; raises NodeError if the stream breaks off."""
+        try:
+            async with self.session.post(f"{url}/v1/generate", json=req,
+                                         timeout=self.stream_timeout) as r:
+                if r.status != 200:
+                    text = await r.text()
+                    raise NodeError(f"generate answered {r.status}: {text[:500]}")
+                while True:
+                    line = await r.content.readline()
+                    if not line:
+                        raise NodeError("decode stream ended without a final line")
+                    if not line.strip():
+                        continue
+                    msg = json.loads(line)
+                    yield msg
+                    if "finish_reason" in msg:
+                        return
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+            raise NodeError(f"decode stream failed: {type(e).__name__}: {e}") from None
+
+    async def cancel(self, url: str, rid: str) -> None:
+        try:
+            async with self.session.post(f"{url}/v1/cancel", json={"rid": rid},
+                                         timeout=self.admit_timeout) as r:
+                await r.read()
+                # 404: the node already forgot the rid (finished or aged out): nothing to cancel.
+                if r.status not in (200, 404):
+                    raise NodeError(f"cancel answered {r.status}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise NodeError(f"cancel failed: {type(e).__name__}: {e}") from None
+
+    async def probe(self, url: str, timeout: float) -> dict:
+        """GET /health then /capabilities; returns the capabilities."""
+        t = aiohttp.ClientTimeout(total=timeout)
+        async with self.session.get(f"{url}/health", timeout=t) as r:
+            await r.read()
+            if r.status != 200:
+                raise NodeError(f"/health answered {r.status}")
+        async with self.session.get(f"{url}/capabilities", timeout=t) as r:
+            if r.status != 200:
+                raise NodeError(f"/capabilities answered {r.status}")
+            return await r.json(content_type=None)
+
+
+async def vllm_prefill(session: aiohttp.ClientSession, url: str, body: dict,
+                       timeout: float) -> dict:
+    """The one-token vLLM leg. Upstream 4xx are passed through with vLLM's own message."""
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            data = await r.json(content_type=None)
+    except asyncio.TimeoutError:
+        raise APIError(504, f"vLLM prefill timed out after {timeout:g}s") from None
+    except (aiohttp.ClientError, json.JSONDecodeError) as e:
+        raise APIError(502, f"vLLM prefill failed: {type(e).__name__}: {e}") from None
+    if r.status != 200:
+        msg = data.get("error", {}).get("message") if isinstance(data, dict) else None
+        status = r.status if 400 <= r.status < 500 else 502
+        raise APIError(status, f"vLLM: {msg or data}")
+    try:
+        choice = data["choices"][0]
+        first = int(choice["token_ids"][0])
+        return {"first_token": first, "finish_reason": choice.get("finish_reason"),
+                "prompt_token_ids": list(data.get("prompt_token_ids") or []),
+                "prompt_tokens": int(data["usage"]["prompt_tokens"])}
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise APIError(502, "vLLM prefill response lacks token ids (is it vLLM >= 0.10 with "
+                            "return_token_ids support?)") from None
