@@ -67,6 +67,7 @@ class Reason(str, Enum):
     DUPLICATE_DONE = "duplicate_done"  # second done for one admission
     SIZE_MISMATCH = "size_mismatch"  # done.nbytes / seq_len disagree with begin
     BUSY = "busy"
+    CANCELLING = "cancelling"  # the previous request is still stopping
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
     TRANSFER_FAILED = "transfer_failed"
@@ -109,7 +110,7 @@ class AttentionLayout:
 
     @property
     def page_bytes(self) -> int:
-        return _span_elems(self.shape, self.strides) * DTYPE_SIZES[self.dtype]
+        return span_elems(self.shape, self.strides) * DTYPE_SIZES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -129,11 +130,11 @@ class GDNLayout:
 
     @property
     def conv_bytes(self) -> int:
-        return _span_elems(self.conv_shape, self.conv_strides) * DTYPE_SIZES[self.conv_dtype]
+        return span_elems(self.conv_shape, self.conv_strides) * DTYPE_SIZES[self.conv_dtype]
 
     @property
     def rec_bytes(self) -> int:
-        return _span_elems(self.rec_shape, self.rec_strides) * DTYPE_SIZES[self.rec_dtype]
+        return span_elems(self.rec_shape, self.rec_strides) * DTYPE_SIZES[self.rec_dtype]
 
     @property
     def page_bytes(self) -> int:
@@ -201,18 +202,18 @@ class Layout:
             n = pages if layer.kind == "attention" else 1
             out.append(Region(layer=layer.index, kind=layer.kind, offset=off,
                               page_bytes=layer.page_bytes, num_pages=n))
-            off = _align(off + n * layer.page_bytes)
+            off = align_up(off + n * layer.page_bytes)
         return out
 
 
-def _span_elems(shape, strides) -> int:
+def span_elems(shape, strides) -> int:
     """Elements spanned by a strided tensor (max offset + 1); 0 for an empty one."""
     if any(s <= 0 for s in shape):
         return 0
     return 1 + sum((n - 1) * st for n, st in zip(shape, strides))
 
 
-def _align(n: int) -> int:
+def align_up(n: int) -> int:
     return -(-n // REGION_ALIGN) * REGION_ALIGN
 
 
@@ -408,5 +409,5 @@ def region_dicts(regions: list[Region]) -> list[dict]:
 __all__ = [
     "PROTOCOL_VERSION", "LAYOUT_VERSION", "DTYPE_SIZES", "Reason", "ProtocolError", "AttentionLayout", "GDNLayout",
     "Layout", "Region", "Hello", "HelloOk", "Refuse", "Begin", "Accept", "Reject", "Done", "Abort", "Ack", "Error",
-    "encode", "decode", "region_dicts",
+    "encode", "decode", "region_dicts", "span_elems", "align_up",
 ]

@@ -1,0 +1,1 @@
+"""NexRT decode node (`nexrt-decode`): receive the hand-off, convert, decode, stream."""
