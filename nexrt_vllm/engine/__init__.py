@@ -1,0 +1,17 @@
+"""NexRT reference engine (CPU-correct; the GPU path builds on its per-layer functions).
+
+    from nexrt_vllm.engine import Engine, SamplingParams
+    eng = Engine.from_pretrained(path, device="cpu", dtype=None, max_seq_len=4096)
+
+Importing this package imports torch; `import nexrt_vllm` alone does not.
+"""
+from .config import ModelConfig
+from .engine import Engine
+from .errors import ConfigError, EngineError, InputError, SamplingParamsError, StateError, WeightsError
+from .sampling import Sampler, SamplingParams, sampling_probs
+from .state import DecodeState
+
+__all__ = [
+    "ConfigError", "DecodeState", "Engine", "EngineError", "InputError", "ModelConfig", "Sampler",
+    "SamplingParams", "SamplingParamsError", "StateError", "WeightsError", "sampling_probs",
+]

@@ -1,0 +1,141 @@
+"""Engine: one model + one DecodeState, batch 1 (docs/ARCHITECTURE.md §1)."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .config import ModelConfig
+from .errors import ConfigError, InputError, StateError
+from .model import Model
+from .sampling import Sampler, SamplingParams
+from .state import DecodeState
+from .weights import load_checkpoint, random_weights
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_dtype(dtype, cfg: ModelConfig) -> torch.dtype:
+    if dtype is None:
+        return _DTYPES[cfg.dtype]
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype.replace("torch.", ""), dtype)
+    if dtype not in _DTYPES.values():
+        raise ConfigError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    return dtype
+
+
+class Engine:
+    """Prefill, decode and sample for one request at a time.
+
+    `finish_reason` is set when `generate` / `stream` end: "stop" (EOS or a stop id) or "length"
+    (max tokens or a full context).
+    """
+
+    def __init__(self, config: ModelConfig, model: Model, max_seq_len: int):
+        self.config = config
+        self.model = model
+        self.device, self.dtype = model.device, model.dtype
+        self.state = DecodeState(config, max_seq_len, model.dtype, model.device)
+        self.finish_reason: str | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, device: str | torch.device = "cpu", dtype=None,
+                        max_seq_len: int = 4096, progress: bool = True) -> "Engine":
+        cfg = ModelConfig.from_pretrained(path)
+        dt = _resolve_dtype(dtype, cfg)
+        tensors, mtp = load_checkpoint(path, cfg, dt, device, progress=progress)
+        return cls(cfg, Model(cfg, tensors, max_seq_len, mtp=mtp), max_seq_len)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig | dict, device: str | torch.device = "cpu", dtype=None,
+                    max_seq_len: int = 4096, seed: int = 0) -> "Engine":
+        """Random weights (std 0.02) made directly on `device`: for benchmarks at real shapes."""
+        cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
+        dt = _resolve_dtype(dtype, cfg)
+        return cls(cfg, Model(cfg, random_weights(cfg, dt, device, seed), max_seq_len), max_seq_len)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.state.max_seq_len
+
+    # ---- the two passes -------------------------------------------------------------------------
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InputError(f"{what}: token ids must be ints in [0, {self.config.vocab_size}), got {bad[:8]}")
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """Reset the state and run the prompt; returns the fp32 logits [vocab] after its last token."""
+        ids = list(ids)
+        if not ids:
+            raise InputError("prompt is empty")
+        if len(ids) > self.max_seq_len:
+            raise InputError(f"prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}")
+        self._check_ids(ids, "prompt")
+        self.state.reset()
+        logits = self.model.prefill(torch.tensor(ids, dtype=torch.long, device=self.device), self.state)
+        self.state.set_seq_len(len(ids))
+        return logits
+
+    def decode_step(self, token: int) -> torch.Tensor:
+        """Run `token` at position seq_len; seq_len += 1. Returns fp32 logits [vocab]."""
+        self._check_ids([token], "decode_step")
+        if self.state.seq_len == 0:
+            raise StateError("decode_step before prefill/import_state: the state is empty")
+        if self.state.seq_len >= self.max_seq_len:
+            raise StateError(f"context is full ({self.max_seq_len} tokens)")
+        logits = self.model.decode(torch.tensor([token], dtype=torch.long, device=self.device), self.state)
+        self.state.seq_len += 1
+        return logits
+
+    # ---- generation -----------------------------------------------------------------------------
+    def _stops(self, token: int, params: SamplingParams) -> bool:
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids)
+
+    def stream(self, first_token: int, params: SamplingParams) -> Iterator[int]:
+        """Continue a request whose state holds N tokens and whose token N is `first_token` (already
+        emitted by the caller). Yields the following tokens until EOS / a stop id (yielded too) /
+        max_tokens (which counts first_token, so at most max_tokens-1 are yielded) / a full context."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        self._check_ids([first_token], "first_token")
+        if self.state.seq_len == 0:
+            raise StateError("stream before prefill/import_state: the state is empty")
+        self.finish_reason = None
+        sampler = Sampler(params, self.device)
+        token, produced = first_token, 1
+        if self._stops(token, params):
+            self.finish_reason = "stop"
+            return
+        while produced < params.max_tokens:
+            if self.state.seq_len >= self.max_seq_len:
+                break
+            token = sampler(self.decode_step(token))
+            produced += 1
+            yield token
+            if self._stops(token, params):
+                self.finish_reason = "stop"
+                return
+        self.finish_reason = "length"
+
+    def generate(self, prompt_token_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
+                 stop_token_ids: Sequence[int] | None = None) -> list[int]:
+        """Prefill + sample + decode; returns the new tokens only (stop/EOS token included).
+
+        The first token is drawn with a sampler seeded by `seed`; the rest come from `stream`, which
+        seeds its own - exactly what a hand-off does, so generate == prefill + first token + stream."""
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, ignore_eos=ignore_eos, stop_token_ids=tuple(stop_token_ids or ()))
+        first = Sampler(params, self.device)(self.prefill(prompt_token_ids))
+        return [first, *self.stream(first, params)]
+
+    # ---- hand-off -------------------------------------------------------------------------------
+    def export_state(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(seq_len, copies of the native state tensors, K/V trimmed to seq_len rows)."""
+        return self.state.export()
+
+    def import_state(self, seq_len: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Load a state in the native layout (validated: names, shapes, dtypes; StateError otherwise)."""
+        self.state.load(seq_len, tensors)

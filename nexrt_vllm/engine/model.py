@@ -1,0 +1,470 @@
+"""The Qwen3.5 / Qwen3-Next decoder in plain torch: the CPU reference (oracle) of the engine.
+
+Every function mirrors the op order and precision of transformers 5 (modeling_qwen3_next.py,
+modeling_qwen3_5.py, modeling_qwen3_5_moe.py, eager attention and eager experts), so that bf16
+logits match bit for bit where the same kernels run: fp32 for norms, softmax, the router, the gated
+delta rule; the model dtype elsewhere.
+
+Two paths per layer:
+- `*_prefill(x[T, H], ...)`: a whole prompt from an empty state (chunked gated delta rule, as HF's
+  prefill); may sync with the host.
+- `*_decode(x[1, H], ...)`: one token; static shapes, in-place state updates, the position read from a
+  device tensor, no host syncs - so the GPU path can capture a whole step in one CUDA graph and swap
+  any of these functions for a fused kernel.
+
+Weights are plain tensors in small per-layer objects (`AttentionWeights`, `GDNWeights`, `MLPWeights`,
+`MoEWeights`); `Model.layers[i]` holds layer i's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .state import DecodeState
+
+# ---------------------------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionWeights:
+    q_proj: torch.Tensor  # [2*num_heads*head_dim, H]: per head, query rows then gate rows
+    k_proj: torch.Tensor
+    v_proj: torch.Tensor
+    o_proj: torch.Tensor
+    q_norm: torch.Tensor  # zero-centred RMSNorm weights over head_dim
+    k_norm: torch.Tensor
+
+
+@dataclass
+class GDNWeights:
+    # Qwen3.5: in_proj_qkv [conv_dim, H], in_proj_z [value_dim, H], in_proj_b / in_proj_a [nv, H].
+    # Qwen3-Next: in_proj_qkvz [2*key_dim + 2*value_dim, H] and in_proj_ba [2*nv, H], both grouped
+    # per key head (see `gdn_in_proj`). The other family's fields are None.
+    conv1d: torch.Tensor  # [conv_dim, kernel]
+    dt_bias: torch.Tensor  # [nv]
+    A_log: torch.Tensor  # [nv]
+    norm: torch.Tensor  # gated RMSNorm weight [head_v_dim] (plain, not zero-centred)
+    out_proj: torch.Tensor  # [H, value_dim]
+    in_proj_qkv: torch.Tensor | None = None
+    in_proj_z: torch.Tensor | None = None
+    in_proj_b: torch.Tensor | None = None
+    in_proj_a: torch.Tensor | None = None
+    in_proj_qkvz: torch.Tensor | None = None
+    in_proj_ba: torch.Tensor | None = None
+
+
+@dataclass
+class MLPWeights:
+    gate_proj: torch.Tensor
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+
+@dataclass
+class MoEWeights:
+    router: torch.Tensor  # [E, H]
+    gate_up_proj: torch.Tensor  # [E, 2I, H]: gate rows then up rows
+    down_proj: torch.Tensor  # [E, H, I]
+    shared: MLPWeights
+    shared_gate: torch.Tensor  # [1, H]
+
+
+@dataclass
+class LayerWeights:
+    kind: str  # "full_attention" | "linear_attention"
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    mixer: AttentionWeights | GDNWeights
+    ffn: MLPWeights | MoEWeights
+
+
+# ---------------------------------------------------------------------------------------------
+# shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm of the family: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm: rms(x) * w * SiLU(gate); w is plain (not zero-centred), applied in model dtype."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    h = h * F.silu(gate.float())
+    return h.to(dtype)
+
+
+def rope_tables(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_len, rotary_dim] for positions 0..max_len-1 (NeoX layout: halves concatenated)."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    freqs = torch.arange(max_len, dtype=torch.long).float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial NeoX RoPE on the first rotary_dim channels of x [..., T, head_dim]; cos/sin [T, rotary_dim]."""
+    rd = cos.shape[-1]
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    rotated = torch.cat((-x_rot[..., rd // 2:], x_rot[..., : rd // 2]), dim=-1)
+    return torch.cat(((x_rot * cos) + (rotated * sin), x_pass), dim=-1)
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[kv_heads, S, d] -> [kv_heads * n_rep, S, d], each kv head repeated n_rep times in place."""
+    if n_rep == 1:
+        return x
+    kv, s, d = x.shape
+    return x[:, None].expand(kv, n_rep, s, d).reshape(kv * n_rep, s, d)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Eager attention. q [nH, Tq, d]; k, v [nKV, S, d]; visible [Tq, S] bool. Returns [Tq, nH*d]."""
+    n_rep = q.shape[0] // k.shape[0]
+    k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scaling
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v)  # [nH, Tq, d]
+    return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# gated full attention
+# ---------------------------------------------------------------------------------------------
+
+
+def _attn_qkv(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [nH, T, d], k/v [nKV, T, d] (normed, rotated) and the output gate [T, nH*d]."""
+    T, d, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
+    q, gate = torch.chunk(F.linear(x, w.q_proj).view(T, -1, 2 * d), 2, dim=-1)
+    gate = gate.reshape(T, -1)
+    q = rms_norm(q, w.q_norm, eps).transpose(0, 1)
+    k = rms_norm(F.linear(x, w.k_proj).view(T, -1, d), w.k_norm, eps).transpose(0, 1)
+    v = F.linear(x, w.v_proj).view(T, -1, d).transpose(0, 1)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+
+def attention_prefill(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """Causal attention over a prompt x [T, H] at positions 0..T-1; writes K/V rows 0..T-1."""
+    T = x.shape[0]
+    q, k, v, gate = _attn_qkv(w, cfg, x, cos[:T], sin[:T])
+    k_cache[:, :T].copy_(k)
+    v_cache[:, :T].copy_(v)
+    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    out = _attend(q, k, v, causal, cfg.head_dim ** -0.5)
+    return F.linear(out * torch.sigmoid(gate), w.o_proj)
+
+
+def attention_decode(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
+                     visible: torch.Tensor) -> torch.Tensor:
+    """One token x [1, H] at `position` (int64 [1], device); cos/sin [1, rotary_dim] for it; visible
+    [1, max_seq_len] marks rows <= position. Writes the token's K/V row, attends over the whole buffer."""
+    q, k, v, gate = _attn_qkv(w, cfg, x, cos, sin)
+    k_cache.index_copy_(1, position, k)
+    v_cache.index_copy_(1, position, v)
+    out = _attend(q, k_cache, v_cache, visible, cfg.head_dim ** -0.5)
+    return F.linear(out * torch.sigmoid(gate), w.o_proj)
+
+
+# ---------------------------------------------------------------------------------------------
+# gated delta net (linear attention)
+# ---------------------------------------------------------------------------------------------
+
+
+def gdn_in_proj(w: GDNWeights, cfg: ModelConfig, x: torch.Tensor):
+    """x [T, H] -> mixed_qkv [T, conv_dim] (q|k|v), z [T, nv, dv], b [T, nv], a [T, nv]."""
+    T, nk, nv, dk, dv = x.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads, \
+        cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    if w.in_proj_qkvz is None:  # Qwen3.5: separate projections
+        z = F.linear(x, w.in_proj_z).reshape(T, nv, dv)
+        return F.linear(x, w.in_proj_qkv), z, F.linear(x, w.in_proj_b), F.linear(x, w.in_proj_a)
+    # Qwen3-Next: per key head g the fused rows are [q_g | k_g | v_g (nv/nk heads) | z_g (nv/nk heads)]
+    # and [b_g (nv/nk) | a_g (nv/nk)] (fix_query_key_value_ordering in modeling_qwen3_next.py).
+    r = nv // nk
+    qkvz = F.linear(x, w.in_proj_qkvz).view(T, nk, 2 * dk + 2 * r * dv)
+    ba = F.linear(x, w.in_proj_ba).view(T, nk, 2 * r)
+    q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=2)
+    b, a = torch.split(ba, [r, r], dim=2)
+    mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
+    return mixed, z.reshape(T, nv, dv), b.reshape(T, nv), a.reshape(T, nv)
+
+
+def _gdn_gates(w: GDNWeights, b: torch.Tensor, a: torch.Tensor):
+    """beta = sigmoid(b) (model dtype); g = -exp(A_log) * softplus(a + dt_bias) (fp32, log decay)."""
+    return b.sigmoid(), -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias)
+
+
+def _split_heads(mixed: torch.Tensor, cfg: ModelConfig):
+    """conv output [T, conv_dim] -> q, k [T, nv, dk] (key heads repeated to value heads), v [T, nv, dv]."""
+    T = mixed.shape[0]
+    q, k, v = torch.split(mixed, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+    q = q.reshape(T, -1, cfg.linear_key_head_dim)
+    k = k.reshape(T, -1, cfg.linear_key_head_dim)
+    v = v.reshape(T, -1, cfg.linear_value_head_dim)
+    r = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    if r > 1:
+        q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+    return q, k, v
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, chunk_size: int = 64):
+    """The gated delta rule over a prompt from a zero state, chunk by chunk (HF's
+    torch_chunk_gated_delta_rule). q, k [T, h, dk], v [T, h, dv], g, beta [T, h].
+    Returns (out [T, h, dv] in q's dtype, final state [h, dk, dv] fp32)."""
+    dtype = q.dtype
+    T = q.shape[0]
+    q, k, v, beta, g = [x.transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
+                        for x in (q, k, v, beta, g)]
+    q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    pad = (chunk_size - T % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    h, dk, dv = q.shape[0], q.shape[-1], v.shape[-1]
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = [x.reshape(h, -1, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta)]
+    g = g.reshape(h, -1, chunk_size)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(dim=-1)
+    # decay between positions j <= i of a chunk: exp(cum_i - cum_j)
+    pair = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pair
+    intra = (q @ k.transpose(-1, -2)) * pair
+    decayed_k_beta = k_beta * cum.exp().unsqueeze(-1)
+    # UT transform: condenses the chunk's delta-rule updates into matmuls
+    new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut, decayed_k_beta, upper=False, unitriangular=True)
+    state = torch.zeros(h, dk, dv, dtype=torch.float32, device=q.device)
+    out = torch.zeros_like(new_v)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    for i in range(q.shape[1]):
+        v_new = new_v[:, i] - k_cumdecay[:, i] @ state
+        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(h, -1, dv)[:, :T]
+    return out.transpose(0, 1).to(dtype, memory_format=torch.contiguous_format), state
+
+
+def recurrent_gated_delta_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule, updating `state` [h, dk, dv] (fp32) in place.
+    q, k [h, dk]; v [h, dv]; g, beta [h]. Returns out [h, dv] in q's dtype:
+    S = exp(g) S;  delta = beta (v - S^T k);  S += k delta^T;  o = S^T q."""
+    dtype = q.dtype
+    q, k, v, beta, g = (x.to(torch.float32) for x in (q, k, v, beta, g))
+    q, k = l2norm(q), l2norm(k)
+    q = q / (q.shape[-1] ** 0.5)
+    state.mul_(g.exp()[:, None, None])
+    kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    state.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
+    return (state * q.unsqueeze(-1)).sum(dim=-2).to(dtype)
+
+
+def _gdn_out(w: GDNWeights, cfg: ModelConfig, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """core, z [T, nv, dv] -> gated norm per head -> out_proj -> [T, H]."""
+    T, dv = core.shape[0], cfg.linear_value_head_dim
+    o = gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), w.norm, cfg.rms_norm_eps)
+    return F.linear(o.reshape(T, -1), w.out_proj)
+
+
+def gdn_prefill(w: GDNWeights, cfg: ModelConfig, x: torch.Tensor, conv_state: torch.Tensor,
+                rec_state: torch.Tensor) -> torch.Tensor:
+    """A prompt x [T, H] from an empty state; leaves the conv window and recurrent state behind."""
+    T, km1 = x.shape[0], cfg.conv_kernel - 1
+    mixed, z, b, a = gdn_in_proj(w, cfg, x)
+    cols = mixed.transpose(0, 1)  # [conv_dim, T]
+    # conv state: the last kernel-1 inputs, left-padded with zeros for short prompts
+    n = min(T, km1)
+    conv_state.zero_()
+    conv_state[:, km1 - n:].copy_(cols[:, T - n:])
+    conv = F.conv1d(cols.unsqueeze(0).to(w.conv1d.dtype), w.conv1d.unsqueeze(1), padding=km1,
+                    groups=cfg.conv_dim)[..., :T]
+    mixed = F.silu(conv).to(x.dtype)[0].transpose(0, 1)
+    q, k, v = _split_heads(mixed, cfg)
+    beta, g = _gdn_gates(w, b, a)
+    core, final = chunk_gated_delta_rule(q, k, v, g, beta)
+    rec_state.copy_(final)
+    return _gdn_out(w, cfg, core, z)
+
+
+def gdn_decode(w: GDNWeights, cfg: ModelConfig, x: torch.Tensor, conv_state: torch.Tensor,
+               rec_state: torch.Tensor) -> torch.Tensor:
+    """One token x [1, H]; updates conv_state [conv_dim, kernel-1] and rec_state in place."""
+    mixed, z, b, a = gdn_in_proj(w, cfg, x)
+    window = torch.cat((conv_state, mixed.transpose(0, 1)), dim=-1).to(w.conv1d.dtype)  # [conv_dim, kernel]
+    conv_state.copy_(window[:, 1:])
+    conv = F.conv1d(window.unsqueeze(0), w.conv1d.unsqueeze(1), groups=cfg.conv_dim)  # [1, conv_dim, 1]
+    mixed = F.silu(conv).to(x.dtype)[0].transpose(0, 1)
+    q, k, v = _split_heads(mixed, cfg)
+    beta, g = _gdn_gates(w, b, a)
+    core = recurrent_gated_delta_step(q[0], k[0], v[0], g[0], beta[0], rec_state)
+    return _gdn_out(w, cfg, core.unsqueeze(0), z)
+
+
+# ---------------------------------------------------------------------------------------------
+# feed-forward
+# ---------------------------------------------------------------------------------------------
+
+
+def mlp(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
+
+
+def _route(w: MoEWeights, cfg: ModelConfig, x: torch.Tensor):
+    """Softmax over all experts (fp32), top-k, renormalised; weights back in the model dtype."""
+    logits = F.linear(x, w.router)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w.to(logits.dtype), top_i
+
+
+def _expert(w: MoEWeights, e, x: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, w.gate_up_proj[e]).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w.down_proj[e])
+
+
+def _shared_expert(w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(F.linear(x, w.shared_gate)) * mlp(w.shared, x)
+
+
+def moe_prefill(w: MoEWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    """x [T, H]: each hit expert runs once on its tokens; outputs summed in expert order (HF's eager
+    experts), which fixes the bf16 rounding of the sum."""
+    shared = _shared_expert(w, x)
+    top_w, top_i = _route(w, cfg, x)
+    out = torch.zeros_like(x)
+    for e in torch.unique(top_i).tolist():
+        slot, tok = torch.where(top_i.t() == e)  # slot-major, as HF orders the rows
+        y = _expert(w, e, x[tok]) * top_w[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out + shared
+
+
+def moe_decode(w: MoEWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    """x [1, H]: the top-k experts chosen on the device (no host sync), summed in ascending expert
+    order like `moe_prefill`."""
+    shared = _shared_expert(w, x)
+    top_w, top_i = _route(w, cfg, x)
+    top_i, order = torch.sort(top_i[0])
+    top_w = top_w[0, order]
+    out = torch.zeros_like(x)
+    for j in range(cfg.num_experts_per_tok):
+        out = out + _expert(w, top_i[j], x) * top_w[j]
+    return out + shared
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------------
+
+
+class Model:
+    """Weights + the prefill / decode passes over a DecodeState."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_seq_len: int,
+                 mtp: dict[str, torch.Tensor] | None = None):
+        self.config = cfg
+        t = tensors
+        self.embed = t["embed_tokens.weight"]
+        self.final_norm = t["norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.mtp = mtp or {}  # multi-token-prediction head: loaded, not used yet
+        self.layers: list[LayerWeights] = []
+        for i, kind in enumerate(cfg.layer_types):
+            p = f"layers.{i}."
+            if kind == "full_attention":
+                a = p + "self_attn."
+                mixer = AttentionWeights(*(t[a + n + ".weight"] for n in
+                                           ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")))
+            else:
+                g = p + "linear_attn."
+                proj = ("in_proj_qkvz", "in_proj_ba") if cfg.family == "qwen3_next" else \
+                    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+                mixer = GDNWeights(conv1d=t[g + "conv1d.weight"].squeeze(1), dt_bias=t[g + "dt_bias"],
+                                   A_log=t[g + "A_log"], norm=t[g + "norm.weight"],
+                                   out_proj=t[g + "out_proj.weight"], **{n: t[g + n + ".weight"] for n in proj})
+            m = p + "mlp."
+            if cfg.is_moe_layer(i):
+                s = m + "shared_expert."
+                ffn = MoEWeights(router=t[m + "gate.weight"], gate_up_proj=t[m + "experts.gate_up_proj"],
+                                 down_proj=t[m + "experts.down_proj"],
+                                 shared=MLPWeights(*(t[s + n + ".weight"] for n in ("gate_proj", "up_proj", "down_proj"))),
+                                 shared_gate=t[m + "shared_expert_gate.weight"])
+            else:
+                ffn = MLPWeights(*(t[m + n + ".weight"] for n in ("gate_proj", "up_proj", "down_proj")))
+            self.layers.append(LayerWeights(kind, t[p + "input_layernorm.weight"],
+                                            t[p + "post_attention_layernorm.weight"], mixer, ffn))
+        self.rope_cos, self.rope_sin = rope_tables(cfg, max_seq_len, self.dtype, self.device)
+        self.kv_index = torch.arange(max_seq_len, device=self.device)
+
+    def ffn(self, i: int, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        w = self.layers[i].ffn
+        if isinstance(w, MoEWeights):
+            return (moe_decode if decode else moe_prefill)(w, self.config, x)
+        return mlp(w, x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on the last row of h [T, H] -> fp32 [vocab]."""
+        h = rms_norm(h[-1:], self.final_norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head)[0].float()
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """ids int64 [T] on the device, state freshly reset. Fills the state; returns the last logits."""
+        cfg, eps = self.config, self.config.rms_norm_eps
+        h = F.embedding(ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, eps)
+            if layer.kind == "full_attention":
+                x = attention_prefill(layer.mixer, cfg, x, self.rope_cos, self.rope_sin,
+                                      state[f"layers.{i}.k"], state[f"layers.{i}.v"])
+            else:
+                x = gdn_prefill(layer.mixer, cfg, x, state[f"layers.{i}.conv"], state[f"layers.{i}.rec"])
+            h = h + x
+            h = h + self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=False)
+        return self.logits(h)
+
+    @torch.no_grad()
+    def decode(self, token: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """token int64 [1] on the device, placed at state.position; advances state.position by one
+        on the device. Returns fp32 logits [vocab]. No host syncs: capturable in a CUDA graph."""
+        cfg, eps, pos = self.config, self.config.rms_norm_eps, state.position
+        cos, sin = self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
+        visible = (self.kv_index <= pos).unsqueeze(0)
+        h = F.embedding(token, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, eps)
+            if layer.kind == "full_attention":
+                x = attention_decode(layer.mixer, cfg, x, cos, sin, state[f"layers.{i}.k"],
+                                     state[f"layers.{i}.v"], pos, visible)
+            else:
+                x = gdn_decode(layer.mixer, cfg, x, state[f"layers.{i}.conv"], state[f"layers.{i}.rec"])
+            h = h + x
+            h = h + self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=True)
+        pos.add_(1)
+        return self.logits(h)

@@ -1,0 +1,265 @@
+"""Checkpoint loading (safetensors, single file or sharded) and random weights for benchmarks.
+
+Tensors are returned under canonical names: the text model's Hugging Face names without the
+`model.` / `model.language_model.` prefix (`embed_tokens.weight`, `layers.3.self_attn.q_proj.weight`,
+`lm_head.weight`, ...). MoE experts are stacked as transformers 5 keeps them in memory:
+`layers.i.mlp.experts.gate_up_proj` [E, 2I, H] (gate rows then up rows) and
+`layers.i.mlp.experts.down_proj` [E, H, I]; a checkpoint may store them that way or per expert
+(`experts.{j}.gate_proj.weight`, ...). `mtp.*` tensors are kept apart, unvalidated.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import defaultdict
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from .config import ModelConfig
+from .errors import WeightsError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Stripped from checkpoint names, longest first (Qwen3.5 VL checkpoints nest the text model).
+PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+VISION_PREFIXES = ("model.visual.", "visual.")
+LOADABLE_DTYPES = {"F32", "BF16", "F16"}
+_EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_MAX_LISTED = 40
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, by canonical name."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (V, H), "norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        if kind == "full_attention":
+            a, hd = p + "self_attn.", cfg.head_dim
+            shapes.update({
+                a + "q_proj.weight": (2 * cfg.num_heads * hd, H),  # [query | gate] per head
+                a + "k_proj.weight": (cfg.num_kv_heads * hd, H),
+                a + "v_proj.weight": (cfg.num_kv_heads * hd, H),
+                a + "o_proj.weight": (H, cfg.num_heads * hd),
+                a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,),
+            })
+        else:
+            g, nv = p + "linear_attn.", cfg.linear_num_value_heads
+            if cfg.family == "qwen3_next":
+                shapes[g + "in_proj_qkvz.weight"] = (2 * cfg.key_dim + 2 * cfg.value_dim, H)
+                shapes[g + "in_proj_ba.weight"] = (2 * nv, H)
+            else:
+                shapes.update({g + "in_proj_qkv.weight": (cfg.conv_dim, H), g + "in_proj_z.weight": (cfg.value_dim, H),
+                               g + "in_proj_b.weight": (nv, H), g + "in_proj_a.weight": (nv, H)})
+            shapes.update({
+                g + "conv1d.weight": (cfg.conv_dim, 1, cfg.conv_kernel),
+                g + "dt_bias": (nv,), g + "A_log": (nv,),
+                g + "norm.weight": (cfg.linear_value_head_dim,),
+                g + "out_proj.weight": (H, cfg.value_dim),
+            })
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            E, I, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            shapes.update({
+                m + "gate.weight": (E, H),
+                m + "experts.gate_up_proj": (E, 2 * I, H),
+                m + "experts.down_proj": (E, H, I),
+                m + "shared_expert.gate_proj.weight": (S, H),
+                m + "shared_expert.up_proj.weight": (S, H),
+                m + "shared_expert.down_proj.weight": (H, S),
+                m + "shared_expert_gate.weight": (1, H),
+            })
+        else:
+            I = cfg.intermediate_size
+            shapes.update({m + "gate_proj.weight": (I, H), m + "up_proj.weight": (I, H),
+                           m + "down_proj.weight": (H, I)})
+    return shapes
+
+
+def _listing(title: str, items: list[str]) -> str:
+    shown = items[:_MAX_LISTED]
+    more = f"\n    ... and {len(items) - len(shown)} more" if len(items) > len(shown) else ""
+    return f"  {title} ({len(items)}):\n" + "\n".join(f"    {s}" for s in shown) + more
+
+
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """checkpoint tensor name -> file holding it."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WeightsError(f"bad index file {index}: not valid JSON ({e})") from None
+        except (KeyError, TypeError):
+            raise WeightsError(f"bad index file {index}: no 'weight_map' object") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise WeightsError(f"bad index file {index}: 'weight_map' must map tensor names to file names")
+        files = sorted(set(weight_map.values()))
+        absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if absent:
+            raise WeightsError(f"bad index file {index}: it names shard files that do not exist: {absent}")
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    single = os.path.join(path, SINGLE_FILE)
+    if not os.path.isfile(single):
+        raise WeightsError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+    return {}  # names are read from the single file
+
+
+def _canonical(name: str) -> str:
+    for p in PREFIXES:
+        if name.startswith(p):
+            return name[len(p):]
+    return name
+
+
+def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
+                    progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Read, validate and cast every tensor; returns (canonical tensors, mtp tensors).
+
+    All problems (missing, unexpected, misshaped, unsupported dtype) are reported in one WeightsError.
+    """
+    name_to_file = _checkpoint_files(path)
+    if not name_to_file:
+        single = os.path.join(path, SINGLE_FILE)
+        try:
+            with safe_open(single, framework="pt") as f:
+                name_to_file = {k: single for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types for corrupt headers
+            raise WeightsError(f"cannot read {single}: {e}") from None
+
+    # Inspect headers only (shape, dtype) before reading any data.
+    headers: dict[str, tuple[list[int], str]] = {}
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, file in name_to_file.items():
+        by_file[file].append(name)
+    for file, names in by_file.items():
+        try:
+            with safe_open(file, framework="pt") as f:
+                present = set(f.keys())
+                for n in names:
+                    if n in present:
+                        sl = f.get_slice(n)
+                        headers[n] = (list(sl.get_shape()), sl.get_dtype())
+        except Exception as e:  # noqa: BLE001
+            raise WeightsError(f"cannot read {file}: {e}") from None
+
+    expected = expected_shapes(cfg)
+    visual_ok = cfg.architecture.endswith("ForConditionalGeneration")
+    plan: dict[str, str] = {}  # canonical -> checkpoint name
+    experts: dict[tuple[int, str], dict[int, str]] = defaultdict(dict)  # (layer, proj) -> expert -> name
+    mtp_names: dict[str, str] = {}
+    missing, unexpected, misshaped, bad_dtype = [], [], [], []
+    seen: set[str] = set()
+    for name in sorted(name_to_file):
+        if name not in headers:
+            missing.append(f"{name} (listed in the index but absent from {os.path.basename(name_to_file[name])})")
+            continue
+        if visual_ok and name.startswith(VISION_PREFIXES):
+            continue  # the vision tower of a VL checkpoint: not part of the text decoder
+        shape, dt = headers[name]
+        if dt not in LOADABLE_DTYPES:
+            bad_dtype.append(f"{name}: {dt}")
+        if name.startswith("mtp."):
+            mtp_names[name] = name
+            continue
+        canon = _canonical(name)
+        if canon == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        m = _EXPERT_RE.match(canon)
+        if m and f"layers.{m[1]}.mlp.experts.down_proj" in expected:
+            experts[(int(m[1]), m[3])][int(m[2])] = name
+            continue
+        if canon not in expected:
+            unexpected.append(name)
+            continue
+        seen.add(canon)
+        if tuple(shape) != expected[canon]:
+            misshaped.append(f"{name}: checkpoint {tuple(shape)}, expected {expected[canon]}")
+        else:
+            plan[canon] = name
+
+    # Per-expert tensors stand in for the stacked ones.
+    I, H = cfg.moe_intermediate_size, cfg.hidden_size
+    per_expert_shape = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    stacked: dict[str, list[list[str]]] = {}
+    for layer in range(cfg.num_layers):
+        got = {proj: experts.get((layer, proj), {}) for proj in per_expert_shape}
+        if not any(got.values()):
+            continue
+        for proj, by_idx in got.items():
+            for j in sorted(by_idx):
+                n = by_idx[j]
+                if j >= cfg.num_experts:
+                    unexpected.append(n)
+                elif tuple(headers[n][0]) != per_expert_shape[proj]:
+                    misshaped.append(f"{n}: checkpoint {tuple(headers[n][0])}, expected {per_expert_shape[proj]}")
+            for j in range(cfg.num_experts):
+                if j not in by_idx:
+                    missing.append(f"layers.{layer}.mlp.experts.{j}.{proj}_proj.weight")
+        p = f"layers.{layer}.mlp.experts."
+        if p + "gate_up_proj" in plan or p + "down_proj" in plan:
+            unexpected.append(f"{p}* (both stacked and per-expert tensors for layer {layer})")
+        stacked[p + "gate_up_proj"] = [[got["gate"].get(j), got["up"].get(j)] for j in range(cfg.num_experts)]
+        stacked[p + "down_proj"] = [[got["down"].get(j)] for j in range(cfg.num_experts)]
+
+    missing += [n for n in expected if n not in seen and n not in stacked]
+    problems = [(t, items) for t, items in (("missing", missing), ("unexpected", unexpected),
+                                             ("wrong shape", misshaped), ("unsupported dtype", bad_dtype)) if items]
+    if problems:
+        raise WeightsError(f"checkpoint {path} does not match {cfg.architecture} config:\n"
+                           + "\n".join(_listing(t, items) for t, items in problems))
+
+    tensors: dict[str, torch.Tensor] = {}
+    mtp: dict[str, torch.Tensor] = {}
+    want: dict[str, list[str]] = defaultdict(list)  # file -> checkpoint names to read
+    for n in list(plan.values()) + list(mtp_names) + [x for groups in stacked.values() for g in groups for x in g]:
+        want[name_to_file[n]].append(n)
+    raw: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=sum(len(v) for v in want.values()), desc="Loading weights", unit="tensor",
+               disable=not progress)
+    for file in sorted(want):
+        with safe_open(file, framework="pt") as f:
+            for n in want[file]:
+                raw[n] = f.get_tensor(n).to(device=device, dtype=dtype)
+                bar.update(1)
+    bar.close()
+    for canon, n in plan.items():
+        tensors[canon] = raw.pop(n)
+    for canon, groups in stacked.items():
+        tensors[canon] = torch.stack([torch.cat([raw.pop(x) for x in g], dim=0) for g in groups])
+    for n in mtp_names:
+        mtp[n] = raw.pop(n)
+    return tensors, mtp
+
+
+def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0,
+                   std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Random tensors of the model's exact shapes, made directly on `device` (no checkpoint needed).
+
+    Matrices ~ N(0, std); zero-centred norms 0 (scale 1); the gated norm 1; A = exp(A_log) in [1, 16];
+    dt_bias 1; conv filters ~ N(0, 1/sqrt(kernel)) so the conv neither vanishes nor explodes.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+            t = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith("A_log"):
+            t = (torch.rand(shape, generator=gen, device=device) * 15 + 1).log().to(dtype)
+        elif len(shape) == 1:
+            t = torch.zeros(shape, dtype=dtype, device=device)
+        elif name.endswith("conv1d.weight"):
+            t = torch.randn(shape, generator=gen, device=device, dtype=dtype) / math.sqrt(cfg.conv_kernel)
+        else:
+            t = torch.randn(shape, generator=gen, device=device, dtype=dtype) * std
+        out[name] = t
+    return out
