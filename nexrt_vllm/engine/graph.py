@@ -1,0 +1,336 @@
+"""GPU decode path: fused Triton kernels, one CUDA graph per decode step, pipelined replays.
+
+`FusedDecoder` re-packs the engine's weights once (projections that read the same input are
+concatenated, so each layer is a handful of weight streams) and enqueues one decode step as
+~5 launches per layer with no host values in them: the token, the position (`DecodeState.position`),
+the step counter and the sampling parameters are device buffers. `GraphRunner` captures that step
+(embedding, every layer, final norm, lm_head, token selection, control publication) into one CUDA
+graph, so a generated token costs exactly one graph replay.
+
+Control: the last kernel writes (token, step) into a device ring; the graph ends with a copy of the
+ring into host-pinned memory. The host enqueues replay k+1 before it waits for token k (spinning on
+the pinned ring, no device sync), does stop detection itself, and discards the one replay that ran
+past a stop. The ring (not a single slot) means replay k+1 can land before the host has read k.
+
+Layout assumptions are those of `DecodeState` (docs/ARCHITECTURE.md §1) and `weights.py` canonical
+names; the CPU/eager engine stays the oracle these kernels are checked against.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .errors import EngineError
+from .state import DecodeState
+
+RING = 64  # control slots; must exceed the replays in flight (2)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch shapes (chosen from the on-device sweep recorded in docs/GPU.md)."""
+    block_k: int = 256
+    block_n_small: int = 8    # rows per program when N <= 4096
+    block_n: int = 16
+    block_n_lm: int = 32
+    num_warps: int = 4
+    attn_splits: int = 64
+    attn_block: int = 32
+    gdn_block_v: int = 32
+    moe_block_n: int = 16
+
+    def rows(self, n: int) -> int:
+        return self.block_n_small if n <= 4096 else self.block_n
+
+
+def _require_gpu_dtype(cfg: ModelConfig, dtype: torch.dtype) -> None:
+    if dtype != torch.bfloat16:
+        raise EngineError(f"the GPU graph path runs bfloat16 models only (got {dtype}); use the eager path")
+    if cfg.conv_kernel < 2:
+        raise EngineError(f"conv kernel {cfg.conv_kernel} < 2 is not supported by the GPU path")
+
+
+def _qwen3_next_in_proj(cfg: ModelConfig, w: dict, p: str) -> torch.Tensor:
+    """Qwen3-Next groups in_proj_qkvz / in_proj_ba per key head; regroup rows to [q|k|v|z|b|a]."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+    qkvz = w[p + "in_proj_qkvz.weight"].view(nk, 2 * dk + 2 * r * dv, -1)
+    q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=1)
+    ba = w[p + "in_proj_ba.weight"].view(nk, 2 * r, -1)
+    b, a = torch.split(ba, [r, r], dim=1)
+    flat = [t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a)]
+    return torch.cat(flat, 0).contiguous()
+
+
+class FusedDecoder:
+    """Static buffers + fused weights; `launch()` enqueues one decode step (graph-capturable)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], state: DecodeState,
+                 tuning: Tuning | None = None):
+        _require_gpu_dtype(cfg, state.dtype)
+        from .kernels import attention, gdn, gemv, moe, sampling  # triton: GPU path only
+        self.k_attn, self.k_gdn, self.k_gemv, self.k_moe, self.k_samp = attention, gdn, gemv, moe, sampling
+        self.cfg, self.state, self.t = cfg, state, tuning or Tuning()
+        dev, dt = state.device, state.dtype
+        c = cfg
+        H = c.hidden_size
+        self.layers: list[dict] = []
+        max_buf = 0
+        for i, kind in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            L: dict = {"kind": kind, "ln1": weights[p + "input_layernorm.weight"],
+                       "ln2": weights[p + "post_attention_layernorm.weight"]}
+            if kind == "linear_attention":
+                g = p + "linear_attn."
+                if c.family == "qwen3_next":
+                    L["w_in"] = _qwen3_next_in_proj(c, weights, g)
+                else:
+                    L["w_in"] = torch.cat([weights[g + n] for n in ("in_proj_qkv.weight", "in_proj_z.weight",
+                                                                     "in_proj_b.weight", "in_proj_a.weight")])
+                L.update(conv_w=weights[g + "conv1d.weight"].reshape(c.conv_dim, c.conv_kernel).contiguous(),
+                         a_log=weights[g + "A_log"], dt_bias=weights[g + "dt_bias"],
+                         gnorm=weights[g + "norm.weight"], w_out=weights[g + "out_proj.weight"],
+                         conv=state[p + "conv"], rec=state[p + "rec"])
+                max_buf = max(max_buf, L["w_in"].shape[0])
+            else:
+                a = p + "self_attn."
+                L.update(w_qkv=torch.cat([weights[a + "q_proj.weight"], weights[a + "k_proj.weight"],
+                                          weights[a + "v_proj.weight"]]),
+                         qn=weights[a + "q_norm.weight"], kn=weights[a + "k_norm.weight"],
+                         w_o=weights[a + "o_proj.weight"], k=state[p + "k"], v=state[p + "v"])
+                max_buf = max(max_buf, L["w_qkv"].shape[0])
+            m = p + "mlp."
+            if c.is_moe_layer(i):
+                L.update(moe=True,
+                         w_router=torch.cat([weights[m + "gate.weight"], weights[m + "shared_expert_gate.weight"]]),
+                         gate_up=weights[m + "experts.gate_up_proj"], down=weights[m + "experts.down_proj"],
+                         s_gate_up=torch.cat([weights[m + "shared_expert.gate_proj.weight"],
+                                              weights[m + "shared_expert.up_proj.weight"]]),
+                         s_down=weights[m + "shared_expert.down_proj.weight"])
+            else:
+                L.update(moe=False, w_gu=torch.cat([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]]),
+                         w_down=weights[m + "down_proj.weight"])
+                max_buf = max(max_buf, L["w_gu"].shape[0] // 2)
+            self.layers.append(L)
+        self.embed = weights["embed_tokens.weight"]
+        self.final_norm = weights["norm.weight"]
+        self.lm_head = weights["embed_tokens.weight"] if c.tie_word_embeddings else weights["lm_head.weight"]
+        # Static activations (addresses fixed for capture).
+        self.res = torch.zeros(H, dtype=dt, device=dev)
+        self.buf = torch.zeros(max_buf, dtype=dt, device=dev)
+        self.o = torch.zeros(max(c.value_dim, c.num_heads * c.head_dim), dtype=dt, device=dev)
+        self.q = torch.zeros(c.num_heads * c.head_dim, dtype=dt, device=dev)
+        ns = self.t.attn_splits
+        self.m_buf = torch.zeros(c.num_heads * ns, dtype=torch.float32, device=dev)
+        self.l_buf = torch.zeros(c.num_heads * ns, dtype=torch.float32, device=dev)
+        self.acc_buf = torch.zeros(c.num_heads * ns * c.head_dim, dtype=torch.float32, device=dev)
+        rot = c.rotary_dim
+        self.inv_freq = (1.0 / (c.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.int64).to(
+            device=dev, dtype=torch.float) / rot))).contiguous()
+        if c.num_experts:
+            imax = max(c.moe_intermediate_size, c.shared_expert_intermediate_size)
+            self.act = torch.zeros((c.num_experts_per_tok + 1) * imax, dtype=dt, device=dev)
+            self.router_logits = torch.zeros(c.num_experts + 1, dtype=dt, device=dev)
+            self.ids = torch.zeros(c.num_experts_per_tok, dtype=torch.int32, device=dev)
+            self.wts = torch.zeros(c.num_experts_per_tok, dtype=torch.float32, device=dev)
+        if c.intermediate_size:
+            self.act_dense = torch.zeros(c.intermediate_size, dtype=dt, device=dev)
+        self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
+        n_part = -(-c.vocab_size // self.t.block_n_lm)
+        self.n_part = n_part
+        self.pmax = torch.zeros(max(n_part, -(-c.vocab_size // 2048)), dtype=torch.float32, device=dev)
+        self.pidx = torch.zeros_like(self.pmax, dtype=torch.int32)
+        # Control state on the device.
+        self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.step = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.ring = torch.full((RING, 2), -1, dtype=torch.int64, device=dev)
+        self.ring_host = torch.full((RING, 2), -1, dtype=torch.int64).pin_memory()
+        self.params = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float32, device=dev)  # temperature, top_p, top_k
+        self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
+
+    # ---- one decode step -------------------------------------------------------------------------
+    def _embed(self) -> None:
+        torch.index_select(self.embed, 0, self.tok, out=self.res.view(1, -1))
+
+    def _gdn(self, L: dict) -> None:
+        c, g, t = self.cfg, self.k_gemv, self.t
+        n_in = L["w_in"].shape[0]
+        g.gemv(self.res, L["w_in"], self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L["ln1"], aux0=L["conv"],
+               aux1=L["conv_w"], eps=c.rms_norm_eps, conv_n=c.conv_dim, kc=c.conv_kernel,
+               block_n=t.rows(n_in), block_k=t.block_k, num_warps=t.num_warps)
+        self.k_gdn.gdn_step(self.buf, L["rec"], self.o, L["a_log"], L["dt_bias"], num_k_heads=c.linear_num_key_heads,
+                            num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
+                            head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v)
+        z = self.buf[c.conv_dim:c.conv_dim + c.value_dim]
+        g.gemv(self.o, L["w_out"], self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=L["gnorm"], z=z,
+               eps=c.rms_norm_eps, group=c.linear_value_head_dim, block_n=t.rows(c.hidden_size),
+               num_warps=t.num_warps)
+
+    def _attn(self, L: dict) -> None:
+        c, g, t = self.cfg, self.k_gemv, self.t
+        n = L["w_qkv"].shape[0]
+        g.gemv(self.res, L["w_qkv"], self.buf, pro=g.PRO_RMSNORM, norm_w=L["ln1"], eps=c.rms_norm_eps,
+               block_n=t.rows(n), block_k=t.block_k, num_warps=t.num_warps)
+        self.k_attn.qk_rope_cache(self.buf, self.q, L["k"], L["v"], L["qn"], L["kn"], self.inv_freq,
+                                  self.state.position, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                                  head_dim=c.head_dim, rotary_dim=c.rotary_dim, eps=c.rms_norm_eps)
+        self.k_attn.attention_decode(self.q, L["k"], L["v"], self.state.position, self.buf, self.o, self.m_buf,
+                                     self.l_buf, self.acc_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                                     head_dim=c.head_dim, nsplit=t.attn_splits, block=t.attn_block)
+        g.gemv(self.o, L["w_o"], self.res, epi=g.EPI_RESIDUAL, block_n=t.rows(c.hidden_size),
+               block_k=t.block_k, num_warps=t.num_warps)
+
+    def _ffn(self, L: dict) -> None:
+        c, g, t = self.cfg, self.k_gemv, self.t
+        if L["moe"]:
+            g.gemv(self.res, L["w_router"], self.router_logits, pro=g.PRO_RMSNORM, norm_w=L["ln2"],
+                   eps=c.rms_norm_eps, block_n=t.block_n_small, block_k=t.block_k, num_warps=t.num_warps)
+            self.k_moe.moe_experts(self.res, L["ln2"], self.router_logits, L["gate_up"], L["s_gate_up"], L["down"],
+                                   L["s_down"], self.act, self.ids, self.wts, top_k=c.num_experts_per_tok,
+                                   eps=c.rms_norm_eps, block_n=t.moe_block_n, block_k=t.block_k,
+                                   num_warps=t.num_warps)
+        else:
+            inter = L["w_gu"].shape[0] // 2
+            g.gemv(self.res, L["w_gu"], self.act_dense, pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L["ln2"],
+                   eps=c.rms_norm_eps, block_n=t.rows(inter), block_k=t.block_k, num_warps=t.num_warps)
+            g.gemv(self.act_dense, L["w_down"], self.res, epi=g.EPI_RESIDUAL, block_n=t.rows(c.hidden_size),
+                   block_k=t.block_k, num_warps=t.num_warps)
+
+    def launch(self, sample: bool = False) -> None:
+        """Enqueue one decode step: input token `tok` at `position`; leaves the next token in `tok`."""
+        self._embed()
+        for L in self.layers:
+            (self._gdn if L["kind"] == "linear_attention" else self._attn)(L)
+            self._ffn(L)
+        c, g, t = self.cfg, self.k_gemv, self.t
+        g.gemv(self.res, self.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
+               aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, block_n=t.block_n_lm, block_k=t.block_k,
+               num_warps=t.num_warps)
+        n_part = self.n_part
+        if sample:
+            vals, idx = torch.sort(self.logits, descending=True)
+            probs = torch.softmax(vals / self.params[0], dim=0)
+            cum_excl = torch.cumsum(probs, 0) - probs
+            n_part = self.k_samp.gumbel_partial(vals, idx, cum_excl, self.params, self.seed, self.step, self.pmax,
+                                                self.pidx)
+        self.k_samp.finish(self.pmax, self.pidx, n_part, self.tok, self.state.position, self.step, self.ring,
+                           RING)
+        self.ring_host.copy_(self.ring, non_blocking=True)
+
+    # ---- byte accounting -------------------------------------------------------------------------
+    def bytes_per_step(self, seq_len: int) -> dict[str, int]:
+        """Bytes a step must move at context `seq_len` (each weight/state byte read once, state written once)."""
+        c = self.cfg
+        b = lambda t: t.numel() * t.element_size()  # noqa: E731
+        out = {"weights": 0, "kv": 0, "gdn_state": 0, "embed_row": c.hidden_size * self.embed.element_size(),
+               "lm_head": b(self.lm_head)}
+        for L in self.layers:
+            if L["kind"] == "linear_attention":
+                out["weights"] += b(L["w_in"]) + b(L["w_out"]) + b(L["conv_w"])
+                out["gdn_state"] += 2 * (b(L["rec"]) + b(L["conv"]))
+            else:
+                out["weights"] += b(L["w_qkv"]) + b(L["w_o"])
+                kvrow = c.num_kv_heads * c.head_dim * L["k"].element_size()
+                out["kv"] += 2 * kvrow * (seq_len + 1) + 2 * kvrow  # read 0..pos, write row pos
+            if L["moe"]:
+                per_exp = b(L["gate_up"]) // c.num_experts + b(L["down"]) // c.num_experts
+                out["weights"] += b(L["w_router"]) + c.num_experts_per_tok * per_exp + b(L["s_gate_up"]) + \
+                    b(L["s_down"])
+            else:
+                out["weights"] += b(L["w_gu"]) + b(L["w_down"])
+        out["total"] = sum(out.values())
+        return out
+
+
+class GraphRunner:
+    """One captured CUDA graph per decode step over a `FusedDecoder`."""
+
+    def __init__(self, decoder: FusedDecoder):
+        self.d = decoder
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
+
+    def _graph(self, sample: bool) -> torch.cuda.CUDAGraph:
+        if sample not in self.graphs:
+            d = self.d
+            saved = self._snapshot()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                d.launch(sample)  # warm-up: compiles the kernels, allocator settles
+                torch.cuda.synchronize()
+                self._restore(saved)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=s):
+                    d.launch(sample)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            self._restore(saved)
+            self.graphs[sample] = g
+        return self.graphs[sample]
+
+    def _snapshot(self) -> dict:
+        # Warm-up runs a real step; put back every tensor it mutates so capture leaves no trace.
+        d = self.d
+        live = [d.state.position, d.tok, d.step, d.ring, d.res] + [t for t in d.state.tensors.values()]
+        return {id(t): (t, t.clone()) for t in live}
+
+    @staticmethod
+    def _restore(saved: dict) -> None:
+        for t, c in saved.values():
+            t.copy_(c)
+
+    def capture(self) -> None:
+        self._graph(False)
+
+    def generate(self, first_token: int, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int = 0, stop_token_ids=(), timeout_s: float = 60.0):
+        """Yield tokens after `first_token` (the token at position state.seq_len) until a stop id or the limit.
+
+        The state advances on the device; afterwards `state.seq_len` counts every replay that ran,
+        including the one overrun replay after a stop (its token is discarded, its state write stays).
+        """
+        d, st = self.d, self.d.state
+        if max_new_tokens <= 0:
+            return
+        if st.seq_len + max_new_tokens > st.max_seq_len:
+            raise EngineError(f"seq_len {st.seq_len} + {max_new_tokens} new tokens exceeds max_seq_len "
+                              f"{st.max_seq_len}")
+        sample = temperature > 0
+        if sample and not (0.0 < top_p <= 1.0):
+            raise EngineError(f"top_p must be in (0, 1], got {top_p}")
+        g = self._graph(sample)
+        d.params.copy_(torch.tensor([temperature if sample else 1.0, top_p, float(top_k)]))
+        d.seed.fill_(seed)
+        d.tok.fill_(first_token)
+        d.state.position.fill_(st.seq_len)
+        base = int(d.step.item())
+        stops = set(stop_token_ids)
+        ring = d.ring_host
+        done = 0
+        launched = 0
+        try:
+            g.replay()
+            launched = 1
+            while done < max_new_tokens:
+                if launched < max_new_tokens:
+                    g.replay()  # k+1 in flight before we read k
+                    launched += 1
+                want = base + done + 1
+                slot = ring[(want - 1) % RING]
+                deadline = time.monotonic() + timeout_s
+                while int(slot[1]) != want:
+                    if time.monotonic() > deadline:
+                        raise EngineError(f"decode step {want} did not publish within {timeout_s}s")
+                tok = int(slot[0])
+                done += 1
+                yield tok
+                if tok in stops:
+                    break
+        finally:
+            torch.cuda.current_stream().synchronize()
+            self.replays += launched
+            st.seq_len += launched

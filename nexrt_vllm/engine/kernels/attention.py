@@ -1,0 +1,144 @@
+"""Batch-1 gated attention over the static KV cache, with the sequence length read on the device.
+
+Three launches per attention layer: (1) q/k RMSNorm + partial NeoX RoPE at the device position,
+K/V written into the cache row; (2) split-K flash decoding: grid (kv head, split), each program
+covers a contiguous slice of [0, pos] for all query heads of its group (GQA: K/V read once);
+(3) combine the splits and apply the sigmoid output gate. The grid never depends on the length,
+so one captured graph serves every position up to max_seq_len.
+"""
+import os
+
+import triton
+import triton.language as tl
+
+from .common import bf16_round as _bf16
+
+
+@triton.jit
+def qk_rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, inv_freq_ptr,
+                         pos_ptr, eps, stride_ch, stride_cs,
+                         H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+                         RESTP: tl.constexpr, HDP: tl.constexpr):
+    # qkv layout: [H x (query | gate)] [KVH x k] [KVH x v]; grid H + KVH. Each head vector is read as
+    # three pieces [0, ROT/2) [ROT/2, ROT) [ROT, HD) so the NeoX pairs (i, i + ROT/2) line up.
+    pid = tl.program_id(0)
+    pos = tl.load(pos_ptr)
+    is_q = pid < H
+    src = tl.where(is_q, pid * 2 * HD, H * 2 * HD + (pid - H) * HD)
+    half: tl.constexpr = ROT // 2
+    i = tl.arange(0, half)
+    r = ROT + tl.arange(0, RESTP)
+    rm = r < HD
+    x1 = tl.load(qkv_ptr + src + i).to(tl.float32)
+    x2 = tl.load(qkv_ptr + src + half + i).to(tl.float32)
+    x3 = tl.load(qkv_ptr + src + r, mask=rm, other=0.0).to(tl.float32)
+    nw = tl.where(is_q, qn_ptr, kn_ptr)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0) + tl.sum(x3 * x3, 0)) / HD + eps)
+    x1 = _bf16((x1 * rstd) * (1.0 + tl.load(nw + i).to(tl.float32)))
+    x2 = _bf16((x2 * rstd) * (1.0 + tl.load(nw + half + i).to(tl.float32)))
+    x3 = _bf16((x3 * rstd) * (1.0 + tl.load(nw + r, mask=rm, other=0.0).to(tl.float32)))
+    ang = pos.to(tl.float32) * tl.load(inv_freq_ptr + i)
+    c = _bf16(tl.cos(ang))
+    s = _bf16(tl.sin(ang))
+    y1 = _bf16(_bf16(x1 * c) - _bf16(x2 * s))
+    y2 = _bf16(_bf16(x2 * c) + _bf16(x1 * s))
+    if is_q:
+        dst = q_out_ptr + pid * HD
+    else:
+        dst = k_cache_ptr + (pid - H) * stride_ch + pos * stride_cs
+    tl.store(dst + i, y1.to(dst.dtype.element_ty))
+    tl.store(dst + half + i, y2.to(dst.dtype.element_ty))
+    tl.store(dst + r, x3.to(dst.dtype.element_ty), mask=rm)
+    if not is_q:
+        d = tl.arange(0, HDP)
+        dm = d < HD
+        v = tl.load(qkv_ptr + H * 2 * HD + KVH * HD + (pid - H) * HD + d, mask=dm)
+        tl.store(v_cache_ptr + (pid - H) * stride_ch + pos * stride_cs + d, v.to(v_cache_ptr.dtype.element_ty),
+                 mask=dm)
+
+
+@triton.jit
+def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, scale,
+                      stride_ch, stride_cs, NSPLIT: tl.constexpr,
+                      G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+    kvh = tl.program_id(0)
+    sp = tl.program_id(1)
+    length = tl.load(pos_ptr) + 1
+    per = tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK) * BLOCK
+    start = sp * per
+    end = tl.minimum(start + per, length)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, HD)
+    gm = g < G
+    q = tl.load(q_ptr + (kvh * G + g)[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, HD], tl.float32)
+    kb = k_cache_ptr + kvh * stride_ch
+    vb = v_cache_ptr + kvh * stride_ch
+    for n0 in range(start, end, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        nm = n < end
+        kt = tl.load(kb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
+        if DOT_F32:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, tl.trans(kt)) * scale
+        s = tl.where(nm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        vt = tl.load(vb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
+        if DOT_F32:
+            vt = vt.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m = m_new
+    h = kvh * G + g
+    tl.store(m_ptr + h * NSPLIT + sp, m, mask=gm)
+    tl.store(l_ptr + h * NSPLIT + sp, l, mask=gm)
+    tl.store(acc_ptr + (h * NSPLIT + sp)[:, None] * HD + d[None, :], acc, mask=gm[:, None])
+
+
+@triton.jit
+def attn_combine_kernel(m_ptr, l_ptr, acc_ptr, qkv_ptr, out_ptr,
+                        NSPLIT: tl.constexpr, HD: tl.constexpr):
+    h = tl.program_id(0)
+    s = tl.arange(0, NSPLIT)
+    d = tl.arange(0, HD)
+    m = tl.load(m_ptr + h * NSPLIT + s)
+    l = tl.load(l_ptr + h * NSPLIT + s)
+    mx = tl.max(m, 0)
+    wgt = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx))
+    acc = tl.load(acc_ptr + (h * NSPLIT + s)[:, None] * HD + d[None, :])
+    o = tl.sum(acc * wgt[:, None], 0) / tl.sum(l * wgt, 0)
+    gate = tl.load(qkv_ptr + h * 2 * HD + HD + d).to(tl.float32)
+    sig = _bf16(1.0 / (1.0 + tl.exp(-gate)))
+    tl.store(out_ptr + h * HD + d, _bf16(_bf16(o) * sig).to(out_ptr.dtype.element_ty))
+
+
+# The interpreter (CPU tests) multiplies bf16 dot operands as raw integers; give it fp32 there.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def qk_rope_cache(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, inv_freq, pos, *, num_heads,
+                  num_kv_heads, head_dim, rotary_dim, eps):
+    """k_cache/v_cache: [KVH, max_seq_len, head_dim]; writes row `pos` (device scalar)."""
+    qk_rope_cache_kernel[(num_heads + num_kv_heads,)](
+        qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, inv_freq, pos, eps,
+        k_cache.stride(0), k_cache.stride(1), H=num_heads, KVH=num_kv_heads, HD=head_dim, ROT=rotary_dim,
+        RESTP=triton.next_power_of_2(head_dim - rotary_dim), HDP=triton.next_power_of_2(head_dim),
+        num_warps=2)
+
+
+def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, *, num_heads, num_kv_heads,
+                     head_dim, nsplit, block=32, num_warps=4):
+    """softmax(q K[:pos+1]^T / sqrt(d)) V per head, times sigmoid(gate); scratch sized [H, nsplit(, d)]."""
+    g = num_heads // num_kv_heads
+    attn_split_kernel[(num_kv_heads, nsplit)](
+        q, k_cache, v_cache, pos, m_buf, l_buf, acc_buf, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1),
+        NSPLIT=nsplit, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block,
+        DOT_F32=_INTERPRETED, num_warps=num_warps)
+    attn_combine_kernel[(num_heads,)](m_buf, l_buf, acc_buf, qkv, out, NSPLIT=nsplit, HD=head_dim, num_warps=4)

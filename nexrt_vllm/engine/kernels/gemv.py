@@ -1,0 +1,130 @@
+"""Batch-1 matrix-vector product y = W x with fused prologues and epilogues.
+
+At batch 1 a projection is a weight stream: every weight byte is read once and the vector x (a few
+KiB) is re-read from L2 by each program. Fusing the norm that produces x into the prologue and the
+residual add / activation / causal conv that consumes y into the epilogue removes the separate norm,
+add and activation launches (each of which costs more launch gap than it moves bytes).
+
+Prologues (PRO): 0 plain x; 1 zero-centred RMSNorm `x·rsqrt(mean x²+eps)·(1+w)` over all of K;
+2 gated RMSNorm per head of GROUP elements `w·rms(x)·SiLU(z)` (GDN output norm; BLOCK_K == GROUP).
+Epilogues (EPI): 0 store y; 1 residual add `y_ptr += y`; 2 SwiGLU over W = [gate; up] (N rows each);
+3 causal depthwise conv + SiLU on rows < CONV_N (GDN in_proj: updates the conv state in place),
+4 store fp32 logits plus a per-program (max, argmax) pair for the sampler.
+"""
+import triton
+import triton.language as tl
+
+from .common import bf16_round as _bf16
+from .common import silu as _silu
+
+PRO_NONE, PRO_RMSNORM, PRO_GATED = 0, 1, 2
+EPI_STORE, EPI_RESIDUAL, EPI_SWIGLU, EPI_CONV, EPI_ARGMAX = 0, 1, 2, 3, 4
+
+
+@triton.jit
+def _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO: tl.constexpr, GROUP: tl.constexpr):
+    x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    if PRO == 1:
+        w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        x = _bf16((x * rstd) * (1.0 + w))
+    elif PRO == 2:
+        # One head per K block: rms over the head, bf16 norm, bf16 weight product, SiLU(z) gate.
+        r = tl.rsqrt(tl.sum(x * x, 0) / GROUP + eps)
+        w = tl.load(nw_ptr + (cols % GROUP), mask=cmask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        x = _bf16(_bf16(w * _bf16(x * r)) * _silu(z))
+    return x
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
+                N, K, stride_w, eps, CONV_N,
+                PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    offs_k = tl.arange(0, BLOCK_K)
+    rstd = 0.0
+    if PRO == 1:
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xv = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+            ss += xv * xv
+        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if EPI == 2:
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        cmask = cols < K
+        xv = _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP)
+        wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
+        if EVEN_K:
+            wmask = rmask[:, None]
+        else:
+            wmask = rmask[:, None] & cmask[None, :]
+        w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * xv[None, :]
+        if EPI == 2:
+            wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
+            acc_u += wu.to(tl.float32) * xv[None, :]
+    y = tl.sum(acc, 1)
+    if EPI == 0:
+        tl.store(y_ptr + rows, _bf16(y).to(y_ptr.dtype.element_ty), mask=rmask)
+    elif EPI == 1:
+        r = tl.load(y_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, _bf16(r + _bf16(y)).to(y_ptr.dtype.element_ty), mask=rmask)
+    elif EPI == 2:
+        u = _bf16(tl.sum(acc_u, 1))
+        tl.store(y_ptr + rows, _bf16(_bf16(_silu(_bf16(y))) * u).to(y_ptr.dtype.element_ty), mask=rmask)
+    elif EPI == 3:
+        # aux0: conv state [CONV_N, KC-1] (oldest first), aux1: conv weight [CONV_N, KC].
+        yb = _bf16(y)
+        cm = rmask & (rows < CONV_N)
+        taps = tl.arange(0, KCP)
+        tm = cm[:, None] & (taps[None, :] < KC - 1)
+        st = tl.load(aux0_ptr + rows[:, None] * (KC - 1) + taps[None, :], mask=tm, other=0.0)
+        cw = tl.load(aux1_ptr + rows[:, None] * KC + taps[None, :], mask=tm, other=0.0).to(tl.float32)
+        cw_last = tl.load(aux1_ptr + rows * KC + (KC - 1), mask=cm, other=0.0).to(tl.float32)
+        conv = tl.sum(cw * st.to(tl.float32), 1) + cw_last * yb
+        nxt = tl.load(aux0_ptr + rows[:, None] * (KC - 1) + taps[None, :] + 1,
+                      mask=tm & (taps[None, :] < KC - 2), other=0.0).to(tl.float32)
+        nxt = tl.where(taps[None, :] == KC - 2, yb[:, None], nxt)
+        # Threads share rows: every read of the old state must land before any write of the new one.
+        tl.debug_barrier()
+        tl.store(aux0_ptr + rows[:, None] * (KC - 1) + taps[None, :], nxt.to(aux0_ptr.dtype.element_ty), mask=tm)
+        out = tl.where(rows < CONV_N, _bf16(_silu(_bf16(conv))), yb)
+        tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=rmask)
+    else:
+        yb = _bf16(y)
+        tl.store(y_ptr + rows, yb, mask=rmask)
+        v = tl.where(rmask, yb, float("-inf"))
+        m = tl.max(v, 0)
+        idx = tl.min(tl.where(v == m, rows, 2147483647), 0)  # ties -> lowest index, like argmax
+        tl.store(aux0_ptr + pid, m)
+        tl.store(aux1_ptr + pid, idx)
+
+
+def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None,
+         eps=1e-6, conv_n=0, group=1, kc=4, block_n=None, block_k=None, num_warps=4, n=None):
+    """Launch `gemv_kernel`. `w` is [N, K] ([2N, K] for SwiGLU, N = rows of y); returns the grid size."""
+    k = w.shape[-1]
+    n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
+    if pro == PRO_GATED:
+        block_k = group
+    block_k = block_k or min(512, triton.next_power_of_2(k))
+    block_n = block_n or 16
+    grid = triton.cdiv(n, block_n)
+    dummy = y
+    gemv_kernel[(grid,)](
+        x, w, y, norm_w if norm_w is not None else dummy, z if z is not None else dummy,
+        aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy,
+        n, k, w.stride(0), eps, conv_n,
+        PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=(k % block_k == 0), num_warps=num_warps)
+    return grid
+
+
+__all__ = ["gemv", "gemv_kernel", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
+           "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX"]

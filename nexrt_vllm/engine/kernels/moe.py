@@ -1,0 +1,137 @@
+"""Sparse MoE for one token: only the selected experts' weights are read, each exactly once.
+
+Launch 1 is the router GEMV (`gemv`, RMSNorm prologue) over [router; shared_expert_gate] rows.
+Launch 2 (`moe_gate_up_kernel`, grid (intermediate blocks, top_k + 1)) redoes the tiny routing
+(softmax over E, top-k, renormalise; E=256 values from L2) in every program, picks its expert,
+and writes SiLU(gate)·up for it; the last slot is the shared expert. Launch 3 (`moe_down_kernel`)
+sums the down projections in ascending expert id (the eager index_add order, with its bf16
+rounding), adds the sigmoid-gated shared expert and the residual.
+"""
+import triton
+import triton.language as tl
+
+from .common import bf16_round as _bf16
+from .common import silu as _silu
+from .gemv import _load_x
+
+
+@triton.jit
+def _route(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr):
+    e = tl.arange(0, EP)
+    em = e < E
+    lg = tl.load(logits_ptr + e, mask=em, other=float("-inf")).to(tl.float32)
+    p = tl.exp(lg - tl.max(lg, 0))
+    p = p / tl.sum(p, 0)
+    work = tl.where(em, p, -1.0)
+    sel = e < 0
+    for _ in tl.static_range(TOPK):
+        m = tl.max(work, 0)
+        idx = tl.min(tl.where(work == m, e, EP), 0)  # ties -> lowest expert id
+        sel = sel | (e == idx)
+        work = tl.where(e == idx, -1.0, work)
+    wsum = tl.sum(tl.where(sel, p, 0.0), 0)
+    rank = tl.cumsum(sel.to(tl.int32), 0) - 1  # slot of each selected expert, ascending id
+    return e, sel, rank, _bf16(p / wsum)
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, nw_ptr, logits_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, wts_ptr,
+                       K, I, IS, stride_ge, eps,
+                       E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    slot = tl.program_id(1)
+    e, sel, rank, wt = _route(logits_ptr, E, EP, TOPK)
+    if (pid == 0) & (slot == 0):
+        # Scatter each selected expert's id / weight to its slot.
+        for s in tl.static_range(TOPK):
+            tl.store(ids_ptr + s, tl.sum(tl.where(sel & (rank == s), e, 0), 0))
+            tl.store(wts_ptr + s, tl.sum(tl.where(sel & (rank == s), wt, 0.0), 0))
+    if slot < TOPK:
+        eid = tl.sum(tl.where(sel & (rank == slot), e, 0), 0)
+        wbase = gu_ptr + eid.to(tl.int64) * stride_ge
+        n_rows = I
+    else:
+        wbase = sgu_ptr
+        n_rows = IS
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
+    offs_k = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xv = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+        ss += xv * xv
+    rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        cmask = cols < K
+        xv = _load_x(x_ptr, cols, cmask, nw_ptr, nw_ptr, rstd, eps, 1, 1)
+        wp = wbase + rows[:, None] * K + cols[None, :]
+        m2 = rmask[:, None] & cmask[None, :]
+        acc_g += tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32) * xv[None, :]
+        acc_u += tl.load(wp + n_rows * K, mask=m2, other=0.0,
+                         eviction_policy="evict_first").to(tl.float32) * xv[None, :]
+    g = _bf16(tl.sum(acc_g, 1))
+    u = _bf16(tl.sum(acc_u, 1))
+    tl.store(act_ptr + slot * IMAX + rows, _bf16(_bf16(_silu(g)) * u).to(act_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr,
+                    N, I, IS, stride_de,
+                    E: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    offs_k = tl.arange(0, BLOCK_K)
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in range(TOPK):
+        eid = tl.load(ids_ptr + s)
+        w = tl.load(wts_ptr + s)
+        base = dn_ptr + eid.to(tl.int64) * stride_de
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            cols = k0 + offs_k
+            cm = cols < I
+            a = tl.load(act_ptr + s * IMAX + cols, mask=cm, other=0.0).to(tl.float32)
+            wv = tl.load(base + rows[:, None] * I + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
+                         eviction_policy="evict_first")
+            acc += wv.to(tl.float32) * a[None, :]
+        out = _bf16(out + _bf16(_bf16(tl.sum(acc, 1)) * w))
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, IS, BLOCK_K):
+        cols = k0 + offs_k
+        cm = cols < IS
+        a = tl.load(act_ptr + TOPK * IMAX + cols, mask=cm, other=0.0).to(tl.float32)
+        wv = tl.load(sdn_ptr + rows[:, None] * IS + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
+                     eviction_policy="evict_first")
+        acc += wv.to(tl.float32) * a[None, :]
+    sg = tl.load(logits_ptr + E).to(tl.float32)
+    gate = _bf16(1.0 / (1.0 + tl.exp(-sg)))
+    moe = _bf16(out + _bf16(gate * _bf16(tl.sum(acc, 1))))
+    r = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(res_ptr + rows, _bf16(r + moe).to(res_ptr.dtype.element_ty), mask=rmask)
+
+
+def moe_experts(res, norm_w, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
+                eps, block_n=16, block_k=None, num_warps=4):
+    """Routed + shared experts for one token; `res` (the residual, [H]) is updated in place.
+
+    gate_up [E, 2I, H], down [E, H, I], shared_gate_up [2Is, H], shared_down [H, Is], logits [E+1]
+    (router logits then the shared-expert gate logit), act [top_k+1, max(I, Is)] scratch.
+    """
+    n_exp, two_i, hidden = gate_up.shape
+    inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
+    imax = max(inter, inter_s)
+    bk = block_k or min(512, triton.next_power_of_2(hidden))
+    moe_gate_up_kernel[(triton.cdiv(imax, block_n), top_k + 1)](
+        res, norm_w, logits, gate_up, shared_gate_up, act, ids, wts, hidden, inter, inter_s, gate_up.stride(0),
+        eps, E=n_exp, EP=triton.next_power_of_2(n_exp), TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk,
+        num_warps=num_warps)
+    bkd = min(512, triton.next_power_of_2(imax))
+    moe_down_kernel[(triton.cdiv(hidden, block_n),)](
+        act, down, shared_down, ids, wts, logits, res, hidden, inter, inter_s, down.stride(0),
+        E=n_exp, TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bkd, num_warps=num_warps)

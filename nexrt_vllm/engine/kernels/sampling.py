@@ -1,0 +1,73 @@
+"""On-device token selection and control publication for the captured decode step.
+
+Greedy: the lm_head GEMV (EPI_ARGMAX) leaves one (max, index) pair per program; `finish_kernel`
+reduces them (ties -> lowest id, as torch.argmax), stores the token for the next step, advances the
+device position and step counter and writes (token, step) into a slot of the control ring that the
+graph then copies to host-pinned memory.
+
+Sampling (temperature / top-k / top-p): the allowed set is a prefix of the logits sorted in
+descending order, so after a (captured) sort + softmax + cumsum, `gumbel_partial_kernel` takes
+argmax(l/T + Gumbel) over that prefix. The noise is keyed on (seed, step, token id): reproducible
+for a seed and independent of the sort order. Parameters live in a device buffer
+[temperature, top_p, top_k] and the seed in an int64 buffer, so one graph serves every request.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gumbel_partial_kernel(vals_ptr, idx_ptr, cum_ptr, params_ptr, seed_ptr, step_ptr, pmax_ptr, pidx_ptr, V,
+                          BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    r = pid * BLOCK + tl.arange(0, BLOCK)
+    m = r < V
+    temp = tl.load(params_ptr)
+    top_p = tl.load(params_ptr + 1)
+    top_k = tl.load(params_ptr + 2).to(tl.int32)
+    lv = tl.load(vals_ptr + r, mask=m, other=float("-inf"))
+    tok = tl.load(idx_ptr + r, mask=m, other=0).to(tl.int32)
+    # cum_ptr holds the exclusive prefix sum of the sorted probabilities (mass strictly before r).
+    prob_before = tl.load(cum_ptr + r, mask=m, other=2.0)
+    allowed = m & ((top_k <= 0) | (r < top_k)) & ((r == 0) | (prob_before < top_p))
+    seed = tl.load(seed_ptr)
+    step = tl.load(step_ptr)
+    u = tl.rand(seed.to(tl.int32) ^ (step.to(tl.int32) * 1000003), tok)
+    u = tl.minimum(tl.maximum(u, 1e-12), 1.0 - 1e-7)
+    score = tl.where(allowed, lv / temp - tl.log(-tl.log(u)), float("-inf"))
+    best = tl.max(score, 0)
+    tl.store(pmax_ptr + pid, best)
+    tl.store(pidx_ptr + pid, tl.min(tl.where(score == best, tok, 2147483647), 0))
+
+
+@triton.jit
+def finish_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, pos_ptr, step_ptr, ring_ptr, RING, BLOCK: tl.constexpr):
+    best = float("-inf")
+    best_i = 2147483647
+    for p0 in range(0, NP, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        v = tl.load(pmax_ptr + p, mask=p < NP, other=float("-inf"))
+        ix = tl.load(pidx_ptr + p, mask=p < NP, other=2147483647)
+        m = tl.max(v, 0)
+        i = tl.min(tl.where(v == m, ix, 2147483647), 0)
+        take = (m > best) | ((m == best) & (i < best_i))
+        best_i = tl.where(take, i, best_i)
+        best = tl.where(take, m, best)
+    step = tl.load(step_ptr) + 1
+    tl.store(tok_ptr, best_i.to(tok_ptr.dtype.element_ty))
+    tl.store(pos_ptr, tl.load(pos_ptr) + 1)
+    tl.store(step_ptr, step)
+    slot = ring_ptr + ((step - 1) % RING) * 2
+    tl.store(slot, best_i.to(ring_ptr.dtype.element_ty))
+    tl.store(slot + 1, step.to(ring_ptr.dtype.element_ty))
+
+
+def finish(pmax, pidx, n_partials, tok, pos, step, ring, ring_slots):
+    """Reduce the partial argmaxes; advance tok/pos/step; publish (token, step) in ring slot step-1."""
+    finish_kernel[(1,)](pmax, pidx, n_partials, tok, pos, step, ring, ring_slots, BLOCK=1024, num_warps=4)
+
+
+def gumbel_partial(vals, idx, cum_excl, params, seed, step, pmax, pidx, block=2048):
+    v = vals.numel()
+    gumbel_partial_kernel[(triton.cdiv(v, block),)](vals, idx, cum_excl, params, seed, step, pmax, pidx, v,
+                                                  BLOCK=block, num_warps=8)
+    return triton.cdiv(v, block)

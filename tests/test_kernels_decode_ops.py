@@ -1,0 +1,253 @@
+"""Each decode kernel against the eager op it replaces, on random inputs (Triton interpreter on CPU).
+
+TRITON_INTERPRET=1 runs the same kernel source with numpy, so the math (indexing, masking, rounding
+points, the in-place state updates) is checked here; speed and the compiled code are checked on the
+GPU by benchmarks/gpu_check.py. Outputs are poisoned (NaN) before each launch so an unwritten
+element fails the comparison.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first kernel import
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":  # a GPU runner may import this file too
+    pytest.skip("kernel CPU tests need TRITON_INTERPRET=1", allow_module_level=True)
+
+from nexrt_vllm.engine.kernels import attention, gdn, gemv, moe, sampling  # noqa: E402
+
+torch.set_num_threads(1)
+BF = torch.bfloat16
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def rms1p(x, w, eps=1e-6):  # zero-centred RMSNorm as the eager model computes it
+    xf = x.float()
+    return ((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)) * (1.0 + w.float())).to(x.dtype)
+
+
+def lin(x, w):  # bf16 linear with fp32 accumulation, as a GPU GEMM
+    return (w.float() @ x.float()).to(x.dtype)
+
+
+def nan_like(t):
+    return torch.full_like(t, float("nan"))
+
+
+def test_gemv_rmsnorm_prologue_store():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, generator=g).to(BF)
+    w = (torch.randn(70, 96, generator=g) * 0.1).to(BF)
+    nw = (torch.randn(96, generator=g) * 0.1).to(BF)
+    y = nan_like(torch.empty(70, dtype=BF))
+    gemv.gemv(x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32)
+    ref = lin(rms1p(x, nw), w)
+    assert rel(y, ref) < 8e-3 and not y.isnan().any()
+
+
+def test_gemv_residual_and_swiglu_epilogues():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, generator=g).to(BF)
+    wgu = (torch.randn(2 * 40, 64, generator=g) * 0.2).to(BF)
+    act = nan_like(torch.empty(40, dtype=BF))
+    gemv.gemv(x, wgu, act, epi=gemv.EPI_SWIGLU, block_n=16, block_k=32)
+    gate, up = lin(x, wgu[:40]), lin(x, wgu[40:])
+    ref = F.silu(gate) * up
+    assert rel(act, ref) < 8e-3 and not act.isnan().any()
+    res = torch.randn(50, generator=g).to(BF)
+    wd = (torch.randn(50, 40, generator=g) * 0.2).to(BF)
+    ref_res = res + lin(act, wd)
+    gemv.gemv(act, wd, res, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=32)
+    assert rel(res, ref_res) < 8e-3
+
+
+def test_gemv_conv_epilogue_updates_state():
+    g = torch.Generator().manual_seed(3)
+    conv_n, extra, kc = 48, 20, 4
+    x = torch.randn(64, generator=g).to(BF)
+    w = (torch.randn(conv_n + extra, 64, generator=g) * 0.2).to(BF)
+    cw = (torch.randn(conv_n, kc, generator=g) * 0.5).to(BF)
+    st = torch.randn(conv_n, kc - 1, generator=g).to(BF)
+    st_ref = st.clone()
+    y = nan_like(torch.empty(conv_n + extra, dtype=BF))
+    gemv.gemv(x, w, y, epi=gemv.EPI_CONV, aux0=st, aux1=cw, conv_n=conv_n, kc=kc, block_n=16, block_k=32)
+    proj = lin(x, w)
+    window = torch.cat([st_ref, proj[:conv_n, None]], 1)  # oldest first, newest last
+    conv = (window.float() * cw.float()).sum(1).to(BF)
+    assert rel(y[:conv_n], F.silu(conv)) < 8e-3
+    assert torch.equal(y[conv_n:], proj[conv_n:]) or rel(y[conv_n:], proj[conv_n:]) < 8e-3
+    assert torch.equal(st[:, :-1], st_ref[:, 1:])
+    assert rel(st[:, -1], proj[:conv_n]) < 8e-3
+
+
+def test_gemv_gated_norm_prologue():
+    g = torch.Generator().manual_seed(4)
+    heads, dv, n = 3, 32, 24
+    o = torch.randn(heads * dv, generator=g).to(BF)
+    z = torch.randn(heads * dv, generator=g).to(BF)
+    nw = (1 + 0.1 * torch.randn(dv, generator=g)).to(BF)
+    w = (torch.randn(n, heads * dv, generator=g) * 0.2).to(BF)
+    res = torch.randn(n, generator=g).to(BF)
+    oh = o.view(heads, dv).float()
+    normed = (oh * torch.rsqrt(oh.pow(2).mean(-1, keepdim=True) + 1e-6)).to(BF)
+    gated = ((nw * normed).float() * F.silu(z.view(heads, dv).float())).to(BF).view(-1)
+    ref = res + lin(gated, w)
+    gemv.gemv(o, w, res, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=8)
+    assert rel(res, ref) < 8e-3
+
+
+def test_gemv_argmax_epilogue_partials():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, generator=g).to(BF)
+    w = (torch.randn(300, 64, generator=g) * 0.3).to(BF)
+    logits = nan_like(torch.empty(300))
+    npart = -(-300 // 32)
+    pmax, pidx = torch.empty(npart), torch.empty(npart, dtype=torch.int32)
+    gemv.gemv(x, w, logits, epi=gemv.EPI_ARGMAX, aux0=pmax, aux1=pidx, block_n=32, block_k=32)
+    ref = lin(x, w).float()
+    assert rel(logits, ref) < 8e-3
+    tok, pos, step = torch.zeros(1, dtype=torch.int64), torch.tensor([7]), torch.tensor([41])
+    ring = torch.full((4, 2), -1, dtype=torch.int64)
+    sampling.finish(pmax, pidx, npart, tok, pos, step, ring, 4)
+    assert int(tok) == int(torch.argmax(logits)) and int(pos) == 8 and int(step) == 42
+    assert ring[41 % 4].tolist() == [int(tok), 42]
+
+
+def _gdn_ref(qkv, b, a, a_log, dt_bias, S, hk, hv, dk, dv):
+    kd = hk * dk
+    q, k, v = qkv[:kd].view(hk, dk), qkv[kd:2 * kd].view(hk, dk), qkv[2 * kd:].view(hv, dv)
+    r = hv // hk
+    q, k = q.repeat_interleave(r, 0).float(), k.repeat_interleave(r, 0).float()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q / dk ** 0.5
+    beta = b.sigmoid().float()
+    gg = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    S = S * gg.exp()[:, None, None]
+    kv = (S * k[:, :, None]).sum(1)
+    delta = (v.float() - kv) * beta[:, None]
+    S = S + k[:, :, None] * delta[:, None, :]
+    return (S * q[:, :, None]).sum(1).to(BF).reshape(-1), S
+
+
+@pytest.mark.parametrize("hk,hv", [(2, 4), (2, 2)])
+def test_gdn_step_matches_delta_rule(hk, hv):
+    g = torch.Generator().manual_seed(6)
+    dk = dv = 32
+    kd, vd = hk * dk, hv * dv
+    buf = torch.randn(2 * kd + 2 * vd + 2 * hv, generator=g).to(BF)
+    S = torch.randn(hv, dk, dv, generator=g)
+    a_log = (torch.rand(hv, generator=g) * 15 + 1).log().to(BF)
+    dt_bias = torch.ones(hv, dtype=BF)
+    off_b = 2 * kd + 2 * vd
+    o_ref, S_ref = _gdn_ref(buf[:2 * kd + vd], buf[off_b:off_b + hv], buf[off_b + hv:], a_log, dt_bias, S.clone(),
+                            hk, hv, dk, dv)
+    out = nan_like(torch.empty(vd, dtype=BF))
+    gdn.gdn_step(buf, S, out, a_log, dt_bias, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
+                 block_v=16)
+    assert rel(S, S_ref) < 1e-5
+    assert rel(out, o_ref) < 8e-3
+
+
+def _rope_ref(x, pos, inv_freq, rot):
+    ang = pos * inv_freq
+    emb = torch.cat([ang, ang])
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr[..., :rot // 2], xr[..., rot // 2:]
+    return torch.cat([xr * cos + torch.cat([-x2, x1], -1) * sin, xp], -1)
+
+
+def test_qk_rope_cache_and_split_attention():
+    g = torch.Generator().manual_seed(7)
+    H, KVH, hd, rot, maxlen, pos = 4, 2, 64, 16, 80, 57
+    qkv = torch.randn(H * 2 * hd + 2 * KVH * hd, generator=g).to(BF)
+    qn, kn = (0.1 * torch.randn(hd, generator=g)).to(BF), (0.1 * torch.randn(hd, generator=g)).to(BF)
+    kc = torch.randn(KVH, maxlen, hd, generator=g).to(BF)
+    vc = torch.randn(KVH, maxlen, hd, generator=g).to(BF)
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, rot, 2).float() / rot))
+    posb = torch.tensor([pos])
+    q_out = nan_like(torch.empty(H * hd, dtype=BF))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    attention.qk_rope_cache(qkv, q_out, kc, vc, qn, kn, inv_freq, posb, num_heads=H, num_kv_heads=KVH, head_dim=hd,
+                            rotary_dim=rot, eps=1e-6)
+    qg = qkv[:H * 2 * hd].view(H, 2, hd)
+    q_ref = _rope_ref(rms1p(qg[:, 0], qn), pos, inv_freq, rot)
+    k_new = qkv[H * 2 * hd:H * 2 * hd + KVH * hd].view(KVH, hd)
+    kc_ref[:, pos] = _rope_ref(rms1p(k_new, kn), pos, inv_freq, rot)
+    vc_ref[:, pos] = qkv[H * 2 * hd + KVH * hd:].view(KVH, hd)
+    assert rel(q_out.view(H, hd), q_ref) < 8e-3
+    assert rel(kc[:, pos], kc_ref[:, pos]) < 8e-3 and torch.equal(vc, vc_ref)
+    assert torch.equal(kc[:, :pos], kc_ref[:, :pos])
+    nsplit = 4
+    m_b, l_b = torch.empty(H * nsplit), torch.empty(H * nsplit)
+    acc_b = torch.empty(H * nsplit * hd)
+    out = nan_like(torch.empty(H * hd, dtype=BF))
+    attention.attention_decode(q_out, kc, vc, posb, qkv, out, m_b, l_b, acc_b, num_heads=H, num_kv_heads=KVH,
+                               head_dim=hd, nsplit=nsplit, block=16)
+    kk = kc[:, :pos + 1].repeat_interleave(H // KVH, 0).float()
+    vv = vc[:, :pos + 1].repeat_interleave(H // KVH, 0).float()
+    p = torch.softmax((q_out.view(H, 1, hd).float() @ kk.transpose(1, 2)) * hd ** -0.5, -1)
+    o = (p @ vv).view(H, hd).to(BF)
+    ref = o * torch.sigmoid(qg[:, 1])
+    assert rel(out.view(H, hd), ref) < 1e-2
+
+
+def test_moe_experts_selected_only():
+    g = torch.Generator().manual_seed(8)
+    E, topk, hid, inter, inter_s = 16, 4, 64, 32, 48
+    res = torch.randn(hid, generator=g).to(BF)
+    nw = (0.1 * torch.randn(hid, generator=g)).to(BF)
+    wr = (torch.randn(E + 1, hid, generator=g) * 0.3).to(BF)
+    gu = (torch.randn(E, 2 * inter, hid, generator=g) * 0.2).to(BF)
+    dn = (torch.randn(E, hid, inter, generator=g) * 0.2).to(BF)
+    sgu = (torch.randn(2 * inter_s, hid, generator=g) * 0.2).to(BF)
+    sdn = (torch.randn(hid, inter_s, generator=g) * 0.2).to(BF)
+    h = rms1p(res, nw)
+    logits = lin(h, wr)
+    probs = torch.softmax(logits[:E].float(), -1)
+    top_v, top_i = torch.topk(probs, topk)
+    top_v = (top_v / top_v.sum()).to(BF)
+    out = torch.zeros(hid, dtype=BF)
+    for e in sorted(top_i.tolist()):
+        gg, uu = lin(h, gu[e]).chunk(2)
+        y = lin(F.silu(gg) * uu, dn[e]) * top_v[top_i.tolist().index(e)]
+        out = out + y
+    sg, su = lin(h, sgu).chunk(2)
+    shared = torch.sigmoid(logits[E:]) * lin(F.silu(sg) * su, sdn)
+    ref = res + (out + shared)
+    lg = nan_like(torch.empty(E + 1, dtype=BF))
+    gemv.gemv(res, wr, lg, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=8, block_k=32)
+    act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
+    ids, wts = torch.empty(topk, dtype=torch.int32), torch.empty(topk)
+    moe.moe_experts(res, nw, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, eps=1e-6, block_n=16, block_k=32)
+    assert ids.tolist() == sorted(top_i.tolist())
+    assert rel(res, ref) < 1e-2
+
+
+def test_gumbel_sampling_respects_top_k_and_top_p():
+    torch.manual_seed(9)
+    V = 50
+    logits = torch.randn(V) * 2
+    params = torch.tensor([0.7, 0.6, 5.0])
+    vals, idx = torch.sort(logits, descending=True)
+    probs = torch.softmax(vals / params[0], 0)
+    cum = torch.cumsum(probs, 0) - probs
+    allowed = set(idx[:5][(cum[:5] < 0.6) | (torch.arange(5) == 0)].tolist())
+    seen = set()
+    step = torch.zeros(1, dtype=torch.int64)
+    for s in range(40):
+        step.fill_(s)
+        pmax, pidx = torch.empty(2), torch.empty(2, dtype=torch.int32)
+        n = sampling.gumbel_partial(vals, idx, cum, params, torch.tensor([3]), step, pmax, pidx, block=32)
+        tok, pos, stp = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), step.clone()
+        sampling.finish(pmax, pidx, n, tok, pos, stp, torch.zeros(4, 2, dtype=torch.int64), 4)
+        seen.add(int(tok))
+    assert seen <= allowed and len(seen) > 1
