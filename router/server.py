@@ -32,6 +32,7 @@ from .upstream import NodeBusy, NodeClient, NodeError, vllm_prefill
 log = logging.getLogger("nexrt.router")
 
 CLASS_HEADER = "X-NexRT-Class"
+ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router")
 _HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                 "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
 
@@ -163,7 +164,9 @@ class Router:
                 raise APIError(500, f"cannot load a tokenizer from vLLM's model root {root!r} "
                                     f"({e}); start the router with --tokenizer PATH") from None
 
-    async def _resolve_model(self, name: str | None) -> tuple[str, dict]:
+    async def _resolve_model(self, name) -> tuple[str, dict]:
+        if name is not None and not isinstance(name, str):
+            raise APIError(400, "'model' must be a string", param="model")
         await self._refresh_models()
         if name is None:
             name = next(iter(self.models))
@@ -529,7 +532,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
         raise SystemExit("--queue-size must be >= 0 and --queue-timeout > 0")
     router = Router(args)
     app = web.Application(client_max_size=64 << 20)
-    app["router"] = router
+    app[ROUTER_KEY] = router
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     app.router.add_post("/v1/chat/completions", router.chat)

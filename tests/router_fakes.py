@@ -30,11 +30,11 @@ class Loop:
     def call(self, coro, timeout: float = 30):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def serve(self, app: web.Application) -> str:
+    def serve(self, app: web.Application, port: int = 0) -> str:
         async def go():
             runner = web.AppRunner(app, handler_cancellation=True)
             await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
+            site = web.TCPSite(runner, "127.0.0.1", port)
             await site.start()
             self.runners.append(runner)
             return runner, runner.addresses[0][1]
@@ -42,7 +42,7 @@ class Loop:
         return f"http://127.0.0.1:{port}"
 
     def stop_app(self, url: str) -> None:
-        """Stop one served app (its port refuses connections afterwards)."""
+        """Stop one served app: its port refuses connections afterwards, open streams break."""
         port = int(url.rsplit(":", 1)[1])
         for r in list(self.runners):
             if r.addresses and r.addresses[0][1] == port:
@@ -162,12 +162,17 @@ class FakeNode:
         self.cancels: list[str] = []
         self.generated: list[str] = []         # rids decoded to the end
         self.emit_times: list[float] = []      # time.monotonic() of each streamed token
-        self.app = web.Application()
+        self.app = self.new_app()
+
+    def new_app(self) -> web.Application:
+        """A fresh app over the same state (an aiohttp app cannot be served again once stopped)."""
+        app = web.Application()
         for path, h in (("/v1/admit", self.admit), ("/v1/generate", self.generate),
                         ("/v1/cancel", self.cancel)):
-            self.app.router.add_post(path, h)
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/capabilities", self.caps)
+            app.router.add_post(path, h)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/capabilities", self.caps)
+        return app
 
     async def health(self, request):
         return web.json_response({"status": "ok", "busy": self.rid is not None})
@@ -245,7 +250,7 @@ class Stack:
     """Fake vLLM + `n_nodes` fake decode nodes + a real in-process router, on one Loop."""
 
     def __init__(self, tokenizer_dir: str, n_nodes: int = 1, router_args: tuple = ()):
-        from nexrt_vllm.router.server import build_parser, make_app
+        from nexrt_vllm.router.server import ROUTER_KEY, build_parser, make_app
 
         self.loop = Loop()
         self.model = Model(tokenizer_dir)
@@ -257,7 +262,7 @@ class Stack:
         for u in self.node_urls:
             argv += ["--decode-url", u]
         self.app = make_app(build_parser().parse_args(argv + list(router_args)))
-        self.router = self.app["router"]
+        self.router = self.app[ROUTER_KEY]
         self.url = self.loop.serve(self.app)
 
     def health(self) -> dict:
