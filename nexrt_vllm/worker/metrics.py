@@ -1,0 +1,27 @@
+"""Prometheus metrics of one decode node (own registry, served at GET /metrics)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_STEP_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+_XFER_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class NodeMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.admissions = Counter("nexrt_admissions", "Requests admitted", registry=r)
+        self.refusals = Counter("nexrt_refusals", "Refused admissions/messages by reason", ["reason"], registry=r)
+        self.finished = Counter("nexrt_requests_finished", "Admissions ended, by outcome", ["outcome"], registry=r)
+        self.transfer_bytes = Counter("nexrt_transfer_bytes", "Hand-off bytes received", registry=r)
+        self.transfer_seconds = Histogram("nexrt_transfer_seconds", "accept -> done per hand-off",
+                                          buckets=_XFER_BUCKETS, registry=r)
+        self.convert_seconds = Histogram("nexrt_convert_seconds", "received pages -> native state",
+                                         buckets=_XFER_BUCKETS, registry=r)
+        self.tokens = Counter("nexrt_tokens_generated", "Tokens streamed", registry=r)
+        self.step_seconds = Histogram("nexrt_decode_step_seconds", "Decode step latency", buckets=_STEP_BUCKETS,
+                                      registry=r)
+        self.busy = Gauge("nexrt_busy_slots", "Admitted requests in flight (0 or 1)", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
