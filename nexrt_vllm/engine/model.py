@@ -342,9 +342,10 @@ def _route(w: MoEWeights, cfg: ModelConfig, x: torch.Tensor):
     return top_w.to(logits.dtype), top_i
 
 
-def _expert(w: MoEWeights, e, x: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w.gate_up_proj[e]).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w.down_proj[e])
+def _expert(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU: gate_up [2I, H], down [H, I]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
 
 
 def _shared_expert(w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
@@ -359,7 +360,7 @@ def moe_prefill(w: MoEWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tenso
     out = torch.zeros_like(x)
     for e in torch.unique(top_i).tolist():
         slot, tok = torch.where(top_i.t() == e)  # slot-major, as HF orders the rows
-        y = _expert(w, e, x[tok]) * top_w[tok, slot, None]
+        y = _expert(w.gate_up_proj[e], w.down_proj[e], x[tok]) * top_w[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out + shared
 
@@ -373,7 +374,9 @@ def moe_decode(w: MoEWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor
     top_w = top_w[0, order]
     out = torch.zeros_like(x)
     for j in range(cfg.num_experts_per_tok):
-        out = out + _expert(w, top_i[j], x) * top_w[j]
+        e = top_i[j: j + 1]  # a 1-element index tensor: indexing with a 0-d tensor would sync
+        y = _expert(w.gate_up_proj.index_select(0, e)[0], w.down_proj.index_select(0, e)[0], x)
+        out = out + y * top_w[j]
     return out + shared
 
 

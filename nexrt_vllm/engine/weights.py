@@ -91,7 +91,7 @@ def _listing(title: str, items: list[str]) -> str:
 
 
 def _checkpoint_files(path: str) -> dict[str, str]:
-    """checkpoint tensor name -> file holding it."""
+    """checkpoint tensor name -> file holding it, from the shard index or the single file."""
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
         try:
@@ -111,7 +111,11 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     single = os.path.join(path, SINGLE_FILE)
     if not os.path.isfile(single):
         raise WeightsError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
-    return {}  # names are read from the single file
+    try:
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for corrupt headers
+        raise WeightsError(f"cannot read {single}: {e}") from None
 
 
 def _canonical(name: str) -> str:
@@ -128,13 +132,6 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
     All problems (missing, unexpected, misshaped, unsupported dtype) are reported in one WeightsError.
     """
     name_to_file = _checkpoint_files(path)
-    if not name_to_file:
-        single = os.path.join(path, SINGLE_FILE)
-        try:
-            with safe_open(single, framework="pt") as f:
-                name_to_file = {k: single for k in f.keys()}
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types for corrupt headers
-            raise WeightsError(f"cannot read {single}: {e}") from None
 
     # Inspect headers only (shape, dtype) before reading any data.
     headers: dict[str, tuple[list[int], str]] = {}
@@ -156,7 +153,7 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
     visual_ok = cfg.architecture.endswith("ForConditionalGeneration")
     plan: dict[str, str] = {}  # canonical -> checkpoint name
     experts: dict[tuple[int, str], dict[int, str]] = defaultdict(dict)  # (layer, proj) -> expert -> name
-    mtp_names: dict[str, str] = {}
+    mtp_names: list[str] = []
     missing, unexpected, misshaped, bad_dtype = [], [], [], []
     seen: set[str] = set()
     for name in sorted(name_to_file):
@@ -169,7 +166,7 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
         if dt not in LOADABLE_DTYPES:
             bad_dtype.append(f"{name}: {dt}")
         if name.startswith("mtp."):
-            mtp_names[name] = name
+            mtp_names.append(name)
             continue
         canon = _canonical(name)
         if canon == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -221,7 +218,7 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
     tensors: dict[str, torch.Tensor] = {}
     mtp: dict[str, torch.Tensor] = {}
     want: dict[str, list[str]] = defaultdict(list)  # file -> checkpoint names to read
-    for n in list(plan.values()) + list(mtp_names) + [x for groups in stacked.values() for g in groups for x in g]:
+    for n in list(plan.values()) + mtp_names + [x for groups in stacked.values() for g in groups for x in g]:
         want[name_to_file[n]].append(n)
     raw: dict[str, torch.Tensor] = {}
     bar = tqdm(total=sum(len(v) for v in want.values()), desc="Loading weights", unit="tensor",
