@@ -1,0 +1,18 @@
+"""`import nexrt_vllm` stays light: only `nexrt_vllm.engine` brings torch in."""
+import subprocess
+import sys
+
+
+def _loaded(stmt):
+    code = f"import sys; {stmt}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().splitlines()[-1]
+
+
+def test_package_import_does_not_load_torch():
+    assert _loaded("import nexrt_vllm") == "[]"
+
+
+def test_engine_import_loads_torch_but_not_transformers():
+    assert _loaded("import nexrt_vllm.engine") == "['torch']"
