@@ -1,26 +1,45 @@
-"""Each decode kernel against the eager op it replaces, on random inputs (Triton interpreter on CPU).
+"""Each decode kernel against the eager op it replaces, on random inputs.
 
-TRITON_INTERPRET=1 runs the same kernel source with numpy, so the math (indexing, masking, rounding
-points, the in-place state updates) is checked here; speed and the compiled code are checked on the
-GPU by benchmarks/gpu_check.py. Outputs are poisoned (NaN) before each launch so an unwritten
-element fails the comparison.
+On CPU (CI) TRITON_INTERPRET=1 runs the same kernel source with numpy, so the math (indexing,
+masking, rounding points, the in-place state updates) is checked without a GPU. With
+NEXRT_KERNEL_DEVICE=cuda (benchmarks/gpu_check.py on the H200) the same tests run the compiled
+kernels. Outputs are poisoned (NaN) before each launch so an unwritten element fails the comparison.
 """
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first kernel import
+DEV = os.environ.get("NEXRT_KERNEL_DEVICE", "cpu")
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first kernel import
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 triton = pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") != "1":  # a GPU runner may import this file too
-    pytest.skip("kernel CPU tests need TRITON_INTERPRET=1", allow_module_level=True)
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("kernel tests on CPU need TRITON_INTERPRET=1", allow_module_level=True)
 
 from nexrt_vllm.engine.kernels import attention, gdn, gemv, moe, sampling  # noqa: E402
 
 torch.set_num_threads(1)
 BF = torch.bfloat16
+
+
+def call(fn, *args, **kw):
+    """Run a kernel wrapper on DEV: tensor arguments go there, and come back in place afterwards
+    (outputs and in-place state included). Aliasing views are not supported (tests pass none)."""
+    moved = {}
+
+    def mv(t):
+        if not isinstance(t, torch.Tensor) or DEV == "cpu":
+            return t
+        moved.setdefault(id(t), (t, t.to(DEV)))
+        return moved[id(t)][1]
+
+    out = fn(*[mv(a) for a in args], **{k: mv(v) for k, v in kw.items()})
+    for t, d in moved.values():
+        t.copy_(d.cpu())
+    return out
 
 
 def rel(a, b):
@@ -47,7 +66,7 @@ def test_gemv_rmsnorm_prologue_store():
     w = (torch.randn(70, 96, generator=g) * 0.1).to(BF)
     nw = (torch.randn(96, generator=g) * 0.1).to(BF)
     y = nan_like(torch.empty(70, dtype=BF))
-    gemv.gemv(x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32)
+    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32)
     ref = lin(rms1p(x, nw), w)
     assert rel(y, ref) < 8e-3 and not y.isnan().any()
 
@@ -57,14 +76,14 @@ def test_gemv_residual_and_swiglu_epilogues():
     x = torch.randn(64, generator=g).to(BF)
     wgu = (torch.randn(2 * 40, 64, generator=g) * 0.2).to(BF)
     act = nan_like(torch.empty(40, dtype=BF))
-    gemv.gemv(x, wgu, act, epi=gemv.EPI_SWIGLU, block_n=16, block_k=32)
+    call(gemv.gemv, x, wgu, act, epi=gemv.EPI_SWIGLU, block_n=16, block_k=32)
     gate, up = lin(x, wgu[:40]), lin(x, wgu[40:])
     ref = F.silu(gate) * up
     assert rel(act, ref) < 8e-3 and not act.isnan().any()
     res = torch.randn(50, generator=g).to(BF)
     wd = (torch.randn(50, 40, generator=g) * 0.2).to(BF)
     ref_res = res + lin(act, wd)
-    gemv.gemv(act, wd, res, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=32)
+    call(gemv.gemv, act, wd, res, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=32)
     assert rel(res, ref_res) < 8e-3
 
 
@@ -77,7 +96,7 @@ def test_gemv_conv_epilogue_updates_state():
     st = torch.randn(conv_n, kc - 1, generator=g).to(BF)
     st_ref = st.clone()
     y = nan_like(torch.empty(conv_n + extra, dtype=BF))
-    gemv.gemv(x, w, y, epi=gemv.EPI_CONV, aux0=st, aux1=cw, conv_n=conv_n, kc=kc, block_n=16, block_k=32)
+    call(gemv.gemv, x, w, y, epi=gemv.EPI_CONV, aux0=st, aux1=cw, conv_n=conv_n, kc=kc, block_n=16, block_k=32)
     proj = lin(x, w)
     window = torch.cat([st_ref, proj[:conv_n, None]], 1)  # oldest first, newest last
     conv = (window.float() * cw.float()).sum(1).to(BF)
@@ -99,7 +118,7 @@ def test_gemv_gated_norm_prologue():
     normed = (oh * torch.rsqrt(oh.pow(2).mean(-1, keepdim=True) + 1e-6)).to(BF)
     gated = ((nw * normed).float() * F.silu(z.view(heads, dv).float())).to(BF).view(-1)
     ref = res + lin(gated, w)
-    gemv.gemv(o, w, res, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=8)
+    call(gemv.gemv, o, w, res, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=8)
     assert rel(res, ref) < 8e-3
 
 
@@ -110,12 +129,12 @@ def test_gemv_argmax_epilogue_partials():
     logits = nan_like(torch.empty(300))
     npart = -(-300 // 32)
     pmax, pidx = torch.empty(npart), torch.empty(npart, dtype=torch.int32)
-    gemv.gemv(x, w, logits, epi=gemv.EPI_ARGMAX, aux0=pmax, aux1=pidx, block_n=32, block_k=32)
+    call(gemv.gemv, x, w, logits, epi=gemv.EPI_ARGMAX, aux0=pmax, aux1=pidx, block_n=32, block_k=32)
     ref = lin(x, w).float()
     assert rel(logits, ref) < 8e-3
     tok, pos, step = torch.zeros(1, dtype=torch.int64), torch.tensor([7]), torch.tensor([41])
     ring = torch.full((4, 2), -1, dtype=torch.int64)
-    sampling.finish(pmax, pidx, npart, tok, pos, step, ring, 4)
+    call(sampling.finish, pmax, pidx, npart, tok, pos, step, ring, 4)
     assert int(tok) == int(torch.argmax(logits)) and int(pos) == 8 and int(step) == 42
     assert ring[41 % 4].tolist() == [int(tok), 42]
 
@@ -150,7 +169,7 @@ def test_gdn_step_matches_delta_rule(hk, hv):
     o_ref, S_ref = _gdn_ref(buf[:2 * kd + vd], buf[off_b:off_b + hv], buf[off_b + hv:], a_log, dt_bias, S.clone(),
                             hk, hv, dk, dv)
     out = nan_like(torch.empty(vd, dtype=BF))
-    gdn.gdn_step(buf, S, out, a_log, dt_bias, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
+    call(gdn.gdn_step, buf, S, out, a_log, dt_bias, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
                  block_v=16)
     assert rel(S, S_ref) < 1e-5
     assert rel(out, o_ref) < 8e-3
@@ -173,10 +192,12 @@ def test_qk_rope_cache_and_split_attention():
     kc = torch.randn(KVH, maxlen, hd, generator=g).to(BF)
     vc = torch.randn(KVH, maxlen, hd, generator=g).to(BF)
     inv_freq = 1.0 / (1e7 ** (torch.arange(0, rot, 2).float() / rot))
+    ang = torch.arange(maxlen).float()[:, None] * inv_freq
+    cos_t, sin_t = torch.cat([ang, ang], 1).cos().to(BF), torch.cat([ang, ang], 1).sin().to(BF)
     posb = torch.tensor([pos])
     q_out = nan_like(torch.empty(H * hd, dtype=BF))
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    attention.qk_rope_cache(qkv, q_out, kc, vc, qn, kn, inv_freq, posb, num_heads=H, num_kv_heads=KVH, head_dim=hd,
+    call(attention.qk_rope_cache, qkv, q_out, kc, vc, qn, kn, cos_t, sin_t, posb, num_heads=H, num_kv_heads=KVH, head_dim=hd,
                             rotary_dim=rot, eps=1e-6)
     qg = qkv[:H * 2 * hd].view(H, 2, hd)
     q_ref = _rope_ref(rms1p(qg[:, 0], qn), pos, inv_freq, rot)
@@ -190,7 +211,7 @@ def test_qk_rope_cache_and_split_attention():
     m_b, l_b = torch.empty(H * nsplit), torch.empty(H * nsplit)
     acc_b = torch.empty(H * nsplit * hd)
     out = nan_like(torch.empty(H * hd, dtype=BF))
-    attention.attention_decode(q_out, kc, vc, posb, qkv, out, m_b, l_b, acc_b, num_heads=H, num_kv_heads=KVH,
+    call(attention.attention_decode, q_out, kc, vc, posb, qkv, out, m_b, l_b, acc_b, num_heads=H, num_kv_heads=KVH,
                                head_dim=hd, nsplit=nsplit, block=16)
     kk = kc[:, :pos + 1].repeat_interleave(H // KVH, 0).float()
     vv = vc[:, :pos + 1].repeat_interleave(H // KVH, 0).float()
@@ -224,10 +245,10 @@ def test_moe_experts_selected_only():
     shared = torch.sigmoid(logits[E:]) * lin(F.silu(sg) * su, sdn)
     ref = res + (out + shared)
     lg = nan_like(torch.empty(E + 1, dtype=BF))
-    gemv.gemv(res, wr, lg, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=8, block_k=32)
+    call(gemv.gemv, res, wr, lg, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=8, block_k=32)
     act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
     ids, wts = torch.empty(topk, dtype=torch.int32), torch.empty(topk)
-    moe.moe_experts(res, nw, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, eps=1e-6, block_n=16, block_k=32)
+    call(moe.moe_experts, res, nw, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, eps=1e-6, block_n=16, block_k=32)
     assert ids.tolist() == sorted(top_i.tolist())
     assert rel(res, ref) < 1e-2
 
@@ -246,8 +267,8 @@ def test_gumbel_sampling_respects_top_k_and_top_p():
     for s in range(40):
         step.fill_(s)
         pmax, pidx = torch.empty(2), torch.empty(2, dtype=torch.int32)
-        n = sampling.gumbel_partial(vals, idx, cum, params, torch.tensor([3]), step, pmax, pidx, block=32)
+        n = call(sampling.gumbel_partial, vals, idx, cum, params, torch.tensor([3]), step, pmax, pidx, block=32)
         tok, pos, stp = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), step.clone()
-        sampling.finish(pmax, pidx, n, tok, pos, stp, torch.zeros(4, 2, dtype=torch.int64), 4)
+        call(sampling.finish, pmax, pidx, n, tok, pos, stp, torch.zeros(4, 2, dtype=torch.int64), 4)
         seen.add(int(tok))
     assert seen <= allowed and len(seen) > 1

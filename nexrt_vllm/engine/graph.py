@@ -53,72 +53,78 @@ def _require_gpu_dtype(cfg: ModelConfig, dtype: torch.dtype) -> None:
         raise EngineError(f"conv kernel {cfg.conv_kernel} < 2 is not supported by the GPU path")
 
 
-def _qwen3_next_in_proj(cfg: ModelConfig, w: dict, p: str) -> torch.Tensor:
-    """Qwen3-Next groups in_proj_qkvz / in_proj_ba per key head; regroup rows to [q|k|v|z|b|a]."""
+def _concat_shared(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Concatenate row blocks into one matrix and return views of it standing in for the parts.
+
+    The caller re-points the eager model's weights at the views, so the fused and the eager path
+    read the same memory (no second copy of a 70 GB model)."""
+    fused = torch.cat(parts)
+    views, r = [], 0
+    for p in parts:
+        views.append(fused[r:r + p.shape[0]].view_as(p))
+        r += p.shape[0]
+    return fused, views
+
+
+def _next_in_proj(cfg: ModelConfig, w) -> torch.Tensor:
+    """Qwen3-Next groups in_proj_qkvz / in_proj_ba per key head; regroup the rows to [q|k|v|z|b|a].
+    (A copy: the eager path keeps its grouped matrices.)"""
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
-    qkvz = w[p + "in_proj_qkvz.weight"].view(nk, 2 * dk + 2 * r * dv, -1)
-    q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=1)
-    ba = w[p + "in_proj_ba.weight"].view(nk, 2 * r, -1)
-    b, a = torch.split(ba, [r, r], dim=1)
-    flat = [t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a)]
-    return torch.cat(flat, 0).contiguous()
+    q, k, v, z = torch.split(w.in_proj_qkvz.view(nk, 2 * dk + 2 * r * dv, -1), [dk, dk, r * dv, r * dv], dim=1)
+    b, a = torch.split(w.in_proj_ba.view(nk, 2 * r, -1), [r, r], dim=1)
+    return torch.cat([t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a)]).contiguous()
 
 
 class FusedDecoder:
-    """Static buffers + fused weights; `launch()` enqueues one decode step (graph-capturable)."""
+    """Static buffers + fused weights over an eager `Model`; `launch()` enqueues one decode step.
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], state: DecodeState,
-                 tuning: Tuning | None = None):
+    mode "fused": the Triton kernels (~5 launches per layer). mode "eager": the eager model's own
+    `decode` (same ops as the oracle, so greedy tokens are bit-identical), used to check the graph
+    machinery separately from the kernels' numerics.
+    """
+
+    def __init__(self, model, state: DecodeState, mode: str = "fused", tuning: Tuning | None = None):
+        if mode not in ("fused", "eager"):
+            raise EngineError(f"mode must be 'fused' or 'eager', got {mode!r}")
+        cfg = model.config
         _require_gpu_dtype(cfg, state.dtype)
         from .kernels import attention, gdn, gemv, moe, sampling  # triton: GPU path only
         self.k_attn, self.k_gdn, self.k_gemv, self.k_moe, self.k_samp = attention, gdn, gemv, moe, sampling
-        self.cfg, self.state, self.t = cfg, state, tuning or Tuning()
-        dev, dt = state.device, state.dtype
-        c = cfg
-        H = c.hidden_size
+        self.model, self.cfg, self.state, self.mode, self.t = model, cfg, state, mode, tuning or Tuning()
+        dev, dt, c = state.device, state.dtype, cfg
         self.layers: list[dict] = []
-        max_buf = 0
-        for i, kind in enumerate(c.layer_types):
+        max_buf = 1
+        for i, lw in enumerate(model.layers if mode == "fused" else ()):
             p = f"layers.{i}."
-            L: dict = {"kind": kind, "ln1": weights[p + "input_layernorm.weight"],
-                       "ln2": weights[p + "post_attention_layernorm.weight"]}
-            if kind == "linear_attention":
-                g = p + "linear_attn."
+            L: dict = {"kind": lw.kind, "ln1": lw.input_norm, "ln2": lw.post_norm}
+            m = lw.mixer
+            if lw.kind == "linear_attention":
                 if c.family == "qwen3_next":
-                    L["w_in"] = _qwen3_next_in_proj(c, weights, g)
+                    L["w_in"] = _next_in_proj(c, m)
                 else:
-                    L["w_in"] = torch.cat([weights[g + n] for n in ("in_proj_qkv.weight", "in_proj_z.weight",
-                                                                     "in_proj_b.weight", "in_proj_a.weight")])
-                L.update(conv_w=weights[g + "conv1d.weight"].reshape(c.conv_dim, c.conv_kernel).contiguous(),
-                         a_log=weights[g + "A_log"], dt_bias=weights[g + "dt_bias"],
-                         gnorm=weights[g + "norm.weight"], w_out=weights[g + "out_proj.weight"],
-                         conv=state[p + "conv"], rec=state[p + "rec"])
+                    L["w_in"], (m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a) = _concat_shared(
+                        [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+                L.update(conv_w=m.conv1d.contiguous(), a_log=m.A_log, dt_bias=m.dt_bias, gnorm=m.norm,
+                         w_out=m.out_proj, conv=state[p + "conv"], rec=state[p + "rec"])
                 max_buf = max(max_buf, L["w_in"].shape[0])
             else:
-                a = p + "self_attn."
-                L.update(w_qkv=torch.cat([weights[a + "q_proj.weight"], weights[a + "k_proj.weight"],
-                                          weights[a + "v_proj.weight"]]),
-                         qn=weights[a + "q_norm.weight"], kn=weights[a + "k_norm.weight"],
-                         w_o=weights[a + "o_proj.weight"], k=state[p + "k"], v=state[p + "v"])
+                L["w_qkv"], (m.q_proj, m.k_proj, m.v_proj) = _concat_shared([m.q_proj, m.k_proj, m.v_proj])
+                L.update(qn=m.q_norm, kn=m.k_norm, w_o=m.o_proj, k=state[p + "k"], v=state[p + "v"])
                 max_buf = max(max_buf, L["w_qkv"].shape[0])
-            m = p + "mlp."
-            if c.is_moe_layer(i):
-                L.update(moe=True,
-                         w_router=torch.cat([weights[m + "gate.weight"], weights[m + "shared_expert_gate.weight"]]),
-                         gate_up=weights[m + "experts.gate_up_proj"], down=weights[m + "experts.down_proj"],
-                         s_gate_up=torch.cat([weights[m + "shared_expert.gate_proj.weight"],
-                                              weights[m + "shared_expert.up_proj.weight"]]),
-                         s_down=weights[m + "shared_expert.down_proj.weight"])
+            f = lw.ffn
+            if hasattr(f, "router"):
+                L["w_router"], (f.router, f.shared_gate) = _concat_shared([f.router, f.shared_gate])
+                L["s_gate_up"], (f.shared.gate_proj, f.shared.up_proj) = _concat_shared(
+                    [f.shared.gate_proj, f.shared.up_proj])
+                L.update(moe=True, gate_up=f.gate_up_proj, down=f.down_proj, s_down=f.shared.down_proj)
             else:
-                L.update(moe=False, w_gu=torch.cat([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]]),
-                         w_down=weights[m + "down_proj.weight"])
-                max_buf = max(max_buf, L["w_gu"].shape[0] // 2)
+                L["w_gu"], (f.gate_proj, f.up_proj) = _concat_shared([f.gate_proj, f.up_proj])
+                L.update(moe=False, w_down=f.down_proj)
             self.layers.append(L)
-        self.embed = weights["embed_tokens.weight"]
-        self.final_norm = weights["norm.weight"]
-        self.lm_head = weights["embed_tokens.weight"] if c.tie_word_embeddings else weights["lm_head.weight"]
+        self.embed, self.final_norm, self.lm_head = model.embed, model.final_norm, model.lm_head
         # Static activations (addresses fixed for capture).
+        H = c.hidden_size
         self.res = torch.zeros(H, dtype=dt, device=dev)
         self.buf = torch.zeros(max_buf, dtype=dt, device=dev)
         self.o = torch.zeros(max(c.value_dim, c.num_heads * c.head_dim), dtype=dt, device=dev)
@@ -127,9 +133,6 @@ class FusedDecoder:
         self.m_buf = torch.zeros(c.num_heads * ns, dtype=torch.float32, device=dev)
         self.l_buf = torch.zeros(c.num_heads * ns, dtype=torch.float32, device=dev)
         self.acc_buf = torch.zeros(c.num_heads * ns * c.head_dim, dtype=torch.float32, device=dev)
-        rot = c.rotary_dim
-        self.inv_freq = (1.0 / (c.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.int64).to(
-            device=dev, dtype=torch.float) / rot))).contiguous()
         if c.num_experts:
             imax = max(c.moe_intermediate_size, c.shared_expert_intermediate_size)
             self.act = torch.zeros((c.num_experts_per_tok + 1) * imax, dtype=dt, device=dev)
@@ -139,15 +142,17 @@ class FusedDecoder:
         if c.intermediate_size:
             self.act_dense = torch.zeros(c.intermediate_size, dtype=dt, device=dev)
         self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
-        n_part = -(-c.vocab_size // self.t.block_n_lm)
-        self.n_part = n_part
-        self.pmax = torch.zeros(max(n_part, -(-c.vocab_size // 2048)), dtype=torch.float32, device=dev)
+        self.n_part = -(-c.vocab_size // self.t.block_n_lm)
+        self.pmax = torch.zeros(max(self.n_part, -(-c.vocab_size // 2048)), dtype=torch.float32, device=dev)
         self.pidx = torch.zeros_like(self.pmax, dtype=torch.int32)
         # Control state on the device.
         self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
         self.step = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.pos_scratch = torch.zeros(1, dtype=torch.int64, device=dev)
         self.ring = torch.full((RING, 2), -1, dtype=torch.int64, device=dev)
-        self.ring_host = torch.full((RING, 2), -1, dtype=torch.int64).pin_memory()
+        self.ring_host = torch.full((RING, 2), -1, dtype=torch.int64)
+        if dev.type == "cuda":  # the graph's last node copies the ring here; the host spins on it
+            self.ring_host = self.ring_host.pin_memory()
         self.params = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float32, device=dev)  # temperature, top_p, top_k
         self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
 
@@ -174,7 +179,8 @@ class FusedDecoder:
         n = L["w_qkv"].shape[0]
         g.gemv(self.res, L["w_qkv"], self.buf, pro=g.PRO_RMSNORM, norm_w=L["ln1"], eps=c.rms_norm_eps,
                block_n=t.rows(n), block_k=t.block_k, num_warps=t.num_warps)
-        self.k_attn.qk_rope_cache(self.buf, self.q, L["k"], L["v"], L["qn"], L["kn"], self.inv_freq,
+        self.k_attn.qk_rope_cache(self.buf, self.q, L["k"], L["v"], L["qn"], L["kn"], self.model.rope_cos,
+                                  self.model.rope_sin,
                                   self.state.position, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                   head_dim=c.head_dim, rotary_dim=c.rotary_dim, eps=c.rms_norm_eps)
         self.k_attn.attention_decode(self.q, L["k"], L["v"], self.state.position, self.buf, self.o, self.m_buf,
@@ -190,7 +196,8 @@ class FusedDecoder:
                    eps=c.rms_norm_eps, block_n=t.block_n_small, block_k=t.block_k, num_warps=t.num_warps)
             self.k_moe.moe_experts(self.res, L["ln2"], self.router_logits, L["gate_up"], L["s_gate_up"], L["down"],
                                    L["s_down"], self.act, self.ids, self.wts, top_k=c.num_experts_per_tok,
-                                   eps=c.rms_norm_eps, block_n=t.moe_block_n, block_k=t.block_k,
+                                   eps=c.rms_norm_eps, norm_topk=c.norm_topk_prob, block_n=t.moe_block_n,
+                                   block_k=t.block_k,
                                    num_warps=t.num_warps)
         else:
             inter = L["w_gu"].shape[0] // 2
@@ -199,8 +206,7 @@ class FusedDecoder:
             g.gemv(self.act_dense, L["w_down"], self.res, epi=g.EPI_RESIDUAL, block_n=t.rows(c.hidden_size),
                    block_k=t.block_k, num_warps=t.num_warps)
 
-    def launch(self, sample: bool = False) -> None:
-        """Enqueue one decode step: input token `tok` at `position`; leaves the next token in `tok`."""
+    def _forward_fused(self) -> None:
         self._embed()
         for L in self.layers:
             (self._gdn if L["kind"] == "linear_attention" else self._attn)(L)
@@ -209,15 +215,26 @@ class FusedDecoder:
         g.gemv(self.res, self.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
                aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, block_n=t.block_n_lm, block_k=t.block_k,
                num_warps=t.num_warps)
-        n_part = self.n_part
+
+    def launch(self, sample: bool = False) -> None:
+        """Enqueue one decode step: input token `tok` at `position`; leaves the next token in `tok`."""
+        pos = self.state.position
+        if self.mode == "fused":
+            self._forward_fused()
+            n_part = self.n_part
+        else:
+            self.logits.copy_(self.model.decode(self.tok, self.state))  # advances position itself
+            pos = self.pos_scratch
+            torch.amax(self.logits, 0, keepdim=True, out=self.pmax[:1])
+            self.pidx[:1].copy_(torch.argmax(self.logits, 0, keepdim=True))
+            n_part = 1
         if sample:
             vals, idx = torch.sort(self.logits, descending=True)
             probs = torch.softmax(vals / self.params[0], dim=0)
             cum_excl = torch.cumsum(probs, 0) - probs
             n_part = self.k_samp.gumbel_partial(vals, idx, cum_excl, self.params, self.seed, self.step, self.pmax,
                                                 self.pidx)
-        self.k_samp.finish(self.pmax, self.pidx, n_part, self.tok, self.state.position, self.step, self.ring,
-                           RING)
+        self.k_samp.finish(self.pmax, self.pidx, n_part, self.tok, pos, self.step, self.ring, RING)
         self.ring_host.copy_(self.ring, non_blocking=True)
 
     # ---- byte accounting -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from .common import bf16_round as _bf16
 
 
 @triton.jit
-def qk_rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, inv_freq_ptr,
+def qk_rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
                          pos_ptr, eps, stride_ch, stride_cs,
                          H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
                          RESTP: tl.constexpr, HDP: tl.constexpr):
@@ -37,9 +37,10 @@ def qk_rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, k
     x1 = _bf16((x1 * rstd) * (1.0 + tl.load(nw + i).to(tl.float32)))
     x2 = _bf16((x2 * rstd) * (1.0 + tl.load(nw + half + i).to(tl.float32)))
     x3 = _bf16((x3 * rstd) * (1.0 + tl.load(nw + r, mask=rm, other=0.0).to(tl.float32)))
-    ang = pos.to(tl.float32) * tl.load(inv_freq_ptr + i)
-    c = _bf16(tl.cos(ang))
-    s = _bf16(tl.sin(ang))
+    # The eager model's bf16 cos/sin tables [max_seq_len, ROT] (halves equal): same values, no
+    # device transcendental at large angles.
+    c = tl.load(cos_ptr + pos * ROT + i).to(tl.float32)
+    s = tl.load(sin_ptr + pos * ROT + i).to(tl.float32)
     y1 = _bf16(_bf16(x1 * c) - _bf16(x2 * s))
     y2 = _bf16(_bf16(x2 * c) + _bf16(x1 * s))
     if is_q:
@@ -123,11 +124,12 @@ def attn_combine_kernel(m_ptr, l_ptr, acc_ptr, qkv_ptr, out_ptr,
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def qk_rope_cache(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, inv_freq, pos, *, num_heads,
+def qk_rope_cache(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, pos, *, num_heads,
                   num_kv_heads, head_dim, rotary_dim, eps):
-    """k_cache/v_cache: [KVH, max_seq_len, head_dim]; writes row `pos` (device scalar)."""
+    """k_cache/v_cache: [KVH, max_seq_len, head_dim]; writes row `pos` (device scalar); cos/sin
+    [max_seq_len, rotary_dim] in the model dtype."""
     qk_rope_cache_kernel[(num_heads + num_kv_heads,)](
-        qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, inv_freq, pos, eps,
+        qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, pos, eps,
         k_cache.stride(0), k_cache.stride(1), H=num_heads, KVH=num_kv_heads, HD=head_dim, ROT=rotary_dim,
         RESTP=triton.next_power_of_2(head_dim - rotary_dim), HDP=triton.next_power_of_2(head_dim),
         num_warps=2)

@@ -113,7 +113,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
     if pro == PRO_GATED:
         block_k = group
-    block_k = block_k or min(512, triton.next_power_of_2(k))
+    block_k = min(block_k or 512, triton.next_power_of_2(k))
     block_n = block_n or 16
     grid = triton.cdiv(n, block_n)
     dummy = y

@@ -16,7 +16,7 @@ from .gemv import _load_x
 
 
 @triton.jit
-def _route(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr):
+def _route(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr):
     e = tl.arange(0, EP)
     em = e < E
     lg = tl.load(logits_ptr + e, mask=em, other=float("-inf")).to(tl.float32)
@@ -29,7 +29,7 @@ def _route(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr):
         idx = tl.min(tl.where(work == m, e, EP), 0)  # ties -> lowest expert id
         sel = sel | (e == idx)
         work = tl.where(e == idx, -1.0, work)
-    wsum = tl.sum(tl.where(sel, p, 0.0), 0)
+    wsum = tl.sum(tl.where(sel, p, 0.0), 0) if NORM else 1.0
     rank = tl.cumsum(sel.to(tl.int32), 0) - 1  # slot of each selected expert, ascending id
     return e, sel, rank, _bf16(p / wsum)
 
@@ -37,11 +37,11 @@ def _route(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr):
 @triton.jit
 def moe_gate_up_kernel(x_ptr, nw_ptr, logits_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, wts_ptr,
                        K, I, IS, stride_ge, eps,
-                       E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr,
+                       IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     slot = tl.program_id(1)
-    e, sel, rank, wt = _route(logits_ptr, E, EP, TOPK)
+    e, sel, rank, wt = _route(logits_ptr, E, EP, TOPK, NORM)
     if (pid == 0) & (slot == 0):
         # Scatter each selected expert's id / weight to its slot.
         for s in tl.static_range(TOPK):
@@ -117,7 +117,7 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 
 def moe_experts(res, norm_w, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
-                eps, block_n=16, block_k=None, num_warps=4):
+                eps, norm_topk=True, block_n=16, block_k=None, num_warps=4):
     """Routed + shared experts for one token; `res` (the residual, [H]) is updated in place.
 
     gate_up [E, 2I, H], down [E, H, I], shared_gate_up [2Is, H], shared_down [H, Is], logits [E+1]
@@ -129,7 +129,7 @@ def moe_experts(res, norm_w, logits, gate_up, shared_gate_up, down, shared_down,
     bk = block_k or min(512, triton.next_power_of_2(hidden))
     moe_gate_up_kernel[(triton.cdiv(imax, block_n), top_k + 1)](
         res, norm_w, logits, gate_up, shared_gate_up, act, ids, wts, hidden, inter, inter_s, gate_up.stride(0),
-        eps, E=n_exp, EP=triton.next_power_of_2(n_exp), TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk,
+        eps, E=n_exp, EP=triton.next_power_of_2(n_exp), TOPK=top_k, NORM=norm_topk, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=num_warps)
     bkd = min(512, triton.next_power_of_2(imax))
     moe_down_kernel[(triton.cdiv(hidden, block_n),)](

@@ -1,0 +1,68 @@
+"""The fused decode step (graph.FusedDecoder, all Triton kernels) against the eager model, end to end.
+
+Runs on CPU through the Triton interpreter on the tiny checkpoints of all three families: the
+same kernel launches the CUDA graph captures, fed the eager path's own tokens (teacher forcing),
+must give the eager logits to bf16 accuracy and the same greedy token, and leave the same state.
+The graph capture, pinned control ring and timing are GPU-only (benchmarks/gpu_check.py).
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CPU run of the fused decoder needs TRITON_INTERPRET=1", allow_module_level=True)
+
+from nexrt_vllm.engine import Engine  # noqa: E402
+from nexrt_vllm.engine.errors import EngineError  # noqa: E402
+from nexrt_vllm.engine.graph import FusedDecoder, Tuning  # noqa: E402
+
+torch.set_num_threads(1)
+STEPS = 4
+# Few, large programs: the interpreter's cost is per program, not per element.
+CPU_TUNING = Tuning(block_k=128, block_n_small=64, block_n=64, block_n_lm=128, attn_splits=4, attn_block=32,
+                    gdn_block_v=64, moe_block_n=64)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_fused_step_matches_eager(ckpt_factory, arch):
+    eng = Engine.from_pretrained(ckpt_factory(arch, "bfloat16"), device="cpu", dtype="bfloat16", max_seq_len=64,
+                                 progress=False)
+    prompt = [5, 17, 3, 99, 42, 7, 11]
+    first = int(torch.argmax(eng.prefill(prompt)))
+    n0, snap = eng.export_state()
+    eager_logits, inputs, tok = [], [], first
+    for _ in range(STEPS):
+        inputs.append(tok)
+        lg = eng.decode_step(tok)
+        eager_logits.append(lg)
+        tok = int(torch.argmax(lg))
+    _, eager_state = eng.export_state()
+    eng.import_state(n0, snap)
+    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=CPU_TUNING)
+    for k, t in enumerate(inputs):
+        dec.tok.fill_(t)
+        dec.launch()
+        assert rel(dec.logits, eager_logits[k]) < 2e-2, f"step {k}"
+        top2 = torch.topk(eager_logits[k], 2).values
+        if top2[0] - top2[1] > 0.05:  # not a near tie: the greedy token must agree
+            assert int(dec.tok) == int(torch.argmax(eager_logits[k])), f"step {k}"
+    assert int(eng.state.position) == n0 + STEPS and int(dec.step) == STEPS
+    for name, t in eng.state.tensors.items():
+        ref = eager_state[name]
+        got = t[:, :ref.shape[1]] if name.endswith((".k", ".v")) else t
+        assert rel(got, ref) < 2e-2, name
+
+
+def test_fused_decoder_refuses_non_bf16(ckpt_factory):
+    eng = Engine.from_pretrained(ckpt_factory("qwen3_5", "bfloat16"), device="cpu", dtype="float32",
+                                 max_seq_len=16, progress=False)
+    with pytest.raises(EngineError, match="bfloat16"):
+        FusedDecoder(eng.model, eng.state)
