@@ -133,10 +133,10 @@ def test_gemv_argmax_epilogue_partials():
     ref = lin(x, w).float()
     assert rel(logits, ref) < 8e-3
     tok, pos, step = torch.zeros(1, dtype=torch.int64), torch.tensor([7]), torch.tensor([41])
-    ring = torch.full((4, 2), -1, dtype=torch.int64)
+    ring = torch.full((4,), -1, dtype=torch.int64)
     call(sampling.finish, pmax, pidx, npart, tok, pos, step, ring, 4)
     assert int(tok) == int(torch.argmax(logits)) and int(pos) == 8 and int(step) == 42
-    assert ring[41 % 4].tolist() == [int(tok), 42]
+    assert int(ring[41 % 4]) == (42 << 32) | int(tok) and int((ring == -1).sum()) == 3
 
 
 def _gdn_ref(qkv, b, a, a_log, dt_bias, S, hk, hv, dk, dv):
@@ -269,6 +269,6 @@ def test_gumbel_sampling_respects_top_k_and_top_p():
         pmax, pidx = torch.empty(2), torch.empty(2, dtype=torch.int32)
         n = call(sampling.gumbel_partial, vals, idx, cum, params, torch.tensor([3]), step, pmax, pidx, block=32)
         tok, pos, stp = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), step.clone()
-        call(sampling.finish, pmax, pidx, n, tok, pos, stp, torch.zeros(4, 2, dtype=torch.int64), 4)
+        call(sampling.finish, pmax, pidx, n, tok, pos, stp, torch.zeros(4, dtype=torch.int64), 4)
         seen.add(int(tok))
     assert seen <= allowed and len(seen) > 1

@@ -7,10 +7,11 @@ the step counter and the sampling parameters are device buffers. `GraphRunner` c
 (embedding, every layer, final norm, lm_head, token selection, control publication) into one CUDA
 graph, so a generated token costs exactly one graph replay.
 
-Control: the last kernel writes (token, step) into a device ring; the graph ends with a copy of the
-ring into host-pinned memory. The host enqueues replay k+1 before it waits for token k (spinning on
-the pinned ring, no device sync), does stop detection itself, and discards the one replay that ran
-past a stop. The ring (not a single slot) means replay k+1 can land before the host has read k.
+Control: the last kernel writes (step << 32 | token) into a ring of host-mapped pinned memory (one
+8-byte store, so the host never sees a torn pair; if mapping is unavailable, a device ring plus a
+copy node into pinned memory). The host enqueues replay k+1 before it waits for token k (spinning
+on the ring, no device sync), does stop detection itself, and discards the one replay that ran past
+a stop. The ring (not a single slot) means replay k+1 can land before the host has read k.
 
 Layout assumptions are those of `DecodeState` (docs/ARCHITECTURE.md §1) and `weights.py` canonical
 names; the CPU/eager engine stays the oracle these kernels are checked against.
@@ -74,6 +75,53 @@ def _next_in_proj(cfg: ModelConfig, w) -> torch.Tensor:
     q, k, v, z = torch.split(w.in_proj_qkvz.view(nk, 2 * dk + 2 * r * dv, -1), [dk, dk, r * dv, r * dv], dim=1)
     b, a = torch.split(w.in_proj_ba.view(nk, 2 * r, -1), [r, r], dim=1)
     return torch.cat([t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a)]).contiguous()
+
+
+_PAGE = 4096
+
+
+def _host_mapped(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host, device) views of RING int64 slots of page-locked, device-mapped host memory.
+
+    The slots sit alone on one page (registration is per page; a shared page could collide with
+    another registration). UVA: the mapped device address equals the host address."""
+    backing = torch.full((3 * _PAGE // 8,), -1, dtype=torch.int64)
+    off = (-backing.data_ptr() % _PAGE) // 8
+    host = backing[off:off + RING]
+    rc = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), _PAGE, 2)  # cudaHostRegisterMapped
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister failed ({rc})")
+
+    class _Iface:
+        __cuda_array_interface__ = {"shape": (RING,), "typestr": "<i8", "data": (host.data_ptr(), False),
+                                    "version": 3, "strides": None}
+    return host, torch.as_tensor(_Iface(), device=dev)
+
+
+def _control_ring(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(host view, device view, mode) of the control ring: RING int64 slots, each (step << 32) | token.
+
+    Preferred: host-mapped memory the last kernel writes over PCIe, so no copy node and no sync.
+    Fallback: a device ring copied into pinned memory by the graph's last node."""
+    if dev.type != "cuda":
+        host = torch.full((RING,), -1, dtype=torch.int64)
+        return host, host, "cpu"
+    from .kernels import sampling
+    try:
+        host, mapped = _host_mapped(dev)
+        # Round trip through the very kernel that publishes tokens: it writes, the host must see it.
+        pm = torch.full((1,), 1.0, device=dev)
+        pi = torch.full((1,), 9, dtype=torch.int32, device=dev)
+        z = torch.zeros(1, dtype=torch.int64, device=dev)
+        sampling.finish(pm, pi, 1, z.clone(), z.clone(), z.clone(), mapped, RING)
+        torch.cuda.synchronize()
+        if int(host[0]) == (1 << 32) | 9:
+            host.fill_(-1)
+            return host, mapped, "host-mapped"
+    except Exception:  # noqa: BLE001 - any failure means: use the copy path
+        pass
+    host = torch.full((RING,), -1, dtype=torch.int64).pin_memory()
+    return host, torch.full((RING,), -1, dtype=torch.int64, device=dev), "pinned-copy"
 
 
 class FusedDecoder:
@@ -149,10 +197,7 @@ class FusedDecoder:
         self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
         self.step = torch.zeros(1, dtype=torch.int64, device=dev)
         self.pos_scratch = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.ring = torch.full((RING, 2), -1, dtype=torch.int64, device=dev)
-        self.ring_host = torch.full((RING, 2), -1, dtype=torch.int64)
-        if dev.type == "cuda":  # the graph's last node copies the ring here; the host spins on it
-            self.ring_host = self.ring_host.pin_memory()
+        self.ring_host, self.ring, self.control = _control_ring(dev)
         self.params = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float32, device=dev)  # temperature, top_p, top_k
         self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
 
@@ -235,7 +280,8 @@ class FusedDecoder:
             n_part = self.k_samp.gumbel_partial(vals, idx, cum_excl, self.params, self.seed, self.step, self.pmax,
                                                 self.pidx)
         self.k_samp.finish(self.pmax, self.pidx, n_part, self.tok, pos, self.step, self.ring, RING)
-        self.ring_host.copy_(self.ring, non_blocking=True)
+        if self.control == "pinned-copy":
+            self.ring_host.copy_(self.ring, non_blocking=True)
 
     # ---- byte accounting -------------------------------------------------------------------------
     def bytes_per_step(self, seq_len: int) -> dict[str, int]:
@@ -286,13 +332,17 @@ class GraphRunner:
             torch.cuda.current_stream().wait_stream(s)
             torch.cuda.synchronize()
             self._restore(saved)
+            # The warm-up published step `step+1`; the restored counter will publish it again.
+            d.ring.fill_(-1)
+            d.ring_host.fill_(-1)
+            torch.cuda.synchronize()
             self.graphs[sample] = g
         return self.graphs[sample]
 
     def _snapshot(self) -> dict:
         # Warm-up runs a real step; put back every tensor it mutates so capture leaves no trace.
         d = self.d
-        live = [d.state.position, d.tok, d.step, d.ring, d.res] + [t for t in d.state.tensors.values()]
+        live = [d.state.position, d.tok, d.step, d.res] + [t for t in d.state.tensors.values()]
         return {id(t): (t, t.clone()) for t in live}
 
     @staticmethod
@@ -337,12 +387,12 @@ class GraphRunner:
                     g.replay()  # k+1 in flight before we read k
                     launched += 1
                 want = base + done + 1
-                slot = ring[(want - 1) % RING]
+                slot = (want - 1) % RING
                 deadline = time.monotonic() + timeout_s
-                while int(slot[1]) != want:
+                while (v := int(ring[slot])) >> 32 != want:
                     if time.monotonic() > deadline:
                         raise EngineError(f"decode step {want} did not publish within {timeout_s}s")
-                tok = int(slot[0])
+                tok = v & 0xFFFFFFFF
                 done += 1
                 yield tok
                 if tok in stops:

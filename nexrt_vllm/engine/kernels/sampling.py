@@ -2,8 +2,8 @@
 
 Greedy: the lm_head GEMV (EPI_ARGMAX) leaves one (max, index) pair per program; `finish_kernel`
 reduces them (ties -> lowest id, as torch.argmax), stores the token for the next step, advances the
-device position and step counter and writes (token, step) into a slot of the control ring that the
-graph then copies to host-pinned memory.
+device position and step counter and publishes (step << 32 | token) in a slot of the control ring
+(host-mapped memory, see graph.py).
 
 Sampling (temperature / top-k / top-p): the allowed set is a prefix of the logits sorted in
 descending order, so after a (captured) sort + softmax + cumsum, `gumbel_partial_kernel` takes
@@ -56,13 +56,12 @@ def finish_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, pos_ptr, step_ptr, ring_ptr, 
     tl.store(tok_ptr, best_i.to(tok_ptr.dtype.element_ty))
     tl.store(pos_ptr, tl.load(pos_ptr) + 1)
     tl.store(step_ptr, step)
-    slot = ring_ptr + ((step - 1) % RING) * 2
-    tl.store(slot, best_i.to(ring_ptr.dtype.element_ty))
-    tl.store(slot + 1, step.to(ring_ptr.dtype.element_ty))
+    # One 8-byte store of (step << 32 | token): the host polls this slot and must never see a torn pair.
+    tl.store(ring_ptr + (step - 1) % RING, (step.to(tl.int64) << 32) | best_i.to(tl.int64))
 
 
 def finish(pmax, pidx, n_partials, tok, pos, step, ring, ring_slots):
-    """Reduce the partial argmaxes; advance tok/pos/step; publish (token, step) in ring slot step-1."""
+    """Reduce the partial argmaxes; advance tok/pos/step; publish step<<32|token in ring slot step-1."""
     finish_kernel[(1,)](pmax, pidx, n_partials, tok, pos, step, ring, ring_slots, BLOCK=1024, num_warps=4)
 
 

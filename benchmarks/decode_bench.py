@@ -1,0 +1,389 @@
+"""Batch-1 decode roofline benchmark of the GPU graph path (random weights at real model shapes).
+
+For each shape and context it reports: median step time over >= `--steps` graph replays (CUDA
+events), tok/s, the bytes a step must move (counted from the tensors it reads and writes), the
+device-to-device copy bandwidth measured in the same run, MBU = bytes / step time / copy bandwidth,
+the end-to-end tok/s of the pipelined host loop, the eager path's tok/s and the speed-ups over the
+eager path and over HF transformers (the issue's measurement on this H200, not re-run here). It
+also checks greedy parity (graph vs eager, 256 steps) and times each kernel group. Writes JSON and
+a PNG (tok/s and MBU vs context with the roofline).
+
+    python benchmarks/decode_bench.py --shapes 2b,35b --contexts 1024,8192,32768,131072 \\
+        --json benchmarks/results/decode_h200.json --png benchmarks/results/decode_h200.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+# Qwen3.5 shapes (shared/DESIGN.md §4 and the transformers config defaults of the family).
+_COMMON = dict(vocab_size=248320, hidden_size=2048, head_dim=256, linear_num_key_heads=16,
+               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+               full_attention_interval=4, rms_norm_eps=1e-6, hidden_act="silu", dtype="bfloat16",
+               max_position_embeddings=262144,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+SHAPES = {
+    "2b": dict(_COMMON, architectures=["Qwen3_5ForCausalLM"], num_hidden_layers=24, num_attention_heads=8,
+               num_key_value_heads=2, linear_num_value_heads=16, intermediate_size=6144, tie_word_embeddings=True),
+    "35b": dict(_COMMON, architectures=["Qwen3_5MoeForCausalLM"], num_hidden_layers=40, num_attention_heads=16,
+                num_key_value_heads=2, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                moe_intermediate_size=512, shared_expert_intermediate_size=512, tie_word_embeddings=False),
+}
+NAMES = {"2b": "Qwen3.5-2B", "35b": "Qwen3.5-35B-A3B"}
+HF_TOKS = {"2b": 12.9, "35b": 6.4}  # plain HF transformers on this H200 (issue #6), tok/s
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written (median)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+def time_replays(g, n: int) -> list[float]:
+    """Per-replay device time (s) of `n` back-to-back replays, from events between them."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    ev[0].record()
+    for i in range(n):
+        g.replay()
+        ev[i + 1].record()
+    ev[-1].synchronize()
+    return [ev[i].elapsed_time(ev[i + 1]) / 1e3 for i in range(n)]
+
+
+def fill_context(eng, ctx: int, gen: torch.Generator) -> None:
+    """Make the state hold `ctx` tokens of plausible magnitude (timing only: values do not matter)."""
+    st = eng.state
+    for name, t in st.tensors.items():
+        if name.endswith((".k", ".v")):
+            t[:, :ctx].normal_(generator=gen)
+        elif name.endswith(".rec"):
+            t.normal_(generator=gen).mul_(0.05)
+        else:
+            t.normal_(generator=gen)
+    st.set_seq_len(ctx)
+
+
+def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator) -> dict:
+    """Greedy tokens of the eager engine vs the graph path (fused kernels, and eager ops) from one prompt."""
+    prompt = torch.randint(0, eng.config.vocab_size, (32,), generator=gen, device="cuda").tolist()
+    first = int(torch.argmax(eng.prefill(prompt)))
+    n0, snap = eng.export_state()
+    eager_tokens, eager_logits, tok = [], [], first
+    for _ in range(steps):
+        lg = eng.decode_step(tok)
+        eager_logits.append(lg.clone())
+        tok = int(torch.argmax(lg))
+        eager_tokens.append(tok)
+    out = {"steps": steps, "prompt_len": len(prompt)}
+    for label, runner in (("graph_fused", fused_runner), ("graph_eager_ops", eager_runner)):
+        if runner is None:
+            continue
+        eng.import_state(n0, snap)
+        before = runner.replays
+        toks = list(runner.generate(first, steps))
+        div = next((i for i, (a, b) in enumerate(zip(toks, eager_tokens)) if a != b), None)
+        out[label] = {"equal": toks == eager_tokens, "first_divergence": div,
+                      "replays_per_token": (runner.replays - before) / max(1, len(toks))}
+    # Teacher-forced: the fused step fed the eager tokens; per-step logits error and argmax agreement.
+    eng.import_state(n0, snap)
+    d = fused_runner.d
+    d.state.position.fill_(n0)
+    errs, mism, near = [], 0, 0
+    inputs = [first] + eager_tokens[:-1]
+    for k, t in enumerate(inputs):
+        d.tok.fill_(t)
+        d.launch()
+        ref = eager_logits[k]
+        errs.append(float((d.logits - ref).norm() / ref.norm()))
+        if int(d.tok) != int(torch.argmax(ref)):
+            mism += 1
+            top2 = torch.topk(ref, 2).values
+            near += int(float(top2[0] - top2[1]) <= 2 * float(top2[0].abs()) * 2 ** -8)
+    out["teacher_forced"] = {"logits_rel_err_median": statistics.median(errs), "logits_rel_err_max": max(errs),
+                             "argmax_mismatches": mism, "mismatches_at_bf16_near_tie": near}
+    eng.import_state(n0, snap)
+    return out
+
+
+def kernel_groups(d, reps: int = 20) -> dict:
+    """Device time of each kernel group, launched for every layer back to back inside one graph
+    (so weights stream from HBM as in a real step), per launch and summed over the step."""
+    c, g, t = d.cfg, d.k_gemv, d.t
+    groups: dict[str, list] = {}
+
+    def add(name, fn, nbytes):
+        groups.setdefault(name, []).append((fn, nbytes))
+
+    b = lambda x: x.numel() * x.element_size()  # noqa: E731
+    seq = int(d.state.seq_len)
+    for L in d.layers:
+        if L["kind"] == "linear_attention":
+            add("gdn_in_proj+conv", lambda L=L: g.gemv(d.res, L["w_in"], d.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV,
+                                                       norm_w=L["ln1"], aux0=L["conv"], aux1=L["conv_w"],
+                                                       conv_n=c.conv_dim, kc=c.conv_kernel,
+                                                       block_n=t.rows(L["w_in"].shape[0]), block_k=t.block_k,
+                                                       num_warps=t.num_warps),
+                b(L["w_in"]) + 2 * b(L["conv"]))
+            add("gdn_step", lambda L=L: d.k_gdn.gdn_step(d.buf, L["rec"], d.o, L["a_log"], L["dt_bias"],
+                                                         num_k_heads=c.linear_num_key_heads,
+                                                         num_v_heads=c.linear_num_value_heads,
+                                                         head_k_dim=c.linear_key_head_dim,
+                                                         head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v),
+                2 * b(L["rec"]))
+            add("gdn_out_proj", lambda L=L: g.gemv(d.o, L["w_out"], d.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL,
+                                                   norm_w=L["gnorm"], z=d.buf[c.conv_dim:c.conv_dim + c.value_dim],
+                                                   group=c.linear_value_head_dim, block_n=t.rows(c.hidden_size),
+                                                   num_warps=t.num_warps),
+                b(L["w_out"]))
+        else:
+            add("attn_qkv_proj", lambda L=L: g.gemv(d.res, L["w_qkv"], d.buf, pro=g.PRO_RMSNORM, norm_w=L["ln1"],
+                                                    block_n=t.rows(L["w_qkv"].shape[0]), block_k=t.block_k,
+                                                    num_warps=t.num_warps), b(L["w_qkv"]))
+            add("attn_qknorm_rope_kvwrite", lambda L=L: d.k_attn.qk_rope_cache(
+                d.buf, d.q, L["k"], L["v"], L["qn"], L["kn"], d.model.rope_cos, d.model.rope_sin, d.state.position,
+                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
+                eps=c.rms_norm_eps), 0)
+            kv = 2 * c.num_kv_heads * c.head_dim * L["k"].element_size() * (seq + 1)
+            add("attn_splitk+combine", lambda L=L: d.k_attn.attention_decode(
+                d.q, L["k"], L["v"], d.state.position, d.buf, d.o, d.m_buf, d.l_buf, d.acc_buf,
+                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, nsplit=t.attn_splits,
+                block=t.attn_block), kv)
+            add("attn_o_proj", lambda L=L: g.gemv(d.o, L["w_o"], d.res, epi=g.EPI_RESIDUAL,
+                                                  block_n=t.rows(c.hidden_size), block_k=t.block_k,
+                                                  num_warps=t.num_warps), b(L["w_o"]))
+        if L["moe"]:
+            per_exp = (b(L["gate_up"]) + b(L["down"])) // c.num_experts
+            add("moe_router", lambda L=L: g.gemv(d.res, L["w_router"], d.router_logits, pro=g.PRO_RMSNORM,
+                                                 norm_w=L["ln2"], block_n=t.block_n_small, block_k=t.block_k,
+                                                 num_warps=t.num_warps), b(L["w_router"]))
+            add("moe_experts(gate_up+down)", lambda L=L: d.k_moe.moe_experts(
+                d.res, L["ln2"], d.router_logits, L["gate_up"], L["s_gate_up"], L["down"], L["s_down"], d.act,
+                d.ids, d.wts, top_k=c.num_experts_per_tok, eps=c.rms_norm_eps, norm_topk=c.norm_topk_prob,
+                block_n=t.moe_block_n, block_k=t.block_k, num_warps=t.num_warps),
+                c.num_experts_per_tok * per_exp + b(L["s_gate_up"]) + b(L["s_down"]))
+        else:
+            add("mlp_gate_up+swiglu", lambda L=L: g.gemv(d.res, L["w_gu"], d.act_dense, pro=g.PRO_RMSNORM,
+                                                         epi=g.EPI_SWIGLU, norm_w=L["ln2"],
+                                                         block_n=t.rows(L["w_gu"].shape[0] // 2), block_k=t.block_k,
+                                                         num_warps=t.num_warps), b(L["w_gu"]))
+            add("mlp_down", lambda L=L: g.gemv(d.act_dense, L["w_down"], d.res, epi=g.EPI_RESIDUAL,
+                                               block_n=t.rows(c.hidden_size), block_k=t.block_k,
+                                               num_warps=t.num_warps), b(L["w_down"]))
+    add("lm_head+argmax", lambda: g.gemv(d.res, d.lm_head, d.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX,
+                                         norm_w=d.final_norm, aux0=d.pmax, aux1=d.pidx, block_n=t.block_n_lm,
+                                         block_k=t.block_k, num_warps=t.num_warps), b(d.lm_head))
+    out = {}
+    saved = {n: x.clone() for n, x in d.state.tensors.items() if not n.endswith((".k", ".v"))}
+    pos = d.state.position.clone()
+    for name, items in groups.items():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for fn, _ in items:
+                fn()
+            torch.cuda.synchronize()
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr, stream=s):
+                for fn, _ in items:
+                    fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        ts = time_replays(gr, reps)
+        sec = statistics.median(ts)
+        nb = sum(x[1] for x in items)
+        out[name] = {"launches": len(items), "us_per_step": sec * 1e6, "us_per_launch": sec * 1e6 / len(items),
+                     "bytes_per_step": nb, "GBps": nb / sec / 1e9 if nb else None}
+        del gr
+    for n, x in saved.items():
+        d.state.tensors[n].copy_(x)
+    d.state.position.copy_(pos)
+    return out
+
+
+def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eager_steps: int, bw: float,
+              breakdown_ctx: int) -> dict:
+    from nexrt_vllm.engine import Engine
+    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+
+    t0 = time.time()
+    max_len = max(contexts) + max(steps, parity_steps) + 64
+    eng = Engine.from_config(SHAPES[key], device="cuda", dtype="bfloat16", max_seq_len=max_len, seed=0)
+    fused = FusedDecoder(eng.model, eng.state, mode="fused")
+    runner = GraphRunner(fused)
+    runner.capture()
+    eager_runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="eager"))
+    try:
+        eager_runner.capture()
+    except Exception as e:  # noqa: BLE001 - report, keep measuring the fused path
+        log(f"[{key}] eager-ops graph capture failed: {type(e).__name__}: {e}")
+        eager_runner = None
+    log(f"[{key}] built + captured in {time.time() - t0:.1f}s; GPU mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    res = {"shape": NAMES[key], "config": SHAPES[key], "hf_transformers_tok_s": HF_TOKS[key], "contexts": []}
+    if parity_steps:
+        t1 = time.time()
+        res["parity"] = parity(eng, runner, eager_runner, parity_steps, gen)
+        log(f"[{key}] parity in {time.time() - t1:.1f}s: {json.dumps(res['parity'])}")
+    g = runner._graph(False)
+    g_eager = eager_runner._graph(False) if eager_runner else None
+    for ctx in contexts:
+        fill_context(eng, ctx, gen)
+        nb = fused.bytes_per_step(ctx)
+        fused.state.position.fill_(ctx)
+        fused.tok.fill_(1)
+        time_replays(g, 5)
+        fused.state.position.fill_(ctx)
+        ts = time_replays(g, steps)
+        med = statistics.median(ts)
+        # the product loop: pipelined replays, host reads tokens from the pinned ring
+        eng.state.set_seq_len(ctx)
+        t1 = time.perf_counter()
+        n_tok = sum(1 for _ in runner.generate(1, steps))
+        e2e = n_tok / (time.perf_counter() - t1)
+        # the same step with the eager model's ops inside one graph (graph alone, no fused kernels)
+        te = float("nan")
+        if g_eager is not None:
+            eng.state.set_seq_len(ctx)
+            time_replays(g_eager, 3)
+            eng.state.set_seq_len(ctx)
+            te = statistics.median(time_replays(g_eager, 30))
+        # plain eager (python per op)
+        eng.state.set_seq_len(ctx)
+        tok = 1
+        for _ in range(2):
+            eng.decode_step(tok)
+        torch.cuda.synchronize()
+        tl_ = []
+        for _ in range(eager_steps):
+            t2 = time.perf_counter()
+            eng.decode_step(tok)
+            torch.cuda.synchronize()
+            tl_.append(time.perf_counter() - t2)
+        eager_s = statistics.median(tl_)
+        row = {"context": ctx, "steps": steps, "step_ms_median": med * 1e3, "step_ms_p10": sorted(ts)[len(ts) // 10] * 1e3,
+               "step_ms_p90": sorted(ts)[9 * len(ts) // 10] * 1e3, "tok_s": 1 / med, "e2e_tok_s": e2e,
+               "bytes_per_token": nb["total"], "bytes_breakdown": nb, "copy_bw_Bps": bw,
+               "roofline_tok_s": bw / nb["total"], "mbu": nb["total"] / med / bw,
+               "graph_eager_ops_step_ms": te * 1e3, "eager_step_ms": eager_s * 1e3, "eager_tok_s": 1 / eager_s,
+               "speedup_vs_eager": eager_s / med, "speedup_vs_hf": (1 / med) / HF_TOKS[key]}
+        if ctx == breakdown_ctx:
+            eng.state.set_seq_len(ctx)
+            row["kernel_groups"] = kernel_groups(fused)
+        res["contexts"].append(row)
+        log(f"[{key}] ctx {ctx}: step {med * 1e3:.3f} ms, {1 / med:.0f} tok/s (e2e {e2e:.0f}), "
+            f"{nb['total'] / 1e9:.3f} GB/tok, MBU {row['mbu'] * 100:.1f}%, graph(eager ops) {te * 1e3:.2f} ms, "
+            f"eager {eager_s * 1e3:.1f} ms")
+    del runner, eager_runner, fused, eng, g, g_eager
+    torch.cuda.empty_cache()
+    return res
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, r in enumerate(results["shapes"]):
+        ctx = [c["context"] for c in r["contexts"]]
+        col = f"C{i}"
+        a1.plot(ctx, [c["tok_s"] for c in r["contexts"]], "o-", color=col, label=f"{r['shape']} graph step")
+        a1.plot(ctx, [c["e2e_tok_s"] for c in r["contexts"]], "x:", color=col, label=f"{r['shape']} end-to-end loop")
+        a1.plot(ctx, [c["roofline_tok_s"] for c in r["contexts"]], "--", color=col, alpha=0.6,
+                label=f"{r['shape']} roofline (copy BW / bytes)")
+        a1.plot(ctx, [c["eager_tok_s"] for c in r["contexts"]], "s-.", color=col, alpha=0.5, label=f"{r['shape']} eager")
+        a2.plot(ctx, [100 * c["mbu"] for c in r["contexts"]], "o-", color=col, label=r["shape"])
+    for a in (a1, a2):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("context (tokens)")
+        a.grid(alpha=0.3)
+    a1.set_yscale("log")
+    a1.set_ylabel("tokens / s (batch 1)")
+    a1.legend(fontsize=7)
+    a2.axhline(60, color="gray", ls="--", lw=1)
+    a2.axhline(80, color="gray", ls=":", lw=1)
+    a2.set_ylim(0, 100)
+    a2.set_ylabel("MBU % (bytes/token / step time / copy BW)")
+    a2.legend(fontsize=8)
+    fig.suptitle(f"NexRT batch-1 decode, {results['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="2b,35b")
+    ap.add_argument("--contexts", default="1024,8192,32768,131072")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--parity-steps", type=int, default=256)
+    ap.add_argument("--eager-steps", type=int, default=10)
+    ap.add_argument("--breakdown-ctx", type=int, default=8192)
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--png")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    contexts = [int(x) for x in args.contexts.split(",")]
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+               "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "copy_bw_Bps": bw, "shapes": []}
+    try:
+        import triton
+        results["triton"] = triton.__version__
+    except ImportError:
+        pass
+    for key in args.shapes.split(","):
+        try:
+            results["shapes"].append(run_shape(key, contexts, args.steps, args.parity_steps, args.eager_steps, bw,
+                                               args.breakdown_ctx))
+        except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
+            import traceback
+            traceback.print_exc()
+            results.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"
+            torch.cuda.empty_cache()
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.png:
+        plot(results, args.png)
+    log(f"{'shape':<18}{'ctx':>7}{'ms/step':>9}{'tok/s':>8}{'e2e':>7}{'GB/tok':>8}{'MBU%':>7}{'xEager':>8}{'xHF':>7}")
+    for r in results["shapes"]:
+        for c in r["contexts"]:
+            log(f"{r['shape']:<18}{c['context']:>7}{c['step_ms_median']:>9.3f}{c['tok_s']:>8.0f}{c['e2e_tok_s']:>7.0f}"
+                f"{c['bytes_per_token'] / 1e9:>8.3f}{100 * c['mbu']:>7.1f}{c['speedup_vs_eager']:>8.1f}"
+                f"{c['speedup_vs_hf']:>7.1f}")
+        if "parity" in r:
+            p = r["parity"]
+            log(f"  parity {r['shape']}: fused={p['graph_fused']} eager_ops={p['graph_eager_ops']} "
+                f"tf={p['teacher_forced']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""One-call GPU driver for the device machine: kernel checks, tiny-checkpoint parity, GEMV sweep, bench.
+
+    PYTHONPATH=. python benchmarks/gpu_check.py --out $OUT [--sweep] [--bench-args "..."]
+
+1. the kernel tests (tests/test_kernels_decode_ops.py) on the GPU: compiled kernels, random inputs,
+   poisoned outputs, relative-error bounds;
+2. greedy parity on the tiny test checkpoints (all three families): eager engine vs the graph path
+   (fused kernels, and eager ops in one graph) for 256 steps, replays per token;
+3. optionally a GEMV launch-shape sweep on the real projection shapes (bandwidth per config);
+4. optionally benchmarks/decode_bench.py with the given arguments.
+Everything lands in --out as JSON; a short table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def kernel_tests(out: str) -> dict:
+    env = dict(os.environ, NEXRT_KERNEL_DEVICE="cuda", PYTHONPATH=ROOT)
+    env.pop("TRITON_INTERPRET", None)
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(ROOT, "tests", "test_kernels_decode_ops.py")],
+                       env=env, capture_output=True, text=True, timeout=400)
+    with open(os.path.join(out, "kernel_tests.log"), "w") as f:
+        f.write(p.stdout + p.stderr)
+    tail = (p.stdout.strip().splitlines() or [""])[-1]
+    log(f"kernel tests on GPU: rc={p.returncode} {tail} ({time.time() - t0:.0f}s)")
+    if p.returncode:
+        log(p.stdout[-3000:])
+    return {"rc": p.returncode, "summary": tail}
+
+
+def tiny_parity(steps: int) -> dict:
+    from nexrt_vllm.engine import Engine
+    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.testing import make_checkpoint
+
+    out = {}
+    for arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        with tempfile.TemporaryDirectory() as d:
+            make_checkpoint(d, arch=arch, dtype="bfloat16")
+            eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 64, progress=False)
+        prompt = [5, 17, 3, 99, 42, 7, 11, 23]
+        first = int(torch.argmax(eng.prefill(prompt)))
+        n0, snap = eng.export_state()
+        ref, tok = [], first
+        for _ in range(steps):
+            tok = int(torch.argmax(eng.decode_step(tok)))
+            ref.append(tok)
+        r = {"distinct_tokens": len(set(ref))}
+        for mode in ("fused", "eager"):
+            eng.import_state(n0, snap)
+            try:
+                runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode=mode))
+                toks = list(runner.generate(first, steps))
+            except Exception as e:  # noqa: BLE001 - e.g. an eager op that cannot be captured
+                r[mode] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                continue
+            div = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)
+            r[mode] = {"equal": toks == ref, "first_divergence": div,
+                       "replays_per_token": runner.replays / len(toks), "control": runner.d.control,
+                       "seq_len_after": eng.state.seq_len, "expected_seq_len": n0 + steps}
+        # stop handling: a stop id ends the stream at its first occurrence; one overrun replay ran
+        eng.import_state(n0, snap)
+        runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused"))
+        stop_toks = list(runner.generate(first, steps, stop_token_ids=[ref[3]]))
+        r["stop"] = {"tokens": len(stop_toks), "expected": ref.index(ref[3]) + 1, "replays": runner.replays,
+                     "prefix_equal": stop_toks == ref[:len(stop_toks)]}
+        out[arch] = r
+        log(f"tiny {arch}: {json.dumps(r)}")
+        del eng
+    return out
+
+
+def gemv_sweep() -> list:
+    """Bandwidth of the GEMV kernel per launch shape on the real projection shapes (weights rotated
+    over enough copies to defeat L2)."""
+    from nexrt_vllm.engine.kernels import gemv as g
+
+    shapes = [("gdn_in 2B 8224x2048", 8224, 2048, g.PRO_RMSNORM, g.EPI_STORE),
+              ("out+res 2048x2048", 2048, 2048, g.PRO_NONE, g.EPI_RESIDUAL),
+              ("swiglu 2x6144x2048", 6144, 2048, g.PRO_RMSNORM, g.EPI_SWIGLU),
+              ("down+res 2048x6144", 2048, 6144, g.PRO_NONE, g.EPI_RESIDUAL),
+              ("lm_head 248320x2048", 248320, 2048, g.PRO_RMSNORM, g.EPI_STORE)]
+    configs = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 4), (32, 512, 8),
+               (64, 256, 8)]
+    rows = []
+    for name, n, k, pro, epi in shapes:
+        rows_w = 2 * n if epi == g.EPI_SWIGLU else n
+        copies = max(1, int(512e6 // (rows_w * k * 2)))
+        ws = [torch.randn(rows_w, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        nw_ = torch.zeros(k, device="cuda", dtype=torch.bfloat16)
+        y = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+        best = None
+        for bn, bk, nwarps in configs:
+            if name == "lm_head" and bn < 16:
+                continue
+
+            def launch():
+                for w in ws:
+                    g.gemv(x, w, y, pro=pro, epi=epi, norm_w=nw_, block_n=bn, block_k=bk, num_warps=nwarps)
+            try:
+                launch()
+                torch.cuda.synchronize()
+                gr = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(gr):
+                    launch()
+                ts = []
+                for _ in range(5):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    gr.replay()
+                    e.record()
+                    e.synchronize()
+                    ts.append(s.elapsed_time(e) / 1e3)
+            except Exception as ex:  # noqa: BLE001 - a config that does not compile is just skipped
+                rows.append({"shape": name, "block_n": bn, "block_k": bk, "warps": nwarps, "error": str(ex)[:200]})
+                continue
+            per = statistics.median(ts) / copies
+            gbps = rows_w * k * 2 / per / 1e9
+            rows.append({"shape": name, "block_n": bn, "block_k": bk, "warps": nwarps, "us": per * 1e6, "GBps": gbps})
+            if best is None or gbps > best[0]:
+                best = (gbps, bn, bk, nwarps, per * 1e6)
+        log(f"sweep {name}: best {best[0]:.0f} GB/s at block_n={best[1]} block_k={best[2]} warps={best[3]} "
+            f"({best[4]:.1f} us)")
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--tiny-steps", type=int, default=256)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--bench-args", default="")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if not args.skip_tests:
+        report["kernel_tests"] = kernel_tests(args.out)
+        try:
+            report["tiny_parity"] = tiny_parity(args.tiny_steps)
+        except Exception as e:  # noqa: BLE001 - keep going to the bench; the report says what broke
+            import traceback
+            traceback.print_exc()
+            report["tiny_parity"] = {"error": f"{type(e).__name__}: {e}"}
+    if args.sweep:
+        report["gemv_sweep"] = gemv_sweep()
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    if args.bench_args:
+        sys.path.insert(0, HERE)
+        import decode_bench
+        return decode_bench.main(shlex.split(args.bench_args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
