@@ -89,7 +89,9 @@ def test_bad_requests_raise_typed_errors(eng, qwen3_5_ckpt):
     with pytest.raises(StateError, match="before prefill"):
         fresh.decode_step(3)
     with pytest.raises(StateError, match="before prefill"):
-        list(fresh.stream(3, SamplingParams()))
+        fresh.stream(3, SamplingParams())  # refused at the call, not at the first next()
+    with pytest.raises(TypeError, match="SamplingParams"):
+        eng.stream(3, {"max_tokens": 4})
 
 
 def test_decode_step_keeps_buffers_static(eng):

@@ -103,6 +103,9 @@ class Engine:
         if self.state.seq_len == 0:
             raise StateError("stream before prefill/import_state: the state is empty")
         self.finish_reason = None
+        return self._stream(first_token, params)  # checked above, at call time; decoding is lazy
+
+    def _stream(self, first_token: int, params: SamplingParams) -> Iterator[int]:
         sampler = Sampler(params, self.device)
         token, produced = first_token, 1
         if self._stops(token, params):
