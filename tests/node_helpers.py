@@ -148,3 +148,19 @@ class PrefillSide:
 
     def close(self) -> None:
         self.sender.close()
+
+
+def control_request(control_addr: str, message: dict | bytes, timeout: float = 5.0) -> dict:
+    """One raw REQ/REP round trip with the node's control endpoint (for malformed/foreign messages)."""
+    import msgpack
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(control_addr)
+        sock.send(message if isinstance(message, bytes) else msgpack.packb(message, use_bin_type=True))
+        assert sock.poll(int(timeout * 1000)), "node did not answer"
+        return msgpack.unpackb(sock.recv(), raw=False)
+    finally:
+        sock.close(linger=0)

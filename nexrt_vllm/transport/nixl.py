@@ -6,6 +6,7 @@ Set ``UCX_NET_DEVICES`` (e.g. ``lo`` for single-host tests) to pin the interface
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from typing import Sequence
@@ -18,7 +19,8 @@ _MEM = {"host": "DRAM", "device": "VRAM"}
 def _agent(role: str):
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(f"nexrt-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
+    return nixl_agent(f"nexrt-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                      nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 class _NixlBase:
@@ -45,18 +47,42 @@ class _NixlBase:
 
 
 class NixlReceiver(_NixlBase, ReceiverTransport):
+    """Some UCX transports (TCP, same-process loopback) complete a remote WRITE only while the
+    target's worker is progressed. NIXL's own progress thread spins without pause (a whole core);
+    instead a thread here progresses the worker every ``PROGRESS_S`` (near-zero idle CPU)."""
+
+    PROGRESS_S = 0.001
+
     def __init__(self):
         super().__init__("recv")
         self._kinds: set[str] = set()
+        self._lock = threading.Lock()  # the agent runs without internal locking (sync mode NONE)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
+        self._thread.start()
+
+    def _progress(self) -> None:
+        while not self._stop.wait(self.PROGRESS_S):
+            with self._lock:
+                self._agent.get_new_notifs()  # progresses the UCX worker as a side effect
 
     def register(self, addr: int, size: int, kind: str = "host") -> None:
-        super().register(addr, size, kind)
+        with self._lock:
+            super().register(addr, size, kind)
         self._kinds.add(kind)
 
     def peer_info(self) -> dict:
         # metadata is read after registration so it lists every receive buffer
-        return {"backend": self.name, "agent": self._agent.name, "metadata": self._agent.get_agent_metadata(),
+        with self._lock:
+            meta = self._agent.get_agent_metadata()
+        return {"backend": self.name, "agent": self._agent.name, "metadata": meta,
                 "mem": _MEM[next(iter(self._kinds), "host")], "dev": self._dev}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with self._lock:
+            super().close()
 
 
 class NixlSender(_NixlBase, SenderTransport):

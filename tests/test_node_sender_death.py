@@ -1,0 +1,63 @@
+"""A sender that dies mid-transfer: the waiting generate ends with finish_reason "error" after the
+transfer timeout, the slot is freed, and the next request succeeds with correct tokens."""
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from node_helpers import NodeProcess, PrefillSide
+
+TRANSFER_TIMEOUT = 2.0
+
+# Child: the connector side of a prefill worker that crashes after writing one layer's pages
+# (no torch import, so it starts fast).
+CHILD = r"""
+import json, os, sys
+import numpy as np
+from nexrt_vllm import protocol as P
+from nexrt_vllm.handoff import HandoffSender
+transport, addr, rid, gen, seq_len, layout = sys.argv[1:7]
+src = np.random.default_rng(0).integers(0, 255, 1 << 20, dtype=np.uint8)
+s = HandoffSender(transport)
+s.register(src.ctypes.data, src.nbytes)
+t = s.begin(addr, P.Layout.from_wire(json.loads(layout)), rid, int(gen), int(seq_len))
+first = next(iter(t.regions.values()))
+t.write([(src.ctypes.data, first.offset, first.page_bytes)])
+print("wrote", flush=True)
+os._exit(3)
+"""
+
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
+def test_sender_dies_mid_transfer(qwen3_next_ckpt, transport):
+    node = NodeProcess(qwen3_next_ckpt, transport, "--transfer-timeout", str(TRANSFER_TIMEOUT))
+    side = PrefillSide(qwen3_next_ckpt, transport)
+    try:
+        prompt = [random.Random(4).randrange(3, 300) for _ in range(20)]
+        prep = side.prepare(prompt)
+        adm = node.admit("doomed")
+        child = subprocess.run([sys.executable, "-c", CHILD, transport, node.control_addr, "doomed",
+                                str(adm["generation"]), str(prep["seq_len"]), json.dumps(prep["layout"].to_wire())],
+                               capture_output=True, timeout=60,
+                               env=dict(os.environ, UCX_NET_DEVICES="lo"))
+        assert child.returncode == 3 and b"wrote" in child.stdout, child.stderr[-2000:]
+        assert node.health()["state"] == "receiving"
+        t0 = time.monotonic()
+        tokens, final = node.generate("doomed", adm["generation"], prep["first"], 8)
+        assert tokens == [] and final["finish_reason"] == "error" and "timeout" in final["error"]
+        assert TRANSFER_TIMEOUT - 1.0 < time.monotonic() - t0 < TRANSFER_TIMEOUT + 3.0
+        assert node.health()["busy_slots"] == 0
+        assert node.metric("nexrt_requests_finished_total", 'outcome="timeout"') == 1
+
+        ref = side.reference(prompt, 33)
+        adm2 = node.admit("next")
+        side.send(node, "next", adm2["generation"], prep)
+        tokens, final = node.generate("next", adm2["generation"], prep["first"], 33)
+        assert [prep["first"], *tokens] == ref
+        assert node.wait_free()["busy_slots"] == 0
+    finally:
+        side.close()
+        node.stop()
