@@ -87,8 +87,8 @@ def test_stacked_experts_equal_per_expert(ckpt_factory, tmp_path):
         out = {k: v for k, v in t.items() if ".experts." not in k}
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}.mlp.experts."
-            out[p + "gate_up_proj"] = torch.stack([torch.cat([t[f"{p}{j}.gate_proj.weight"], t[f"{p}{j}.up_proj.weight"]])
-                                                   for j in range(cfg.num_experts)])
+            out[p + "gate_up_proj"] = torch.stack([
+                torch.cat([t[f"{p}{j}.gate_proj.weight"], t[f"{p}{j}.up_proj.weight"]]) for j in range(cfg.num_experts)])
             out[p + "down_proj"] = torch.stack([t[f"{p}{j}.down_proj.weight"] for j in range(cfg.num_experts)])
         return out
 
@@ -144,7 +144,8 @@ def test_missing_misshaped_unexpected_reported_together(ckpt_factory, tmp_path):
     with pytest.raises(WeightsError) as e:
         Engine.from_pretrained(_rewrite(src, tmp_path / "bad", corrupt), progress=False)
     msg = str(e.value)
-    assert "missing (2):" in msg and "layers.1.linear_attn.A_log" in msg and "layers.0.mlp.experts.3.up_proj.weight" in msg
+    assert "missing (2):" in msg and "layers.1.linear_attn.A_log" in msg
+    assert "layers.0.mlp.experts.3.up_proj.weight" in msg
     assert "unexpected (2):" in msg and "model.layers.2.mlp.bogus.weight" in msg
     assert "model.layers.0.mlp.experts.9.down_proj.weight" in msg
     assert "wrong shape (1):" in msg and "k_proj.weight: checkpoint (64, 128), expected (128, 128)" in msg
@@ -178,9 +179,8 @@ def test_bad_index_files(ckpt_factory, tmp_path):
     d = tmp_path / "liar"
     shutil.copytree(src, d)
     idx = json.loads((d / index).read_text())
-    first_shard = sorted(set(idx["weight_map"].values()))[0]
-    idx["weight_map"]["model.layers.0.linear_attn.dt_bias"] = first_shard if \
-        idx["weight_map"]["model.layers.0.linear_attn.dt_bias"] != first_shard else sorted(set(idx["weight_map"].values()))[1]
+    name = "model.layers.0.linear_attn.dt_bias"
+    idx["weight_map"][name] = next(f for f in sorted(set(idx["weight_map"].values())) if f != idx["weight_map"][name])
     (d / index).write_text(json.dumps(idx))
     with pytest.raises(WeightsError, match=r"model.layers.0.linear_attn.dt_bias \(listed in the index but absent"):
         Engine.from_pretrained(str(d), progress=False)

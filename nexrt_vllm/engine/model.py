@@ -385,6 +385,10 @@ def moe_decode(w: MoEWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor
 # ---------------------------------------------------------------------------------------------
 
 
+def _mlp(t: dict[str, torch.Tensor], prefix: str) -> MLPWeights:
+    return MLPWeights(*(t[prefix + n + ".weight"] for n in ("gate_proj", "up_proj", "down_proj")))
+
+
 class Model:
     """Weights + the prefill / decode passes over a DecodeState."""
 
@@ -413,13 +417,11 @@ class Model:
                                    out_proj=t[g + "out_proj.weight"], **{n: t[g + n + ".weight"] for n in proj})
             m = p + "mlp."
             if cfg.is_moe_layer(i):
-                s = m + "shared_expert."
                 ffn = MoEWeights(router=t[m + "gate.weight"], gate_up_proj=t[m + "experts.gate_up_proj"],
-                                 down_proj=t[m + "experts.down_proj"],
-                                 shared=MLPWeights(*(t[s + n + ".weight"] for n in ("gate_proj", "up_proj", "down_proj"))),
+                                 down_proj=t[m + "experts.down_proj"], shared=_mlp(t, m + "shared_expert."),
                                  shared_gate=t[m + "shared_expert_gate.weight"])
             else:
-                ffn = MLPWeights(*(t[m + n + ".weight"] for n in ("gate_proj", "up_proj", "down_proj")))
+                ffn = _mlp(t, m)
             self.layers.append(LayerWeights(kind, t[p + "input_layernorm.weight"],
                                             t[p + "post_attention_layernorm.weight"], mixer, ffn))
         self.rope_cos, self.rope_sin = rope_tables(cfg, max_seq_len, self.dtype, self.device)
