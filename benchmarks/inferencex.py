@@ -77,6 +77,7 @@ class PromptTokenizer:
         self._dir = os.path.dirname(os.path.abspath(tok_file))
         cfg_file = os.path.join(self._dir, "tokenizer_config.json")
         self._cfg = {}
+        self._template = None
         if os.path.isfile(cfg_file):
             with open(cfg_file) as f:
                 self._cfg = json.load(f)
@@ -104,8 +105,14 @@ class PromptTokenizer:
         return tmpl
 
     def apply_chat_template(self, prompt: str) -> str:
-        # The environment transformers renders chat templates in (trim/lstrip blocks, loop
-        # controls, raise_exception, tojson, strftime_now), fed the special tokens as variables.
+        if self._template is None:
+            self._template = self._compile_chat_template()
+        return self._template.render(messages=[{"role": "user", "content": prompt}],
+                                     add_generation_prompt=True, **self._special_tokens())
+
+    def _compile_chat_template(self):
+        # The environment transformers renders chat templates in: trim/lstrip blocks, loop
+        # controls, raise_exception, tojson, strftime_now.
         import jinja2
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -113,19 +120,23 @@ class PromptTokenizer:
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
 
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
-            sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                                        separators=separators, sort_keys=sort_keys)
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self._chat_template())
+
+    def _special_tokens(self) -> dict:
         special = {}
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             value = self._cfg.get(key)
             special[key] = value.get("content") if isinstance(value, dict) else value
-        return env.from_string(self._chat_template()).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **special)
+        return special
 
 
 # ----------------------------------------------------------------------------------------------
