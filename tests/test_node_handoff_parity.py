@@ -34,6 +34,8 @@ def test_streamed_tokens_equal_local_generate(ckpt_factory, transport, arch, lay
         assert final["finish_reason"] == "length" and final["timing"]["tokens"] == N_TOKENS - 1
         assert node.metric("nexrt_transfer_bytes_total") == sent.nbytes > 0
         assert node.metric("nexrt_tokens_generated_total") == N_TOKENS - 1
+        assert node.metric("nexrt_decode_step_seconds_count") == N_TOKENS - 1
+        assert node.metric("nexrt_transfer_seconds_count") == 1 == node.metric("nexrt_admissions_total")
         assert node.wait_free()["busy_slots"] == 0
     finally:
         side.close()
