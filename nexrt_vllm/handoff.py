@@ -54,7 +54,8 @@ class Transfer:
     regions: dict[int, P.Region]
     deadline_s: float
     nbytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # time spent in transport writes
+    descriptors: int = 0  # transport descriptors issued, after coalescing
     finished: bool = field(default=False)
 
     def write(self, writes: Sequence[tuple[int, int, int]]) -> None:
@@ -73,6 +74,7 @@ class Transfer:
             raise HandoffError(P.Reason.TRANSFER_FAILED, str(e)) from None
         self.seconds += time.perf_counter() - t0
         self.nbytes += sum(w[2] for w in batch)
+        self.descriptors += len(batch)
 
     def write_pages(self, pages: Mapping[int, Sequence[int]]) -> None:
         """``{layer index: [local page address, ...]}``: page i of a layer lands in its i-th slot.
