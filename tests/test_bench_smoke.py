@@ -103,6 +103,15 @@ def test_inferencex_client_both_paths_and_overlay(stack, tmp_path):
         assert raw["median_tpot_ms"] > 0 and raw["p99.9_itl_ms"] >= raw["median_itl_ms"]
         assert agg["median_intvty"] == pytest.approx(1000.0 / raw["median_tpot_ms"])
         assert agg["conc"] == 1 and agg["isl"] == ISL and agg["osl"] == OSL
+    # /v1/completions through the router too (E2EL there ends at the last text chunk)
+    before = _interactive_count(stack["router"])
+    common[common.index("openai-chat")] = "openai"
+    assert main(["run", "--base-url", stack["router"], "--label", "nexrt_cmpl", *common]) == 0
+    assert _interactive_count(stack["router"]) - before == N + WARM
+    raw = json.loads((res / "nexrt_cmpl" / f"nexrt_cmpl_isl{ISL}_osl{OSL}_conc1.json").read_text())
+    assert raw["backend"] == "openai" and raw["completed"] == N
+    assert raw["output_lens"] == [r.output_len for r in expected]
+
     agg = json.loads((res / "nexrt" / f"agg_nexrt_isl{ISL}_osl{OSL}_conc1.json").read_text())
     assert agg["disagg"] is True and agg["router"] == {"name": "nexrt-router", "version": "0.1.0"}
     assert agg["tput_per_gpu"] == pytest.approx(agg["output_tput_per_gpu"] / 2
