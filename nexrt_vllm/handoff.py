@@ -70,6 +70,7 @@ class Transfer:
         try:
             self.sender.transport.write(self.peer, batch, timeout=self.sender.transfer_timeout)
         except TransferError as e:
+            self.sender._peers.pop(self.control_addr, None)  # re-hello next time (the node may have restarted)
             self.abort(f"transfer failed: {e}")
             raise HandoffError(P.Reason.TRANSFER_FAILED, str(e)) from None
         self.seconds += time.perf_counter() - t0
@@ -118,7 +119,8 @@ class HandoffSender:
         self._ctx = zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket] = {}
         self._peers: dict[str, _Peer] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the dicts; one lock per node serialises its REQ socket
+        self._node_locks: dict[str, threading.Lock] = {}
 
     def register(self, addr: int, size: int, kind: str = "host") -> None:
         self.transport.register(addr, size, kind)
@@ -167,21 +169,26 @@ class HandoffSender:
             for s in self._sockets.values():
                 s.close(linger=0)
             self._sockets.clear()
+            self._peers.clear()
         self.transport.close()
 
     def _request(self, control_addr: str, msg):
         """One REQ/REP round trip with a deadline; a timed-out socket is discarded (REQ state)."""
         with self._lock:
-            sock = self._sockets.get(control_addr)
-            if sock is None:
-                sock = self._sockets[control_addr] = self._ctx.socket(zmq.REQ)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(control_addr)
+            node_lock = self._node_locks.setdefault(control_addr, threading.Lock())
+        with node_lock:
+            with self._lock:
+                sock = self._sockets.get(control_addr)
+                if sock is None:
+                    sock = self._sockets[control_addr] = self._ctx.socket(zmq.REQ)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.connect(control_addr)
             sock.send(P.encode(msg))
             if not sock.poll(int(self.control_timeout * 1000)):
-                sock.close(linger=0)
-                del self._sockets[control_addr]
-                self._peers.pop(control_addr, None)
+                with self._lock:
+                    sock.close(linger=0)
+                    self._sockets.pop(control_addr, None)
+                    self._peers.pop(control_addr, None)
                 raise HandoffError(P.Reason.TIMEOUT,
                                    f"no reply from {control_addr} to {msg.type} in {self.control_timeout}s")
             data = sock.recv()
