@@ -86,6 +86,7 @@ def bench_transport(model: str, transport: str, seq_lens: list[int], reps: int, 
             print(f"{transport:9s} seq_len={seq_len:6d} {row['mib']:8.1f} MiB  write {row['write_s'] * 1e3:8.1f} ms "
                   f"({row['write_gib_s']:.2f} GiB/s)  hand-off {row['handoff_s'] * 1e3:8.1f} ms "
                   f"({row['handoff_gib_s']:.2f} GiB/s)  convert {row['convert_s'] * 1e3:7.1f} ms", flush=True)
+            sender.unregister(cache.data_ptr())  # before the memory is freed and reused
             del cache
     finally:
         sender.close()

@@ -125,6 +125,9 @@ class HandoffSender:
     def register(self, addr: int, size: int, kind: str = "host") -> None:
         self.transport.register(addr, size, kind)
 
+    def unregister(self, addr: int) -> None:
+        self.transport.unregister(addr)
+
     def hello(self, control_addr: str, layout: P.Layout) -> _Peer:
         """Version/layout check with the node; cached per (node, layout)."""
         wire = layout.to_wire()

@@ -49,6 +49,10 @@ class SenderTransport(abc.ABC):
         """Register a source region (once; e.g. vLLM's KV cache tensors)."""
 
     @abc.abstractmethod
+    def unregister(self, addr: int) -> None:
+        """Drop a region registered at ``addr`` (before its memory is freed)."""
+
+    @abc.abstractmethod
     def connect(self, peer_info: dict) -> str:
         """Make the receiver known; returns a peer handle for ``write``. Idempotent per peer."""
 

@@ -62,6 +62,13 @@ class MooncakeSender(SenderTransport):
         _register(self._eng, addr, size)
         self._regs.append(addr)
 
+    def unregister(self, addr: int) -> None:
+        if addr in self._regs:
+            self._regs.remove(addr)
+            rc = self._eng.unregister_memory(addr)
+            if rc != 0:
+                raise TransferError(f"mooncake unregister_memory({addr:#x}) returned {rc}")
+
     def connect(self, peer_info: dict) -> str:
         if peer_info.get("backend") != self.name or not isinstance(peer_info.get("target"), str):
             raise TransferError(f"not a mooncake peer: {peer_info!r}")

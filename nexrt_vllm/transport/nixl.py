@@ -38,10 +38,15 @@ class _NixlBase:
         if kind == "device":
             import torch
             self._dev = torch.cuda.current_device()
-        self._regs.append(self._agent.register_memory([(addr, size, self._dev, "")], _MEM[kind]))
+        self._regs.append((addr, self._agent.register_memory([(addr, size, self._dev, "")], _MEM[kind])))
+
+    def unregister(self, addr: int) -> None:
+        for entry in [e for e in self._regs if e[0] == addr]:
+            self._regs.remove(entry)
+            self._agent.deregister_memory(entry[1])
 
     def close(self) -> None:
-        for reg in self._regs:
+        for _, reg in self._regs:
             self._agent.deregister_memory(reg)
         self._regs.clear()
 
