@@ -87,6 +87,55 @@ def fill_context(eng, ctx: int, gen: torch.Generator) -> None:
     st.set_seq_len(ctx)
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / scale.float().norm().clamp_min(1e-30))
+
+
+def layer_errors(eng, d) -> list[dict]:
+    """One decode step, layer by layer from the same state: each fused mixer / FFN fed the eager
+    input, its output error relative to the eager layer's own contribution (not to the residual)."""
+    import torch.nn.functional as F
+
+    from nexrt_vllm.engine import model as M
+    m, cfg, st, eps = eng.model, eng.config, eng.state, eng.config.rms_norm_eps
+    n0, snap = eng.export_state()
+    pos = st.position
+    cos, sin = m.rope_cos.index_select(0, pos), m.rope_sin.index_select(0, pos)
+    visible = (m.kv_index <= pos).unsqueeze(0)
+    h = F.embedding(torch.tensor([1], device=pos.device), m.embed)
+    ref = []
+    with torch.no_grad():  # the eager decode loop (model.Model.decode), keeping each layer's in/mid/out
+        for i, layer in enumerate(m.layers):
+            x = M.rms_norm(h, layer.input_norm, eps)
+            if layer.kind == "full_attention":
+                x = M.attention_decode(layer.mixer, cfg, x, cos, sin, st[f"layers.{i}.k"], st[f"layers.{i}.v"], pos,
+                                       visible)
+            else:
+                x = M.gdn_decode(layer.mixer, cfg, x, st[f"layers.{i}.conv"], st[f"layers.{i}.rec"])
+            mid = h + x
+            out = mid + m.ffn(i, M.rms_norm(mid, layer.post_norm, eps), decode=True)
+            ref.append((h[0].clone(), mid[0].clone(), out[0].clone()))
+            h = out
+    eng.import_state(n0, snap)
+    plan, k, rows = d.plan()[1:], 0, []
+    for i, L in enumerate(d.layers):
+        nm = 3 if L["kind"] == "linear_attention" else 4
+        h_in, mid, out = ref[i]
+        d.res.copy_(h_in)
+        for _, fn, _ in plan[k:k + nm]:
+            fn()
+        e_mix = _rel(d.res, mid, mid.float() - h_in.float())
+        d.res.copy_(mid)
+        for _, fn, _ in plan[k + nm:k + nm + 2]:
+            fn()
+        e_ffn = _rel(d.res, out, out.float() - mid.float())
+        k += nm + 2
+        rows.append({"layer": i, "kind": L["kind"], "mixer_rel_err": e_mix, "ffn_rel_err": e_ffn})
+    torch.cuda.synchronize()
+    eng.import_state(n0, snap)
+    return rows
+
+
 def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator) -> dict:
     """Greedy tokens of the eager engine vs the graph path (fused kernels, and eager ops) from one prompt."""
     prompt = torch.randint(0, eng.config.vocab_size, (32,), generator=gen, device="cuda").tolist()
@@ -98,7 +147,8 @@ def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator) ->
         eager_logits.append(lg.clone())
         tok = int(torch.argmax(lg))
         eager_tokens.append(tok)
-    out = {"steps": steps, "prompt_len": len(prompt)}
+    out = {"steps": steps, "prompt_len": len(prompt), "layer_errors_step0": layer_errors(eng, fused_runner.d)}
+    eng.import_state(n0, snap)
     for label, runner in (("graph_fused", fused_runner), ("graph_eager_ops", eager_runner)):
         if runner is None:
             continue
@@ -124,78 +174,18 @@ def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator) ->
             top2 = torch.topk(ref, 2).values
             near += int(float(top2[0] - top2[1]) <= 2 * float(top2[0].abs()) * 2 ** -8)
     out["teacher_forced"] = {"logits_rel_err_median": statistics.median(errs), "logits_rel_err_max": max(errs),
+                             "logits_rel_err_per_step": errs,
                              "argmax_mismatches": mism, "mismatches_at_bf16_near_tie": near}
     eng.import_state(n0, snap)
     return out
 
 
 def kernel_groups(d, reps: int = 20) -> dict:
-    """Device time of each kernel group, launched for every layer back to back inside one graph
-    (so weights stream from HBM as in a real step), per launch and summed over the step."""
-    c, g, t = d.cfg, d.k_gemv, d.t
+    """Device time of each kernel group of the fused step: the group's launches for every layer back
+    to back in one graph (weights stream from HBM as in a real step), with the bytes they move."""
     groups: dict[str, list] = {}
-
-    def add(name, fn, nbytes):
-        groups.setdefault(name, []).append((fn, nbytes))
-
-    b = lambda x: x.numel() * x.element_size()  # noqa: E731
-    seq = int(d.state.seq_len)
-    for L in d.layers:
-        if L["kind"] == "linear_attention":
-            add("gdn_in_proj+conv", lambda L=L: g.gemv(d.res, L["w_in"], d.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV,
-                                                       norm_w=L["ln1"], aux0=L["conv"], aux1=L["conv_w"],
-                                                       conv_n=c.conv_dim, kc=c.conv_kernel,
-                                                       block_n=t.rows(L["w_in"].shape[0]), block_k=t.block_k,
-                                                       num_warps=t.num_warps),
-                b(L["w_in"]) + 2 * b(L["conv"]))
-            add("gdn_step", lambda L=L: d.k_gdn.gdn_step(d.buf, L["rec"], d.o, L["a_log"], L["dt_bias"],
-                                                         num_k_heads=c.linear_num_key_heads,
-                                                         num_v_heads=c.linear_num_value_heads,
-                                                         head_k_dim=c.linear_key_head_dim,
-                                                         head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v),
-                2 * b(L["rec"]))
-            add("gdn_out_proj", lambda L=L: g.gemv(d.o, L["w_out"], d.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL,
-                                                   norm_w=L["gnorm"], z=d.buf[c.conv_dim:c.conv_dim + c.value_dim],
-                                                   group=c.linear_value_head_dim, block_n=t.rows(c.hidden_size),
-                                                   num_warps=t.num_warps),
-                b(L["w_out"]))
-        else:
-            add("attn_qkv_proj", lambda L=L: g.gemv(d.res, L["w_qkv"], d.buf, pro=g.PRO_RMSNORM, norm_w=L["ln1"],
-                                                    block_n=t.rows(L["w_qkv"].shape[0]), block_k=t.block_k,
-                                                    num_warps=t.num_warps), b(L["w_qkv"]))
-            add("attn_qknorm_rope_kvwrite", lambda L=L: d.k_attn.qk_rope_cache(
-                d.buf, d.q, L["k"], L["v"], L["qn"], L["kn"], d.model.rope_cos, d.model.rope_sin, d.state.position,
-                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
-                eps=c.rms_norm_eps), 0)
-            kv = 2 * c.num_kv_heads * c.head_dim * L["k"].element_size() * (seq + 1)
-            add("attn_splitk+combine", lambda L=L: d.k_attn.attention_decode(
-                d.q, L["k"], L["v"], d.state.position, d.buf, d.o, d.m_buf, d.l_buf, d.acc_buf,
-                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, nsplit=t.attn_splits,
-                block=t.attn_block), kv)
-            add("attn_o_proj", lambda L=L: g.gemv(d.o, L["w_o"], d.res, epi=g.EPI_RESIDUAL,
-                                                  block_n=t.rows(c.hidden_size), block_k=t.block_k,
-                                                  num_warps=t.num_warps), b(L["w_o"]))
-        if L["moe"]:
-            per_exp = (b(L["gate_up"]) + b(L["down"])) // c.num_experts
-            add("moe_router", lambda L=L: g.gemv(d.res, L["w_router"], d.router_logits, pro=g.PRO_RMSNORM,
-                                                 norm_w=L["ln2"], block_n=t.block_n_small, block_k=t.block_k,
-                                                 num_warps=t.num_warps), b(L["w_router"]))
-            add("moe_experts(gate_up+down)", lambda L=L: d.k_moe.moe_experts(
-                d.res, L["ln2"], d.router_logits, L["gate_up"], L["s_gate_up"], L["down"], L["s_down"], d.act,
-                d.ids, d.wts, top_k=c.num_experts_per_tok, eps=c.rms_norm_eps, norm_topk=c.norm_topk_prob,
-                block_n=t.moe_block_n, block_k=t.block_k, num_warps=t.num_warps),
-                c.num_experts_per_tok * per_exp + b(L["s_gate_up"]) + b(L["s_down"]))
-        else:
-            add("mlp_gate_up+swiglu", lambda L=L: g.gemv(d.res, L["w_gu"], d.act_dense, pro=g.PRO_RMSNORM,
-                                                         epi=g.EPI_SWIGLU, norm_w=L["ln2"],
-                                                         block_n=t.rows(L["w_gu"].shape[0] // 2), block_k=t.block_k,
-                                                         num_warps=t.num_warps), b(L["w_gu"]))
-            add("mlp_down", lambda L=L: g.gemv(d.act_dense, L["w_down"], d.res, epi=g.EPI_RESIDUAL,
-                                               block_n=t.rows(c.hidden_size), block_k=t.block_k,
-                                               num_warps=t.num_warps), b(L["w_down"]))
-    add("lm_head+argmax", lambda: g.gemv(d.res, d.lm_head, d.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX,
-                                         norm_w=d.final_norm, aux0=d.pmax, aux1=d.pidx, block_n=t.block_n_lm,
-                                         block_k=t.block_k, num_warps=t.num_warps), b(d.lm_head))
+    for name, fn, nb in d.plan(int(d.state.seq_len)):
+        groups.setdefault(name, []).append((fn, nb))
     out = {}
     saved = {n: x.clone() for n, x in d.state.tensors.items() if not n.endswith((".k", ".v"))}
     pos = d.state.position.clone()
@@ -247,7 +237,12 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
     if parity_steps:
         t1 = time.time()
         res["parity"] = parity(eng, runner, eager_runner, parity_steps, gen)
-        log(f"[{key}] parity in {time.time() - t1:.1f}s: {json.dumps(res['parity'])}")
+        p = res["parity"]
+        worst = sorted(p["layer_errors_step0"], key=lambda r: -max(r["mixer_rel_err"], r["ffn_rel_err"]))[:4]
+        log(f"[{key}] parity in {time.time() - t1:.1f}s: fused {p['graph_fused']} eager-ops {p.get('graph_eager_ops')} "
+            f"teacher-forced step0 err {p['teacher_forced']['logits_rel_err_per_step'][0]:.4f} "
+            f"median {p['teacher_forced']['logits_rel_err_median']:.4f} mism {p['teacher_forced']['argmax_mismatches']}"
+            f" (near-tie {p['teacher_forced']['mismatches_at_bf16_near_tie']}); worst layers {worst}")
     g = runner._graph(False)
     g_eager = eager_runner._graph(False) if eager_runner else None
     for ctx in contexts:
@@ -380,8 +375,8 @@ def main(argv=None) -> int:
                 f"{c['speedup_vs_hf']:>7.1f}")
         if "parity" in r:
             p = r["parity"]
-            log(f"  parity {r['shape']}: fused={p['graph_fused']} eager_ops={p['graph_eager_ops']} "
-                f"tf={p['teacher_forced']}")
+            tf = {k: v for k, v in p["teacher_forced"].items() if k != "logits_rel_err_per_step"}
+            log(f"  parity {r['shape']}: fused={p['graph_fused']} eager_ops={p.get('graph_eager_ops')} tf={tf}")
     return 0
 
 

@@ -90,53 +90,54 @@ def tiny_parity(steps: int) -> dict:
     return out
 
 
+def _time_graph(launch, reps: int = 5) -> float:
+    launch()
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        launch()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        gr.replay()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(ts)
+
+
+SMALL_N = [(2, 512, 4), (4, 512, 4), (2, 1024, 4), (4, 1024, 4), (4, 1024, 8), (8, 1024, 8)]
+WIDE_N = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4)]
+
+
 def gemv_sweep() -> list:
     """Bandwidth of the GEMV kernel per launch shape on the real projection shapes (weights rotated
-    over enough copies to defeat L2)."""
+    over enough copies to defeat L2), and of the MoE kernels on the 35B-A3B expert shapes."""
     from nexrt_vllm.engine.kernels import gemv as g
+    from nexrt_vllm.engine.kernels import moe
 
-    shapes = [("gdn_in 2B 8224x2048", 8224, 2048, g.PRO_RMSNORM, g.EPI_STORE),
-              ("out+res 2048x2048", 2048, 2048, g.PRO_NONE, g.EPI_RESIDUAL),
-              ("swiglu 2x6144x2048", 6144, 2048, g.PRO_RMSNORM, g.EPI_SWIGLU),
-              ("down+res 2048x6144", 2048, 6144, g.PRO_NONE, g.EPI_RESIDUAL),
-              ("lm_head 248320x2048", 248320, 2048, g.PRO_RMSNORM, g.EPI_STORE)]
-    configs = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 4), (32, 512, 8),
-               (64, 256, 8)]
+    shapes = [("out+res 2048x2048", 2048, 2048, g.PRO_NONE, g.EPI_RESIDUAL, SMALL_N),
+              ("gated out+res 2048x4096", 2048, 4096, g.PRO_GATED, g.EPI_RESIDUAL, SMALL_N),
+              ("down+res 2048x6144", 2048, 6144, g.PRO_NONE, g.EPI_RESIDUAL, SMALL_N),
+              ("router 257x2048", 257, 2048, g.PRO_RMSNORM, g.EPI_STORE, SMALL_N),
+              ("gdn_in 35B 12352x2048", 12352, 2048, g.PRO_RMSNORM, g.EPI_STORE, WIDE_N)]
     rows = []
-    for name, n, k, pro, epi in shapes:
-        rows_w = 2 * n if epi == g.EPI_SWIGLU else n
-        copies = max(1, int(512e6 // (rows_w * k * 2)))
-        ws = [torch.randn(rows_w, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    for name, n, k, pro, epi, configs in shapes:
+        copies = max(1, int(512e6 // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        z = torch.randn(k, device="cuda", dtype=torch.bfloat16)
         nw_ = torch.zeros(k, device="cuda", dtype=torch.bfloat16)
         y = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
         best = None
         for bn, bk, nwarps in configs:
-            if name == "lm_head" and bn < 16:
-                continue
-
             def launch():
                 for w in ws:
-                    g.gemv(x, w, y, pro=pro, epi=epi, norm_w=nw_, block_n=bn, block_k=bk, num_warps=nwarps)
-            try:
-                launch()
-                torch.cuda.synchronize()
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(gr):
-                    launch()
-                ts = []
-                for _ in range(5):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    gr.replay()
-                    e.record()
-                    e.synchronize()
-                    ts.append(s.elapsed_time(e) / 1e3)
-            except Exception as ex:  # noqa: BLE001 - a config that does not compile is just skipped
-                rows.append({"shape": name, "block_n": bn, "block_k": bk, "warps": nwarps, "error": str(ex)[:200]})
-                continue
-            per = statistics.median(ts) / copies
-            gbps = rows_w * k * 2 / per / 1e9
+                    g.gemv(x, w, y, pro=pro, epi=epi, norm_w=nw_, z=z, group=128, block_n=bn, block_k=bk,
+                           num_warps=nwarps)
+            per = _time_graph(launch) / copies
+            gbps = n * k * 2 / per / 1e9
             rows.append({"shape": name, "block_n": bn, "block_k": bk, "warps": nwarps, "us": per * 1e6, "GBps": gbps})
             if best is None or gbps > best[0]:
                 best = (gbps, bn, bk, nwarps, per * 1e6)
@@ -144,6 +145,32 @@ def gemv_sweep() -> list:
             f"({best[4]:.1f} us)")
         del ws
         torch.cuda.empty_cache()
+    # MoE (35B-A3B): 256 experts, top-8, I=512, H=2048, shared 512; 8 layers of weights rotated.
+    E, K, H, I = 256, 8, 2048, 512
+    nl = 8
+    lay = [dict(gu=torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02,
+                dn=torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02,
+                sgu=torch.randn(2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02,
+                sdn=torch.randn(H, I, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(nl)]
+    res = torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    nw_ = torch.zeros(H, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(E + 1, device="cuda", dtype=torch.bfloat16)
+    act = torch.zeros((K + 1) * I, device="cuda", dtype=torch.bfloat16)
+    ids, wts = torch.zeros(K, dtype=torch.int32, device="cuda"), torch.zeros(K, device="cuda")
+    nbytes = (K + 1) * 3 * H * I * 2
+    combos = [(bn, bk, 4, 512) for bn in (4, 8, 16) for bk in (256, 512)] + \
+        [(8, 256, dbn, dbk) for dbn in (2, 4, 8) for dbk in (256, 512)]
+    for bn, bk, dbn, dbk in combos:
+        def launch():
+            for L in lay:
+                moe.moe_experts(res, nw_, logits, L["gu"], L["sgu"], L["dn"], L["sdn"], act, ids, wts, top_k=K,
+                                eps=1e-6, block_n=bn, block_k=bk, down_block_n=dbn, down_block_k=dbk)
+        per = _time_graph(launch) / nl
+        rows.append({"shape": "moe_experts 35B", "block_n": bn, "block_k": bk, "down_block_n": dbn,
+                     "down_block_k": dbk, "us": per * 1e6, "GBps": nbytes / per / 1e9})
+        log(f"sweep moe gate_up ({bn},{bk}) down ({dbn},{dbk}): {per * 1e6:.1f} us, {nbytes / per / 1e9:.0f} GB/s")
+    del lay
+    torch.cuda.empty_cache()
     return rows
 
 

@@ -106,9 +106,10 @@ def test_gemv_conv_epilogue_updates_state():
     assert rel(st[:, -1], proj[:conv_n]) < 8e-3
 
 
-def test_gemv_gated_norm_prologue():
+@pytest.mark.parametrize("block_k", [32, 64])  # one head, two heads per K block
+def test_gemv_gated_norm_prologue(block_k):
     g = torch.Generator().manual_seed(4)
-    heads, dv, n = 3, 32, 24
+    heads, dv, n = 4, 32, 24
     o = torch.randn(heads * dv, generator=g).to(BF)
     z = torch.randn(heads * dv, generator=g).to(BF)
     nw = (1 + 0.1 * torch.randn(dv, generator=g)).to(BF)
@@ -118,7 +119,8 @@ def test_gemv_gated_norm_prologue():
     normed = (oh * torch.rsqrt(oh.pow(2).mean(-1, keepdim=True) + 1e-6)).to(BF)
     gated = ((nw * normed).float() * F.silu(z.view(heads, dv).float())).to(BF).view(-1)
     ref = res + lin(gated, w)
-    call(gemv.gemv, o, w, res, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=8)
+    call(gemv.gemv, o, w, res, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=8,
+         block_k=block_k)
     assert rel(res, ref) < 8e-3
 
 
@@ -248,7 +250,8 @@ def test_moe_experts_selected_only():
     call(gemv.gemv, res, wr, lg, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=8, block_k=32)
     act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
     ids, wts = torch.empty(topk, dtype=torch.int32), torch.empty(topk)
-    call(moe.moe_experts, res, nw, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, eps=1e-6, block_n=16, block_k=32)
+    call(moe.moe_experts, res, nw, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, eps=1e-6, block_n=16, block_k=32,
+         down_block_n=8, down_block_k=16)
     assert ids.tolist() == sorted(top_i.tolist())
     assert rel(res, ref) < 1e-2
 

@@ -32,19 +32,25 @@ RING = 64  # control slots; must exceed the replays in flight (2)
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch shapes (chosen from the on-device sweep recorded in docs/GPU.md)."""
-    block_k: int = 256
-    block_n_small: int = 8    # rows per program when N <= 4096
-    block_n: int = 16
-    block_n_lm: int = 32
-    num_warps: int = 4
-    attn_splits: int = 64
+    """Launch shapes, from the on-device sweeps recorded in docs/GPU.md.
+
+    `gemv`: (max output rows, block_n, block_k, num_warps), first match wins. Few output rows need
+    few rows per program and long K blocks, so that enough programs stream enough bytes each."""
+    gemv: tuple = ((4096, 4, 512, 4), (16384, 8, 256, 4), (1 << 62, 16, 256, 4))
+    block_n_lm: int = 16
+    attn_splits: int = 128
     attn_block: int = 32
     gdn_block_v: int = 32
-    moe_block_n: int = 16
+    moe_block_n: int = 8
+    moe_block_k: int = 256
+    moe_down_block_n: int = 4
+    moe_down_block_k: int = 512
 
-    def rows(self, n: int) -> int:
-        return self.block_n_small if n <= 4096 else self.block_n
+    def shape(self, n: int) -> dict:
+        for max_rows, bn, bk, nw in self.gemv:
+            if n <= max_rows:
+                return {"block_n": bn, "block_k": bk, "num_warps": nw}
+        raise AssertionError("unreachable: the last gemv rule has no row limit")
 
 
 def _require_gpu_dtype(cfg: ModelConfig, dtype: torch.dtype) -> None:
@@ -202,70 +208,79 @@ class FusedDecoder:
         self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
 
     # ---- one decode step -------------------------------------------------------------------------
-    def _embed(self) -> None:
-        torch.index_select(self.embed, 0, self.tok, out=self.res.view(1, -1))
+    def plan(self, seq_len: int = 0) -> list[tuple[str, object, int]]:
+        """The fused step as (kernel group, launch, bytes it must move at context `seq_len`), in order.
 
-    def _gdn(self, L: dict) -> None:
-        c, g, t = self.cfg, self.k_gemv, self.t
-        n_in = L["w_in"].shape[0]
-        g.gemv(self.res, L["w_in"], self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L["ln1"], aux0=L["conv"],
-               aux1=L["conv_w"], eps=c.rms_norm_eps, conv_n=c.conv_dim, kc=c.conv_kernel,
-               block_n=t.rows(n_in), block_k=t.block_k, num_warps=t.num_warps)
-        self.k_gdn.gdn_step(self.buf, L["rec"], self.o, L["a_log"], L["dt_bias"], num_k_heads=c.linear_num_key_heads,
-                            num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
-                            head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v)
-        z = self.buf[c.conv_dim:c.conv_dim + c.value_dim]
-        g.gemv(self.o, L["w_out"], self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=L["gnorm"], z=z,
-               eps=c.rms_norm_eps, group=c.linear_value_head_dim, block_n=t.rows(c.hidden_size),
-               num_warps=t.num_warps)
-
-    def _attn(self, L: dict) -> None:
-        c, g, t = self.cfg, self.k_gemv, self.t
-        n = L["w_qkv"].shape[0]
-        g.gemv(self.res, L["w_qkv"], self.buf, pro=g.PRO_RMSNORM, norm_w=L["ln1"], eps=c.rms_norm_eps,
-               block_n=t.rows(n), block_k=t.block_k, num_warps=t.num_warps)
-        self.k_attn.qk_rope_cache(self.buf, self.q, L["k"], L["v"], L["qn"], L["kn"], self.model.rope_cos,
-                                  self.model.rope_sin,
-                                  self.state.position, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                                  head_dim=c.head_dim, rotary_dim=c.rotary_dim, eps=c.rms_norm_eps)
-        self.k_attn.attention_decode(self.q, L["k"], L["v"], self.state.position, self.buf, self.o, self.m_buf,
-                                     self.l_buf, self.acc_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                                     head_dim=c.head_dim, nsplit=t.attn_splits, block=t.attn_block)
-        g.gemv(self.o, L["w_o"], self.res, epi=g.EPI_RESIDUAL, block_n=t.rows(c.hidden_size),
-               block_k=t.block_k, num_warps=t.num_warps)
-
-    def _ffn(self, L: dict) -> None:
-        c, g, t = self.cfg, self.k_gemv, self.t
-        if L["moe"]:
-            g.gemv(self.res, L["w_router"], self.router_logits, pro=g.PRO_RMSNORM, norm_w=L["ln2"],
-                   eps=c.rms_norm_eps, block_n=t.block_n_small, block_k=t.block_k, num_warps=t.num_warps)
-            self.k_moe.moe_experts(self.res, L["ln2"], self.router_logits, L["gate_up"], L["s_gate_up"], L["down"],
-                                   L["s_down"], self.act, self.ids, self.wts, top_k=c.num_experts_per_tok,
-                                   eps=c.rms_norm_eps, norm_topk=c.norm_topk_prob, block_n=t.moe_block_n,
-                                   block_k=t.block_k,
-                                   num_warps=t.num_warps)
-        else:
-            inter = L["w_gu"].shape[0] // 2
-            g.gemv(self.res, L["w_gu"], self.act_dense, pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L["ln2"],
-                   eps=c.rms_norm_eps, block_n=t.rows(inter), block_k=t.block_k, num_warps=t.num_warps)
-            g.gemv(self.act_dense, L["w_down"], self.res, epi=g.EPI_RESIDUAL, block_n=t.rows(c.hidden_size),
-                   block_k=t.block_k, num_warps=t.num_warps)
-
-    def _forward_fused(self) -> None:
-        self._embed()
+        The step runs these launches; the benchmark times each group and sums the bytes (each
+        weight / state byte read once, state written once, K/V rows 0..seq_len read)."""
+        c, g, t, st = self.cfg, self.k_gemv, self.t, self.state
+        eps = c.rms_norm_eps
+        b = lambda x: x.numel() * x.element_size()  # noqa: E731
+        steps: list[tuple[str, object, int]] = [
+            ("embed", lambda: torch.index_select(self.embed, 0, self.tok, out=self.res.view(1, -1)),
+             c.hidden_size * self.embed.element_size())]
         for L in self.layers:
-            (self._gdn if L["kind"] == "linear_attention" else self._attn)(L)
-            self._ffn(L)
-        c, g, t = self.cfg, self.k_gemv, self.t
-        g.gemv(self.res, self.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
-               aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, block_n=t.block_n_lm, block_k=t.block_k,
-               num_warps=t.num_warps)
+            if L["kind"] == "linear_attention":
+                steps += [
+                    ("gdn_in_proj+conv", lambda L=L: g.gemv(
+                        self.res, L["w_in"], self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L["ln1"],
+                        aux0=L["conv"], aux1=L["conv_w"], eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel,
+                        **t.shape(L["w_in"].shape[0])), b(L["w_in"]) + b(L["conv_w"]) + 2 * b(L["conv"])),
+                    ("gdn_step", lambda L=L: self.k_gdn.gdn_step(
+                        self.buf, L["rec"], self.o, L["a_log"], L["dt_bias"], num_k_heads=c.linear_num_key_heads,
+                        num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
+                        head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v), 2 * b(L["rec"])),
+                    ("gdn_out_proj", lambda L=L: g.gemv(
+                        self.o, L["w_out"], self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=L["gnorm"],
+                        z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim,
+                        **t.shape(c.hidden_size)), b(L["w_out"]))]
+            else:
+                kv_row = c.num_kv_heads * c.head_dim * L["k"].element_size()
+                steps += [
+                    ("attn_qkv_proj", lambda L=L: g.gemv(
+                        self.res, L["w_qkv"], self.buf, pro=g.PRO_RMSNORM, norm_w=L["ln1"], eps=eps,
+                        **t.shape(L["w_qkv"].shape[0])), b(L["w_qkv"])),
+                    ("attn_qknorm_rope_kvwrite", lambda L=L: self.k_attn.qk_rope_cache(
+                        self.buf, self.q, L["k"], L["v"], L["qn"], L["kn"], self.model.rope_cos, self.model.rope_sin,
+                        st.position, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                        rotary_dim=c.rotary_dim, eps=eps), 2 * kv_row),
+                    ("attn_splitk+combine", lambda L=L: self.k_attn.attention_decode(
+                        self.q, L["k"], L["v"], st.position, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
+                        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                        nsplit=t.attn_splits, block=t.attn_block), 2 * kv_row * (seq_len + 1)),
+                    ("attn_o_proj", lambda L=L: g.gemv(
+                        self.o, L["w_o"], self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)), b(L["w_o"]))]
+            if L["moe"]:
+                per_expert = (b(L["gate_up"]) + b(L["down"])) // c.num_experts
+                steps += [
+                    ("moe_router", lambda L=L: g.gemv(
+                        self.res, L["w_router"], self.router_logits, pro=g.PRO_RMSNORM, norm_w=L["ln2"], eps=eps,
+                        **t.shape(L["w_router"].shape[0])), b(L["w_router"])),
+                    ("moe_experts", lambda L=L: self.k_moe.moe_experts(
+                        self.res, L["ln2"], self.router_logits, L["gate_up"], L["s_gate_up"], L["down"], L["s_down"],
+                        self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, eps=eps,
+                        norm_topk=c.norm_topk_prob, block_n=t.moe_block_n, block_k=t.moe_block_k,
+                        down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k),
+                     c.num_experts_per_tok * per_expert + b(L["s_gate_up"]) + b(L["s_down"]))]
+            else:
+                steps += [
+                    ("mlp_gate_up+swiglu", lambda L=L: g.gemv(
+                        self.res, L["w_gu"], self.act_dense, pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L["ln2"],
+                        eps=eps, **t.shape(L["w_gu"].shape[0] // 2)), b(L["w_gu"])),
+                    ("mlp_down", lambda L=L: g.gemv(
+                        self.act_dense, L["w_down"], self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)),
+                     b(L["w_down"]))]
+        steps.append(("lm_head+argmax", lambda: g.gemv(
+            self.res, self.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
+            aux0=self.pmax, aux1=self.pidx, eps=eps, block_n=t.block_n_lm, block_k=256), b(self.lm_head)))
+        return steps
 
     def launch(self, sample: bool = False) -> None:
         """Enqueue one decode step: input token `tok` at `position`; leaves the next token in `tok`."""
         pos = self.state.position
         if self.mode == "fused":
-            self._forward_fused()
+            for _, fn, _ in self.plan():
+                fn()
             n_part = self.n_part
         else:
             self.logits.copy_(self.model.decode(self.tok, self.state))  # advances position itself
@@ -283,27 +298,11 @@ class FusedDecoder:
         if self.control == "pinned-copy":
             self.ring_host.copy_(self.ring, non_blocking=True)
 
-    # ---- byte accounting -------------------------------------------------------------------------
     def bytes_per_step(self, seq_len: int) -> dict[str, int]:
-        """Bytes a step must move at context `seq_len` (each weight/state byte read once, state written once)."""
-        c = self.cfg
-        b = lambda t: t.numel() * t.element_size()  # noqa: E731
-        out = {"weights": 0, "kv": 0, "gdn_state": 0, "embed_row": c.hidden_size * self.embed.element_size(),
-               "lm_head": b(self.lm_head)}
-        for L in self.layers:
-            if L["kind"] == "linear_attention":
-                out["weights"] += b(L["w_in"]) + b(L["w_out"]) + b(L["conv_w"])
-                out["gdn_state"] += 2 * (b(L["rec"]) + b(L["conv"]))
-            else:
-                out["weights"] += b(L["w_qkv"]) + b(L["w_o"])
-                kvrow = c.num_kv_heads * c.head_dim * L["k"].element_size()
-                out["kv"] += 2 * kvrow * (seq_len + 1) + 2 * kvrow  # read 0..pos, write row pos
-            if L["moe"]:
-                per_exp = b(L["gate_up"]) // c.num_experts + b(L["down"]) // c.num_experts
-                out["weights"] += b(L["w_router"]) + c.num_experts_per_tok * per_exp + b(L["s_gate_up"]) + \
-                    b(L["s_down"])
-            else:
-                out["weights"] += b(L["w_gu"]) + b(L["w_down"])
+        """Bytes the fused step must move at context `seq_len`, per kernel group and in total."""
+        out: dict[str, int] = {}
+        for name, _, nb in self.plan(seq_len):
+            out[name] = out.get(name, 0) + nb
         out["total"] = sum(out.values())
         return out
 

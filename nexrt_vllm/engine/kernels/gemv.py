@@ -6,7 +6,8 @@ residual add / activation / causal conv that consumes y into the epilogue remove
 add and activation launches (each of which costs more launch gap than it moves bytes).
 
 Prologues (PRO): 0 plain x; 1 zero-centred RMSNorm `x·rsqrt(mean x²+eps)·(1+w)` over all of K;
-2 gated RMSNorm per head of GROUP elements `w·rms(x)·SiLU(z)` (GDN output norm; BLOCK_K == GROUP).
+2 gated RMSNorm per head of GROUP elements `w·rms(x)·SiLU(z)` (GDN output norm; BLOCK_K a multiple
+of GROUP).
 Epilogues (EPI): 0 store y; 1 residual add `y_ptr += y`; 2 SwiGLU over W = [gate; up] (N rows each);
 3 causal depthwise conv + SiLU on rows < CONV_N (GDN in_proj: updates the conv state in place),
 4 store fp32 logits plus a per-program (max, argmax) pair for the sampler.
@@ -22,17 +23,22 @@ EPI_STORE, EPI_RESIDUAL, EPI_SWIGLU, EPI_CONV, EPI_ARGMAX = 0, 1, 2, 3, 4
 
 
 @triton.jit
-def _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO: tl.constexpr, GROUP: tl.constexpr):
+def _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO: tl.constexpr, GROUP: tl.constexpr,
+            BLOCK_K: tl.constexpr):
     x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     if PRO == 1:
         w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         x = _bf16((x * rstd) * (1.0 + w))
     elif PRO == 2:
-        # One head per K block: rms over the head, bf16 norm, bf16 weight product, SiLU(z) gate.
-        r = tl.rsqrt(tl.sum(x * x, 0) / GROUP + eps)
+        # BLOCK_K spans whole heads of GROUP elements: rms per head, bf16 norm, bf16 weight
+        # product, SiLU(z) gate.
+        NH: tl.constexpr = BLOCK_K // GROUP
+        x2 = tl.reshape(x, (NH, GROUP))
+        r = tl.rsqrt(tl.sum(x2 * x2, 1) / GROUP + eps)
+        xn = tl.reshape(_bf16(x2 * r[:, None]), (BLOCK_K,))
         w = tl.load(nw_ptr + (cols % GROUP), mask=cmask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        x = _bf16(_bf16(w * _bf16(x * r)) * _silu(z))
+        x = _bf16(_bf16(w * xn) * _silu(z))
     return x
 
 
@@ -58,7 +64,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + offs_k
         cmask = cols < K
-        xv = _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP)
+        xv = _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, BLOCK_K)
         wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
         if EVEN_K:
             wmask = rmask[:, None]
@@ -111,9 +117,9 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     """Launch `gemv_kernel`. `w` is [N, K] ([2N, K] for SwiGLU, N = rows of y); returns the grid size."""
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
-    if pro == PRO_GATED:
-        block_k = group
     block_k = min(block_k or 512, triton.next_power_of_2(k))
+    if pro == PRO_GATED:  # whole heads per K block (group and block_k are powers of two)
+        block_k = max(block_k, group)
     block_n = block_n or 16
     grid = triton.cdiv(n, block_n)
     dummy = y

@@ -67,7 +67,7 @@ def moe_gate_up_kernel(x_ptr, nw_ptr, logits_ptr, gu_ptr, sgu_ptr, act_ptr, ids_
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + offs_k
         cmask = cols < K
-        xv = _load_x(x_ptr, cols, cmask, nw_ptr, nw_ptr, rstd, eps, 1, 1)
+        xv = _load_x(x_ptr, cols, cmask, nw_ptr, nw_ptr, rstd, eps, 1, 1, BLOCK_K)
         wp = wbase + rows[:, None] * K + cols[None, :]
         m2 = rmask[:, None] & cmask[None, :]
         acc_g += tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32) * xv[None, :]
@@ -117,7 +117,7 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 
 def moe_experts(res, norm_w, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
-                eps, norm_topk=True, block_n=16, block_k=None, num_warps=4):
+                eps, norm_topk=True, block_n=16, block_k=None, down_block_n=4, down_block_k=None, num_warps=4):
     """Routed + shared experts for one token; `res` (the residual, [H]) is updated in place.
 
     gate_up [E, 2I, H], down [E, H, I], shared_gate_up [2Is, H], shared_down [H, Is], logits [E+1]
@@ -126,12 +126,12 @@ def moe_experts(res, norm_w, logits, gate_up, shared_gate_up, down, shared_down,
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
-    bk = block_k or min(512, triton.next_power_of_2(hidden))
+    bk = min(block_k or 512, triton.next_power_of_2(hidden))
     moe_gate_up_kernel[(triton.cdiv(imax, block_n), top_k + 1)](
         res, norm_w, logits, gate_up, shared_gate_up, act, ids, wts, hidden, inter, inter_s, gate_up.stride(0),
         eps, E=n_exp, EP=triton.next_power_of_2(n_exp), TOPK=top_k, NORM=norm_topk, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=num_warps)
-    bkd = min(512, triton.next_power_of_2(imax))
-    moe_down_kernel[(triton.cdiv(hidden, block_n),)](
+    bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
+    moe_down_kernel[(triton.cdiv(hidden, down_block_n),)](
         act, down, shared_down, ids, wts, logits, res, hidden, inter, inter_s, down.stride(0),
-        E=n_exp, TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bkd, num_warps=num_warps)
+        E=n_exp, TOPK=top_k, IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, num_warps=num_warps)
