@@ -101,10 +101,11 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for tr in sorted({r["transport"] for r in rows}):
+    for i, tr in enumerate(sorted({r["transport"] for r in rows})):
         rs = [r for r in rows if r["transport"] == tr]
-        ax.plot([r["mib"] for r in rs], [r["handoff_gib_s"] for r in rs], "o-", label=f"{tr} (hand-off)")
-        ax.plot([r["mib"] for r in rs], [r["write_gib_s"] for r in rs], "x--", label=f"{tr} (writes only)")
+        ax.plot([r["mib"] for r in rs], [r["handoff_gib_s"] for r in rs], "o-", color=f"C{i}", label=f"{tr} (hand-off)")
+        ax.plot([r["mib"] for r in rs], [r["write_gib_s"] for r in rs], "x--", color=f"C{i}",
+                label=f"{tr} (writes only)")
     ax.set_xscale("log")
     ax.set_xlabel("state size (MiB)")
     ax.set_ylabel("GiB/s")

@@ -65,13 +65,11 @@ class Admission:
     generation: int
     state: State
     deadline: float
-    prompt_len: int | None = None
     buffer: RecvBuffer | None = None
     layout: P.Layout | None = None
     regions: list[P.Region] = field(default_factory=list)
     seq_len: int = 0
     expected_bytes: int = 0
-    t_admit: float = field(default_factory=time.monotonic)
     t_accept: float = 0.0
     transfer_s: float = 0.0
     started: bool = False  # /v1/generate claimed it
@@ -87,7 +85,7 @@ class Node:
         self.device, self.control_addr, self.model_name = device, control_addr, model_name
         self.metrics = metrics or NodeMetrics()
         self.current: Admission | None = None
-        self._decoding: Admission | None = None  # cancelled decode whose thread has not stopped yet
+        self._decoding: Admission | None = None  # the admission whose decode thread runs
         self._generation = 0
         # rid -> (generation, done received): finished rids, to refuse duplicates and late messages
         self._tombstones: collections.OrderedDict[str, tuple[int, bool]] = collections.OrderedDict()
@@ -118,7 +116,7 @@ class Node:
         if not any(b.available(now) for b in self.buffers):
             raise self._refuse(409, P.Reason.BUSY, "every receive buffer waits for a stale writer")
         self._generation += 1
-        adm = Admission(rid, self._generation, State.RESERVED, now + self.opts.admit_timeout, prompt_len,
+        adm = Admission(rid, self._generation, State.RESERVED, now + self.opts.admit_timeout,
                         ready=asyncio.get_running_loop().create_future())
         self.current = adm
         self.metrics.admissions.inc()
