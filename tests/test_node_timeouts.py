@@ -8,7 +8,7 @@ import pytest
 
 from node_helpers import NodeProcess, PrefillSide
 
-ADMIT_S, START_S = 1.0, 1.0
+ADMIT_S, START_S = 2.0, 1.0
 
 
 @pytest.fixture(scope="module")
