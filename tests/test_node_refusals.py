@@ -19,7 +19,8 @@ def cfgs(qwen3_next_ckpt, qwen3_5_ckpt):
 
 @pytest.fixture(scope="module")
 def node(qwen3_next_ckpt):
-    n = NodeProcess(qwen3_next_ckpt, "mooncake", max_seq_len=MAX_SEQ)
+    # 0.25 MiB receive buffers: the GDN state (~200 KB) plus ~120 bf16 tokens of KV
+    n = NodeProcess(qwen3_next_ckpt, "mooncake", "--recv-buffer-mib", "0.25", max_seq_len=MAX_SEQ)
     yield n
     assert n.wait_free()["busy_slots"] == 0
     n.stop()
@@ -69,6 +70,14 @@ def test_seq_len_over_capacity_at_begin(node, cfgs, sender):
         sender.begin(node.control_addr, layout_for(cfgs[0]), "long-2", adm["generation"], MAX_SEQ)
     assert ei.value.reason is P.Reason.TOO_LONG
     assert node.health()["busy_slots"] == 0  # the refused admission released the slot at once
+
+
+def test_state_over_receive_buffer(node, cfgs, sender):
+    adm = node.admit("big-kv")
+    with pytest.raises(HandoffError) as ei:  # fp32 KV for 200 tokens does not fit, though 200 < max_seq_len
+        sender.begin(node.control_addr, layout_for(cfgs[0], kv_dtype="float32"), "big-kv", adm["generation"], 200)
+    assert ei.value.reason is P.Reason.TOO_LONG and "receive buffer holds 262144" in ei.value.message
+    assert node.health()["busy_slots"] == 0
 
 
 def test_begin_for_unknown_rid(node, cfgs, sender):
