@@ -117,11 +117,8 @@ def gemv_sweep() -> list:
     from nexrt_vllm.engine.kernels import gemv as g
     from nexrt_vllm.engine.kernels import moe
 
-    shapes = [("out+res 2048x2048", 2048, 2048, g.PRO_NONE, g.EPI_RESIDUAL, SMALL_N),
-              ("gated out+res 2048x4096", 2048, 4096, g.PRO_GATED, g.EPI_RESIDUAL, SMALL_N),
-              ("down+res 2048x6144", 2048, 6144, g.PRO_NONE, g.EPI_RESIDUAL, SMALL_N),
-              ("router 257x2048", 257, 2048, g.PRO_RMSNORM, g.EPI_STORE, SMALL_N),
-              ("gdn_in 35B 12352x2048", 12352, 2048, g.PRO_RMSNORM, g.EPI_STORE, WIDE_N)]
+    shapes = [("gated out+res 2048x2048", 2048, 2048, g.PRO_GATED, g.EPI_RESIDUAL, SMALL_N),
+              ("qkv 2B 5120x2048", 5120, 2048, g.PRO_RMSNORM, g.EPI_STORE, WIDE_N + [(4, 1024, 4)])]
     rows = []
     for name, n, k, pro, epi, configs in shapes:
         copies = max(1, int(512e6 // (n * k * 2)))
@@ -156,10 +153,10 @@ def gemv_sweep() -> list:
     nw_ = torch.zeros(H, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(E + 1, device="cuda", dtype=torch.bfloat16)
     act = torch.zeros((K + 1) * I, device="cuda", dtype=torch.bfloat16)
-    ids, wts = torch.zeros(K, dtype=torch.int32, device="cuda"), torch.zeros(K, device="cuda")
+    ids = torch.randperm(E, device="cuda")[:K].sort().values.to(torch.int32)
+    wts = torch.rand(K, device="cuda")
     nbytes = (K + 1) * 3 * H * I * 2
-    combos = [(bn, bk, 4, 512) for bn in (4, 8, 16) for bk in (256, 512)] + \
-        [(8, 256, dbn, dbk) for dbn in (2, 4, 8) for dbk in (256, 512)]
+    combos = [(bn, bk, dbn, 512) for bn, bk in ((4, 256), (8, 256), (16, 256), (8, 512)) for dbn in (2, 4)]
     for bn, bk, dbn, dbk in combos:
         def launch():
             for L in lay:

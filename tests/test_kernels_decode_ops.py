@@ -223,6 +223,13 @@ def test_qk_rope_cache_and_split_attention():
     assert rel(out.view(H, hd), ref) < 1e-2
 
 
+def test_embed_row():
+    table = torch.randn(50, 40).to(BF)
+    out = nan_like(torch.empty(40, dtype=BF))
+    call(sampling.embed, torch.tensor([37]), table, out)
+    assert torch.equal(out, table[37])
+
+
 def test_moe_experts_selected_only():
     g = torch.Generator().manual_seed(8)
     E, topk, hid, inter, inter_s = 16, 4, 64, 32, 48
@@ -247,12 +254,16 @@ def test_moe_experts_selected_only():
     shared = torch.sigmoid(logits[E:]) * lin(F.silu(sg) * su, sdn)
     ref = res + (out + shared)
     lg = nan_like(torch.empty(E + 1, dtype=BF))
-    call(gemv.gemv, res, wr, lg, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=8, block_k=32)
+    ids, wts = torch.full((topk,), -1, dtype=torch.int32), nan_like(torch.empty(topk))
+    ticket = torch.zeros(1, dtype=torch.int32)
+    # the router launch routes in its last program (3 programs here), then re-arms the ticket
+    call(gemv.gemv, res, wr, lg, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_ROUTE, norm_w=nw, aux0=ids, aux1=wts,
+         aux2=ticket, top_k=topk, block_n=8, block_k=32)
+    assert ids.tolist() == sorted(top_i.tolist()) and int(ticket) == 0
+    assert torch.equal(wts, top_v[[top_i.tolist().index(e) for e in ids.tolist()]].float())
     act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
-    ids, wts = torch.empty(topk, dtype=torch.int32), torch.empty(topk)
     call(moe.moe_experts, res, nw, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, eps=1e-6, block_n=16, block_k=32,
          down_block_n=8, down_block_k=16)
-    assert ids.tolist() == sorted(top_i.tolist())
     assert rel(res, ref) < 1e-2
 
 

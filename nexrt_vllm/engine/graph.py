@@ -36,11 +36,12 @@ class Tuning:
 
     `gemv`: (max output rows, block_n, block_k, num_warps), first match wins. Few output rows need
     few rows per program and long K blocks, so that enough programs stream enough bytes each."""
-    gemv: tuple = ((4096, 4, 512, 4), (16384, 8, 256, 4), (1 << 62, 16, 256, 4))
-    block_n_lm: int = 16
-    attn_splits: int = 128
+    gemv: tuple = ((4096, 2, 1024, 4), (10000, 8, 256, 4), (1 << 62, 16, 256, 4))
+    gemv_gated: tuple = (8, 1024, 8)  # GDN out_proj (gated-norm prologue), by the same sweep
+    block_n_lm: int = 32
+    attn_splits: int = 256
     attn_block: int = 32
-    gdn_block_v: int = 32
+    gdn_block_v: int = 16
     moe_block_n: int = 8
     moe_block_k: int = 256
     moe_down_block_n: int = 4
@@ -86,48 +87,55 @@ def _next_in_proj(cfg: ModelConfig, w) -> torch.Tensor:
 _PAGE = 4096
 
 
-def _host_mapped(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(host, device) views of RING int64 slots of page-locked, device-mapped host memory.
+class _MappedRing:
+    """RING int64 slots of page-locked, device-mapped host memory, unregistered when dropped.
 
-    The slots sit alone on one page (registration is per page; a shared page could collide with
-    another registration). UVA: the mapped device address equals the host address."""
-    backing = torch.full((3 * _PAGE // 8,), -1, dtype=torch.int64)
-    off = (-backing.data_ptr() % _PAGE) // 8
-    host = backing[off:off + RING]
-    rc = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), _PAGE, 2)  # cudaHostRegisterMapped
-    if int(rc) != 0:
-        raise RuntimeError(f"cudaHostRegister failed ({rc})")
+    The slots sit alone on one page of a 3-page allocation (registration is per page, so no other
+    allocation may share it). UVA: the mapped device address equals the host address."""
 
-    class _Iface:
-        __cuda_array_interface__ = {"shape": (RING,), "typestr": "<i8", "data": (host.data_ptr(), False),
-                                    "version": 3, "strides": None}
-    return host, torch.as_tensor(_Iface(), device=dev)
+    def __init__(self, dev: torch.device):
+        self._backing = torch.full((3 * _PAGE // 8,), -1, dtype=torch.int64)
+        off = (-self._backing.data_ptr() % _PAGE) // 8
+        self.host = self._backing[off:off + RING]
+        self._ptr = self.host.data_ptr()
+        rc = torch.cuda.cudart().cudaHostRegister(self._ptr, _PAGE, 2)  # cudaHostRegisterMapped
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister failed ({rc})")
+
+        class _Iface:
+            __cuda_array_interface__ = {"shape": (RING,), "typestr": "<i8", "data": (self._ptr, False),
+                                        "version": 3, "strides": None}
+        self.device = torch.as_tensor(_Iface(), device=dev)
+
+    def __del__(self):
+        torch.cuda.synchronize()  # no replay may still write the page
+        torch.cuda.cudart().cudaHostUnregister(self._ptr)
 
 
-def _control_ring(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(host view, device view, mode) of the control ring: RING int64 slots, each (step << 32) | token.
+def _control_ring(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, str, object]:
+    """(host view, device view, mode, owner) of the control ring: RING int64 slots, each (step << 32) | token.
 
     Preferred: host-mapped memory the last kernel writes over PCIe, so no copy node and no sync.
     Fallback: a device ring copied into pinned memory by the graph's last node."""
     if dev.type != "cuda":
         host = torch.full((RING,), -1, dtype=torch.int64)
-        return host, host, "cpu"
+        return host, host, "cpu", None
     from .kernels import sampling
     try:
-        host, mapped = _host_mapped(dev)
+        ring = _MappedRing(dev)
         # Round trip through the very kernel that publishes tokens: it writes, the host must see it.
         pm = torch.full((1,), 1.0, device=dev)
         pi = torch.full((1,), 9, dtype=torch.int32, device=dev)
         z = torch.zeros(1, dtype=torch.int64, device=dev)
-        sampling.finish(pm, pi, 1, z.clone(), z.clone(), z.clone(), mapped, RING)
+        sampling.finish(pm, pi, 1, z.clone(), z.clone(), z.clone(), ring.device, RING)
         torch.cuda.synchronize()
-        if int(host[0]) == (1 << 32) | 9:
-            host.fill_(-1)
-            return host, mapped, "host-mapped"
+        if int(ring.host[0]) == (1 << 32) | 9:
+            ring.host.fill_(-1)
+            return ring.host, ring.device, "host-mapped", ring
     except Exception:  # noqa: BLE001 - any failure means: use the copy path
         pass
     host = torch.full((RING,), -1, dtype=torch.int64).pin_memory()
-    return host, torch.full((RING,), -1, dtype=torch.int64, device=dev), "pinned-copy"
+    return host, torch.full((RING,), -1, dtype=torch.int64, device=dev), "pinned-copy", None
 
 
 class FusedDecoder:
@@ -193,6 +201,7 @@ class FusedDecoder:
             self.router_logits = torch.zeros(c.num_experts + 1, dtype=dt, device=dev)
             self.ids = torch.zeros(c.num_experts_per_tok, dtype=torch.int32, device=dev)
             self.wts = torch.zeros(c.num_experts_per_tok, dtype=torch.float32, device=dev)
+            self.route_ticket = torch.zeros(1, dtype=torch.int32, device=dev)  # re-armed by its last user
         if c.intermediate_size:
             self.act_dense = torch.zeros(c.intermediate_size, dtype=dt, device=dev)
         self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
@@ -203,7 +212,7 @@ class FusedDecoder:
         self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
         self.step = torch.zeros(1, dtype=torch.int64, device=dev)
         self.pos_scratch = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.ring_host, self.ring, self.control = _control_ring(dev)
+        self.ring_host, self.ring, self.control, self._ring_owner = _control_ring(dev)
         self.params = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float32, device=dev)  # temperature, top_p, top_k
         self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
 
@@ -217,8 +226,7 @@ class FusedDecoder:
         eps = c.rms_norm_eps
         b = lambda x: x.numel() * x.element_size()  # noqa: E731
         steps: list[tuple[str, object, int]] = [
-            ("embed", lambda: torch.index_select(self.embed, 0, self.tok, out=self.res.view(1, -1)),
-             c.hidden_size * self.embed.element_size())]
+            ("embed", lambda: self.k_samp.embed(self.tok, self.embed, self.res), c.hidden_size * self.embed.element_size())]
         for L in self.layers:
             if L["kind"] == "linear_attention":
                 steps += [
@@ -233,7 +241,7 @@ class FusedDecoder:
                     ("gdn_out_proj", lambda L=L: g.gemv(
                         self.o, L["w_out"], self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=L["gnorm"],
                         z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim,
-                        **t.shape(c.hidden_size)), b(L["w_out"]))]
+                        **dict(zip(("block_n", "block_k", "num_warps"), t.gemv_gated))), b(L["w_out"]))]
             else:
                 kv_row = c.num_kv_heads * c.head_dim * L["k"].element_size()
                 steps += [
@@ -253,14 +261,15 @@ class FusedDecoder:
             if L["moe"]:
                 per_expert = (b(L["gate_up"]) + b(L["down"])) // c.num_experts
                 steps += [
-                    ("moe_router", lambda L=L: g.gemv(
-                        self.res, L["w_router"], self.router_logits, pro=g.PRO_RMSNORM, norm_w=L["ln2"], eps=eps,
+                    ("moe_router+route", lambda L=L: g.gemv(
+                        self.res, L["w_router"], self.router_logits, pro=g.PRO_RMSNORM, epi=g.EPI_ROUTE,
+                        norm_w=L["ln2"], aux0=self.ids, aux1=self.wts, aux2=self.route_ticket, eps=eps,
+                        top_k=c.num_experts_per_tok, norm_topk=c.norm_topk_prob,
                         **t.shape(L["w_router"].shape[0])), b(L["w_router"])),
                     ("moe_experts", lambda L=L: self.k_moe.moe_experts(
                         self.res, L["ln2"], self.router_logits, L["gate_up"], L["s_gate_up"], L["down"], L["s_down"],
-                        self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, eps=eps,
-                        norm_topk=c.norm_topk_prob, block_n=t.moe_block_n, block_k=t.moe_block_k,
-                        down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k),
+                        self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, eps=eps, block_n=t.moe_block_n,
+                        block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k),
                      c.num_experts_per_tok * per_expert + b(L["s_gate_up"]) + b(L["s_down"]))]
             else:
                 steps += [

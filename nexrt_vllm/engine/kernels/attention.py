@@ -86,7 +86,8 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, ac
         kt = tl.load(kb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
         if DOT_F32:
             kt = kt.to(tl.float32)
-        s = tl.dot(q, tl.trans(kt)) * scale
+        # Scores rounded to bf16 before and after the scale, as the eager matmul + multiply leave them.
+        s = _bf16(_bf16(tl.dot(q, tl.trans(kt))) * scale)
         s = tl.where(nm[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -105,10 +106,11 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, ac
 
 @triton.jit
 def attn_combine_kernel(m_ptr, l_ptr, acc_ptr, qkv_ptr, out_ptr,
-                        NSPLIT: tl.constexpr, HD: tl.constexpr):
+                        NSPLIT: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid (head, head_dim block): the partial accumulators are the bulk of what is read here.
     h = tl.program_id(0)
     s = tl.arange(0, NSPLIT)
-    d = tl.arange(0, HD)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = tl.load(m_ptr + h * NSPLIT + s)
     l = tl.load(l_ptr + h * NSPLIT + s)
     mx = tl.max(m, 0)
@@ -143,4 +145,6 @@ def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, 
         q, k_cache, v_cache, pos, m_buf, l_buf, acc_buf, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1),
         NSPLIT=nsplit, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block,
         DOT_F32=_INTERPRETED, num_warps=num_warps)
-    attn_combine_kernel[(num_heads,)](m_buf, l_buf, acc_buf, qkv, out, NSPLIT=nsplit, HD=head_dim, num_warps=4)
+    block_d = min(64, head_dim)
+    attn_combine_kernel[(num_heads, head_dim // block_d)](m_buf, l_buf, acc_buf, qkv, out, NSPLIT=nsplit, HD=head_dim,
+                                                          BLOCK_D=block_d, num_warps=4)

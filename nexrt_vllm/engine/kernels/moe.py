@@ -1,11 +1,11 @@
 """Sparse MoE for one token: only the selected experts' weights are read, each exactly once.
 
-Launch 1 is the router GEMV (`gemv`, RMSNorm prologue) over [router; shared_expert_gate] rows.
-Launch 2 (`moe_gate_up_kernel`, grid (intermediate blocks, top_k + 1)) redoes the tiny routing
-(softmax over E, top-k, renormalise; E=256 values from L2) in every program, picks its expert,
-and writes SiLU(gate)·up for it; the last slot is the shared expert. Launch 3 (`moe_down_kernel`)
-sums the down projections in ascending expert id (the eager index_add order, with its bf16
-rounding), adds the sigmoid-gated shared expert and the residual.
+Launch 1 is the router GEMV (`gemv`, RMSNorm prologue, EPI_ROUTE) over [router; shared_expert_gate]
+rows: its last program to finish (atomic ticket) does the routing (softmax over E in fp32, top-k,
+renormalise, ids sorted ascending) and writes ids / weights. Launch 2 (`moe_gate_up_kernel`, grid
+(intermediate blocks, top_k + 1)) writes SiLU(gate)·up for its slot's expert; the last slot is the
+shared expert. Launch 3 (`moe_down_kernel`) sums the down projections in ascending expert id (the
+eager order, with its bf16 rounding), adds the sigmoid-gated shared expert and the residual.
 """
 import triton
 import triton.language as tl
@@ -13,42 +13,17 @@ import triton.language as tl
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 from .gemv import _load_x
+from .route import route  # noqa: F401 (the router launch's epilogue; re-exported)
 
 
 @triton.jit
-def _route(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr):
-    e = tl.arange(0, EP)
-    em = e < E
-    lg = tl.load(logits_ptr + e, mask=em, other=float("-inf")).to(tl.float32)
-    p = tl.exp(lg - tl.max(lg, 0))
-    p = p / tl.sum(p, 0)
-    work = tl.where(em, p, -1.0)
-    sel = e < 0
-    for _ in tl.static_range(TOPK):
-        m = tl.max(work, 0)
-        idx = tl.min(tl.where(work == m, e, EP), 0)  # ties -> lowest expert id
-        sel = sel | (e == idx)
-        work = tl.where(e == idx, -1.0, work)
-    wsum = tl.sum(tl.where(sel, p, 0.0), 0) if NORM else 1.0
-    rank = tl.cumsum(sel.to(tl.int32), 0) - 1  # slot of each selected expert, ascending id
-    return e, sel, rank, _bf16(p / wsum)
-
-
-@triton.jit
-def moe_gate_up_kernel(x_ptr, nw_ptr, logits_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, wts_ptr,
+def moe_gate_up_kernel(x_ptr, nw_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr,
                        K, I, IS, stride_ge, eps,
-                       E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr,
-                       IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     slot = tl.program_id(1)
-    e, sel, rank, wt = _route(logits_ptr, E, EP, TOPK, NORM)
-    if (pid == 0) & (slot == 0):
-        # Scatter each selected expert's id / weight to its slot.
-        for s in tl.static_range(TOPK):
-            tl.store(ids_ptr + s, tl.sum(tl.where(sel & (rank == s), e, 0), 0))
-            tl.store(wts_ptr + s, tl.sum(tl.where(sel & (rank == s), wt, 0.0), 0))
     if slot < TOPK:
-        eid = tl.sum(tl.where(sel & (rank == slot), e, 0), 0)
+        eid = tl.load(ids_ptr + slot)
         wbase = gu_ptr + eid.to(tl.int64) * stride_ge
         n_rows = I
     else:
@@ -88,7 +63,9 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
     rmask = rows < N
     offs_k = tl.arange(0, BLOCK_K)
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for s in range(TOPK):
+    # Unrolled over the experts: every expert's loads are independent and can be in flight together;
+    # the bf16 accumulation below keeps the eager (ascending id) order.
+    for s in tl.static_range(TOPK):
         eid = tl.load(ids_ptr + s)
         w = tl.load(wts_ptr + s)
         base = dn_ptr + eid.to(tl.int64) * stride_de
@@ -117,20 +94,18 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 
 def moe_experts(res, norm_w, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
-                eps, norm_topk=True, block_n=16, block_k=None, down_block_n=4, down_block_k=None, num_warps=4):
-    """Routed + shared experts for one token; `res` (the residual, [H]) is updated in place.
-
-    gate_up [E, 2I, H], down [E, H, I], shared_gate_up [2Is, H], shared_down [H, Is], logits [E+1]
-    (router logits then the shared-expert gate logit), act [top_k+1, max(I, Is)] scratch.
-    """
+                eps, block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4):
+    """Routed + shared experts for one token, after the router launch (`gemv` EPI_ROUTE) has left
+    logits [E+1] (router logits, then the shared-expert gate logit) and ids / wts [top_k].
+    `res` (the residual, [H]) is updated in place. gate_up [E, 2I, H], down [E, H, I],
+    shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
     bk = min(block_k or 512, triton.next_power_of_2(hidden))
     moe_gate_up_kernel[(triton.cdiv(imax, block_n), top_k + 1)](
-        res, norm_w, logits, gate_up, shared_gate_up, act, ids, wts, hidden, inter, inter_s, gate_up.stride(0),
-        eps, E=n_exp, EP=triton.next_power_of_2(n_exp), TOPK=top_k, NORM=norm_topk, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk,
-        num_warps=num_warps)
+        res, norm_w, gate_up, shared_gate_up, act, ids, hidden, inter, inter_s, gate_up.stride(0), eps,
+        TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps)
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     moe_down_kernel[(triton.cdiv(hidden, down_block_n),)](
         act, down, shared_down, ids, wts, logits, res, hidden, inter, inter_s, down.stride(0),

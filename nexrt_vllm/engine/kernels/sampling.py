@@ -40,6 +40,19 @@ def gumbel_partial_kernel(vals_ptr, idx_ptr, cum_ptr, params_ptr, seed_ptr, step
 
 
 @triton.jit
+def embed_kernel(tok_ptr, emb_ptr, out_ptr, H, BLOCK: tl.constexpr):
+    """out = emb[tok]: the step's first launch reads the token from the device."""
+    tok = tl.load(tok_ptr).to(tl.int64)
+    for h0 in range(0, H, BLOCK):
+        h = h0 + tl.arange(0, BLOCK)
+        tl.store(out_ptr + h, tl.load(emb_ptr + tok * H + h, mask=h < H), mask=h < H)
+
+
+def embed(tok, table, out):
+    embed_kernel[(1,)](tok, table, out, table.shape[1], BLOCK=1024, num_warps=4)
+
+
+@triton.jit
 def finish_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, pos_ptr, step_ptr, ring_ptr, RING, BLOCK: tl.constexpr):
     best = float("-inf")
     best_i = 2147483647
