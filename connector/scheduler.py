@@ -7,14 +7,15 @@ Every other request is ignored by every hook.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
+
+from vllm.logger import init_logger
 
 from nexrt_vllm.connector.config import CLAIM_KEY, Claim, ClaimError, parse_claim
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
 
-logger = logging.getLogger("nexrt_vllm.connector")
+logger = init_logger("nexrt_vllm.connector")
 
 
 @dataclass

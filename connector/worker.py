@@ -14,20 +14,20 @@ blocks; a decode step after the prefill would advance the GDN state).
 """
 from __future__ import annotations
 
-import logging
 import re
 import threading
 from collections import deque
 from typing import Callable
 
 import torch
+from vllm.logger import init_logger
 
 from nexrt_vllm import protocol as P
 from nexrt_vllm.connector.config import ConfigError, ConnectorConfig
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
 from nexrt_vllm.handoff import HandoffError, HandoffSender, Transfer
 
-logger = logging.getLogger("nexrt_vllm.connector")
+logger = init_logger("nexrt_vllm.connector")
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",

@@ -8,7 +8,8 @@ answers one ``@@`` + JSON line on stdout (vLLM's own logs go to stderr/stdout ar
   ``generate`` call (so they share batches);
 - ``{"op": "settle", "timeout": s}``: steps the engine until no connector work is pending (held
   blocks released), -> ``{"free_blocks": n, "pending": bool}``;
-- ``{"op": "free_blocks"}`` -> ``{"free_blocks": n}``.
+- ``{"op": "free_blocks"}`` -> ``{"free_blocks": n}``;
+- ``{"op": "abort_midway", "request_id", "request", "steps"}``: add, step ``steps`` times, abort.
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the scheduler's block
 pool can be read. Parent: ``VLLMProc``.
@@ -73,6 +74,17 @@ def _child(cfg: dict) -> None:
             reply({"outputs": [{"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
                                 "kv_transfer_params": o.kv_transfer_params,
                                 "prompt_margins": _margins(o.prompt_token_ids, o.prompt_logprobs)} for o in outs]})
+        elif op == "abort_midway":
+            # Abort a request after ``steps`` engine steps (mid chunked prefill), as a client
+            # disconnect would.
+            r = cmd["request"]
+            sp = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
+                                extra_args={"kv_transfer_params": r["kv_transfer_params"]})
+            llm.llm_engine.add_request(cmd["request_id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
+            for _ in range(cmd["steps"]):
+                llm.llm_engine.step()
+            llm.llm_engine.abort_request([cmd["request_id"]])
+            reply({"aborted": True})
         elif op == "settle":
             deadline = time.monotonic() + cmd.get("timeout", 30)
             # Offline LLM only steps while requests are unfinished; held blocks are released by

@@ -1,0 +1,84 @@
+"""Failed hand-offs: refused by the node, node killed, malformed claim, request aborted mid-prefill.
+vLLM keeps serving, the node never decodes from such a state, and every held block comes back:
+vLLM's free block count returns to its starting value."""
+import pytest
+
+from connector_harness import NodeProc, VLLMProc, hand_off, nexrt_kv_config, random_prompt
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def env(qwen3_next_ckpt, tmp_path_factory):
+    d = tmp_path_factory.mktemp("failures")
+    procs = []
+    try:
+        live = NodeProc(qwen3_next_ckpt, "mooncake", str(d / "live.log"), str(d))
+        procs.append(live)
+        doomed = NodeProc(qwen3_next_ckpt, "mooncake", str(d / "doomed.log"), str(d))
+        procs.append(doomed)
+        vllm = VLLMProc({"model": qwen3_next_ckpt, "max_num_batched_tokens": 512,
+                         "kv_transfer_config": nexrt_kv_config("mooncake", control_timeout_s=2.0,
+                                                               transfer_timeout_s=5.0)},
+                        str(d / "vllm.log"))
+        procs.append(vllm)
+        yield {"vllm": vllm, "live": live, "doomed": doomed, "start_free": vllm.ready["free_blocks"]}
+    finally:
+        for p in reversed(procs):
+            p.close()
+
+
+def _gen_error(node, claim):
+    status, toks, last = node.generate(claim, 7, 8)
+    assert toks == [], "the node decoded from a hand-off that never completed"
+    return status, last
+
+
+def test_refused_handoff(env):
+    vllm, live = env["vllm"], env["live"]
+    claim = live.admit("refused-real", 300)
+    bogus = {"nexrt": {**claim["nexrt"], "rid": "never-admitted"}}
+    (out,) = vllm.generate([{"prompt_token_ids": random_prompt(300, 1), "max_tokens": 1, "kv_transfer_params": bogus}])
+    assert len(out["token_ids"]) == 1  # vLLM still answers; the node refused the begin
+    assert out["kv_transfer_params"]["nexrt"]["rid"] == "never-admitted"
+    status, last = _gen_error(live, bogus)
+    assert status >= 400, (status, last)
+    live.post("/v1/cancel", {"rid": "refused-real"})
+
+
+def test_killed_node(env):
+    vllm, doomed = env["vllm"], env["doomed"]
+    claim = doomed.admit("dead", 700)
+    doomed.kill()
+    (out,) = vllm.generate([{"prompt_token_ids": random_prompt(700, 2), "max_tokens": 1, "kv_transfer_params": claim}],
+                           timeout=120)
+    assert len(out["token_ids"]) == 1
+    settled = vllm.call({"op": "settle", "timeout": 30})
+    assert not settled["pending"], "blocks of the dead node's request still held"
+
+
+def test_malformed_claim(env):
+    (out,) = env["vllm"].generate([{"prompt_token_ids": random_prompt(20, 3), "max_tokens": 2,
+                                    "kv_transfer_params": {"nexrt": {"rid": 5}}}])
+    assert len(out["token_ids"]) == 2
+    assert out["kv_transfer_params"] == {"nexrt": {"status": "failed", "reason": "bad_message",
+                                                   "error": "kv_transfer_params.nexrt.rid must be a non-empty string"}}
+
+
+def test_abort_mid_prefill(env):
+    vllm, live = env["vllm"], env["live"]
+    claim = live.admit("aborted", 1100)
+    vllm.call({"op": "abort_midway", "request_id": "abort-1", "steps": 1,
+               "request": {"prompt_token_ids": random_prompt(1100, 4), "max_tokens": 1, "kv_transfer_params": claim}})
+    settled = vllm.call({"op": "settle", "timeout": 30})
+    assert not settled["pending"]
+    status, last = _gen_error(live, claim)
+    assert status >= 400 or last.get("finish_reason") in ("error", "cancelled"), (status, last)
+
+
+def test_unclaimed_after_failures_and_no_block_leak(env):
+    vllm = env["vllm"]
+    (out,) = vllm.generate([{"prompt_token_ids": random_prompt(50, 5), "max_tokens": 4}])
+    assert len(out["token_ids"]) == 4 and out["kv_transfer_params"] is None
+    settled = vllm.call({"op": "settle", "timeout": 30})
+    assert settled == {"free_blocks": env["start_free"], "pending": False}
