@@ -117,8 +117,9 @@ def gemv_sweep() -> list:
     from nexrt_vllm.engine.kernels import gemv as g
     from nexrt_vllm.engine.kernels import moe
 
-    shapes = [("gated out+res 2048x2048", 2048, 2048, g.PRO_GATED, g.EPI_RESIDUAL, SMALL_N),
-              ("qkv 2B 5120x2048", 5120, 2048, g.PRO_RMSNORM, g.EPI_STORE, WIDE_N + [(4, 1024, 4)])]
+    gated = [(8, 1024, 8), (4, 2048, 8), (8, 2048, 8), (16, 1024, 8), (4, 1024, 8)]
+    shapes = [("gated out+res 2048x4096", 2048, 4096, g.PRO_GATED, g.EPI_RESIDUAL, gated),
+              ("gated out+res 2048x2048", 2048, 2048, g.PRO_GATED, g.EPI_RESIDUAL, gated)]
     rows = []
     for name, n, k, pro, epi, configs in shapes:
         copies = max(1, int(512e6 // (n * k * 2)))
@@ -156,12 +157,13 @@ def gemv_sweep() -> list:
     ids = torch.randperm(E, device="cuda")[:K].sort().values.to(torch.int32)
     wts = torch.rand(K, device="cuda")
     nbytes = (K + 1) * 3 * H * I * 2
-    combos = [(bn, bk, dbn, 512) for bn, bk in ((4, 256), (8, 256), (16, 256), (8, 512)) for dbn in (2, 4)]
+    combos = [(16, 256, 2, 512), (16, 512, 2, 512), (32, 256, 2, 512), (16, 256, 2, 256), (8, 256, 2, 512),
+              (16, 256, 1, 512)]
     for bn, bk, dbn, dbk in combos:
         def launch():
             for L in lay:
-                moe.moe_experts(res, nw_, logits, L["gu"], L["sgu"], L["dn"], L["sdn"], act, ids, wts, top_k=K,
-                                eps=1e-6, block_n=bn, block_k=bk, down_block_n=dbn, down_block_k=dbk)
+                moe.moe_experts(res, res, logits, L["gu"], L["sgu"], L["dn"], L["sdn"], act, ids, wts, top_k=K,
+                                block_n=bn, block_k=bk, down_block_n=dbn, down_block_k=dbk)
         per = _time_graph(launch) / nl
         rows.append({"shape": "moe_experts 35B", "block_n": bn, "block_k": bk, "down_block_n": dbn,
                      "down_block_k": dbk, "us": per * 1e6, "GBps": nbytes / per / 1e9})

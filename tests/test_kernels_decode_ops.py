@@ -209,18 +209,19 @@ def test_qk_rope_cache_and_split_attention():
     assert rel(q_out.view(H, hd), q_ref) < 8e-3
     assert rel(kc[:, pos], kc_ref[:, pos]) < 8e-3 and torch.equal(vc, vc_ref)
     assert torch.equal(kc[:, :pos], kc_ref[:, :pos])
+    kk = kc[:, :pos + 1].repeat_interleave(H // KVH, 0)
+    vv = vc[:, :pos + 1].repeat_interleave(H // KVH, 0)
+    scores = (q_out.view(H, 1, hd) @ kk.transpose(1, 2)) * hd ** -0.5  # bf16, as the eager model
+    p = torch.softmax(scores, -1, dtype=torch.float32).to(BF)
+    ref = (p @ vv).view(H, hd) * torch.sigmoid(qg[:, 1])
     nsplit = 4
-    m_b, l_b = torch.empty(H * nsplit), torch.empty(H * nsplit)
-    acc_b = torch.empty(H * nsplit * hd)
-    out = nan_like(torch.empty(H * hd, dtype=BF))
-    call(attention.attention_decode, q_out, kc, vc, posb, qkv, out, m_b, l_b, acc_b, num_heads=H, num_kv_heads=KVH,
-                               head_dim=hd, nsplit=nsplit, block=16)
-    kk = kc[:, :pos + 1].repeat_interleave(H // KVH, 0).float()
-    vv = vc[:, :pos + 1].repeat_interleave(H // KVH, 0).float()
-    p = torch.softmax((q_out.view(H, 1, hd).float() @ kk.transpose(1, 2)) * hd ** -0.5, -1)
-    o = (p @ vv).view(H, hd).to(BF)
-    ref = o * torch.sigmoid(qg[:, 1])
-    assert rel(out.view(H, hd), ref) < 1e-2
+    for min_per in (16, 128):  # 4 live splits; 1 live split (short context)
+        m_b, l_b = nan_like(torch.empty(H * nsplit)), nan_like(torch.empty(H * nsplit))
+        acc_b = nan_like(torch.empty(H * nsplit * hd))
+        out = nan_like(torch.empty(H * hd, dtype=BF))
+        call(attention.attention_decode, q_out, kc, vc, posb, qkv, out, m_b, l_b, acc_b, num_heads=H,
+             num_kv_heads=KVH, head_dim=hd, nsplit=nsplit, block=16, min_per=min_per)
+        assert rel(out.view(H, hd), ref) < 1e-2, min_per
 
 
 def test_embed_row():
@@ -257,12 +258,13 @@ def test_moe_experts_selected_only():
     ids, wts = torch.full((topk,), -1, dtype=torch.int32), nan_like(torch.empty(topk))
     ticket = torch.zeros(1, dtype=torch.int32)
     # the router launch routes in its last program (3 programs here), then re-arms the ticket
+    xn = nan_like(torch.empty(hid, dtype=BF))
     call(gemv.gemv, res, wr, lg, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_ROUTE, norm_w=nw, aux0=ids, aux1=wts,
-         aux2=ticket, top_k=topk, block_n=8, block_k=32)
-    assert ids.tolist() == sorted(top_i.tolist()) and int(ticket) == 0
+         aux2=ticket, top_k=topk, xn_out=xn, block_n=8, block_k=32)
+    assert ids.tolist() == sorted(top_i.tolist()) and int(ticket) == 0 and torch.equal(xn, h)
     assert torch.equal(wts, top_v[[top_i.tolist().index(e) for e in ids.tolist()]].float())
     act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
-    call(moe.moe_experts, res, nw, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, eps=1e-6, block_n=16, block_k=32,
+    call(moe.moe_experts, xn, res, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, block_n=16, block_k=32,
          down_block_n=8, down_block_k=16)
     assert rel(res, ref) < 1e-2
 

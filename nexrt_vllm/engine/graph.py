@@ -38,13 +38,15 @@ class Tuning:
     few rows per program and long K blocks, so that enough programs stream enough bytes each."""
     gemv: tuple = ((4096, 2, 1024, 4), (10000, 8, 256, 4), (1 << 62, 16, 256, 4))
     gemv_gated: tuple = (8, 1024, 8)  # GDN out_proj (gated-norm prologue), by the same sweep
+    gemv_router: tuple = (4, 1024, 8)  # MoE router (E+1 rows)
     block_n_lm: int = 32
     attn_splits: int = 256
-    attn_block: int = 32
+    attn_block: int = 64
+    attn_min_per: int = 128
     gdn_block_v: int = 16
-    moe_block_n: int = 8
+    moe_block_n: int = 16
     moe_block_k: int = 256
-    moe_down_block_n: int = 4
+    moe_down_block_n: int = 2
     moe_down_block_k: int = 512
 
     def shape(self, n: int) -> dict:
@@ -202,6 +204,7 @@ class FusedDecoder:
             self.ids = torch.zeros(c.num_experts_per_tok, dtype=torch.int32, device=dev)
             self.wts = torch.zeros(c.num_experts_per_tok, dtype=torch.float32, device=dev)
             self.route_ticket = torch.zeros(1, dtype=torch.int32, device=dev)  # re-armed by its last user
+            self.xn = torch.zeros(c.hidden_size, dtype=dt, device=dev)
         if c.intermediate_size:
             self.act_dense = torch.zeros(c.intermediate_size, dtype=dt, device=dev)
         self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
@@ -255,7 +258,7 @@ class FusedDecoder:
                     ("attn_splitk+combine", lambda L=L: self.k_attn.attention_decode(
                         self.q, L["k"], L["v"], st.position, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
                         num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                        nsplit=t.attn_splits, block=t.attn_block), 2 * kv_row * (seq_len + 1)),
+                        nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per), 2 * kv_row * (seq_len + 1)),
                     ("attn_o_proj", lambda L=L: g.gemv(
                         self.o, L["w_o"], self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)), b(L["w_o"]))]
             if L["moe"]:
@@ -264,11 +267,11 @@ class FusedDecoder:
                     ("moe_router+route", lambda L=L: g.gemv(
                         self.res, L["w_router"], self.router_logits, pro=g.PRO_RMSNORM, epi=g.EPI_ROUTE,
                         norm_w=L["ln2"], aux0=self.ids, aux1=self.wts, aux2=self.route_ticket, eps=eps,
-                        top_k=c.num_experts_per_tok, norm_topk=c.norm_topk_prob,
-                        **t.shape(L["w_router"].shape[0])), b(L["w_router"])),
+                        top_k=c.num_experts_per_tok, norm_topk=c.norm_topk_prob, xn_out=self.xn,
+                        **dict(zip(("block_n", "block_k", "num_warps"), t.gemv_router))), b(L["w_router"])),
                     ("moe_experts", lambda L=L: self.k_moe.moe_experts(
-                        self.res, L["ln2"], self.router_logits, L["gate_up"], L["s_gate_up"], L["down"], L["s_down"],
-                        self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, eps=eps, block_n=t.moe_block_n,
+                        self.xn, self.res, self.router_logits, L["gate_up"], L["s_gate_up"], L["down"], L["s_down"],
+                        self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=t.moe_block_n,
                         block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k),
                      c.num_experts_per_tok * per_expert + b(L["s_gate_up"]) + b(L["s_down"]))]
             else:

@@ -60,13 +60,15 @@ def qk_rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, k
 
 @triton.jit
 def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, scale,
-                      stride_ch, stride_cs, NSPLIT: tl.constexpr,
+                      stride_ch, stride_cs, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
                       G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
                       DOT_F32: tl.constexpr):
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
     length = tl.load(pos_ptr) + 1
-    per = tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK) * BLOCK
+    # At least MIN_PER keys per split: short contexts use fewer splits (less partial traffic),
+    # long ones all NSPLIT. Splits past the end write nothing; the combine reads only live ones.
+    per = tl.maximum(tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK) * BLOCK, MIN_PER)
     start = sp * per
     end = tl.minimum(start + per, length)
     g = tl.arange(0, GP)
@@ -99,23 +101,28 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, ac
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m = m_new
     h = kvh * G + g
-    tl.store(m_ptr + h * NSPLIT + sp, m, mask=gm)
-    tl.store(l_ptr + h * NSPLIT + sp, l, mask=gm)
-    tl.store(acc_ptr + (h * NSPLIT + sp)[:, None] * HD + d[None, :], acc, mask=gm[:, None])
+    live = gm & ((tl.zeros_like(g) + start) < length)  # vector compare: the interpreter rejects bool&scalar
+    tl.store(m_ptr + h * NSPLIT + sp, m, mask=live)
+    tl.store(l_ptr + h * NSPLIT + sp, l, mask=live)
+    tl.store(acc_ptr + (h * NSPLIT + sp)[:, None] * HD + d[None, :], acc, mask=live[:, None])
 
 
 @triton.jit
-def attn_combine_kernel(m_ptr, l_ptr, acc_ptr, qkv_ptr, out_ptr,
-                        NSPLIT: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr):
+def attn_combine_kernel(m_ptr, l_ptr, acc_ptr, qkv_ptr, out_ptr, pos_ptr,
+                        NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr, HD: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
     # grid (head, head_dim block): the partial accumulators are the bulk of what is read here.
     h = tl.program_id(0)
     s = tl.arange(0, NSPLIT)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    m = tl.load(m_ptr + h * NSPLIT + s)
-    l = tl.load(l_ptr + h * NSPLIT + s)
+    length = tl.load(pos_ptr) + 1
+    per = tl.maximum(tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK) * BLOCK, MIN_PER)
+    live = s * per < length
+    m = tl.load(m_ptr + h * NSPLIT + s, mask=live, other=float("-inf"))
+    l = tl.load(l_ptr + h * NSPLIT + s, mask=live, other=0.0)
     mx = tl.max(m, 0)
     wgt = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx))
-    acc = tl.load(acc_ptr + (h * NSPLIT + s)[:, None] * HD + d[None, :])
+    acc = tl.load(acc_ptr + (h * NSPLIT + s)[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
     o = tl.sum(acc * wgt[:, None], 0) / tl.sum(l * wgt, 0)
     gate = tl.load(qkv_ptr + h * 2 * HD + HD + d).to(tl.float32)
     sig = _bf16(1.0 / (1.0 + tl.exp(-gate)))
@@ -138,13 +145,14 @@ def qk_rope_cache(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, po
 
 
 def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, *, num_heads, num_kv_heads,
-                     head_dim, nsplit, block=32, num_warps=4):
+                     head_dim, nsplit, block=32, min_per=128, num_warps=4):
     """softmax(q K[:pos+1]^T / sqrt(d)) V per head, times sigmoid(gate); scratch sized [H, nsplit(, d)]."""
     g = num_heads // num_kv_heads
     attn_split_kernel[(num_kv_heads, nsplit)](
         q, k_cache, v_cache, pos, m_buf, l_buf, acc_buf, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1),
-        NSPLIT=nsplit, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block,
+        NSPLIT=nsplit, MIN_PER=min_per, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block,
         DOT_F32=_INTERPRETED, num_warps=num_warps)
     block_d = min(64, head_dim)
-    attn_combine_kernel[(num_heads, head_dim // block_d)](m_buf, l_buf, acc_buf, qkv, out, NSPLIT=nsplit, HD=head_dim,
-                                                          BLOCK_D=block_d, num_warps=4)
+    attn_combine_kernel[(num_heads, head_dim // block_d)](m_buf, l_buf, acc_buf, qkv, out, pos, NSPLIT=nsplit,
+                                                          MIN_PER=min_per, BLOCK=block, HD=head_dim, BLOCK_D=block_d,
+                                                          num_warps=4)

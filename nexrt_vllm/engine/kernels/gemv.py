@@ -49,7 +49,7 @@ def _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO: tl.constexpr, GRO
 def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, aux2_ptr,
                 N, K, stride_w, eps, CONV_N,
                 PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
-                E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr,
+                E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr, STORE_XN: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,6 +69,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, aux2_ptr
         cols = k0 + offs_k
         cmask = cols < K
         xv = _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, BLOCK_K)
+        if STORE_XN:  # program 0 leaves the normed input (z_ptr) for a later launch (MoE experts)
+            tl.store(z_ptr + cols, xv.to(z_ptr.dtype.element_ty), mask=cmask & ((tl.zeros_like(cols) + pid) == 0))
         wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
         if EVEN_K:
             wmask = rmask[:, None]
@@ -126,8 +128,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, aux2_ptr
 
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, aux2=None,
-         eps=1e-6, conv_n=0, group=1, kc=4, top_k=1, norm_topk=True, block_n=None, block_k=None, num_warps=4,
-         n=None):
+         eps=1e-6, conv_n=0, group=1, kc=4, top_k=1, norm_topk=True, xn_out=None, block_n=None, block_k=None,
+         num_warps=4, n=None):
     """Launch `gemv_kernel`. `w` is [N, K] ([2N, K] for SwiGLU, N = rows of y); returns the grid size."""
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
@@ -137,6 +139,8 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     block_n = block_n or 16
     grid = triton.cdiv(n, block_n)
     dummy = y
+    if xn_out is not None:
+        z = xn_out
     gemv_kernel[(grid,)](
         x, w, y, norm_w if norm_w is not None else dummy, z if z is not None else dummy,
         aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy,
@@ -144,7 +148,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
         # routing constants only matter for EPI_ROUTE; fixed otherwise so they add no specialisations
         E=n - 1 if epi == EPI_ROUTE else 1, EP=triton.next_power_of_2(n - 1) if epi == EPI_ROUTE else 1,
-        TOPK=top_k if epi == EPI_ROUTE else 1, NORM=norm_topk, BLOCK_N=block_n, BLOCK_K=block_k,
+        TOPK=top_k if epi == EPI_ROUTE else 1, NORM=norm_topk, STORE_XN=xn_out is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=(k % block_k == 0), num_warps=num_warps)
     return grid
 

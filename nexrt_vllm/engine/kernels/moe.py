@@ -1,8 +1,9 @@
 """Sparse MoE for one token: only the selected experts' weights are read, each exactly once.
 
 Launch 1 is the router GEMV (`gemv`, RMSNorm prologue, EPI_ROUTE) over [router; shared_expert_gate]
-rows: its last program to finish (atomic ticket) does the routing (softmax over E in fp32, top-k,
-renormalise, ids sorted ascending) and writes ids / weights. Launch 2 (`moe_gate_up_kernel`, grid
+rows: its program 0 also stores the normed input for launch 2, and its last program to finish
+(atomic ticket) does the routing (softmax over E in fp32, top-k, renormalise, ids sorted
+ascending) and writes ids / weights. Launch 2 (`moe_gate_up_kernel`, grid
 (intermediate blocks, top_k + 1)) writes SiLU(gate)·up for its slot's expert; the last slot is the
 shared expert. Launch 3 (`moe_down_kernel`) sums the down projections in ascending expert id (the
 eager order, with its bf16 rounding), adds the sigmoid-gated shared expert and the residual.
@@ -12,13 +13,12 @@ import triton.language as tl
 
 from .common import bf16_round as _bf16
 from .common import silu as _silu
-from .gemv import _load_x
 from .route import route  # noqa: F401 (the router launch's epilogue; re-exported)
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, nw_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr,
-                       K, I, IS, stride_ge, eps,
+def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr,
+                       K, I, IS, stride_ge,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     slot = tl.program_id(1)
@@ -32,17 +32,12 @@ def moe_gate_up_kernel(x_ptr, nw_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr,
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
     offs_k = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        xv = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
-        ss += xv * xv
-    rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + offs_k
         cmask = cols < K
-        xv = _load_x(x_ptr, cols, cmask, nw_ptr, nw_ptr, rstd, eps, 1, 1, BLOCK_K)
+        xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         wp = wbase + rows[:, None] * K + cols[None, :]
         m2 = rmask[:, None] & cmask[None, :]
         acc_g += tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32) * xv[None, :]
@@ -93,10 +88,11 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
     tl.store(res_ptr + rows, _bf16(r + moe).to(res_ptr.dtype.element_ty), mask=rmask)
 
 
-def moe_experts(res, norm_w, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
-                eps, block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4):
-    """Routed + shared experts for one token, after the router launch (`gemv` EPI_ROUTE) has left
-    logits [E+1] (router logits, then the shared-expert gate logit) and ids / wts [top_k].
+def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
+                block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4):
+    """Routed + shared experts for one token, after the router launch (`gemv` EPI_ROUTE, xn_out) has
+    left the normed input xn [H], logits [E+1] (router logits, then the shared-expert gate logit)
+    and ids / wts [top_k].
     `res` (the residual, [H]) is updated in place. gate_up [E, 2I, H], down [E, H, I],
     shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch."""
     n_exp, two_i, hidden = gate_up.shape
@@ -104,7 +100,7 @@ def moe_experts(res, norm_w, logits, gate_up, shared_gate_up, down, shared_down,
     imax = max(inter, inter_s)
     bk = min(block_k or 512, triton.next_power_of_2(hidden))
     moe_gate_up_kernel[(triton.cdiv(imax, block_n), top_k + 1)](
-        res, norm_w, gate_up, shared_gate_up, act, ids, hidden, inter, inter_s, gate_up.stride(0), eps,
+        xn, gate_up, shared_gate_up, act, ids, hidden, inter, inter_s, gate_up.stride(0),
         TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps)
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     moe_down_kernel[(triton.cdiv(hidden, down_block_n),)](

@@ -15,16 +15,16 @@ def route(logits_ptr, ids_ptr, wts_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK:
     lg = tl.load(logits_ptr + e, mask=em, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
     p = tl.exp(lg - tl.max(lg, 0))
     p = p / tl.sum(p, 0)
-    work = tl.where(em, p, -1.0)
+    # One max-reduction per pick: key = (bits of p >= 0, order-preserving) << 32 | (EP-1-e), so the
+    # max key is the largest probability and, among equals, the lowest expert id.
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EP - 1 - e).to(tl.int64)
+    key = tl.where(em, key, -1)
     sel = e < 0
     for _ in tl.static_range(TOPK):
-        m = tl.max(work, 0)
-        idx = tl.min(tl.where(work == m, e, EP), 0)  # ties -> lowest expert id
+        idx = EP - 1 - (tl.max(key, 0) & 0xFFFFFFFF).to(tl.int32)
         sel = sel | (e == idx)
-        work = tl.where(e == idx, -1.0, work)
+        key = tl.where(e == idx, -1, key)
     wsum = tl.sum(tl.where(sel, p, 0.0), 0) if NORM else 1.0
     rank = tl.cumsum(sel.to(tl.int32), 0) - 1  # slot of each selected expert, ascending id
-    wt = _bf16(p / wsum)
-    for s in tl.static_range(TOPK):
-        tl.store(ids_ptr + s, tl.sum(tl.where(sel & (rank == s), e, 0), 0))
-        tl.store(wts_ptr + s, tl.sum(tl.where(sel & (rank == s), wt, 0.0), 0))
+    tl.store(ids_ptr + rank, e, mask=sel)
+    tl.store(wts_ptr + rank, _bf16(p / wsum), mask=sel)
