@@ -15,7 +15,7 @@ from vllm.logger import init_logger
 from nexrt_vllm.connector.config import CLAIM_KEY, Claim, ClaimError, parse_claim
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
 
-logger = init_logger("nexrt_vllm.connector")
+logger = init_logger("vllm.nexrt_connector")  # under "vllm": inherits vLLM's log handler and level
 
 
 @dataclass

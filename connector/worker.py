@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -27,7 +28,7 @@ from nexrt_vllm.connector.config import ConfigError, ConnectorConfig
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
 from nexrt_vllm.handoff import HandoffError, HandoffSender, Transfer
 
-logger = init_logger("nexrt_vllm.connector")
+logger = init_logger("vllm.nexrt_connector")  # under "vllm": inherits vLLM's log handler and level
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
@@ -62,6 +63,8 @@ class _Job:
         self.outcome: Outcome | None = None
         self.queued_pages: dict[int, int] = {}  # attention layer index -> pages queued so far
         self.final_queued = False  # tail + GDN pages + done queued
+        self._prefill_end = 0.0
+        self._bytes_at_prefill_end = 0
         self._thread = threading.Thread(target=self._run, name=f"nexrt-send-{step.req_id}", daemon=True)
         self._thread.start()
 
@@ -72,7 +75,10 @@ class _Job:
             self._submit(lambda: self._write(pages))
 
     def finish(self) -> None:
+        """Queue done after the last pages (called when the step completing the prefill ends)."""
         self.final_queued = True
+        self._prefill_end = time.perf_counter()
+        self._bytes_at_prefill_end = self.transfer.nbytes if self.transfer is not None else 0
         self._submit(self._done)
 
     def abort(self, reason: str) -> None:
@@ -145,7 +151,13 @@ class _Job:
         self.transfer.write(writes)
 
     def _done(self) -> None:
-        self.transfer.done()
+        t = self.transfer
+        t.done()
+        # How much of the hand-off overlapped the prefill (docs/CONNECTOR.md, "Overlap").
+        logger.info("hand-off %s: %d tokens, %.2f MiB, %.1f%% written before the prefill ended, "
+                    "done acked %.1f ms after it", self.claim.rid, self.seq_len, t.nbytes / 2**20,
+                    100.0 * self._bytes_at_prefill_end / max(t.nbytes, 1),
+                    1e3 * (time.perf_counter() - self._prefill_end))
         self._end(Outcome("sent"))
 
     def _abort(self, reason: str) -> None:
@@ -291,6 +303,8 @@ class NexRTWorker:
             if job is not None and not job.ended and not job.final_queued:
                 # Its blocks were freed and may be rewritten by this very forward.
                 if job.drain(self._cfg.drain_timeout_s):
+                    logger.info("request %s (rid %s) preempted: its hand-off restarts with the recompute",
+                                req_id, job.claim.rid)
                     job.restart()
                 else:
                     job.abort("preempted and in-flight writes did not drain")
