@@ -78,11 +78,11 @@ def vllm_argv(model: str, port: int, max_model_len: int, transport: str) -> list
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
             "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "4",
-            "--enforce-eager", "--disable-log-stats", "--uvicorn-log-level", "warning",
+            "--enforce-eager", "--uvicorn-log-level", "warning",
             "--kv-transfer-config", json.dumps(ktc)]
 
 
-async def _wait_http(url: str, procs: Procs, timeout: float, what: str) -> None:
+async def wait_http(url: str, procs: Procs, timeout: float, what: str) -> None:
     import aiohttp
 
     deadline = time.monotonic() + timeout
@@ -100,7 +100,7 @@ async def _wait_http(url: str, procs: Procs, timeout: float, what: str) -> None:
             await asyncio.sleep(0.5)
 
 
-async def _wait_file(path: str, procs: Procs, timeout: float, what: str) -> dict:
+async def wait_file(path: str, procs: Procs, timeout: float, what: str) -> dict:
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         procs.check()
@@ -184,16 +184,16 @@ async def _demo(args, procs: Procs, workdir: str) -> None:
     procs.start("node", [sys.executable, "-m", "nexrt_vllm.worker.server", "--model", model,
                          "--port", "0", "--transport", args.transport, "--max-seq-len",
                          str(args.max_model_len), "--ready-file", ready], env=threads)
-    node = await _wait_file(ready, procs, args.start_timeout, "decode node")
+    node = await wait_file(ready, procs, args.start_timeout, "decode node")
     print(f"[demo] decode node up at {node['url']}", flush=True)
     vllm_url = f"http://127.0.0.1:{vport}"
-    await _wait_http(f"{vllm_url}/health", procs, args.start_timeout, "vLLM")
+    await wait_http(f"{vllm_url}/health", procs, args.start_timeout, "vLLM")
     print(f"[demo] vLLM up at {vllm_url}", flush=True)
     router_url = f"http://127.0.0.1:{rport}"
     procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(rport),
                            "--vllm-url", vllm_url, "--decode-url", node["url"],
                            "--default-class", "interactive", "--tokenizer", model])
-    await _wait_http(f"{router_url}/health", procs, 60, "router")
+    await wait_http(f"{router_url}/health", procs, 60, "router")
     print(f"[demo] router up at {router_url}\n", flush=True)
     print(f"user> {args.prompt}\nassistant> ", end="", flush=True)
     res = await _chat(router_url, model, args.prompt, args.max_tokens, sys.stdout)

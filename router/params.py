@@ -65,6 +65,7 @@ class GenParams:
     top_k: int = 0
     seed: int | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # non-streaming only: completion token ids in the choice
 
     def sampling(self) -> dict:
         """Sampling fields sent identically to both legs."""
@@ -173,10 +174,17 @@ def parse(body, kind: str, max_model_len: int | None) -> GenParams:
     if not isinstance(ignore_eos, bool):
         raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
 
+    return_ids = body.get("return_token_ids", False)
+    if return_ids not in (None, False, True):
+        raise _bad("'return_token_ids' must be a boolean", "return_token_ids")
+    if return_ids and stream:
+        raise APIError(501, "'return_token_ids' is supported without streaming only on the "
+                            "interactive tier", param="return_token_ids")
+
     return GenParams(kind=kind, model=model, stream=stream, include_usage=include_usage,
                      max_tokens=max_tokens, stop=stop, stop_token_ids=stop_ids,
                      temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
-                     ignore_eos=ignore_eos)
+                     ignore_eos=ignore_eos, return_token_ids=bool(return_ids))
 
 
 def prefill_body(body: dict, params: GenParams, model: str, kv_params: dict) -> dict:

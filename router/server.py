@@ -203,9 +203,13 @@ class Router:
         except APIError as e:
             self.metrics.requests.labels(cls, str(e.status)).inc()
             return e.response()
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             self.metrics.requests.labels(cls, "client_closed").inc()
             raise
+        except ConnectionResetError:
+            # The client left while we wrote; the lease was already cleaned up on the way out.
+            self.metrics.requests.labels(cls, "client_closed").inc()
+            return web.Response(status=499)
         self.metrics.requests.labels(cls, str(resp.status)).inc()
         return resp
 
@@ -349,7 +353,7 @@ class Router:
         detok = Detokenizer(self.tokenizer, pre["prompt_token_ids"])
         stopper = StopStrings(params.stop)
         stop_ids = set(params.stop_token_ids)
-        n_out = 1
+        out_ids = [pre["first_token"]]
         finish = None
         timing = {"queue_s": t_prefill - t_recv, "prefill_s": t_first - t_prefill}
         first = pre["first_token"]
@@ -373,7 +377,7 @@ class Router:
                     async for msg in lines:
                         if "token" in msg:
                             tok = int(msg["token"])
-                            n_out += 1
+                            out_ids.append(tok)
                             if tok in stop_ids:
                                 continue       # the node ends with finish "stop" next
                             await out.text(stopper.push(detok.step(tok)))
@@ -396,11 +400,11 @@ class Router:
                 return await out.fail(502, str(e))
             timing["decode_s"] = time.monotonic() - t_dec
         await out.text(stopper.flush())
-        self.metrics.tokens.inc(n_out)
-        usage = {"prompt_tokens": prompt_len, "completion_tokens": n_out,
-                 "total_tokens": prompt_len + n_out}
+        self.metrics.tokens.inc(len(out_ids))
+        usage = {"prompt_tokens": prompt_len, "completion_tokens": len(out_ids),
+                 "total_tokens": prompt_len + len(out_ids)}
         timing["total_s"] = time.monotonic() - t_recv
-        return await out.finish(finish, usage, timing)
+        return await out.finish(finish, usage, timing, out_ids)
 
 
 class _DecodeFailed(Exception):
@@ -434,13 +438,15 @@ class _JSON(_Output):
     async def fail(self, status: int, message: str) -> web.Response:
         return APIError(status, message).response()
 
-    async def finish(self, reason: str, usage: dict, timing: dict) -> web.Response:
+    async def finish(self, reason: str, usage: dict, timing: dict, ids: list[int]) -> web.Response:
         text = "".join(self.parts)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        if self.params.return_token_ids:
+            choice["token_ids"] = ids
         return web.json_response({
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created, "model": self.model, "choices": [choice], "usage": usage,
@@ -482,7 +488,7 @@ class _SSE(_Output):
         await self.resp.write_eof()
         return self.resp
 
-    async def finish(self, reason: str, usage: dict, timing: dict) -> web.StreamResponse:
+    async def finish(self, reason: str, usage: dict, timing: dict, ids: list[int]) -> web.StreamResponse:
         await self._chunk(self._choice("", reason))
         if self.params.include_usage:
             await self._chunk(None, usage=usage, nexrt_timing=timing)

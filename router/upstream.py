@@ -104,7 +104,9 @@ async def vllm_prefill(session: aiohttp.ClientSession, url: str, body: dict,
         choice = data["choices"][0]
         first = int(choice["token_ids"][0])
         return {"first_token": first, "finish_reason": choice.get("finish_reason"),
-                "prompt_token_ids": list(data.get("prompt_token_ids") or []),
+                # vLLM puts them top-level for chat and in the choice for completions.
+                "prompt_token_ids": list(data.get("prompt_token_ids")
+                                         or choice.get("prompt_token_ids") or []),
                 "prompt_tokens": int(data["usage"]["prompt_tokens"])}
     except (KeyError, IndexError, TypeError, ValueError):
         raise APIError(502, "vLLM prefill response lacks token ids (is it vLLM >= 0.10 with "

@@ -136,12 +136,13 @@ class FakeVLLM:
         text = self.model.tok.decode(toks)
         choice = {"index": 0, "finish_reason": "stop" if stop else "length",
                   "token_ids": toks}
+        # Like vLLM: prompt ids top-level for chat, inside the choice for completions.
         choice.update({"message": {"role": "assistant", "content": text}} if chat
-                      else {"text": text})
+                      else {"text": text, "prompt_token_ids": ids})
         return web.json_response({
             "id": "x", "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.name, "choices": [choice],
-            "prompt_token_ids": ids,
+            "prompt_token_ids": ids if chat else None,
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
                       "total_tokens": len(ids) + len(toks)}})
 
