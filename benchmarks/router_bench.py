@@ -1,0 +1,194 @@
+"""Router overhead on loopback: what `nexrt-router` adds to TTFT and to every streamed token.
+
+Upstreams are the test doubles of vLLM and a decode node (tests/router_fakes.py: same HTTP
+contracts, instant prefill, tokens emitted at a fixed pace), served from their own process; the
+router runs as the real `nexrt-router` process; the client is this process. Measured:
+
+- added TTFT = TTFT through the router − the same one-token prefill call made directly to the
+  fake vLLM (so it covers admission, the prefill proxying, first-token detokenization and SSE);
+- added per-token latency = (client receive time − the node's emit time) through the router −
+  the same through a direct NDJSON stream from the fake node (CLOCK_MONOTONIC is system-wide, so
+  emit and receive times compare across processes).
+
+    python -m benchmarks.router_bench --requests 50 --tokens 64 --out benchmarks/results/router_bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(os.path.dirname(HERE), "tests")
+
+
+def serve_fakes(tokenizer_dir: str, token_interval: float) -> None:
+    """Child mode: fake vLLM + fake node; prints their URLs as one JSON line, serves until EOF."""
+    sys.path.insert(0, TESTS)
+    from aiohttp import web
+    from router_fakes import FakeNode, FakeVLLM, Loop, Model
+
+    loop = Loop()
+    model = Model(tokenizer_dir)
+    vllm = FakeVLLM(model, tokenizer_dir)
+    node = FakeNode(model, vllm)
+    node.token_delay = token_interval
+
+    async def emits(request):
+        # Emit times of the tokens streamed so far, then forget them (one request at a time).
+        out, node.emit_times[:] = list(node.emit_times), []
+        return web.json_response(out)
+
+    node.app.router.add_get("/bench/emits", emits)
+    print(json.dumps({"vllm": loop.serve(vllm.app), "node": loop.serve(node.app)}), flush=True)
+    sys.stdin.read()
+    loop.close()
+
+
+def pct(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    q = lambda p: xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]  # noqa: E731
+    return {"p50": q(50), "p90": q(90), "p99": q(99), "mean": statistics.fmean(xs), "n": len(xs)}
+
+
+async def measure(urls: dict, router: str, n_req: int, n_tok: int) -> dict:
+    import aiohttp
+
+    body = {"model": "tiny", "max_tokens": n_tok, "ignore_eos": True, "temperature": 0}
+    ttft_router, ttft_direct, tok_router, tok_direct = [], [], [], []
+    async with aiohttp.ClientSession() as s:
+        async def emits():
+            async with s.get(urls["node"] + "/bench/emits") as r:
+                return await r.json()
+
+        for i in range(n_req):
+            prompt = f"benchmark request number {i}"
+            # Direct prefill leg (what the router's TTFT is built on).
+            t0 = time.monotonic()
+            async with s.post(urls["vllm"] + "/v1/completions", json={
+                    **body, "prompt": prompt, "max_tokens": 1, "return_token_ids": True}) as r:
+                await r.read()
+            ttft_direct.append(time.monotonic() - t0)
+            # Through the router.
+            await emits()
+            t0, arrivals = time.monotonic(), []
+            async with s.post(router + "/v1/completions", headers={"X-NexRT-Class": "interactive"},
+                              json={**body, "prompt": prompt, "stream": True}) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.startswith(b"data: {") and b'"text":"' in line \
+                            and b'"text":""' not in line:
+                        arrivals.append(time.monotonic())
+            ttft_router.append(arrivals[0] - t0)
+            em = await emits()
+            assert len(em) == n_tok - 1 == len(arrivals) - 1, (len(em), len(arrivals))
+            tok_router += [a - e for a, e in zip(arrivals[1:], em)]
+            # Direct node stream (admit + generate against the fake node, no router).
+            rid = f"bench-{i}"
+            async with s.post(urls["node"] + "/v1/admit", json={"rid": rid}) as r:
+                adm = await r.json()
+            async with s.post(urls["vllm"] + "/v1/completions", json={
+                    **body, "prompt": prompt, "max_tokens": 1, "return_token_ids": True,
+                    "kv_transfer_params": {"nexrt": {"rid": rid}}}) as r:
+                first = (await r.json())["choices"][0]["token_ids"][0]
+            arrivals = []
+            async with s.post(urls["node"] + "/v1/generate", json={
+                    "rid": rid, "generation": adm["generation"], "first_token": first,
+                    "max_tokens": n_tok, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                    "seed": None, "ignore_eos": True, "stop_token_ids": []}) as r:
+                async for line in r.content:
+                    if line.startswith(b'{"token"'):
+                        arrivals.append(time.monotonic())
+            em = await emits()
+            tok_direct += [a - e for a, e in zip(arrivals, em)]
+    ms = lambda xs: [x * 1e3 for x in xs]  # noqa: E731
+    added_ttft = [a - b for a, b in zip(ttft_router, ttft_direct)]
+    return {
+        "added_ttft_ms": pct(ms(added_ttft)),
+        "added_per_token_ms": {k: pct(ms(tok_router))[k] - pct(ms(tok_direct))[k]
+                               for k in ("p50", "p90", "p99", "mean")},
+        "raw": {"ttft_router_ms": pct(ms(ttft_router)), "prefill_direct_ms": pct(ms(ttft_direct)),
+                "token_latency_router_ms": pct(ms(tok_router)),
+                "token_latency_direct_ms": pct(ms(tok_direct))},
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=50)
+    ap.add_argument("--tokens", type=int, default=64, help="completion tokens per request")
+    ap.add_argument("--token-interval-ms", type=float, default=2.0,
+                    help="the fake node's pace (keeps tokens from queueing)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "router_bench.json"))
+    ap.add_argument("--serve-fakes", metavar="TOKENIZER_DIR", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve_fakes:
+        serve_fakes(args.serve_fakes, args.token_interval_ms / 1e3)
+        return 0
+    if args.requests < 1 or args.tokens < 2:
+        ap.error("--requests >= 1 and --tokens >= 2")
+
+    from nexrt_vllm.testing import make_tokenizer
+
+    tmp = tempfile.mkdtemp(prefix="router-bench-")
+    make_tokenizer(tmp)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    fakes = subprocess.Popen([sys.executable, "-m", "benchmarks.router_bench", "--serve-fakes",
+                              tmp, "--token-interval-ms", str(args.token_interval_ms)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                             cwd=os.path.dirname(HERE))
+    router = None
+    try:
+        urls = json.loads(fakes.stdout.readline())
+        sys.path.insert(0, TESTS)
+        from router_fakes import free_port
+
+        port = free_port()
+        router = subprocess.Popen([sys.executable, "-m", "nexrt_vllm.router.server", "--port",
+                                   str(port), "--vllm-url", urls["vllm"], "--decode-url",
+                                   urls["node"], "--tokenizer", tmp, "--log-level", "WARNING"])
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(_wait(url))
+        res = asyncio.run(measure(urls, url, args.requests, args.tokens))
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        fakes.stdin.close()
+        fakes.wait(10)
+    res["config"] = {"requests": args.requests, "tokens": args.tokens,
+                     "token_interval_ms": args.token_interval_ms, "host_cpus": os.cpu_count(),
+                     "note": "loopback, fake upstreams (router overhead only)"}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(json.dumps({k: res[k] for k in ("added_ttft_ms", "added_per_token_ms")}, indent=2))
+    return 0
+
+
+async def _wait(url: str, timeout: float = 30) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                async with s.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("router did not start")
+            await asyncio.sleep(0.1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
