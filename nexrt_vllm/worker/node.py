@@ -73,7 +73,8 @@ class Admission:
     t_accept: float = 0.0
     transfer_s: float = 0.0
     started: bool = False  # /v1/generate claimed it
-    cancel: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)  # tells the decode thread to stop
+    cancelled: bool = False  # POST /v1/cancel
     # resolves to None when READY, to (reason, message) when the admission fails first
     ready: asyncio.Future | None = None
 
@@ -107,7 +108,7 @@ class Node:
             raise self._refuse(413, P.Reason.TOO_LONG,
                                f"prompt_len {prompt_len} + 1 exceeds max_seq_len {self.opts.max_seq_len}")
         if self._decoding is not None:
-            if self._decoding.cancel.is_set():
+            if self._decoding.stop.is_set():
                 raise self._refuse(409, P.Reason.CANCELLING, "previous request is still stopping")
             raise self._refuse(409, P.Reason.BUSY, f"node is decoding {self._decoding.rid!r}")
         if self.current is not None:
@@ -120,7 +121,7 @@ class Node:
                         ready=asyncio.get_running_loop().create_future())
         self.current = adm
         self.metrics.admissions.inc()
-        self.metrics.busy.set(1)
+        self._update_busy()
         return adm
 
     def cancel(self, rid: Any) -> dict:
@@ -132,7 +133,8 @@ class Node:
                 return {"rid": rid, "cancelled": False, "state": "finished"}
             raise self._refuse(404, P.Reason.UNKNOWN_RID, f"rid {rid!r} is not in flight")
         prior = adm.state.value
-        adm.cancel.set()
+        adm.cancelled = True
+        adm.stop.set()
         if adm.state is not State.DECODING:
             self._end(adm, "cancelled", P.Reason.CANCELLED, "cancelled by client")
         return {"rid": rid, "cancelled": True, "state": prior}
@@ -264,7 +266,7 @@ class Node:
         while len(self._tombstones) > TOMBSTONES:
             self._tombstones.popitem(last=False)
         self.metrics.finished.labels(outcome).inc()
-        self.metrics.busy.set(0 if self._decoding is None else 1)
+        self._update_busy()
         if adm.ready is not None and not adm.ready.done():
             adm.ready.set_result((P.Reason(reason).value, message))
         log.info("rid=%s gen=%d ended: %s (%s)", adm.rid, adm.generation, outcome, message)
@@ -319,6 +321,7 @@ class Node:
                 q: asyncio.Queue = asyncio.Queue()
                 put = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
                 fut = loop.run_in_executor(self._pool, self._run, adm, sp, first_token, put)
+                fut.add_done_callback(lambda _: self._decode_stopped(adm))
                 while final is None:
                     kind, val = await q.get()
                     if kind == "tok":
@@ -334,12 +337,20 @@ class Node:
                                    "tokens": tokens}
         finally:
             if fut is not None:
-                adm.cancel.set()  # stops the thread if the client went away mid-stream
+                adm.stop.set()  # stops the thread if the client went away mid-stream
                 await fut
-                self._decoding = None
             outcome = final["finish_reason"] if final else "cancelled"
             self._end(adm, outcome, P.Reason.CANCELLED, f"ended: {outcome}")
         yield final
+
+    def _decode_stopped(self, adm: Admission) -> None:
+        """The decode thread ended. A cancelled request frees the slot now, even if its HTTP
+        writer is still stuck on a client that stopped reading."""
+        if self._decoding is adm:
+            self._decoding = None
+            self._update_busy()
+        if adm.cancelled:
+            self._end(adm, "cancelled", P.Reason.CANCELLED, "cancelled during decode")
 
     def _run(self, adm: Admission, sp, first_token: int, put) -> None:
         """Worker thread: convert the received pages, import them, stream tokens."""
@@ -361,7 +372,7 @@ class Node:
                     now = time.perf_counter()
                     self.metrics.step_seconds.observe(now - last)
                     last = now
-                    if adm.cancel.is_set():
+                    if adm.stop.is_set():
                         put(("end", "cancelled"))
                         return
                     self.metrics.tokens.inc()
@@ -380,6 +391,9 @@ class Node:
         return {"status": "busy" if adm else "free", "busy_slots": 1 if adm else 0,
                 "rid": adm.rid if adm else None, "state": adm.state.value if adm else None,
                 "free_buffers": sum(b.available(now) for b in self.buffers)}
+
+    def _update_busy(self) -> None:
+        self.metrics.busy.set(1 if self.current or self._decoding else 0)
 
     def _refuse(self, status: int, reason, message: str) -> NodeError:
         err = NodeError(status, reason, message)

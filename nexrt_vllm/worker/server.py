@@ -91,7 +91,11 @@ class Service:
             await resp.prepare(request)
             async with contextlib.aclosing(self.node.generate(adm, sp, body["first_token"])) as lines:
                 async for line in lines:
-                    await resp.write(json.dumps(line).encode() + b"\n")
+                    # a client that stops reading counts as gone (its socket buffer fills up)
+                    await asyncio.wait_for(resp.write(json.dumps(line).encode() + b"\n"), self.args.write_timeout)
+        except asyncio.TimeoutError:
+            log.info("client of rid=%s stopped reading for %ss", adm.rid, self.args.write_timeout)
+            resp.force_close()
         except (ConnectionResetError, asyncio.CancelledError):
             # client vanished: leaving the `async with` cancels the decode and frees the slot
             log.info("client of rid=%s went away", adm.rid)
@@ -160,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--admit-timeout", type=float, default=30.0, help="seconds from admit to begin")
     ap.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds from begin to done")
     ap.add_argument("--start-timeout", type=float, default=30.0, help="seconds from done to generate")
+    ap.add_argument("--write-timeout", type=float, default=10.0,
+                    help="seconds a stream write may block before the client counts as gone")
     ap.add_argument("--quarantine", type=float, default=30.0,
                     help="seconds a buffer stays unused after its writer was cut off mid-transfer")
     ap.add_argument("--ready-file", default=None, help="write the bound HTTP URL here once serving")
@@ -171,7 +177,7 @@ def _positive(ap, args) -> None:
     for name in ("max_seq_len", "recv_buffers"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("admit_timeout", "transfer_timeout", "start_timeout"):
+    for name in ("admit_timeout", "transfer_timeout", "start_timeout", "write_timeout"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
 
