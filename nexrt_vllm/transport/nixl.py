@@ -17,10 +17,13 @@ _MEM = {"host": "DRAM", "device": "VRAM"}
 
 
 def _agent(role: str):
-    from nixl._api import nixl_agent, nixl_agent_config
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    return nixl_agent(f"nexrt-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-                      nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    # STRICT: the agent is used from several threads (the receiver's progress loop, the event loop;
+    # a connector's per-request jobs); NIXL's default without a listener thread has no locking.
+    conf = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    return nixl_agent(f"nexrt-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}", conf)
 
 
 class _NixlBase:
@@ -61,41 +64,36 @@ class NixlReceiver(_NixlBase, ReceiverTransport):
     def __init__(self):
         super().__init__("recv")
         self._kinds: set[str] = set()
-        self._lock = threading.Lock()  # the agent runs without internal locking (sync mode NONE)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
         self._thread.start()
 
     def _progress(self) -> None:
         while not self._stop.wait(self.PROGRESS_S):
-            with self._lock:
-                self._agent.get_new_notifs()  # progresses the UCX worker as a side effect
+            self._agent.get_new_notifs()  # progresses the UCX worker as a side effect
 
     def register(self, addr: int, size: int, kind: str = "host") -> None:
-        with self._lock:
-            super().register(addr, size, kind)
+        super().register(addr, size, kind)
         self._kinds.add(kind)
 
     def peer_info(self) -> dict:
         # metadata is read after registration so it lists every receive buffer
-        with self._lock:
-            meta = self._agent.get_agent_metadata()
-        return {"backend": self.name, "agent": self._agent.name, "metadata": meta,
+        return {"backend": self.name, "agent": self._agent.name, "metadata": self._agent.get_agent_metadata(),
                 "mem": _MEM[next(iter(self._kinds), "host")], "dev": self._dev}
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
-        with self._lock:
-            super().close()
+        super().close()
 
 
 class NixlSender(_NixlBase, SenderTransport):
     def __init__(self):
         super().__init__("send")
         self._peers: dict[str, str] = {}  # remote agent name -> loaded name
-        self._remote_mem: dict[str, str] = {}
+        self._remote_mem: dict[str, tuple[str, int]] = {}  # loaded name -> (memory type, device id)
         self._local_mem = "DRAM"
+        self._connect_lock = threading.Lock()  # load each peer's metadata once, whatever the thread
 
     def register(self, addr: int, size: int, kind: str = "host") -> None:
         super().register(addr, size, kind)
@@ -105,6 +103,10 @@ class NixlSender(_NixlBase, SenderTransport):
         if peer_info.get("backend") != self.name or not isinstance(peer_info.get("metadata"), bytes):
             raise TransferError(f"not a nixl peer: {str(peer_info)[:200]}")
         agent = peer_info["agent"]
+        with self._connect_lock:
+            return self._connect(agent, peer_info)
+
+    def _connect(self, agent: str, peer_info: dict) -> str:
         if agent not in self._peers:
             name = self._agent.add_remote_agent(peer_info["metadata"])
             self._peers[agent] = name.decode() if isinstance(name, bytes) else name  # returns bytes
