@@ -9,7 +9,8 @@ answers one ``@@`` + JSON line on stdout (vLLM's own logs go to stderr/stdout ar
 - ``{"op": "settle", "timeout": s}``: steps the engine until no connector work is pending (held
   blocks released), -> ``{"free_blocks": n, "pending": bool}``;
 - ``{"op": "free_blocks"}`` -> ``{"free_blocks": n}``;
-- ``{"op": "abort_midway", "request_id", "request", "steps"}``: add, step ``steps`` times, abort.
+- ``{"op": "abort_midway", "request_id", "request", "steps"}``: add, step ``steps`` times, abort;
+- ``{"op": "preempt_midway", ...}``: same, but preempt instead and run the request to its end.
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the scheduler's block
 pool can be read. Parent: ``VLLMProc``.
@@ -85,6 +86,20 @@ def _child(cfg: dict) -> None:
                 llm.llm_engine.step()
             llm.llm_engine.abort_request([cmd["request_id"]])
             reply({"aborted": True})
+        elif op == "preempt_midway":
+            # Run ``steps`` engine steps, then preempt every running request (vLLM's own
+            # reset_prefix_cache(reset_running_requests=True)): they recompute into new blocks.
+            r = cmd["request"]
+            sp = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
+                                extra_args={"kv_transfer_params": r["kv_transfer_params"]})
+            llm.llm_engine.add_request(cmd["request_id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
+            for _ in range(cmd["steps"]):
+                llm.llm_engine.step()
+            assert llm.reset_prefix_cache(reset_running_requests=True)
+            done = None
+            while done is None:
+                done = next((o for o in llm.llm_engine.step() if o.finished), None)
+            reply({"token_ids": list(done.outputs[0].token_ids), "kv_transfer_params": done.kv_transfer_params})
         elif op == "settle":
             deadline = time.monotonic() + cmd.get("timeout", 30)
             # Offline LLM only steps while requests are unfinished; held blocks are released by
@@ -119,6 +134,7 @@ class VLLMProc:
                 self._q.put(json.loads(line[len(MARK):]))
             else:
                 self._log.write(line)
+                self._log.flush()
         self._q.put(None)
 
     def _read(self, timeout: float) -> dict:

@@ -1,28 +1,32 @@
-"""Failed hand-offs: refused by the node, node killed, malformed claim, request aborted mid-prefill.
-vLLM keeps serving, the node never decodes from such a state, and every held block comes back:
-vLLM's free block count returns to its starting value."""
+"""A hand-off's lifecycle off the happy path: refused by the node, node killed, malformed claim,
+request aborted mid-prefill, request preempted mid-prefill. vLLM keeps serving, the node never
+decodes from an incomplete state, a preempted request still hands off a correct state, and every
+held block comes back: vLLM's free block count returns to its starting value."""
 import pytest
 
-from connector_harness import NodeProc, VLLMProc, hand_off, nexrt_kv_config, random_prompt
+from connector_harness import (DENSE_ROUTING, NodeProc, VLLMProc, assert_vllm_greedy, continue_on_node,
+                               nexrt_kv_config, random_prompt)
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def env(qwen3_next_ckpt, tmp_path_factory):
-    d = tmp_path_factory.mktemp("failures")
+def env(ckpt_factory, tmp_path_factory):
+    ckpt = ckpt_factory("qwen3_next", "bfloat16", **DENSE_ROUTING)
+    d = tmp_path_factory.mktemp("lifecycle")
     procs = []
     try:
-        live = NodeProc(qwen3_next_ckpt, "mooncake", str(d / "live.log"), str(d))
+        live = NodeProc(ckpt, "mooncake", str(d / "live.log"), str(d), extra_args=("--dtype", "float32"))
         procs.append(live)
-        doomed = NodeProc(qwen3_next_ckpt, "mooncake", str(d / "doomed.log"), str(d))
+        doomed = NodeProc(ckpt, "mooncake", str(d / "doomed.log"), str(d))
         procs.append(doomed)
-        vllm = VLLMProc({"model": qwen3_next_ckpt, "max_num_batched_tokens": 512,
+        vllm = VLLMProc({"model": ckpt, "max_num_batched_tokens": 512,
                          "kv_transfer_config": nexrt_kv_config("mooncake", control_timeout_s=2.0,
                                                                transfer_timeout_s=5.0)},
                         str(d / "vllm.log"))
         procs.append(vllm)
-        yield {"vllm": vllm, "live": live, "doomed": doomed, "start_free": vllm.ready["free_blocks"]}
+        yield {"vllm": vllm, "live": live, "doomed": doomed, "start_free": vllm.ready["free_blocks"],
+               "vllm_log": str(d / "vllm.log")}
     finally:
         for p in reversed(procs):
             p.close()
@@ -74,6 +78,17 @@ def test_abort_mid_prefill(env):
     assert not settled["pending"]
     status, last = _gen_error(live, claim)
     assert status >= 400 or last.get("finish_reason") in ("error", "cancelled"), (status, last)
+
+
+def test_preempted_mid_prefill_still_correct(env):
+    vllm, live = env["vllm"], env["live"]
+    prompt = random_prompt(1500, 6)
+    claim = live.admit("preempted", len(prompt))
+    out = vllm.call({"op": "preempt_midway", "request_id": "preempt-1", "steps": 2,
+                     "request": {"prompt_token_ids": prompt, "max_tokens": 1, "kv_transfer_params": claim}})
+    # pages written before the preemption are rewritten from the recomputed blocks
+    assert_vllm_greedy(vllm, prompt, continue_on_node(live, claim, out, 33))
+    assert "preempted: its hand-off restarts" in open(env["vllm_log"]).read()
 
 
 def test_unclaimed_after_failures_and_no_block_leak(env):
