@@ -34,8 +34,9 @@ class Procs:
     def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = os.path.join(self.logdir, f"{name}.log")
         with open(log, "wb") as f:
+            # NEXRT_RUN_DIR marks the whole tree (grandchildren inherit it) for operators/tests.
             p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                 env={**os.environ, **(env or {})})
+                                 env={**os.environ, **(env or {}), "NEXRT_RUN_DIR": self.logdir})
         self.procs.append((name, p, log))
         return p
 
