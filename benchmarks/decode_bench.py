@@ -120,16 +120,17 @@ def layer_errors(eng, d) -> list[dict]:
     plan, k, rows = d.plan()[1:], 0, []
     for i, L in enumerate(d.layers):
         nm = 3 if L["kind"] == "linear_attention" else 4
+        nf = 3 if L["moe"] else 2  # router, route, experts | gate_up, down
         h_in, mid, out = ref[i]
         d.res.copy_(h_in)
         for _, fn, _ in plan[k:k + nm]:
             fn()
         e_mix = _rel(d.res, mid, mid.float() - h_in.float())
         d.res.copy_(mid)
-        for _, fn, _ in plan[k + nm:k + nm + 2]:
+        for _, fn, _ in plan[k + nm:k + nm + nf]:
             fn()
         e_ffn = _rel(d.res, out, out.float() - mid.float())
-        k += nm + 2
+        k += nm + nf
         rows.append({"layer": i, "kind": L["kind"], "mixer_rel_err": e_mix, "ffn_rel_err": e_ffn})
     torch.cuda.synchronize()
     eng.import_state(n0, snap)

@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("kernel tests on CPU need TRITON_INTERPRET=1", allow_module_level=True)
 
-from nexrt_vllm.engine.kernels import attention, gdn, gemv, moe, sampling  # noqa: E402
+from nexrt_vllm.engine.kernels import attention, gdn, gemv, moe, route, sampling  # noqa: E402
 
 torch.set_num_threads(1)
 BF = torch.bfloat16
@@ -256,12 +256,11 @@ def test_moe_experts_selected_only():
     ref = res + (out + shared)
     lg = nan_like(torch.empty(E + 1, dtype=BF))
     ids, wts = torch.full((topk,), -1, dtype=torch.int32), nan_like(torch.empty(topk))
-    ticket = torch.zeros(1, dtype=torch.int32)
-    # the router launch routes in its last program (3 programs here), then re-arms the ticket
     xn = nan_like(torch.empty(hid, dtype=BF))
-    call(gemv.gemv, res, wr, lg, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_ROUTE, norm_w=nw, aux0=ids, aux1=wts,
-         aux2=ticket, top_k=topk, xn_out=xn, block_n=8, block_k=32)
-    assert ids.tolist() == sorted(top_i.tolist()) and int(ticket) == 0 and torch.equal(xn, h)
+    call(gemv.gemv, res, wr, lg, pro=gemv.PRO_RMSNORM, norm_w=nw, xn_out=xn, block_n=8, block_k=32)
+    assert torch.equal(xn, h)
+    call(route.route, lg, ids, wts, num_experts=E, top_k=topk)
+    assert ids.tolist() == sorted(top_i.tolist())
     assert torch.equal(wts, top_v[[top_i.tolist().index(e) for e in ids.tolist()]].float())
     act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
     call(moe.moe_experts, xn, res, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, block_n=16, block_k=32,

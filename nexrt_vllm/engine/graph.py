@@ -41,8 +41,8 @@ class Tuning:
     gemv_router: tuple = (4, 1024, 8)  # MoE router (E+1 rows)
     block_n_lm: int = 32
     attn_splits: int = 256
-    attn_block: int = 64
-    attn_min_per: int = 128
+    attn_block: int = 32
+    attn_min_per: int = 32
     gdn_block_v: int = 16
     moe_block_n: int = 16
     moe_block_k: int = 256
@@ -153,8 +153,9 @@ class FusedDecoder:
             raise EngineError(f"mode must be 'fused' or 'eager', got {mode!r}")
         cfg = model.config
         _require_gpu_dtype(cfg, state.dtype)
-        from .kernels import attention, gdn, gemv, moe, sampling  # triton: GPU path only
+        from .kernels import attention, gdn, gemv, moe, route, sampling  # triton: GPU path only
         self.k_attn, self.k_gdn, self.k_gemv, self.k_moe, self.k_samp = attention, gdn, gemv, moe, sampling
+        self.k_route = route
         self.model, self.cfg, self.state, self.mode, self.t = model, cfg, state, mode, tuning or Tuning()
         dev, dt, c = state.device, state.dtype, cfg
         self.layers: list[dict] = []
@@ -203,7 +204,6 @@ class FusedDecoder:
             self.router_logits = torch.zeros(c.num_experts + 1, dtype=dt, device=dev)
             self.ids = torch.zeros(c.num_experts_per_tok, dtype=torch.int32, device=dev)
             self.wts = torch.zeros(c.num_experts_per_tok, dtype=torch.float32, device=dev)
-            self.route_ticket = torch.zeros(1, dtype=torch.int32, device=dev)  # re-armed by its last user
             self.xn = torch.zeros(c.hidden_size, dtype=dt, device=dev)
         if c.intermediate_size:
             self.act_dense = torch.zeros(c.intermediate_size, dtype=dt, device=dev)
@@ -264,11 +264,13 @@ class FusedDecoder:
             if L["moe"]:
                 per_expert = (b(L["gate_up"]) + b(L["down"])) // c.num_experts
                 steps += [
-                    ("moe_router+route", lambda L=L: g.gemv(
-                        self.res, L["w_router"], self.router_logits, pro=g.PRO_RMSNORM, epi=g.EPI_ROUTE,
-                        norm_w=L["ln2"], aux0=self.ids, aux1=self.wts, aux2=self.route_ticket, eps=eps,
-                        top_k=c.num_experts_per_tok, norm_topk=c.norm_topk_prob, xn_out=self.xn,
-                        **dict(zip(("block_n", "block_k", "num_warps"), t.gemv_router))), b(L["w_router"])),
+                    ("moe_router", lambda L=L: g.gemv(
+                        self.res, L["w_router"], self.router_logits, pro=g.PRO_RMSNORM, norm_w=L["ln2"], eps=eps,
+                        xn_out=self.xn, **dict(zip(("block_n", "block_k", "num_warps"), t.gemv_router))),
+                     b(L["w_router"])),
+                    ("moe_route", lambda: self.k_route.route(
+                        self.router_logits, self.ids, self.wts, num_experts=c.num_experts,
+                        top_k=c.num_experts_per_tok, norm_topk=c.norm_topk_prob), 0),
                     ("moe_experts", lambda L=L: self.k_moe.moe_experts(
                         self.xn, self.res, self.router_logits, L["gate_up"], L["s_gate_up"], L["down"], L["s_down"],
                         self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=t.moe_block_n,

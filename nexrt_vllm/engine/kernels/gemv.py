@@ -10,19 +10,17 @@ Prologues (PRO): 0 plain x; 1 zero-centred RMSNorm `x·rsqrt(mean x²+eps)·(1+w
 of GROUP).
 Epilogues (EPI): 0 store y; 1 residual add `y_ptr += y`; 2 SwiGLU over W = [gate; up] (N rows each);
 3 causal depthwise conv + SiLU on rows < CONV_N (GDN in_proj: updates the conv state in place),
-4 store fp32 logits plus a per-program (max, argmax) pair for the sampler; 5 MoE router: store the
-logits, and the last program to finish (atomic ticket on aux2) does the top-k routing into
-aux0 (ids) / aux1 (weights), so no separate routing launch is needed.
+4 store fp32 logits plus a per-program (max, argmax) pair for the sampler. With `xn_out`, program 0
+also stores the normed input (PRO 1) for a later launch (the MoE experts).
 """
 import triton
 import triton.language as tl
 
 from .common import bf16_round as _bf16
 from .common import silu as _silu
-from .route import route
 
 PRO_NONE, PRO_RMSNORM, PRO_GATED = 0, 1, 2
-EPI_STORE, EPI_RESIDUAL, EPI_SWIGLU, EPI_CONV, EPI_ARGMAX, EPI_ROUTE = 0, 1, 2, 3, 4, 5
+EPI_STORE, EPI_RESIDUAL, EPI_SWIGLU, EPI_CONV, EPI_ARGMAX = 0, 1, 2, 3, 4
 
 
 @triton.jit
@@ -46,10 +44,10 @@ def _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO: tl.constexpr, GRO
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, aux2_ptr,
+def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                 N, K, stride_w, eps, CONV_N,
                 PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
-                E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr, STORE_XN: tl.constexpr,
+                STORE_XN: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,15 +106,6 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, aux2_ptr
         tl.store(aux0_ptr + rows[:, None] * (KC - 1) + taps[None, :], nxt.to(aux0_ptr.dtype.element_ty), mask=tm)
         out = tl.where(rows < CONV_N, _bf16(_silu(_bf16(conv))), yb)
         tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=rmask)
-    elif EPI == 5:
-        tl.store(y_ptr + rows, _bf16(y).to(y_ptr.dtype.element_ty), mask=rmask)
-        # acq_rel ticket: this program's logits are visible before its increment; the last program
-        # sees everyone's, routes, and re-arms the ticket for the next launch.
-        tl.debug_barrier()  # every thread's logits stored before the (single-thread) release
-        ticket = tl.atomic_add(aux2_ptr, 1)
-        if ticket == tl.num_programs(0) - 1:
-            route(y_ptr, aux0_ptr, aux1_ptr, E, EP, TOPK, NORM)
-            tl.atomic_xchg(aux2_ptr, 0)
     else:
         yb = _bf16(y)
         tl.store(y_ptr + rows, yb, mask=rmask)
@@ -127,9 +116,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, aux2_ptr
         tl.store(aux1_ptr + pid, idx)
 
 
-def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, aux2=None,
-         eps=1e-6, conv_n=0, group=1, kc=4, top_k=1, norm_topk=True, xn_out=None, block_n=None, block_k=None,
-         num_warps=4, n=None):
+def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
+         conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None):
     """Launch `gemv_kernel`. `w` is [N, K] ([2N, K] for SwiGLU, N = rows of y); returns the grid size."""
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
@@ -143,15 +131,12 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         z = xn_out
     gemv_kernel[(grid,)](
         x, w, y, norm_w if norm_w is not None else dummy, z if z is not None else dummy,
-        aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy,
-        aux2 if aux2 is not None else dummy, n, k, w.stride(0), eps, conv_n,
+        aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy, n, k, w.stride(0), eps, conv_n,
         PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
-        # routing constants only matter for EPI_ROUTE; fixed otherwise so they add no specialisations
-        E=n - 1 if epi == EPI_ROUTE else 1, EP=triton.next_power_of_2(n - 1) if epi == EPI_ROUTE else 1,
-        TOPK=top_k if epi == EPI_ROUTE else 1, NORM=norm_topk, STORE_XN=xn_out is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        STORE_XN=xn_out is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=(k % block_k == 0), num_warps=num_warps)
     return grid
 
 
 __all__ = ["gemv", "gemv_kernel", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
-           "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_ROUTE"]
+           "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX"]

@@ -1,19 +1,18 @@
 """Sparse MoE for one token: only the selected experts' weights are read, each exactly once.
 
-Launch 1 is the router GEMV (`gemv`, RMSNorm prologue, EPI_ROUTE) over [router; shared_expert_gate]
-rows: its program 0 also stores the normed input for launch 2, and its last program to finish
-(atomic ticket) does the routing (softmax over E in fp32, top-k, renormalise, ids sorted
-ascending) and writes ids / weights. Launch 2 (`moe_gate_up_kernel`, grid
-(intermediate blocks, top_k + 1)) writes SiLU(gate)·up for its slot's expert; the last slot is the
-shared expert. Launch 3 (`moe_down_kernel`) sums the down projections in ascending expert id (the
-eager order, with its bf16 rounding), adds the sigmoid-gated shared expert and the residual.
+Launch 1 is the router GEMV (`gemv`, RMSNorm prologue, `xn_out`) over [router; shared_expert_gate]
+rows; its program 0 also stores the normed input for the experts. Launch 2 (`route.route`, one
+warp) does the routing: softmax over E in fp32, top-k, renormalise, ids sorted ascending.
+Launch 3 (`moe_gate_up_kernel`, grid (intermediate blocks, top_k + 1)) writes SiLU(gate)·up for
+its slot's expert; the last slot is the shared expert. Launch 4 (`moe_down_kernel`) sums the down
+projections in ascending expert id (the eager order, with its bf16 rounding), adds the
+sigmoid-gated shared expert and the residual.
 """
 import triton
 import triton.language as tl
 
 from .common import bf16_round as _bf16
 from .common import silu as _silu
-from .route import route  # noqa: F401 (the router launch's epilogue; re-exported)
 
 
 @triton.jit
@@ -90,8 +89,8 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4):
-    """Routed + shared experts for one token, after the router launch (`gemv` EPI_ROUTE, xn_out) has
-    left the normed input xn [H], logits [E+1] (router logits, then the shared-expert gate logit)
+    """Routed + shared experts for one token, after the router launch (`gemv`, xn_out) and `route.route`
+    have left the normed input xn [H], logits [E+1] (router logits, then the shared-expert gate logit)
     and ids / wts [top_k].
     `res` (the residual, [H]) is updated in place. gate_up [E, 2I, H], down [E, H, I],
     shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch."""

@@ -1,4 +1,4 @@
-"""MoE top-k routing of one token, run by the router GEMV's last program (gemv EPI_ROUTE)."""
+"""MoE top-k routing of one token: one program of one warp (the reductions stay in warp shuffles)."""
 import triton
 import triton.language as tl
 
@@ -6,13 +6,12 @@ from .common import bf16_round as _bf16
 
 
 @triton.jit
-def route(logits_ptr, ids_ptr, wts_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
+def route_kernel(logits_ptr, ids_ptr, wts_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
           NORM: tl.constexpr):
     """Top-k routing of one token from its router logits; ids ascending, weights in bf16 precision."""
     e = tl.arange(0, EP)
     em = e < E
-    # .cg: read from L2, where the other programs of the router launch left their logits.
-    lg = tl.load(logits_ptr + e, mask=em, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    lg = tl.load(logits_ptr + e, mask=em, other=float("-inf")).to(tl.float32)
     p = tl.exp(lg - tl.max(lg, 0))
     p = p / tl.sum(p, 0)
     # One max-reduction per pick: key = (bits of p >= 0, order-preserving) << 32 | (EP-1-e), so the
@@ -28,3 +27,9 @@ def route(logits_ptr, ids_ptr, wts_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK:
     rank = tl.cumsum(sel.to(tl.int32), 0) - 1  # slot of each selected expert, ascending id
     tl.store(ids_ptr + rank, e, mask=sel)
     tl.store(wts_ptr + rank, _bf16(p / wsum), mask=sel)
+
+
+def route(logits, ids, wts, *, num_experts, top_k, norm_topk=True):
+    """ids [top_k] (ascending) / wts [top_k] of the top-k experts from router logits [>= num_experts]."""
+    route_kernel[(1,)](logits, ids, wts, E=num_experts, EP=triton.next_power_of_2(num_experts), TOPK=top_k,
+                       NORM=norm_topk, num_warps=1)
