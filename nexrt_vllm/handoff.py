@@ -22,7 +22,7 @@ import msgpack
 import zmq
 
 from nexrt_vllm import protocol as P
-from nexrt_vllm.transport.base import SenderTransport, TransferError, coalesce, make_sender
+from nexrt_vllm.transport.base import SenderTransport, TransferError, TransferInFlight, coalesce, make_sender
 
 
 class HandoffError(Exception):
@@ -71,7 +71,10 @@ class Transfer:
             self.sender.transport.write(self.peer, batch, timeout=self.sender.transfer_timeout)
         except TransferError as e:
             self.sender._peers.pop(self.control_addr, None)  # re-hello next time (the node may have restarted)
-            self.abort(f"transfer failed: {e}")
+            if isinstance(e, TransferInFlight):
+                self.finished = True  # no abort: the node must keep the buffer until its own timeout
+            else:
+                self.abort(f"transfer failed: {e}")
             raise HandoffError(P.Reason.TRANSFER_FAILED, str(e)) from None
         self.seconds += time.perf_counter() - t0
         self.nbytes += sum(w[2] for w in batch)

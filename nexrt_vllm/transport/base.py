@@ -24,6 +24,11 @@ class TransferError(Exception):
     """A transfer failed or did not finish in time; the state on the receiver is not usable."""
 
 
+class TransferInFlight(TransferError):
+    """A write timed out and could not be aborted: bytes may still land. The sender must not tell
+    the receiver it stopped writing (no ``abort``); the receiver's timeout quarantines the buffer."""
+
+
 class ReceiverTransport(abc.ABC):
     name: str
     memory_kinds: tuple[str, ...] = ("host",)

@@ -11,7 +11,8 @@ import time
 import uuid
 from typing import Sequence
 
-from nexrt_vllm.transport.base import ReceiverTransport, SenderTransport, TransferError, Write, _check_kind
+from nexrt_vllm.transport.base import (ReceiverTransport, SenderTransport, TransferError, TransferInFlight, Write,
+                                       _check_kind)
 
 _MEM = {"host": "DRAM", "device": "VRAM"}
 
@@ -128,20 +129,22 @@ class NixlSender(_NixlBase, SenderTransport):
             state = self._agent.transfer(handle)
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise TransferError(f"nixl write to {peer} did not finish in {timeout}s")
+                    break
                 time.sleep(0.0002)
                 state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError(f"nixl write to {peer} ended in state {state}")
-        except TransferError:
-            raise
         except Exception as e:  # noqa: BLE001 - a dead peer surfaces as NIXL_ERR_BACKEND
-            raise TransferError(f"nixl write to {peer} failed: {e!r}") from None
-        finally:
             self._release(handle)
+            raise TransferError(f"nixl write to {peer} failed: {e!r}") from None
+        released = self._release(handle)  # aborts a transfer still in flight, if it can
+        if state == "PROC":
+            cls = TransferError if released else TransferInFlight
+            raise cls(f"nixl write to {peer} did not finish in {timeout}s")
+        if state != "DONE":
+            raise TransferError(f"nixl write to {peer} ended in state {state}")
 
-    def _release(self, handle) -> None:
+    def _release(self, handle) -> bool:
         try:
             self._agent.release_xfer_handle(handle)
-        except Exception:  # noqa: BLE001 - a handle of a failed transfer may refuse release; nothing to free
-            pass
+            return True
+        except Exception:  # noqa: BLE001 - NIXL refuses to release a transfer it cannot abort
+            return False
