@@ -299,6 +299,7 @@ class Router:
     async def _cancel_and_release(self, node, rid: str) -> None:
         try:
             await self.nodes.cancel(node.url, rid)
+            await self.nodes.wait_free(node.url, self.args.admit_timeout)
         except NodeError as e:
             self._node_failed(node, str(e))
         finally:
@@ -306,16 +307,26 @@ class Router:
 
     async def _admit(self, lease: Lease, deadline: float) -> dict:
         """Admission with fail-over: a node that fails here is ejected and another one tried."""
+        busy_until = None
         while True:
             try:
                 adm = await self.nodes.admit(lease.node.url, lease.rid)
                 lease.admitted = True
                 return adm
             except NodeBusy as e:
-                self.pool.mark_down(lease.node, f"refused admission ({e}) while the router "
-                                                f"held no request on it")
+                # Busy although the router holds no request there: a cancelled request may be
+                # finishing on the node. Retry briefly; after that, take it out of rotation
+                # until a health check sees it again.
+                now = time.monotonic()
+                busy_until = busy_until or now + self.args.admit_timeout
+                if now < busy_until:
+                    await asyncio.sleep(0.1)
+                    continue
+                self.pool.mark_down(lease.node, f"refused admission ({e}) for "
+                                                f"{self.args.admit_timeout:g}s")
             except NodeError as e:
                 self._node_failed(lease.node, str(e))
+            busy_until = None
             node, lease.node = lease.node, None
             self.pool.release(node)
             try:
@@ -334,6 +345,12 @@ class Router:
         pre = await vllm_prefill(self.session, self.vllm_url + path,
                                  P.prefill_body(body, params, model, kv), self.args.prefill_timeout)
         t_first = time.monotonic()
+        if pre["handoff"].get("status") in ("failed", "aborted"):
+            # The connector already knows the node will get no state: fail now, not at the
+            # node's transfer timeout.
+            h = pre["handoff"]
+            raise APIError(502, f"KV hand-off to the decode node failed: {h.get('reason')}: "
+                                f"{h.get('error') or h.get('status')}")
         prompt_len = pre["prompt_tokens"]
         limits = [x for x in (info.get("max_model_len"), node.caps.get("max_seq_len")) if x]
         limit = min(limits) if limits else None

@@ -73,6 +73,23 @@ class NodeClient:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise NodeError(f"cancel failed: {type(e).__name__}: {e}") from None
 
+    async def wait_free(self, url: str, timeout: float) -> None:
+        """After a cancel: wait (bounded) until the node reports its slot free, so the next
+        admission does not race the node's own cleanup."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                async with self.session.get(f"{url}/health",
+                                            timeout=self.admit_timeout) as r:
+                    if (await r.json(content_type=None)).get("status") != "busy":
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError,
+                    AttributeError) as e:
+                raise NodeError(f"health after cancel failed: {type(e).__name__}: {e}") from None
+            if asyncio.get_running_loop().time() > deadline:
+                raise NodeError(f"still busy {timeout:g}s after cancel")
+            await asyncio.sleep(0.05)
+
     async def probe(self, url: str, timeout: float) -> dict:
         """GET /health then /capabilities; returns the capabilities."""
         t = aiohttp.ClientTimeout(total=timeout)
@@ -107,7 +124,8 @@ async def vllm_prefill(session: aiohttp.ClientSession, url: str, body: dict,
                 # vLLM puts them top-level for chat and in the choice for completions.
                 "prompt_token_ids": list(data.get("prompt_token_ids")
                                          or choice.get("prompt_token_ids") or []),
-                "prompt_tokens": int(data["usage"]["prompt_tokens"])}
+                "prompt_tokens": int(data["usage"]["prompt_tokens"]),
+                "handoff": ((data.get("kv_transfer_params") or {}).get("nexrt") or {})}
     except (KeyError, IndexError, TypeError, ValueError):
         raise APIError(502, "vLLM prefill response lacks token ids (is it vLLM >= 0.10 with "
                             "return_token_ids support?)") from None

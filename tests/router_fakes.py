@@ -99,6 +99,7 @@ class FakeVLLM:
         self.handoff: dict[str, list[int]] = {}   # rid -> prompt ids ("the KV" the node gets)
         self.requests: list[dict] = []
         self.delay = 0.0
+        self.handoff_status: dict | None = None   # connector's kv_transfer_params.nexrt reply
         self.aborted = 0                           # requests whose client went away mid-prefill
         self.active = 0
         self.app = web.Application()
@@ -143,6 +144,7 @@ class FakeVLLM:
             "id": "x", "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.name, "choices": [choice],
             "prompt_token_ids": ids if chat else None,
+            "kv_transfer_params": {"nexrt": self.handoff_status} if self.handoff_status else None,
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
                       "total_tokens": len(ids) + len(toks)}})
 
@@ -269,6 +271,15 @@ class Stack:
     def health(self) -> dict:
         import requests
         return requests.get(f"{self.url}/health", timeout=5).json()
+
+    def idle(self, timeout: float = 5.0) -> bool:
+        """True once no slot is busy (a cancelled slot is released after the node confirms)."""
+        deadline = time.monotonic() + timeout
+        while self.health()["slots_busy"]:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def close(self) -> None:
         self.loop.close()

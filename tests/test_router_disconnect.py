@@ -35,7 +35,7 @@ def test_disconnect_during_prefill(stack):
             "model": "tiny", "prompt": "slow prefill", "max_tokens": 8, "stream": True})
     wait(lambda: stack.vllm.aborted == aborted + 1)          # vLLM saw its request closed
     assert node.admits == admits + 1
-    wait(lambda: stack.health()["slots_busy"] == 0)
+    assert stack.idle()
     assert node.rid is None and node.cancels[-1]             # reservation cancelled
     stack.vllm.delay = 0.0
     # The node is usable again at once.
@@ -56,7 +56,7 @@ def test_disconnect_during_decode(stack):
         got = b""
         while got.count(b"data: ") < 4:                  # a few tokens streamed
             got += sock.recv(4096)
-    wait(lambda: stack.health()["slots_busy"] == 0)
+    assert stack.idle()
     node.token_delay = 0.0
     assert node.rid is None and len(node.generated) == gen   # decode stopped early
     assert len(node.emit_times) < 200

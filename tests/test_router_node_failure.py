@@ -76,7 +76,7 @@ def test_node_down_before_start(tok_dir):
         s.loop.stop_app(s.node_urls[1])
         r = complete(s.url, stream=False)
         assert r.status_code == 503 and "no healthy decode node" in r.json()["error"]["message"]
-        assert s.health()["slots_busy"] == 0
+        assert s.idle()
     finally:
         s.close()
 
@@ -106,6 +106,38 @@ def test_failed_handoff_is_an_error(tok_dir):
         assert frames[-1] == "[DONE]" and "transfer aborted" in frames[-2]
         assert all(json.loads(f)["choices"][0]["finish_reason"] is None for f in frames[:-2])
         # A reported error is not a dead node: it stays in rotation.
-        assert s.health()["nodes"][0]["healthy"] and s.health()["slots_busy"] == 0
+        assert s.health()["nodes"][0]["healthy"] and s.idle()
+    finally:
+        s.close()
+
+
+def test_busy_node_is_retried_not_ejected(tok_dir):
+    # The node still finishes a request the router no longer owns (e.g. a cancel in progress):
+    # admission is retried briefly instead of failing or ejecting the only node.
+    s = Stack(tok_dir, n_nodes=1, router_args=("--health-interval", "3600"))
+    try:
+        node = s.nodes[0]
+        node.rid = "someone-else"
+        s.loop.loop.call_later(0.4, setattr, node, "rid", None)
+        t0 = time.monotonic()
+        r = complete(s.url, stream=False)
+        assert r.status_code == 200 and time.monotonic() - t0 >= 0.35
+        assert s.health()["nodes"][0]["healthy"] and s.idle()
+    finally:
+        s.close()
+
+
+def test_connector_reported_handoff_failure(tok_dir):
+    # vLLM's answer says the connector could not hand the state over: clear 502 at once (no
+    # wait for the node's transfer timeout), the node reservation is cancelled.
+    s = Stack(tok_dir, n_nodes=1)
+    try:
+        s.vllm.handoff_status = {"status": "failed", "reason": "refused", "error": "too_long"}
+        for stream in (False, True):
+            r = complete(s.url, stream=stream)
+            assert r.status_code == 502 and "hand-off" in r.json()["error"]["message"]
+            assert "too_long" in r.json()["error"]["message"]
+        assert s.idle()
+        assert len(s.nodes[0].cancels) == 2 and not s.nodes[0].generated
     finally:
         s.close()

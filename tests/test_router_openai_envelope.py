@@ -24,16 +24,7 @@ def stack(tmp_path_factory):
 def reset(stack):
     stack.model.eos_at = None
     yield
-    assert stack.health()["slots_busy"] == 0 or _wait_idle(stack)
-
-
-def _wait_idle(stack):
-    import time
-    for _ in range(50):
-        if stack.health()["slots_busy"] == 0:
-            return True
-        time.sleep(0.05)
-    return False
+    assert stack.idle()
 
 
 def client(stack):
@@ -135,7 +126,7 @@ def test_stop_string_cuts_and_cancels_node(stack):
     assert "".join(c.choices[0].text for c in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
     node.token_delay = 0.0
-    assert _wait_idle(stack)
+    assert stack.idle()
     # Decoding was cut short at the stop string (never run to max_tokens) and the node is free.
     assert len(node.generated) == gen and node.rid is None
 

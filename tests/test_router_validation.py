@@ -76,7 +76,7 @@ def test_bad_request(stack, path, body, status, needle):
     err = r.json()["error"]
     assert needle in err["message"] and err["code"] == status and err["type"]
     assert stack.nodes[0].admits == admits                 # nothing reserved
-    assert stack.health()["slots_busy"] == 0
+    assert stack.idle()
 
 
 def test_bad_class_header(stack):
@@ -98,4 +98,4 @@ def test_over_context_after_prefill(stack):
     finally:
         node.max_seq_len = 4096
         time.sleep(0.5)
-    assert stack.health()["slots_busy"] == 0 and node.rid is None
+    assert stack.idle() and node.rid is None

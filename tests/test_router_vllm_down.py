@@ -17,7 +17,7 @@ def test_vllm_down(tmp_path):
                               timeout=10)
             assert r.status_code == 502, r.text
             assert "vLLM prefill failed" in r.json()["error"]["message"]
-        assert s.health()["slots_busy"] == 0
+        assert s.idle()
         assert s.nodes[0].rid is None and len(s.nodes[0].cancels) == 2
         assert s.health()["nodes"][0]["healthy"]          # vLLM's failure is not the node's
         # /v1/models is proxied to vLLM: also a clear error.
@@ -35,6 +35,6 @@ def test_vllm_down_at_first_request(tmp_path):
         r = requests.post(s.url + "/v1/chat/completions", timeout=10, json={
             "model": "tiny", "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 503 and "unreachable" in r.json()["error"]["message"]
-        assert s.nodes[0].admits == 0 and s.health()["slots_busy"] == 0
+        assert s.nodes[0].admits == 0 and s.idle()
     finally:
         s.close()
