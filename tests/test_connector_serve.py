@@ -1,6 +1,8 @@
-"""The deployed path: `vllm serve` (OpenAI API server) with NexRTConnector. kv_transfer_params go in
-through the HTTP body and our status comes back in the response; the server's own loop releases
-the held blocks (KV usage back to 0) without further requests; unclaimed requests are untouched."""
+"""The deployed path: `vllm serve` (OpenAI API server, vLLM's defaults: prefix caching on, so GDN
+state blocks in "align" mode) with NexRTConnector. kv_transfer_params go in through the HTTP body
+and our status comes back in the response; a repeated prompt (prefix-cache hit: cached pages and a
+cached GDN state) hands off the same state; the server's own loop releases the held blocks (KV
+usage back to 0) without further requests; unclaimed requests are untouched."""
 import json
 import os
 import socket
@@ -28,9 +30,14 @@ def _post(url, body, timeout=120):
         return json.loads(r.read())
 
 
-def _kv_usage(base):
+def _metric(base, name):
     text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")))
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in "{ _" and not line.startswith(name + "_created"))
+
+
+def _kv_usage(base):
+    return _metric(base, "vllm:kv_cache_usage_perc")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +51,7 @@ def server(ckpt_factory, tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--host", "127.0.0.1",
          "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager",
-         "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-batched-tokens", "512",
+         "--kv-cache-memory-bytes", str(64 << 20), "--max-num-batched-tokens", "512",
          "--kv-transfer-config", json.dumps(nexrt_kv_config("mooncake"))],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     base = f"http://127.0.0.1:{port}"
@@ -72,14 +79,17 @@ def server(ckpt_factory, tmp_path_factory):
 
 def test_claimed_completion_over_http(server):
     base, ckpt, node = server
-    prompt = random_prompt(700, 31)
-    claim = node.admit("http-1", len(prompt))
-    resp = _post(base + "/v1/completions", {"model": ckpt, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                                            "return_token_ids": True, "kv_transfer_params": claim})
-    assert resp["kv_transfer_params"] == {"nexrt": {"rid": "http-1", "generation": claim["nexrt"]["generation"],
-                                                    "seq_len": 700, "status": "sending"}}
-    full = continue_on_node(node, claim, {"token_ids": resp["choices"][0]["token_ids"]}, 33)
-    assert len(full) == 33
+    prompt = random_prompt(1100, 31)
+    fulls = []
+    for i in range(2):  # the second run hits the prefix cache for its first 1024 tokens
+        claim = node.admit(f"http-{i}", len(prompt))
+        resp = _post(base + "/v1/completions", {"model": ckpt, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                "return_token_ids": True, "kv_transfer_params": claim})
+        assert resp["kv_transfer_params"] == {"nexrt": {"rid": f"http-{i}", "generation": claim["nexrt"]["generation"],
+                                                        "seq_len": 1100, "status": "sending"}}
+        fulls.append(continue_on_node(node, claim, {"token_ids": resp["choices"][0]["token_ids"]}, 33))
+    assert _metric(base, "vllm:prefix_cache_hits") >= 1024
+    assert fulls[0] == fulls[1]
     deadline = time.monotonic() + 30
     while _kv_usage(base) != 0.0:  # the engine loop frees the held blocks by itself
         assert time.monotonic() < deadline, "blocks still held 30 s after the hand-off"
