@@ -6,8 +6,9 @@
    poisoned outputs, relative-error bounds;
 2. greedy parity on the tiny test checkpoints (all three families): eager engine vs the graph path
    (fused kernels, and eager ops in one graph) for 256 steps, replays per token;
-3. optionally a GEMV launch-shape sweep on the real projection shapes (bandwidth per config);
-4. optionally benchmarks/decode_bench.py with the given arguments.
+3. optionally a GEMV / MoE launch-shape sweep on the real projection shapes (bandwidth per config);
+4. optionally the sampling graph (support of every draw, seed reproducibility, step time);
+5. optionally benchmarks/decode_bench.py with the given arguments.
 Everything lands in --out as JSON; a short table is printed last.
 """
 from __future__ import annotations
@@ -87,6 +88,62 @@ def tiny_parity(steps: int) -> dict:
         out[arch] = r
         log(f"tiny {arch}: {json.dumps(r)}")
         del eng
+    return out
+
+
+def sampling_check(steps: int = 64) -> dict:
+    """The sampling graph (temperature / top-k / top-p on the device): every token drawn must lie in
+    the support of the engine's own sampling distribution for the step's logits; a seed reproduces
+    the stream, another seed changes it. Also times the sampling step at the 2B shape."""
+    from nexrt_vllm.engine import Engine, sampling_probs
+    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.testing import make_checkpoint
+
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        make_checkpoint(d, arch="qwen3_5", dtype="bfloat16")
+        eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=4 * steps + 64, progress=False)
+    first = int(torch.argmax(eng.prefill([5, 17, 3, 99, 42, 7, 11, 23])))
+    n0, snap = eng.export_state()
+    runner = GraphRunner(FusedDecoder(eng.model, eng.state))
+    params = dict(temperature=0.8, top_p=0.9, top_k=20)
+    streams = []
+    for seed in (7, 7, 8):
+        eng.import_state(n0, snap)
+        streams.append(list(runner.generate(first, steps, seed=seed, **params)))
+    out["same_seed_equal"] = streams[0] == streams[1]
+    out["other_seed_differs"] = streams[0] != streams[2]
+    out["distinct_tokens"] = len(set(streams[0]))
+    # step by step: the drawn token must have non-zero probability under the eager sampler's rule
+    eng.import_state(n0, snap)
+    dec = runner.d
+    g = runner._graph(True)
+    dec.params.copy_(torch.tensor([params["temperature"], params["top_p"], float(params["top_k"])]))
+    dec.seed.fill_(3)
+    dec.tok.fill_(first)
+    dec.state.position.fill_(n0)
+    bad = 0
+    for _ in range(steps):
+        g.replay()
+        torch.cuda.synchronize()
+        probs = sampling_probs(dec.logits, params["temperature"], params["top_k"], params["top_p"])
+        bad += int(probs[int(dec.tok)] <= 0)
+    out["tokens_outside_support"] = bad
+    eng.import_state(n0, snap)
+    del eng, runner
+    sys.path.insert(0, HERE)
+    import decode_bench
+    eng = Engine.from_config(decode_bench.SHAPES["2b"], device="cuda", dtype="bfloat16", max_seq_len=8192 + 512)
+    decode_bench.fill_context(eng, 8192, torch.Generator(device="cuda").manual_seed(0))
+    runner = GraphRunner(FusedDecoder(eng.model, eng.state))
+    for sample in (False, True):
+        gr = runner._graph(sample)
+        eng.state.set_seq_len(8192)
+        decode_bench.time_replays(gr, 5)
+        eng.state.set_seq_len(8192)
+        out[f"2b_8k_step_ms_{'sampling' if sample else 'greedy'}"] = \
+            statistics.median(decode_bench.time_replays(gr, 100)) * 1e3
+    log(f"sampling: {json.dumps(out)}")
     return out
 
 
@@ -179,6 +236,7 @@ def main() -> int:
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--tiny-steps", type=int, default=256)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sampling", action="store_true")
     ap.add_argument("--bench-args", default="")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -193,6 +251,8 @@ def main() -> int:
             report["tiny_parity"] = {"error": f"{type(e).__name__}: {e}"}
     if args.sweep:
         report["gemv_sweep"] = gemv_sweep()
+    if args.sampling:
+        report["sampling"] = sampling_check()
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1)
     if args.bench_args:

@@ -275,7 +275,7 @@ def test_gumbel_sampling_respects_top_k_and_top_p():
     params = torch.tensor([0.7, 0.6, 5.0])
     vals, idx = torch.sort(logits, descending=True)
     probs = torch.softmax(vals / params[0], 0)
-    cum = torch.cumsum(probs, 0) - probs
+    cum = (torch.cumsum(probs, 0) - probs) / probs[:5].sum()  # top-p mass within the top-k set
     allowed = set(idx[:5][(cum[:5] < 0.6) | (torch.arange(5) == 0)].tolist())
     seen = set()
     step = torch.zeros(1, dtype=torch.int64)

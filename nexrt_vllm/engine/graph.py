@@ -303,9 +303,14 @@ class FusedDecoder:
             self.pidx[:1].copy_(torch.argmax(self.logits, 0, keepdim=True))
             n_part = 1
         if sample:
+            # engine.sampling_probs's rule: top-k first, then top-p over the top-k set renormalised;
+            # all on the device (the parameters are device scalars).
             vals, idx = torch.sort(self.logits, descending=True)
             probs = torch.softmax(vals / self.params[0], dim=0)
-            cum_excl = torch.cumsum(probs, 0) - probs
+            cum = torch.cumsum(probs, 0)
+            v = cum.numel()
+            k = torch.where(self.params[2] > 0, self.params[2], float(v)).clamp(1, v).long() - 1
+            cum_excl = (cum - probs) / cum.index_select(0, k.view(1))
             n_part = self.k_samp.gumbel_partial(vals, idx, cum_excl, self.params, self.seed, self.step, self.pmax,
                                                 self.pidx)
         self.k_samp.finish(self.pmax, self.pidx, n_part, self.tok, pos, self.step, self.ring, RING)
