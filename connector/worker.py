@@ -300,14 +300,15 @@ class NexRTWorker:
                 job.abort("request aborted during prefill")
         for req_id in meta.preempted:
             job = self._jobs.get(req_id)
-            if job is not None and not job.ended and not job.final_queued:
-                # Its blocks were freed and may be rewritten by this very forward.
-                if job.drain(self._cfg.drain_timeout_s):
-                    logger.info("request %s (rid %s) preempted: its hand-off restarts with the recompute",
-                                req_id, job.claim.rid)
-                    job.restart()
-                else:
-                    job.abort("preempted and in-flight writes did not drain")
+            if job is None or job.ended:
+                continue
+            # Its blocks were freed and may be rewritten by this very forward.
+            if not job.drain(self._cfg.drain_timeout_s):
+                job.abort("preempted and in-flight writes did not drain")
+            elif not job.final_queued:  # the state was incomplete: rewrite every page from the recompute
+                logger.info("request %s (rid %s) preempted: its hand-off restarts with the recompute",
+                            req_id, job.claim.rid)
+                job.restart()
         for s in meta.steps:
             job = self._jobs.get(s.req_id)
             if job is None:
