@@ -58,7 +58,6 @@ class _Job:
         self._tasks: deque = deque()
         self._cv = threading.Condition()
         self._busy = False
-        self._stop = False
         self.transfer: Transfer | None = None
         self.outcome: Outcome | None = None
         self.queued_pages: dict[int, int] = {}  # attention layer index -> pages queued so far
