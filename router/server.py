@@ -288,11 +288,13 @@ class Router:
         if lease.node is None:
             return
         node, lease.node = lease.node, None
-        if lease.admitted and not lease.done:
+        if lease.admitted and not lease.done and node.healthy:
             # Runs outside the (possibly cancelled) handler; the slot is released only once the
             # node has acknowledged the cancel, so it is never handed out while still busy.
             self._spawn(self._cancel_and_release(node, lease.rid))
         else:
+            # Finished, never admitted, or the node was ejected as unreachable (its own
+            # admission/start timeouts free its slot; it rejoins only via a health check).
             self.pool.record_service_time(time.monotonic() - lease.t0)
             self.pool.release(node)
 
