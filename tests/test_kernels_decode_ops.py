@@ -277,13 +277,13 @@ def test_gumbel_sampling_respects_top_k_and_top_p():
     probs = torch.softmax(vals / params[0], 0)
     cum = (torch.cumsum(probs, 0) - probs) / probs[:5].sum()  # top-p mass within the top-k set
     allowed = set(idx[:5][(cum[:5] < 0.6) | (torch.arange(5) == 0)].tolist())
-    seen = set()
-    step = torch.zeros(1, dtype=torch.int64)
-    for s in range(40):
-        step.fill_(s)
+    draws = []
+    for position in list(range(40)) + [5]:  # noise is keyed on (seed, position): position 5 again
         pmax, pidx = torch.empty(2), torch.empty(2, dtype=torch.int32)
-        n = call(sampling.gumbel_partial, vals, idx, cum, params, torch.tensor([3]), step, pmax, pidx, block=32)
-        tok, pos, stp = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), step.clone()
-        call(sampling.finish, pmax, pidx, n, tok, pos, stp, torch.zeros(4, dtype=torch.int64), 4)
-        seen.add(int(tok))
-    assert seen <= allowed and len(seen) > 1
+        n = call(sampling.gumbel_partial, vals, idx, cum, params, torch.tensor([3]), torch.tensor([position]), pmax,
+                 pidx, block=32)
+        tok, pos, stp = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1)
+        call(sampling.finish, pmax, pidx, n, tok, pos, stp.long(), torch.zeros(4, dtype=torch.int64), 4)
+        draws.append(int(tok))
+    assert set(draws) <= allowed and len(set(draws)) > 1
+    assert draws[-1] == draws[5]

@@ -311,8 +311,8 @@ class FusedDecoder:
             v = cum.numel()
             k = torch.where(self.params[2] > 0, self.params[2], float(v)).clamp(1, v).long() - 1
             cum_excl = (cum - probs) / cum.index_select(0, k.view(1))
-            n_part = self.k_samp.gumbel_partial(vals, idx, cum_excl, self.params, self.seed, self.step, self.pmax,
-                                                self.pidx)
+            n_part = self.k_samp.gumbel_partial(vals, idx, cum_excl, self.params, self.seed, self.state.position,
+                                                self.pmax, self.pidx)
         self.k_samp.finish(self.pmax, self.pidx, n_part, self.tok, pos, self.step, self.ring, RING)
         if self.control == "pinned-copy":
             self.ring_host.copy_(self.ring, non_blocking=True)

@@ -7,8 +7,8 @@ device position and step counter and publishes (step << 32 | token) in a slot of
 
 Sampling (temperature / top-k / top-p): the allowed set is a prefix of the logits sorted in
 descending order, so after a (captured) sort + softmax + cumsum, `gumbel_partial_kernel` takes
-argmax(l/T + Gumbel) over that prefix. The noise is keyed on (seed, step, token id): reproducible
-for a seed and independent of the sort order. Parameters live in a device buffer
+argmax(l/T + Gumbel) over that prefix. The noise is keyed on (seed, position, token id):
+a seed reproduces a request, and the draw does not depend on the sort order. Parameters live in a device buffer
 [temperature, top_p, top_k] and the seed in an int64 buffer, so one graph serves every request.
 """
 import triton
@@ -16,7 +16,7 @@ import triton.language as tl
 
 
 @triton.jit
-def gumbel_partial_kernel(vals_ptr, idx_ptr, cum_ptr, params_ptr, seed_ptr, step_ptr, pmax_ptr, pidx_ptr, V,
+def gumbel_partial_kernel(vals_ptr, idx_ptr, cum_ptr, params_ptr, seed_ptr, pos_ptr, pmax_ptr, pidx_ptr, V,
                           BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     r = pid * BLOCK + tl.arange(0, BLOCK)
@@ -30,8 +30,8 @@ def gumbel_partial_kernel(vals_ptr, idx_ptr, cum_ptr, params_ptr, seed_ptr, step
     prob_before = tl.load(cum_ptr + r, mask=m, other=2.0)
     allowed = m & ((top_k <= 0) | (r < top_k)) & ((r == 0) | (prob_before < top_p))
     seed = tl.load(seed_ptr)
-    step = tl.load(step_ptr)
-    u = tl.rand(seed.to(tl.int32) ^ (step.to(tl.int32) * 1000003), tok)
+    pos = tl.load(pos_ptr)
+    u = tl.rand(seed.to(tl.int32) ^ (pos.to(tl.int32) * 1000003), tok)
     u = tl.minimum(tl.maximum(u, 1e-12), 1.0 - 1e-7)
     score = tl.where(allowed, lv / temp - tl.log(-tl.log(u)), float("-inf"))
     best = tl.max(score, 0)
@@ -78,8 +78,9 @@ def finish(pmax, pidx, n_partials, tok, pos, step, ring, ring_slots):
     finish_kernel[(1,)](pmax, pidx, n_partials, tok, pos, step, ring, ring_slots, BLOCK=1024, num_warps=4)
 
 
-def gumbel_partial(vals, idx, cum_excl, params, seed, step, pmax, pidx, block=2048):
+def gumbel_partial(vals, idx, cum_excl, params, seed, pos, pmax, pidx, block=2048):
+    """Per-program Gumbel-max over the allowed prefix of the sorted logits; noise keyed on (seed, position)."""
     v = vals.numel()
-    gumbel_partial_kernel[(triton.cdiv(v, block),)](vals, idx, cum_excl, params, seed, step, pmax, pidx, v,
+    gumbel_partial_kernel[(triton.cdiv(v, block),)](vals, idx, cum_excl, params, seed, pos, pmax, pidx, v,
                                                   BLOCK=block, num_warps=8)
     return triton.cdiv(v, block)
