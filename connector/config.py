@@ -1,16 +1,16 @@
 """Connector configuration (``kv_connector_extra_config``) and the per-request claim.
 
-Neither imports torch nor vLLM, so both are unit-testable on their own.
+Imports neither torch nor vLLM, so both are unit-testable on their own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
 
+from nexrt_vllm.protocol import KV_FORMATS, REC_LAYOUTS
+
 CLAIM_KEY = "nexrt"  # our only key in kv_transfer_params, in and out (MultiConnector-safe)
 TRANSPORTS = ("mooncake", "nixl")
-KV_FORMATS = ("packed", "cpu_vec")
-REC_LAYOUTS = ("HVK", "HKV")
 
 
 class ConfigError(ValueError):

@@ -262,8 +262,10 @@ class NexRTWorker:
                                 cache.cache_dtype)
         if isa in ("vec", "vec16"):
             return "cpu_vec"
+        if isa == "amx":
+            return "cpu_amx"
         raise ConfigError(f"vLLM-CPU attention ISA {isa!r} stores pages in a layout NexRT does not convert "
-                          "(supported: vec, vec16)")
+                          "(supported: vec, vec16, amx)")
 
     def _gdn_layout(self, idx: int, t: torch.Tensor, spec) -> P.GDNLayout:
         from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout

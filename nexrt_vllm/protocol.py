@@ -26,7 +26,10 @@ convert them (``nexrt_vllm.worker.convert``):
   ``"packed"``: token-major, K|V packed on the last dim (``strides`` apply);
   ``"cpu_vec"``: vLLM's CPU backend, ISA vec/vec16: K as ``(head_dim, block_size)`` (transposed)
   then V as ``(block_size, head_dim)``, both contiguous (vLLM views the page as
-  ``(kv_heads, 2*block_size, head_dim)`` and chunks dim 1; the K half is written transposed).
+  ``(kv_heads, 2*block_size, head_dim)`` and chunks dim 1; the K half is written transposed);
+  ``"cpu_amx"``: vLLM's CPU backend, ISA amx (bf16): K as ``(block_size/16, head_dim/2, 16, 2)``
+  (token tiles of 16, dim pairs) then V as ``(head_dim/16, block_size/2, 16, 2)`` (dim tiles of 16,
+  token pairs), i.e. element (t, d) of K at ``((t//16)*(D/2) + d//2)*32 + (t%16)*2 + d%2``.
 * GDN layer: one page = conv bytes then recurrent ("temporal") bytes. Conv ``"SD"`` is
   ``(kernel-1, conv_dim)``, ``"DS"`` is ``(conv_dim, kernel-1)``; recurrent ``"HVK"`` is
   ``(v_heads, head_v_dim, head_k_dim)``, ``"HKV"`` is ``(v_heads, head_k_dim, head_v_dim)``.
@@ -48,7 +51,7 @@ LAYOUT_VERSION = 1
 # Bytes per element of every dtype a layout may name.
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
 CONV_LAYOUTS = ("SD", "DS")
-KV_FORMATS = ("packed", "cpu_vec")
+KV_FORMATS = ("packed", "cpu_vec", "cpu_amx")
 REC_LAYOUTS = ("HVK", "HKV")
 REGION_ALIGN = 256  # region offsets are aligned so page copies stay vectorisable on both ends
 

@@ -134,10 +134,15 @@ def _attention_kv(raw: torch.Tensor, layer: P.AttentionLayout, reg: P.Region):
         pages = torch.as_strided(elems, (reg.num_pages, h, bs, d2), (page, *layer.strides))
         kv = pages.permute(1, 0, 2, 3).reshape(h, reg.num_pages * bs, d2)
         return kv[..., :d], kv[..., d:]
-    # cpu_vec: per head, K transposed (head_dim, block_size) then V (block_size, head_dim)
     heads = torch.as_strided(elems, (reg.num_pages, h, 2 * bs * d), (page, layer.strides[0], 1))
-    k = heads[..., : bs * d].reshape(reg.num_pages, h, d, bs).permute(1, 0, 3, 2).reshape(h, -1, d)
-    v = heads[..., bs * d:].reshape(reg.num_pages, h, bs, d).permute(1, 0, 2, 3).reshape(h, -1, d)
+    n = reg.num_pages
+    if layer.kv_format == "cpu_amx":  # K (bs/16, d/2, 16, 2), V (d/16, bs/2, 16, 2) per head
+        k = heads[..., : bs * d].reshape(n, h, bs // 16, d // 2, 16, 2).permute(1, 0, 2, 4, 3, 5).reshape(h, -1, d)
+        v = heads[..., bs * d:].reshape(n, h, d // 16, bs // 2, 16, 2).permute(1, 0, 3, 5, 2, 4).reshape(h, -1, d)
+        return k, v
+    # cpu_vec: per head, K transposed (head_dim, block_size) then V (block_size, head_dim)
+    k = heads[..., : bs * d].reshape(n, h, d, bs).permute(1, 0, 3, 2).reshape(h, -1, d)
+    v = heads[..., bs * d:].reshape(n, h, bs, d).permute(1, 0, 2, 3).reshape(h, -1, d)
     return k, v
 
 
@@ -162,10 +167,15 @@ def pack_state(state: Mapping[str, torch.Tensor], seq_len: int, layout: P.Layout
             kv[:, :seq_len, : d2 // 2] = state[f"layers.{i}.k"][:, :seq_len]
             kv[:, :seq_len, d2 // 2:] = state[f"layers.{i}.v"][:, :seq_len]
             paged = kv.reshape(h, n_pages, bs, d2).permute(1, 0, 2, 3)  # (pages, h, bs, 2d)
+            d = d2 // 2
             if layer.kv_format == "cpu_vec":  # per head: K^T (d, bs) then V (bs, d), flat
-                d = d2 // 2
                 paged = torch.cat([paged[..., :d].transpose(2, 3).reshape(n_pages, h, -1),
                                    paged[..., d:].reshape(n_pages, h, -1)], dim=2).reshape(n_pages, h, bs, d2)
+            elif layer.kv_format == "cpu_amx":  # per head: K (bs/16, d/2, 16, 2) then V (d/16, bs/2, 16, 2)
+                k = paged[..., :d].reshape(n_pages, h, bs // 16, 16, d // 2, 2).permute(0, 1, 2, 4, 3, 5)
+                v = paged[..., d:].reshape(n_pages, h, bs // 2, 2, d // 16, 16).permute(0, 1, 4, 2, 5, 3)
+                paged = torch.cat([k.reshape(n_pages, h, -1), v.reshape(n_pages, h, -1)],
+                                  dim=2).reshape(n_pages, h, bs, d2)
             offs = []
             for p in range(n_pages):
                 off = blocks.pop() * stride
