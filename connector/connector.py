@@ -34,6 +34,10 @@ class NexRTConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         if not ktc.is_kv_producer:
             raise ConfigError("NexRTConnector only sends: use kv_role 'kv_producer' (or 'kv_both')")
+        pc = vllm_config.parallel_config
+        if pc.tensor_parallel_size * pc.pipeline_parallel_size > 1:
+            # Each rank would ship its own shard as a separate hand-off; the node takes one sender.
+            raise ConfigError("NexRTConnector supports tensor/pipeline parallel size 1 only")
         self._cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
         self._scheduler = None
         self._worker = None

@@ -121,3 +121,15 @@ def test_scheduler_never_scheduled_and_malformed_release_at_once():
     held, params = sched.request_finished(bad)
     assert not held and params["nexrt"]["reason"] == "bad_message"
     assert not sched.has_pending_push_work()
+
+
+@pytest.mark.parametrize("producer, tp, msg", [(False, 1, "kv_producer"), (True, 2, "parallel size 1")])
+def test_connector_refuses_unsupported_setups(producer, tp, msg):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from nexrt_vllm.connector import NexRTConnector
+
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_producer=producer, kv_connector_extra_config={}),
+                          parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+    with pytest.raises(ConfigError, match=msg):
+        NexRTConnector(cfg, KVConnectorRole.SCHEDULER, None)
