@@ -11,6 +11,7 @@ import os
 import triton
 import triton.language as tl
 
+from .common import LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 
 
@@ -18,7 +19,8 @@ from .common import bf16_round as _bf16
 def qk_rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
                          pos_ptr, eps, stride_ch, stride_cs,
                          H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
-                         RESTP: tl.constexpr, HDP: tl.constexpr):
+                         RESTP: tl.constexpr, HDP: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     # qkv layout: [H x (query | gate)] [KVH x k] [KVH x v]; grid H + KVH. Each head vector is read as
     # three pieces [0, ROT/2) [ROT/2, ROT) [ROT, HD) so the NeoX pairs (i, i + ROT/2) line up.
     pid = tl.program_id(0)
@@ -62,7 +64,8 @@ def qk_rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, k
 def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, scale,
                       stride_ch, stride_cs, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
                       G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
-                      DOT_F32: tl.constexpr):
+                      DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
     length = tl.load(pos_ptr) + 1
@@ -110,7 +113,8 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, ac
 @triton.jit
 def attn_combine_kernel(m_ptr, l_ptr, acc_ptr, qkv_ptr, out_ptr, pos_ptr,
                         NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr, HD: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     # grid (head, head_dim block): the partial accumulators are the bulk of what is read here.
     h = tl.program_id(0)
     s = tl.arange(0, NSPLIT)
@@ -141,7 +145,7 @@ def qk_rope_cache(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, po
         qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, pos, eps,
         k_cache.stride(0), k_cache.stride(1), H=num_heads, KVH=num_kv_heads, HD=head_dim, ROT=rotary_dim,
         RESTP=triton.next_power_of_2(head_dim - rotary_dim), HDP=triton.next_power_of_2(head_dim),
-        num_warps=2)
+        **LAUNCH, num_warps=2)
 
 
 def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, *, num_heads, num_kv_heads,
@@ -151,8 +155,8 @@ def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, 
     attn_split_kernel[(num_kv_heads, nsplit)](
         q, k_cache, v_cache, pos, m_buf, l_buf, acc_buf, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1),
         NSPLIT=nsplit, MIN_PER=min_per, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block,
-        DOT_F32=_INTERPRETED, num_warps=num_warps)
+        DOT_F32=_INTERPRETED, **LAUNCH, num_warps=num_warps)
     block_d = min(64, head_dim)
     attn_combine_kernel[(num_heads, head_dim // block_d)](m_buf, l_buf, acc_buf, qkv, out, pos, NSPLIT=nsplit,
                                                           MIN_PER=min_per, BLOCK=block, HD=head_dim, BLOCK_D=block_d,
-                                                          num_warps=4)
+                                                          **LAUNCH, num_warps=4)

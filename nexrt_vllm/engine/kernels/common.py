@@ -1,6 +1,21 @@
-"""Numeric helpers shared by the decode kernels."""
+"""Helpers shared by the decode kernels: bf16 rounding, SiLU, programmatic dependent launch."""
+import os
+
 import triton
 import triton.language as tl
+
+try:  # grid dependency control (Hopper); absent from older Triton
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAVE_GDC = True
+except ImportError:  # pragma: no cover - depends on the Triton build
+    _HAVE_GDC = False
+
+# NEXRT_PDL=1: every decode kernel is launched with programmatic dependent launch. A kernel may then
+# be scheduled while its predecessor still runs; it waits (gdc_wait) before touching any memory and
+# at once lets its own successor launch, so launch latency and block scheduling overlap the
+# predecessor's tail. Read once at import; off in the interpreter.
+PDL = os.environ.get("NEXRT_PDL") == "1" and _HAVE_GDC and os.environ.get("TRITON_INTERPRET") != "1"
+LAUNCH = {"PDL": True, "launch_pdl": True} if PDL else {"PDL": False}
 
 
 @triton.jit
@@ -20,3 +35,10 @@ def bf16_round(x):
 @triton.jit
 def silu(x):
     return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def pdl_begin(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

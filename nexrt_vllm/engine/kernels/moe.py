@@ -11,6 +11,7 @@ sigmoid-gated shared expert and the residual.
 import triton
 import triton.language as tl
 
+from .common import LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 
@@ -18,7 +19,9 @@ from .common import silu as _silu
 @triton.jit
 def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr,
                        K, I, IS, stride_ge,
-                       TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     if slot < TOPK:
@@ -51,7 +54,8 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr,
 def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr,
                     N, I, IS, stride_de,
                     E: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -100,8 +104,8 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     bk = min(block_k or 512, triton.next_power_of_2(hidden))
     moe_gate_up_kernel[(triton.cdiv(imax, block_n), top_k + 1)](
         xn, gate_up, shared_gate_up, act, ids, hidden, inter, inter_s, gate_up.stride(0),
-        TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps)
+        TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, **LAUNCH, num_warps=num_warps)
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     moe_down_kernel[(triton.cdiv(hidden, down_block_n),)](
         act, down, shared_down, ids, wts, logits, res, hidden, inter, inter_s, down.stride(0),
-        E=n_exp, TOPK=top_k, IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, num_warps=num_warps)
+        E=n_exp, TOPK=top_k, IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, **LAUNCH, num_warps=num_warps)

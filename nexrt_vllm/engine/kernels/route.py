@@ -2,13 +2,15 @@
 import triton
 import triton.language as tl
 
+from .common import LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 
 
 @triton.jit
 def route_kernel(logits_ptr, ids_ptr, wts_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
-          NORM: tl.constexpr):
+          NORM: tl.constexpr, PDL: tl.constexpr):
     """Top-k routing of one token from its router logits; ids ascending, weights in bf16 precision."""
+    pdl_begin(PDL)
     e = tl.arange(0, EP)
     em = e < E
     lg = tl.load(logits_ptr + e, mask=em, other=float("-inf")).to(tl.float32)
@@ -32,4 +34,4 @@ def route_kernel(logits_ptr, ids_ptr, wts_ptr, E: tl.constexpr, EP: tl.constexpr
 def route(logits, ids, wts, *, num_experts, top_k, norm_topk=True):
     """ids [top_k] (ascending) / wts [top_k] of the top-k experts from router logits [>= num_experts]."""
     route_kernel[(1,)](logits, ids, wts, E=num_experts, EP=triton.next_power_of_2(num_experts), TOPK=top_k,
-                       NORM=norm_topk, num_warps=1)
+                       NORM=norm_topk, **LAUNCH, num_warps=1)

@@ -14,10 +14,13 @@ a seed reproduces a request, and the draw does not depend on the sort order. Par
 import triton
 import triton.language as tl
 
+from .common import LAUNCH, pdl_begin
+
 
 @triton.jit
 def gumbel_partial_kernel(vals_ptr, idx_ptr, cum_ptr, params_ptr, seed_ptr, pos_ptr, pmax_ptr, pidx_ptr, V,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     r = pid * BLOCK + tl.arange(0, BLOCK)
     m = r < V
@@ -40,8 +43,9 @@ def gumbel_partial_kernel(vals_ptr, idx_ptr, cum_ptr, params_ptr, seed_ptr, pos_
 
 
 @triton.jit
-def embed_kernel(tok_ptr, emb_ptr, out_ptr, H, BLOCK: tl.constexpr):
+def embed_kernel(tok_ptr, emb_ptr, out_ptr, H, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out = emb[tok]: the step's first launch reads the token from the device."""
+    pdl_begin(PDL)
     tok = tl.load(tok_ptr).to(tl.int64)
     for h0 in range(0, H, BLOCK):
         h = h0 + tl.arange(0, BLOCK)
@@ -49,11 +53,13 @@ def embed_kernel(tok_ptr, emb_ptr, out_ptr, H, BLOCK: tl.constexpr):
 
 
 def embed(tok, table, out):
-    embed_kernel[(1,)](tok, table, out, table.shape[1], BLOCK=1024, num_warps=4)
+    embed_kernel[(1,)](tok, table, out, table.shape[1], BLOCK=1024, **LAUNCH, num_warps=4)
 
 
 @triton.jit
-def finish_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, pos_ptr, step_ptr, ring_ptr, RING, BLOCK: tl.constexpr):
+def finish_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, pos_ptr, step_ptr, ring_ptr, RING, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl_begin(PDL)
     best = float("-inf")
     best_i = 2147483647
     for p0 in range(0, NP, BLOCK):
@@ -75,12 +81,13 @@ def finish_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, pos_ptr, step_ptr, ring_ptr, 
 
 def finish(pmax, pidx, n_partials, tok, pos, step, ring, ring_slots):
     """Reduce the partial argmaxes; advance tok/pos/step; publish step<<32|token in ring slot step-1."""
-    finish_kernel[(1,)](pmax, pidx, n_partials, tok, pos, step, ring, ring_slots, BLOCK=1024, num_warps=4)
+    finish_kernel[(1,)](pmax, pidx, n_partials, tok, pos, step, ring, ring_slots, BLOCK=1024, **LAUNCH,
+                        num_warps=4)
 
 
 def gumbel_partial(vals, idx, cum_excl, params, seed, pos, pmax, pidx, block=2048):
     """Per-program Gumbel-max over the allowed prefix of the sorted logits; noise keyed on (seed, position)."""
     v = vals.numel()
     gumbel_partial_kernel[(triton.cdiv(v, block),)](vals, idx, cum_excl, params, seed, pos, pmax, pidx, v,
-                                                  BLOCK=block, num_warps=8)
+                                                  BLOCK=block, **LAUNCH, num_warps=8)
     return triton.cdiv(v, block)
