@@ -101,7 +101,8 @@ def parse(body, kind: str, max_model_len: int | None) -> GenParams:
                 raise APIError(501, "batched prompts are not supported on the interactive tier; "
                                     "send one prompt per request", param="prompt")
             p = p[0]
-        if not (isinstance(p, (str, list)) and p and (isinstance(p, str) or all(_is_int(t) for t in p))):
+        ids_ok = isinstance(p, list) and all(_is_int(t) for t in p)
+        if not p or not (isinstance(p, str) or ids_ok):
             raise _bad("'prompt' must be a non-empty string or list of token ids", "prompt")
     model = body.get("model")
     if model is not None and not isinstance(model, str):

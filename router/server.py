@@ -457,7 +457,8 @@ class _JSON(_Output):
     async def fail(self, status: int, message: str) -> web.Response:
         return APIError(status, message).response()
 
-    async def finish(self, reason: str, usage: dict, timing: dict, ids: list[int]) -> web.Response:
+    async def finish(self, reason: str, usage: dict, timing: dict,
+                     ids: list[int]) -> web.Response:
         text = "".join(self.parts)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -507,7 +508,8 @@ class _SSE(_Output):
         await self.resp.write_eof()
         return self.resp
 
-    async def finish(self, reason: str, usage: dict, timing: dict, ids: list[int]) -> web.StreamResponse:
+    async def finish(self, reason: str, usage: dict, timing: dict,
+                     ids: list[int]) -> web.StreamResponse:
         await self._chunk(self._choice("", reason))
         if self.params.include_usage:
             await self._chunk(None, usage=usage, nexrt_timing=timing)

@@ -94,7 +94,8 @@ def test_over_context_after_prefill(stack):
     try:
         r = requests.post(f"{stack.url}/v1/completions", timeout=10, json={
             **CMPL, "prompt": "a b c d e f", "max_tokens": 5})
-        assert r.status_code == 400 and "maximum context length is 8" in r.json()["error"]["message"]
+        assert r.status_code == 400
+        assert "maximum context length is 8" in r.json()["error"]["message"]
     finally:
         node.max_seq_len = 4096
         time.sleep(0.5)
