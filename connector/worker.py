@@ -5,10 +5,11 @@ into the node's receive buffer: there is no staging buffer, so requests cannot o
 other. Each claimed request gets a ``_Job`` with its own thread that runs, in order: hello+begin
 (admission check on the node), the page writes queued by the forward pass, and done/abort.
 
-Overlap with prefill: an attention layer's *complete* pages are queued the moment vLLM calls
-``save_kv_layer`` for it (the layer has written its cache), so they travel while later layers and
-later chunks compute; the tail page and the GDN state pages (GDN layers never call
-``save_kv_layer``) are queued in ``wait_for_save`` of the step that completes the prefill.
+Overlap with prefill: an attention layer's *complete* pages (and, in the step that completes the
+prefill, its tail page) are queued the moment vLLM calls ``save_kv_layer`` for it (the layer has
+written its cache), so they travel while later layers and later chunks compute; the GDN state
+pages (GDN layers never call ``save_kv_layer``) are queued in ``wait_for_save`` of the step that
+completes the prefill.
 Safety: a job is drained before vLLM can overwrite blocks it still reads (preemption frees the
 blocks; a decode step after the prefill would advance the GDN state).
 """
@@ -326,8 +327,11 @@ class NexRTWorker:
             job = self._jobs.get(s.req_id)
             if job is None or job.ended or job.final_queued:
                 continue
-            # Pages full after this step are final; the tail page waits for the last chunk.
-            self._queue_attention(job, s, layer, min(s.end, s.prompt_len) // layer.layout.shape[1])
+            # This layer has just written its cache for the step: full pages are final, and in the
+            # step that completes the prefill so is the tail page.
+            bs = self._layout.block_size
+            upto = -(-s.prompt_len // bs) if s.completes_prefill else s.end // bs
+            self._queue_attention(job, s, layer, upto)
 
     def wait_for_save(self) -> None:
         for s in self._steps.values():
@@ -335,7 +339,7 @@ class NexRTWorker:
             if job is None or job.ended or job.final_queued or not s.completes_prefill:
                 continue
             n_pages = -(-s.prompt_len // self._layout.block_size)
-            for layer in self._attn:  # the tail page, and any layer that did not call save_kv_layer
+            for layer in self._attn:  # any layer that did not call save_kv_layer
                 self._queue_attention(job, s, layer, n_pages)
             job.write([(g.index, 0, g.page_addr(_state_block(s.block_ids[g.group]))) for g in self._gdn])
             job.finish()
