@@ -40,11 +40,15 @@ def _gen_error(node, claim):
 
 def test_refused_handoff(env):
     vllm, live = env["vllm"], env["live"]
-    claim = live.admit("refused-real", 300)
+    claim = live.admit("refused-real", 2000)
     bogus = {"nexrt": {**claim["nexrt"], "rid": "never-admitted"}}
-    (out,) = vllm.generate([{"prompt_token_ids": random_prompt(300, 1), "max_tokens": 1, "kv_transfer_params": bogus}])
-    assert len(out["token_ids"]) == 1  # vLLM still answers; the node refused the begin
-    assert out["kv_transfer_params"]["nexrt"]["rid"] == "never-admitted"
+    # 2000 tokens prefill in 4 steps; the refusal (one local round trip) is known long before the end
+    (out,) = vllm.generate([{"prompt_token_ids": random_prompt(2000, 1), "max_tokens": 1,
+                             "kv_transfer_params": bogus}])
+    assert len(out["token_ids"]) == 1  # vLLM still answers, and says the hand-off failed
+    assert out["kv_transfer_params"]["nexrt"] == {"rid": "never-admitted", "generation": claim["nexrt"]["generation"],
+                                                  "seq_len": 2000, "status": "failed", "reason": "unknown_rid",
+                                                  "error": "rid 'never-admitted' was not admitted"}
     status, last = _gen_error(live, bogus)
     assert status >= 400, (status, last)
     live.post("/v1/cancel", {"rid": "refused-real"})
