@@ -126,13 +126,17 @@ class VLLMProc:
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         self._q: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        self.ready = self._read(start_timeout)
+        try:
+            self.ready = self._read(start_timeout)
+        except BaseException:
+            self.close()
+            raise
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
             if line.startswith(MARK):
                 self._q.put(json.loads(line[len(MARK):]))
-            else:
+            elif not self._log.closed:
                 self._log.write(line)
                 self._log.flush()
         self._q.put(None)
@@ -155,7 +159,7 @@ class VLLMProc:
         return self.call({"op": "generate", "requests": requests}, timeout)["outputs"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and hasattr(self, "ready"):  # started: ask it to exit cleanly
             try:
                 self.call({"op": "exit"}, timeout=20)
                 self.proc.wait(20)
@@ -232,6 +236,7 @@ class NodeProc:
         deadline = time.monotonic() + start_timeout
         while not (os.path.exists(ready) and open(ready).read().strip()):
             if self.proc.poll() is not None:
+                self.close()
                 raise RuntimeError(f"nexrt-decode exited with {self.proc.returncode} (log: {log_path})")
             if time.monotonic() > deadline:
                 self.close()
