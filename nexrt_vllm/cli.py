@@ -175,7 +175,8 @@ async def _demo(args, procs: Procs, workdir: str) -> None:
         from nexrt_vllm.testing import make_checkpoint
 
         model = os.path.join(workdir, "tiny-qwen3-next")
-        print(f"[demo] writing a tiny random Qwen3-Next checkpoint to {model}", flush=True)
+        print(f"[demo] writing a tiny random Qwen3-Next checkpoint to {model} (random weights: "
+              f"the reply is gibberish; the point is the path and its timings)", flush=True)
         make_checkpoint(model, arch="qwen3_next")
     threads = {"OMP_NUM_THREADS": "1", "NEXRT_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     vport, rport = _free_port(), _free_port()
