@@ -280,7 +280,8 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
             torch.cuda.synchronize()
             tl_.append(time.perf_counter() - t2)
         eager_s = statistics.median(tl_)
-        row = {"context": ctx, "steps": steps, "step_ms_median": med * 1e3, "step_ms_p10": sorted(ts)[len(ts) // 10] * 1e3,
+        row = {"context": ctx, "steps": steps, "step_ms_median": med * 1e3,
+               "step_ms_p10": sorted(ts)[len(ts) // 10] * 1e3,
                "step_ms_p90": sorted(ts)[9 * len(ts) // 10] * 1e3, "tok_s": 1 / med, "e2e_tok_s": e2e,
                "bytes_per_token": nb["total"], "bytes_breakdown": nb, "copy_bw_Bps": bw,
                "roofline_tok_s": bw / nb["total"], "mbu": nb["total"] / med / bw,
@@ -311,7 +312,8 @@ def plot(results: dict, path: str) -> None:
         a1.plot(ctx, [c["e2e_tok_s"] for c in r["contexts"]], "x:", color=col, label=f"{r['shape']} end-to-end loop")
         a1.plot(ctx, [c["roofline_tok_s"] for c in r["contexts"]], "--", color=col, alpha=0.6,
                 label=f"{r['shape']} roofline (copy BW / bytes)")
-        a1.plot(ctx, [c["eager_tok_s"] for c in r["contexts"]], "s-.", color=col, alpha=0.5, label=f"{r['shape']} eager")
+        a1.plot(ctx, [c["eager_tok_s"] for c in r["contexts"]], "s-.", color=col, alpha=0.5,
+                label=f"{r['shape']} eager")
         a2.plot(ctx, [100 * c["mbu"] for c in r["contexts"]], "o-", color=col, label=r["shape"])
     for a in (a1, a2):
         a.set_xscale("log", base=2)

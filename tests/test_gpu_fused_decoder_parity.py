@@ -5,20 +5,14 @@ same kernel launches the CUDA graph captures, fed the eager path's own tokens (t
 must give the eager logits to bf16 accuracy and the same greedy token, and leave the same state.
 The graph capture, pinned control ring and timing are GPU-only (benchmarks/gpu_check.py).
 """
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from nexrt_vllm.engine import Engine, kernels
+from nexrt_vllm.engine.errors import EngineError
+from nexrt_vllm.engine.graph import FusedDecoder, Tuning
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("CPU run of the fused decoder needs TRITON_INTERPRET=1", allow_module_level=True)
-
-from nexrt_vllm.engine import Engine  # noqa: E402
-from nexrt_vllm.engine.errors import EngineError  # noqa: E402
-from nexrt_vllm.engine.graph import FusedDecoder, Tuning  # noqa: E402
+kernels.load(interpret=True)  # the decoder's lazy kernel imports then get the interpreted versions
 
 torch.set_num_threads(1)
 STEPS = 4

@@ -1,25 +1,21 @@
 """Each decode kernel against the eager op it replaces, on random inputs.
 
-On CPU (CI) TRITON_INTERPRET=1 runs the same kernel source with numpy, so the math (indexing,
+On CPU (CI) the Triton interpreter runs the same kernel source with numpy, so the math (indexing,
 masking, rounding points, the in-place state updates) is checked without a GPU. With
 NEXRT_KERNEL_DEVICE=cuda (benchmarks/gpu_check.py on the H200) the same tests run the compiled
 kernels. Outputs are poisoned (NaN) before each launch so an unwritten element fails the comparison.
 """
 import os
 
+import pytest
+import torch
+import torch.nn.functional as F
+
 DEV = os.environ.get("NEXRT_KERNEL_DEVICE", "cpu")
-if DEV == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first kernel import
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from nexrt_vllm.engine import kernels
 
-triton = pytest.importorskip("triton")
-if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("kernel tests on CPU need TRITON_INTERPRET=1", allow_module_level=True)
-
-from nexrt_vllm.engine.kernels import attention, gdn, gemv, moe, route, sampling  # noqa: E402
+attention, gdn, gemv, moe, route, sampling = kernels.load(interpret=DEV == "cpu")
 
 torch.set_num_threads(1)
 BF = torch.bfloat16
@@ -199,8 +195,8 @@ def test_qk_rope_cache_and_split_attention():
     posb = torch.tensor([pos])
     q_out = nan_like(torch.empty(H * hd, dtype=BF))
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    call(attention.qk_rope_cache, qkv, q_out, kc, vc, qn, kn, cos_t, sin_t, posb, num_heads=H, num_kv_heads=KVH, head_dim=hd,
-                            rotary_dim=rot, eps=1e-6)
+    call(attention.qk_rope_cache, qkv, q_out, kc, vc, qn, kn, cos_t, sin_t, posb, num_heads=H, num_kv_heads=KVH,
+         head_dim=hd, rotary_dim=rot, eps=1e-6)
     qg = qkv[:H * 2 * hd].view(H, 2, hd)
     q_ref = _rope_ref(rms1p(qg[:, 0], qn), pos, inv_freq, rot)
     k_new = qkv[H * 2 * hd:H * 2 * hd + KVH * hd].view(KVH, hd)

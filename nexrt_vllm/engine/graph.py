@@ -229,7 +229,8 @@ class FusedDecoder:
         eps = c.rms_norm_eps
         b = lambda x: x.numel() * x.element_size()  # noqa: E731
         steps: list[tuple[str, object, int]] = [
-            ("embed", lambda: self.k_samp.embed(self.tok, self.embed, self.res), c.hidden_size * self.embed.element_size())]
+            ("embed", lambda: self.k_samp.embed(self.tok, self.embed, self.res),
+             c.hidden_size * self.embed.element_size())]
         for L in self.layers:
             if L["kind"] == "linear_attention":
                 steps += [
