@@ -241,6 +241,29 @@ def test_client_disconnects(real, router):
     check_output(real, url, PROMPTS[0])
 
 
+def test_bad_requests(real, router):
+    """4xx with a message on the real stack, including vLLM's own refusal (prompt longer than
+    the context), which is passed through after the node reservation is cancelled."""
+    url, _ = router
+    cases = [
+        (b"{oops", 400, "not valid JSON"),
+        (json.dumps({"model": real.ckpt, "prompt": "x", "max_tokens": "3"}), 400, "integer"),
+        (json.dumps({"model": real.ckpt, "prompt": "x", "max_tokens": -1}), 400, "at least 1"),
+        (json.dumps({"model": real.ckpt, "prompt": "x", "max_tokens": 10**7}), 400,
+         "maximum context length"),
+        (json.dumps({"model": "no-such-model", "prompt": "x"}), 404, "does not exist"),
+        (json.dumps({"model": real.ckpt, "prompt": "x", "n": 3}), 501, "not supported"),
+        (json.dumps({"model": real.ckpt, "prompt": " ".join(["alpha beta"] * 1200),
+                     "max_tokens": 4}), 400, "vLLM"),
+    ]
+    for data, status, needle in cases:
+        r = requests.post(url + "/v1/completions", data=data, timeout=60,
+                          headers={"Content-Type": "application/json"})
+        assert r.status_code == status, (data[:80], r.text)
+        assert needle in r.json()["error"]["message"], r.text
+    assert_idle(real, url)
+
+
 def test_node_killed_mid_stream(real, router):
     url, rt = router
     with requests.post(url + "/v1/completions", timeout=120, stream=True, json={
