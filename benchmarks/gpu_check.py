@@ -79,6 +79,19 @@ def tiny_parity(steps: int) -> dict:
             r[mode] = {"equal": toks == ref, "first_divergence": div,
                        "replays_per_token": runner.replays / len(toks), "control": runner.d.control,
                        "seq_len_after": eng.state.seq_len, "expected_seq_len": n0 + steps}
+        # Engine.stream's contract: the graph runner's stream() against the engine's own
+        from nexrt_vllm.engine import SamplingParams
+        for sp in (SamplingParams(max_tokens=40), SamplingParams(max_tokens=300, stop_token_ids=(ref[5],)),
+                   SamplingParams(max_tokens=40, stop_token_ids=(first,))):
+            eng.import_state(n0, snap)
+            want = list(eng.stream(first, sp))
+            want_reason = eng.finish_reason
+            eng.import_state(n0, snap)
+            runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="eager"))
+            got = list(runner.stream(first, sp))
+            r.setdefault("stream_contract", []).append(
+                {"max_tokens": sp.max_tokens, "equal": got == want, "n": len(got),
+                 "finish_reason": [runner.finish_reason, want_reason]})
         # stop handling: a stop id ends the stream at its first occurrence; one overrun replay ran
         eng.import_state(n0, snap)
         runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused"))

@@ -18,7 +18,9 @@ names; the CPU/eager engine stays the oracle these kernels are checked against.
 """
 from __future__ import annotations
 
+import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -334,6 +336,7 @@ class GraphRunner:
         self.d = decoder
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.replays = 0
+        self.finish_reason: str | None = None
 
     def _graph(self, sample: bool) -> torch.cuda.CUDAGraph:
         if sample not in self.graphs:
@@ -371,6 +374,27 @@ class GraphRunner:
 
     def capture(self) -> None:
         self._graph(False)
+
+    def stream(self, first_token: int, params) -> Iterator[int]:
+        """`Engine.stream`'s contract (docs/ARCHITECTURE.md §1) on the graph path: the state holds N
+        tokens and token N is `first_token`; yields the following tokens until EOS (unless
+        ignore_eos) / a stop id (both yielded) / max_tokens, which counts first_token / a full
+        context. Sets `finish_reason` ("stop" | "length")."""
+        st = self.d.state
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.d.cfg.eos_token_ids))
+        self.finish_reason = None
+        if first_token in stops:
+            self.finish_reason = "stop"
+            return
+        n = min(params.max_tokens - 1, st.max_seq_len - st.seq_len)
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        for tok in self.generate(first_token, n, temperature=params.temperature, top_p=params.top_p,
+                                 top_k=max(params.top_k, 0), seed=seed, stop_token_ids=stops):
+            yield tok
+            if tok in stops:
+                self.finish_reason = "stop"
+                return
+        self.finish_reason = "length"
 
     def generate(self, first_token: int, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, stop_token_ids=(), timeout_s: float = 60.0):
