@@ -26,6 +26,12 @@ import sys
 import threading
 import time
 
+import torch
+import zmq
+
+from nexrt_vllm import protocol as P
+from nexrt_vllm.transport import make_receiver
+
 MARK = "@@"
 
 
@@ -218,6 +224,57 @@ def assert_vllm_greedy(vllm: "VLLMProc", prompt: list[int], full: list[int]) -> 
     margins = greedy_margins(vllm, prompt, full)
     worst = min(margins)
     assert worst >= -TIE_NATS, f"token {margins.index(worst)} is {-worst:.3f} nats below vLLM's greedy choice"
+
+
+class RecordingReceiver:
+    """A double of the node's control plane made of the node's own pieces (protocol, transport
+    receiver, region plan): accepts every begin into its own slice of one registered buffer and
+    records what arrived. ``unregistered=True`` hands out a buffer the transport never registered,
+    so every page write fails (a transfer error)."""
+
+    def __init__(self, size=64 << 20, unregistered=False):
+        self.unregistered = unregistered
+        self.buf = torch.zeros(size, dtype=torch.uint8)
+        self.rx = make_receiver("mooncake")
+        self.rx.register(self.buf.data_ptr(), size)
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.addr = f"tcp://127.0.0.1:{port}"
+        self.begun, self.done, self.aborted, self._next = {}, {}, {}, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while not self._stop.is_set():
+            if not self.sock.poll(100):
+                continue
+            ident, _, data = self.sock.recv_multipart()
+            m = P.decode(data)
+            if m.type == "hello":
+                reply = P.HelloOk(self.rx.peer_info(), {})
+            elif m.type == "begin":
+                layout = P.Layout.from_wire(m.layout)
+                regions = layout.regions(m.seq_len)
+                size = P.align_up(max(r.offset + r.nbytes for r in regions))
+                self.begun[m.rid] = (self._next, size, layout, regions, m.seq_len)
+                base = self.buf.data_ptr() + self._next + (size + (64 << 20) if self.unregistered else 0)
+                reply = P.Accept(m.rid, m.generation, {"base": base, "size": size},
+                                 P.region_dicts(regions), 30.0)
+                self._next += size
+            elif m.type == "done":
+                self.done[m.rid] = m.nbytes
+                reply = P.Ack(m.rid, m.generation)
+            else:
+                self.aborted[m.rid] = m.reason
+                reply = P.Ack(m.rid, m.generation)
+            self.sock.send_multipart([ident, b"", P.encode(reply)])
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.rx.close()
 
 
 class NodeProc:

@@ -1,10 +1,10 @@
-"""A hand-off's lifecycle off the happy path: refused by the node, node killed, malformed claim,
-request aborted mid-prefill, request preempted mid-prefill. vLLM keeps serving, the node never
-decodes from an incomplete state, a preempted request still hands off a correct state, and every
-held block comes back: vLLM's free block count returns to its starting value."""
+"""A hand-off's lifecycle off the happy path: refused by the node, node killed, transfer error,
+malformed claim, request aborted mid-prefill, request preempted mid-prefill. vLLM keeps serving,
+the node never decodes from an incomplete state, a preempted request still hands off a correct
+state, and every held block comes back: vLLM's free block count returns to its starting value."""
 import pytest
 
-from connector_harness import (DENSE_ROUTING, NodeProc, VLLMProc, assert_vllm_greedy, continue_on_node,
+from connector_harness import (DENSE_ROUTING, NodeProc, RecordingReceiver, VLLMProc, assert_vllm_greedy, continue_on_node,
                                nexrt_kv_config, random_prompt)
 
 pytestmark = pytest.mark.timeout(600)
@@ -63,6 +63,20 @@ def test_killed_node(env):
     assert len(out["token_ids"]) == 1
     settled = vllm.call({"op": "settle", "timeout": 30})
     assert not settled["pending"], "blocks of the dead node's request still held"
+
+
+def test_transfer_error(env):
+    rx = RecordingReceiver(unregistered=True)  # accepts, but every page write is refused by the engine
+    try:
+        claim = {"nexrt": {"rid": "xfer", "generation": 1, "control_addr": rx.addr}}
+        (out,) = env["vllm"].generate([{"prompt_token_ids": random_prompt(2000, 9), "max_tokens": 1,
+                                        "kv_transfer_params": claim}])
+        assert out["kv_transfer_params"]["nexrt"]["status"] == "failed"
+        assert out["kv_transfer_params"]["nexrt"]["reason"] == "transfer_failed"
+        assert not env["vllm"].call({"op": "settle", "timeout": 30})["pending"]
+        assert "xfer" in rx.aborted and "xfer" not in rx.done  # told the node; never claimed success
+    finally:
+        rx.close()
 
 
 def test_malformed_claim(env):

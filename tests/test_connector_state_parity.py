@@ -6,75 +6,17 @@ The receiving end here is a double of the node's control plane built from the no
 the real node is exercised end to end in test_connector_handoff_*.py.
 """
 import dataclasses
-import threading
 
 import pytest
 import torch
-import zmq
 
-from connector_harness import DENSE_ROUTING, VLLMProc, nexrt_kv_config, random_prompt
+from connector_harness import DENSE_ROUTING, RecordingReceiver, VLLMProc, nexrt_kv_config, random_prompt
 from nexrt_vllm import protocol as P
-from nexrt_vllm.transport import make_receiver
 from nexrt_vllm.worker.convert import unpack_state
 
 pytestmark = pytest.mark.timeout(600)
 
 F32 = {"kv": torch.float32, "conv": torch.float32, "rec": torch.float32}
-
-
-class RecordingReceiver:
-    """Accepts every begin into its own slice of one registered buffer; keeps what `done` covered."""
-
-    def __init__(self, size=64 << 20):
-        self.buf = torch.zeros(size, dtype=torch.uint8)
-        self.rx = make_receiver("mooncake")
-        self.rx.register(self.buf.data_ptr(), size)
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.addr = f"tcp://127.0.0.1:{port}"
-        self.begun, self.done, self._next = {}, {}, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self):
-        while not self._stop.is_set():
-            if not self.sock.poll(100):
-                continue
-            ident, _, data = self.sock.recv_multipart()
-            m = P.decode(data)
-            if m.type == "hello":
-                reply = P.HelloOk(self.rx.peer_info(), {})
-            elif m.type == "begin":
-                layout = P.Layout.from_wire(m.layout)
-                regions = layout.regions(m.seq_len)
-                size = P.align_up(max(r.offset + r.nbytes for r in regions))
-                self.begun[m.rid] = (self._next, size, layout, regions, m.seq_len)
-                reply = P.Accept(m.rid, m.generation, {"base": self.buf.data_ptr() + self._next, "size": size},
-                                 P.region_dicts(regions), 30.0)
-                self._next += size
-            elif m.type == "done":
-                self.done[m.rid] = m.nbytes
-                reply = P.Ack(m.rid, m.generation)
-            else:
-                reply = P.Ack(m.rid, m.generation)
-            self.sock.send_multipart([ident, b"", P.encode(reply)])
-
-    def received(self, rid):
-        """(layout, state as the node would convert it, the same bytes read with other layouts)."""
-        off, size, layout, regions, n = self.begun[rid]
-        assert self.done[rid] == sum(r.nbytes for r in regions)  # every page written exactly once
-        raw = self.buf[off:off + size].clone()
-        wrong = P.Layout(layout.model, layout.block_size, tuple(
-            dataclasses.replace(lay, kv_format="packed") if lay.kind == "attention"
-            else dataclasses.replace(lay, rec_layout="HVK") for lay in layout.layers))
-        return layout, unpack_state(raw, layout, regions, n, F32), unpack_state(raw, wrong, regions, n, F32)
-
-    def close(self):
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close(0)
-        self.rx.close()
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +31,21 @@ def received(ckpt_factory, tmp_path_factory):
                      "kv_transfer_params": {"nexrt": {"rid": rid, "generation": 1, "control_addr": rx.addr}}}
                     for rid, p in prompts.items()])
         assert v.call({"op": "settle", "timeout": 30})["pending"] is False
-        yield ckpt, prompts, {rid: rx.received(rid) for rid in prompts}
+        yield ckpt, prompts, {rid: _received(rx, rid) for rid in prompts}
     finally:
         v.close()
         rx.close()
+
+
+def _received(rx, rid):
+    """(layout, state as the node would convert it, the same bytes read with other layouts)."""
+    off, size, layout, regions, n = rx.begun[rid]
+    assert rx.done[rid] == sum(r.nbytes for r in regions)  # every page written exactly once
+    raw = rx.buf[off:off + size].clone()
+    wrong = P.Layout(layout.model, layout.block_size, tuple(
+        dataclasses.replace(lay, kv_format="packed") if lay.kind == "attention"
+        else dataclasses.replace(lay, rec_layout="HVK") for lay in layout.layers))
+    return layout, unpack_state(raw, layout, regions, n, F32), unpack_state(raw, wrong, regions, n, F32)
 
 
 def _rel(a, b):
