@@ -5,7 +5,8 @@
 1. the kernel tests (tests/test_kernels_decode_ops.py) on the GPU: compiled kernels, random inputs,
    poisoned outputs, relative-error bounds;
 2. greedy parity on the tiny test checkpoints (all three families): eager engine vs the graph path
-   (fused kernels, and eager ops in one graph) for 256 steps, replays per token;
+   (fused kernels, and eager ops in one graph) for 256 steps, replays per token; the same through
+   the product wiring (Engine.use_graph + Engine.stream, as nexrt-decode --graph runs it);
 3. optionally a GEMV / MoE launch-shape sweep on the real projection shapes (bandwidth per config);
 4. optionally the sampling graph (support of every draw, seed reproducibility, step time);
 5. optionally benchmarks/decode_bench.py with the given arguments.
@@ -100,6 +101,50 @@ def tiny_parity(steps: int) -> dict:
                      "prefix_equal": stop_toks == ref[:len(stop_toks)]}
         out[arch] = r
         log(f"tiny {arch}: {json.dumps(r)}")
+        del eng
+    return out
+
+
+def engine_graph(steps: int) -> dict:
+    """The product wiring: Engine.use_graph(mode) then Engine.stream (what nexrt-decode --graph runs),
+    against the same engine's eager stream; greedy, a stop id, and a seeded sampled stream."""
+    from nexrt_vllm.engine import Engine, SamplingParams
+    from nexrt_vllm.testing import make_checkpoint
+
+    out = {}
+    for arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        with tempfile.TemporaryDirectory() as d:
+            make_checkpoint(d, arch=arch, dtype="bfloat16")
+            eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 64, progress=False)
+        first = int(torch.argmax(eng.prefill([5, 17, 3, 99, 42, 7, 11, 23])))
+        n0, snap = eng.export_state()
+        greedy = SamplingParams(max_tokens=steps, ignore_eos=True)
+        want = list(eng.stream(first, greedy))
+        stop = SamplingParams(max_tokens=steps, stop_token_ids=(want[20],))
+        eng.import_state(n0, snap)
+        want_stop = list(eng.stream(first, stop))
+        r = {}
+        for mode in ("eager", "fused"):
+            t0 = time.time()
+            eng.use_graph(mode)
+            r[mode] = {"capture_s": round(time.time() - t0, 2)}
+            eng.import_state(n0, snap)
+            got = list(eng.stream(first, greedy))
+            r[mode].update(equal=got == want, n=len(got), finish_reason=eng.finish_reason,
+                           first_divergence=next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
+            eng.import_state(n0, snap)
+            got = list(eng.stream(first, stop))
+            r[mode]["stop"] = {"equal": got == want_stop, "n": len(got), "finish_reason": eng.finish_reason}
+            sp = SamplingParams(max_tokens=32, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
+            draws = []
+            for _ in range(2):
+                eng.import_state(n0, snap)
+                draws.append(list(eng.stream(first, sp)))
+            r[mode]["sampled_seed_repro"] = draws[0] == draws[1] and len(draws[0]) == 31
+            r[mode]["replays"] = eng.graph.replays
+            eng.graph = None
+        out[arch] = r
+        log(f"engine graph {arch}: {json.dumps(r)}")
         del eng
     return out
 
@@ -262,6 +307,12 @@ def main() -> int:
             import traceback
             traceback.print_exc()
             report["tiny_parity"] = {"error": f"{type(e).__name__}: {e}"}
+        try:
+            report["engine_graph"] = engine_graph(args.tiny_steps)
+        except Exception as e:  # noqa: BLE001 - as above
+            import traceback
+            traceback.print_exc()
+            report["engine_graph"] = {"error": f"{type(e).__name__}: {e}"}
     if args.sweep:
         report["gemv_sweep"] = gemv_sweep()
     if args.sampling:

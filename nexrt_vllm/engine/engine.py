@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .config import ModelConfig
-from .errors import ConfigError, InputError, StateError
+from .errors import ConfigError, EngineError, InputError, StateError
 from .model import Model
 from .sampling import Sampler, SamplingParams
 from .state import DecodeState
@@ -38,6 +38,7 @@ class Engine:
         self.device, self.dtype = model.device, model.dtype
         self.state = DecodeState(config, max_seq_len, model.dtype, model.device)
         self.finish_reason: str | None = None
+        self.graph = None  # GPU graph path (use_graph); None: `stream` runs the eager decode loop
 
     @classmethod
     def from_pretrained(cls, path: str, device: str | torch.device = "cpu", dtype=None,
@@ -89,6 +90,21 @@ class Engine:
         self.state.seq_len += 1
         return logits
 
+    # ---- GPU graph path (hook owned by the GPU path, docs/GPU.md) ------------------------------
+    def use_graph(self, mode: str = "fused") -> None:
+        """Make `stream` decode through one captured CUDA graph per token (graph.GraphRunner over
+        graph.FusedDecoder; CUDA + bfloat16 only, EngineError otherwise). Both graphs (greedy and
+        sampling) are captured here, at start-up, so no request pays for compilation or capture.
+        mode "fused": the Triton kernels; "eager": this model's own ops in the graph (bit-equal
+        tokens, slower). Prefill, decode_step and the hand-off stay on the eager path."""
+        if self.device.type != "cuda":
+            raise EngineError(f"the graph path needs a CUDA device (engine is on {self.device})")
+        from .graph import FusedDecoder, GraphRunner  # triton: imported by the GPU path only
+        runner = GraphRunner(FusedDecoder(self.model, self.state, mode=mode))
+        for sample in (False, True):
+            runner.capture(sample)
+        self.graph = runner
+
     # ---- generation -----------------------------------------------------------------------------
     def _stops(self, token: int, params: SamplingParams) -> bool:
         return token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids)
@@ -103,7 +119,16 @@ class Engine:
         if self.state.seq_len == 0:
             raise StateError("stream before prefill/import_state: the state is empty")
         self.finish_reason = None
+        if self.graph is not None:
+            return self._graph_stream(first_token, params)
         return self._stream(first_token, params)  # checked above, at call time; decoding is lazy
+
+    def _graph_stream(self, first_token: int, params: SamplingParams) -> Iterator[int]:
+        # Same contract as _stream. Differences: sampled tokens come from the device sampler (same
+        # distribution, another random stream), and after a stop state.seq_len also counts the one
+        # replay that ran past it (its token discarded).
+        yield from self.graph.stream(first_token, params)
+        self.finish_reason = self.graph.finish_reason
 
     def _stream(self, first_token: int, params: SamplingParams) -> Iterator[int]:
         sampler = Sampler(params, self.device)

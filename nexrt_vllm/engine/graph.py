@@ -372,8 +372,9 @@ class GraphRunner:
         for t, c in saved.values():
             t.copy_(c)
 
-    def capture(self) -> None:
-        self._graph(False)
+    def capture(self, sample: bool = False) -> None:
+        """Compile and capture the greedy (or the sampling) step graph now rather than on first use."""
+        self._graph(sample)
 
     def stream(self, first_token: int, params) -> Iterator[int]:
         """`Engine.stream`'s contract (docs/ARCHITECTURE.md §1) on the graph path: the state holds N

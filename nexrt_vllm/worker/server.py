@@ -124,7 +124,7 @@ class Service:
                           **({"target": peer["target"]} if "target" in peer else {})},
             "sampling": {"temperature": True, "top_p": True, "top_k": True, "seed": True, "ignore_eos": True,
                          "stop_token_ids": True, "logprobs": False, "penalties": False},
-            "device": self.args.device,
+            "device": self.args.device, "graph": self.args.graph,
         })
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     ap.add_argument("--dtype", default=None, help="engine dtype (default: the checkpoint's)")
     ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--graph", choices=("auto", "fused", "eager", "off"), default="auto",
+                    help="GPU decode path (docs/GPU.md): one CUDA graph per token, captured at start-up; "
+                         "fused = Triton kernels, eager = the eager ops in the graph, off = eager loop; "
+                         "auto = fused on CUDA with bfloat16, off otherwise")
     ap.add_argument("--recv-memory", choices=("host", "pinned", "device"), default=None,
                     help="receive buffer memory (default: host on CPU, pinned on CUDA)")
     ap.add_argument("--recv-buffers", type=int, default=2,
@@ -177,6 +181,8 @@ def _positive(ap, args) -> None:
     for name in ("max_seq_len", "recv_buffers"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.graph in ("fused", "eager") and not args.device.startswith("cuda"):
+        ap.error(f"--graph {args.graph} needs --device cuda")
     for name in ("admit_timeout", "transfer_timeout", "start_timeout", "write_timeout"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
@@ -196,6 +202,16 @@ async def serve(args) -> None:
     memory = args.recv_memory = args.recv_memory or ("pinned" if args.device.startswith("cuda") else "host")
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len)
     cfg = engine.config
+    # GPU graph path: compiled and captured once here, before the node serves (not per request).
+    if args.graph == "auto":
+        args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 else "off"
+    if args.graph != "off":
+        from nexrt_vllm.engine import EngineError
+        try:
+            engine.use_graph(args.graph)
+        except EngineError as e:
+            raise ValueError(f"--graph {args.graph}: {e}") from None
+        log.info("graph path %s captured (control ring %s)", args.graph, engine.graph.d.control)
     if args.recv_buffer_mib:
         size = int(args.recv_buffer_mib * (1 << 20))
     else:
