@@ -2,7 +2,10 @@
 
 Runs on CPU through the Triton interpreter on the tiny checkpoints of all three families: the
 same kernel launches the CUDA graph captures, fed the eager path's own tokens (teacher forcing),
-must give the eager logits to bf16 accuracy and the same greedy token, and leave the same state.
+must give the eager logits, the same greedy token and leave the same state. The kernels round to bf16
+wherever the eager path materialises a bf16 tensor (the attention probabilities included), so from the
+same state the step differs only by fp32 accumulation order (step 0: < 1e-3; bit-equal here today);
+later steps allow for one bf16 rounding flip carried in the state and amplified by the layers.
 The graph capture, pinned control ring and timing are GPU-only (benchmarks/gpu_check.py).
 """
 import pytest
@@ -44,7 +47,7 @@ def test_fused_step_matches_eager(ckpt_factory, arch):
     for k, t in enumerate(inputs):
         dec.tok.fill_(t)
         dec.launch()
-        assert rel(dec.logits, eager_logits[k]) < 2e-2, f"step {k}"
+        assert rel(dec.logits, eager_logits[k]) < (1e-3 if k == 0 else 2e-2), f"step {k}"
         top2 = torch.topk(eager_logits[k], 2).values
         if top2[0] - top2[1] > 0.05:  # not a near tie: the greedy token must agree
             assert int(dec.tok) == int(torch.argmax(eager_logits[k])), f"step {k}"

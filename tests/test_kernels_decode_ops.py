@@ -173,6 +173,28 @@ def test_gdn_step_matches_delta_rule(hk, hv):
     assert rel(out, o_ref) < 8e-3
 
 
+def test_gdn_decay_softplus_small_gates():
+    """The decay exp(-A softplus(a + dt_bias)) for gates from far below 0 to past the threshold:
+    softplus must follow torch's log1p(exp(x)) (log(1 + exp(x)) is up to 2 % off for x < -10). With
+    k = 0 the step is the decay alone: S' = exp(g) S."""
+    hv, dk, dv = 16, 16, 16
+    g = torch.Generator().manual_seed(9)
+    kd, vd = hv * dk, hv * dv
+    buf = torch.randn(2 * kd + 2 * vd + 2 * hv, generator=g).to(BF)
+    buf[kd:2 * kd] = 0
+    off_b = 2 * kd + 2 * vd
+    buf[off_b + hv:] = torch.linspace(-18, 25, hv).to(BF)
+    S = torch.randn(hv, dk, dv, generator=g)
+    a_log = torch.full((hv,), 1000.0).log().to(BF)
+    dt_bias = torch.zeros(hv, dtype=BF)
+    decay = (-a_log.float().exp() * F.softplus(buf[off_b + hv:].float())).exp()
+    S0 = S.clone()
+    S_ref = S * decay[:, None, None]
+    call(gdn.gdn_step, buf, S, nan_like(torch.empty(vd, dtype=BF)), a_log, dt_bias, num_k_heads=hv, num_v_heads=hv,
+         head_k_dim=dk, head_v_dim=dv, block_v=16)
+    assert float(((S - S_ref) / S0).abs().max()) < 1e-6  # relative to the state before the step
+
+
 def _rope_ref(x, pos, inv_freq, rot):
     ang = pos * inv_freq
     emb = torch.cat([ang, ang])
@@ -214,10 +236,13 @@ def test_qk_rope_cache_and_split_attention():
     for min_per in (16, 128):  # 4 live splits; 1 live split (short context)
         m_b, l_b = nan_like(torch.empty(H * nsplit)), nan_like(torch.empty(H * nsplit))
         acc_b = nan_like(torch.empty(H * nsplit * hd))
+        s_b = nan_like(torch.empty(H * maxlen))
         out = nan_like(torch.empty(H * hd, dtype=BF))
-        call(attention.attention_decode, q_out, kc, vc, posb, qkv, out, m_b, l_b, acc_b, num_heads=H,
+        call(attention.attention_decode, q_out, kc, vc, posb, qkv, out, m_b, l_b, acc_b, s_b, num_heads=H,
              num_kv_heads=KVH, head_dim=hd, nsplit=nsplit, block=16, min_per=min_per)
-        assert rel(out.view(H, hd), ref) < 1e-2, min_per
+        # probabilities normalised and rounded to bf16 as the eager softmax leaves them: equal up to fp32
+        # accumulation order and the device exp (bit-equal in the interpreter)
+        assert rel(out.view(H, hd), ref) < 2e-3, min_per
 
 
 def test_embed_row():

@@ -200,6 +200,7 @@ class FusedDecoder:
         self.m_buf = torch.zeros(c.num_heads * ns, dtype=torch.float32, device=dev)
         self.l_buf = torch.zeros(c.num_heads * ns, dtype=torch.float32, device=dev)
         self.acc_buf = torch.zeros(c.num_heads * ns * c.head_dim, dtype=torch.float32, device=dev)
+        self.s_buf = torch.zeros(c.num_heads * state.max_seq_len, dtype=torch.float32, device=dev)  # scores
         if c.num_experts:
             imax = max(c.moe_intermediate_size, c.shared_expert_intermediate_size)
             self.act = torch.zeros((c.num_experts_per_tok + 1) * imax, dtype=dt, device=dev)
@@ -260,7 +261,7 @@ class FusedDecoder:
                         rotary_dim=c.rotary_dim, eps=eps), 2 * kv_row),
                     ("attn_splitk+combine", lambda L=L: self.k_attn.attention_decode(
                         self.q, L["k"], L["v"], st.position, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
-                        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                        self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                         nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per), 2 * kv_row * (seq_len + 1)),
                     ("attn_o_proj", lambda L=L: g.gemv(
                         self.o, L["w_o"], self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)), b(L["w_o"]))]

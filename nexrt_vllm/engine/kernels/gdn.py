@@ -33,7 +33,11 @@ def gdn_step_kernel(buf_ptr, state_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
     b = tl.load(buf_ptr + OFF_B + vh).to(tl.float32)
     beta = _bf16(1.0 / (1.0 + tl.exp(-b)))  # sigmoid in the model dtype, as eager
     a = tl.load(buf_ptr + OFF_A + vh).to(tl.float32) + tl.load(dt_bias_ptr + vh).to(tl.float32)
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+    # softplus = log1p(exp(a)) as torch computes it (threshold 20). log(1 + y) loses y's low bits when
+    # y is small (up to 2 % off for a < -10); log(u) * y / (u - 1) with u = 1 + y is within 1 ulp.
+    y = tl.exp(tl.minimum(a, 20.0))
+    u = 1.0 + y
+    softplus = tl.where(a > 20.0, a, tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0))))
     g = -tl.exp(tl.load(a_log_ptr + vh).to(tl.float32)) * softplus
     sp = state_ptr + vh * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
     s = tl.load(sp) * tl.exp(g)
