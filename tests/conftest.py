@@ -21,6 +21,25 @@ def _threads():
 _threads()
 
 
+def _preload_interpreted_kernels():
+    """Import the Triton kernels in interpreter mode before any test module imports vLLM.
+
+    Once vLLM is imported, kernels first imported afterwards under TRITON_INTERPRET fail at their
+    first nested call ("Cannot call @triton.jit'd outside of the scope of a kernel"), so the
+    CPU kernel tests would depend on test order. Triton must not be imported before this either
+    (it caches its interpreter switch on first read). On a CUDA machine the tests use compiled kernels."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+        from nexrt_vllm.engine import kernels
+        kernels.load(interpret=True)
+
+
+_preload_interpreted_kernels()
+
+
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory):
     """Returns make(arch, dtype="bfloat16", **overrides) -> path, cached per argument set."""
