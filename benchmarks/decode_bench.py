@@ -120,7 +120,7 @@ def layer_errors(eng, d) -> list[dict]:
     plan, k, rows = d.plan()[1:], 0, []
     for i, L in enumerate(d.layers):
         nm = 3 if L["kind"] == "linear_attention" else 4
-        nf = 3 if L["moe"] else 2  # router, route, experts | gate_up, down
+        nf = (2 if d.t.moe_route_in_gate_up else 3) if L["moe"] else 2  # router, (route,) experts | gate_up, down
         h_in, mid, out = ref[i]
         d.res.copy_(h_in)
         for _, fn, _ in plan[k:k + nm]:

@@ -9,7 +9,9 @@
    the product wiring (Engine.use_graph + Engine.stream, as nexrt-decode --graph runs it);
 3. optionally a GEMV / MoE launch-shape sweep on the real projection shapes (bandwidth per config);
 4. optionally the sampling graph (support of every draw, seed reproducibility, step time);
-5. optionally benchmarks/decode_bench.py with the given arguments.
+5. optionally benchmarks/decode_bench.py with the given arguments;
+6. optionally (--moe-route-ab) the 35B step time with and without the MoE routing folded into the
+   experts' gate_up launch.
 Everything lands in --out as JSON; a short table is printed last.
 """
 from __future__ import annotations
@@ -125,27 +127,69 @@ def engine_graph(steps: int) -> dict:
         want_stop = list(eng.stream(first, stop))
         r = {}
         for mode in ("eager", "fused"):
-            t0 = time.time()
-            eng.use_graph(mode)
-            r[mode] = {"capture_s": round(time.time() - t0, 2)}
-            eng.import_state(n0, snap)
-            got = list(eng.stream(first, greedy))
-            r[mode].update(equal=got == want, n=len(got), finish_reason=eng.finish_reason,
-                           first_divergence=next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
-            eng.import_state(n0, snap)
-            got = list(eng.stream(first, stop))
-            r[mode]["stop"] = {"equal": got == want_stop, "n": len(got), "finish_reason": eng.finish_reason}
-            sp = SamplingParams(max_tokens=32, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
-            draws = []
-            for _ in range(2):
+            try:
+                t0 = time.time()
+                eng.use_graph(mode)
+                r[mode] = {"capture_s": round(time.time() - t0, 2)}
                 eng.import_state(n0, snap)
-                draws.append(list(eng.stream(first, sp)))
-            r[mode]["sampled_seed_repro"] = draws[0] == draws[1] and len(draws[0]) == 31
-            r[mode]["replays"] = eng.graph.replays
+                got = list(eng.stream(first, greedy))
+                r[mode].update(equal=got == want, n=len(got), finish_reason=eng.finish_reason,
+                               first_divergence=next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
+                eng.import_state(n0, snap)
+                got = list(eng.stream(first, stop))
+                r[mode]["stop"] = {"equal": got == want_stop, "n": len(got), "finish_reason": eng.finish_reason}
+                sp = SamplingParams(max_tokens=32, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
+                draws = []
+                for _ in range(2):
+                    eng.import_state(n0, snap)
+                    draws.append(list(eng.stream(first, sp)))
+                r[mode]["sampled_seed_repro"] = draws[0] == draws[1] and len(draws[0]) == 31
+                r[mode]["replays"] = eng.graph.replays
+            except Exception as e:  # noqa: BLE001 - report it, go on with the other mode
+                r[mode] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             eng.graph = None
         out[arch] = r
         log(f"engine graph {arch}: {json.dumps(r)}")
         del eng
+    return out
+
+
+def moe_route_ab(ctx: int = 8192, steps: int = 200, check_steps: int = 32) -> dict:
+    """Qwen3.5-35B-A3B shape at `ctx`: step time with the route launch (default), with the routing
+    folded into the experts' gate_up launch (Tuning.moe_route_in_gate_up), and the default again
+    (drift check); greedy tokens of the variants from one state must agree."""
+    import dataclasses
+
+    sys.path.insert(0, HERE)
+    import decode_bench as db
+    from nexrt_vllm.engine import Engine
+    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner, Tuning
+
+    eng = Engine.from_config(db.SHAPES["35b"], device="cuda", dtype="bfloat16", max_seq_len=ctx + 2 * steps + 64,
+                             seed=0)
+    db.fill_context(eng, ctx, torch.Generator(device="cuda").manual_seed(1234))
+    n0, snap = eng.export_state()
+    out = {"context": ctx, "steps": steps}
+    for label, tuning in (("route_launch", Tuning()),
+                          ("route_in_gate_up", dataclasses.replace(Tuning(), moe_route_in_gate_up=True)),
+                          ("route_launch_again", Tuning())):
+        d = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
+        runner = GraphRunner(d)
+        g = runner._graph(False)
+        d.state.position.fill_(ctx)
+        d.tok.fill_(1)
+        db.time_replays(g, 5)
+        d.state.position.fill_(ctx)
+        med = statistics.median(db.time_replays(g, steps))
+        eng.import_state(n0, snap)
+        toks = list(runner.generate(1, check_steps))
+        eng.import_state(n0, snap)
+        out[label] = {"step_ms_median": med * 1e3, "tokens": toks}
+        log(f"moe route A/B {label}: {med * 1e3:.3f} ms/step")
+        del runner, d, g
+    out["tokens_equal"] = out["route_launch"]["tokens"] == out["route_in_gate_up"]["tokens"]
+    del eng
+    torch.cuda.empty_cache()
     return out
 
 
@@ -296,6 +340,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sampling", action="store_true")
     ap.add_argument("--bench-args", default="")
+    ap.add_argument("--moe-route-ab", action="store_true", help="after the bench: moe_route_ab() (35B shape, 8K)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -319,11 +364,16 @@ def main() -> int:
         report["sampling"] = sampling_check()
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1)
+    rc = 0
     if args.bench_args:
         sys.path.insert(0, HERE)
         import decode_bench
-        return decode_bench.main(shlex.split(args.bench_args))
-    return 0
+        rc = decode_bench.main(shlex.split(args.bench_args))
+    if args.moe_route_ab:
+        report["moe_route_ab"] = moe_route_ab()
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    return rc
 
 
 if __name__ == "__main__":

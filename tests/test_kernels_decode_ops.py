@@ -283,10 +283,17 @@ def test_moe_experts_selected_only():
     call(route.route, lg, ids, wts, num_experts=E, top_k=topk)
     assert ids.tolist() == sorted(top_i.tolist())
     assert torch.equal(wts, top_v[[top_i.tolist().index(e) for e in ids.tolist()]].float())
+    res0 = res.clone()
     act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
     call(moe.moe_experts, xn, res, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, block_n=16, block_k=32,
          down_block_n=8, down_block_k=16)
     assert rel(res, ref) < 1e-2
+    # routing folded into the gate_up launch (no route launch): same ids, weights and result
+    ids2, wts2 = torch.full((topk,), -1, dtype=torch.int32), nan_like(torch.empty(topk))
+    act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
+    call(moe.moe_experts, xn, res0, lg, gu, sgu, dn, sdn, act, ids2, wts2, top_k=topk, block_n=16, block_k=32,
+         down_block_n=8, down_block_k=16, route=True)
+    assert torch.equal(ids2, ids) and torch.equal(wts2, wts) and torch.equal(res0, res)
 
 
 def test_gumbel_sampling_respects_top_k_and_top_p():

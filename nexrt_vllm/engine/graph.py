@@ -50,6 +50,9 @@ class Tuning:
     moe_block_k: int = 256
     moe_down_block_n: int = 2
     moe_down_block_k: int = 512
+    # Opt-in: route inside the experts' gate_up launch (one launch less per MoE layer; every routed
+    # program repeats the top-k selection before its first weight load). A/B: gpu_check --moe-route-ab.
+    moe_route_in_gate_up: bool = False
 
     def shape(self, n: int) -> dict:
         for max_rows, bn, bk, nw in self.gemv:
@@ -271,14 +274,17 @@ class FusedDecoder:
                     ("moe_router", lambda L=L: g.gemv(
                         self.res, L["w_router"], self.router_logits, pro=g.PRO_RMSNORM, norm_w=L["ln2"], eps=eps,
                         xn_out=self.xn, **dict(zip(("block_n", "block_k", "num_warps"), t.gemv_router))),
-                     b(L["w_router"])),
-                    ("moe_route", lambda: self.k_route.route(
+                     b(L["w_router"]))]
+                if not t.moe_route_in_gate_up:
+                    steps.append(("moe_route", lambda: self.k_route.route(
                         self.router_logits, self.ids, self.wts, num_experts=c.num_experts,
-                        top_k=c.num_experts_per_tok, norm_topk=c.norm_topk_prob), 0),
+                        top_k=c.num_experts_per_tok, norm_topk=c.norm_topk_prob), 0))
+                steps += [
                     ("moe_experts", lambda L=L: self.k_moe.moe_experts(
                         self.xn, self.res, self.router_logits, L["gate_up"], L["s_gate_up"], L["down"], L["s_down"],
                         self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=t.moe_block_n,
-                        block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k),
+                        block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k,
+                        route=t.moe_route_in_gate_up, norm_topk=c.norm_topk_prob),
                      c.num_experts_per_tok * per_expert + b(L["s_gate_up"]) + b(L["s_down"]))]
             else:
                 steps += [

@@ -14,18 +14,30 @@ import triton.language as tl
 from .common import LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 from .common import silu as _silu
+from .route import topk_select
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr,
+def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
                        K, I, IS, stride_ge,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ROUTE: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
                        PDL: tl.constexpr):
     pdl_begin(PDL)
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     if slot < TOPK:
-        eid = tl.load(ids_ptr + slot)
+        if ROUTE:
+            # Routing folded in (no route launch): each routed program selects its own slot's
+            # expert; the programs of column 0 publish ids / weights for the down launch.
+            e, sel, rank, w = topk_select(logits_ptr, E, EP, TOPK, NORM)
+            mine = sel & (rank == slot)
+            eid = tl.sum(tl.where(mine, e, 0), 0)
+            if pid == 0:
+                tl.store(ids_ptr + slot, eid)
+                tl.store(wts_ptr + slot, tl.sum(tl.where(mine, w, 0.0), 0))
+        else:
+            eid = tl.load(ids_ptr + slot)
         wbase = gu_ptr + eid.to(tl.int64) * stride_ge
         n_rows = I
     else:
@@ -92,10 +104,12 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
-                block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4):
+                block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, route=False,
+                norm_topk=True):
     """Routed + shared experts for one token, after the router launch (`gemv`, xn_out) and `route.route`
     have left the normed input xn [H], logits [E+1] (router logits, then the shared-expert gate logit)
-    and ids / wts [top_k].
+    and ids / wts [top_k]. route=True: no `route.route` launch before; the gate_up launch routes
+    (every routed program from the logits) and writes ids / wts itself.
     `res` (the residual, [H]) is updated in place. gate_up [E, 2I, H], down [E, H, I],
     shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch."""
     n_exp, two_i, hidden = gate_up.shape
@@ -103,8 +117,9 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     imax = max(inter, inter_s)
     bk = min(block_k or 512, triton.next_power_of_2(hidden))
     moe_gate_up_kernel[(triton.cdiv(imax, block_n), top_k + 1)](
-        xn, gate_up, shared_gate_up, act, ids, hidden, inter, inter_s, gate_up.stride(0),
-        TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, **LAUNCH, num_warps=num_warps)
+        xn, gate_up, shared_gate_up, act, ids, logits, wts, hidden, inter, inter_s, gate_up.stride(0),
+        TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, ROUTE=route, E=n_exp, EP=triton.next_power_of_2(n_exp),
+        NORM=norm_topk, **LAUNCH, num_warps=num_warps)
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     moe_down_kernel[(triton.cdiv(hidden, down_block_n),)](
         act, down, shared_down, ids, wts, logits, res, hidden, inter, inter_s, down.stride(0),

@@ -7,10 +7,9 @@ from .common import bf16_round as _bf16
 
 
 @triton.jit
-def route_kernel(logits_ptr, ids_ptr, wts_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
-          NORM: tl.constexpr, PDL: tl.constexpr):
-    """Top-k routing of one token from its router logits; ids ascending, weights in bf16 precision."""
-    pdl_begin(PDL)
+def topk_select(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr):
+    """(expert index e [EP], selected mask, slot of each selected expert (ascending id), weights in
+    bf16 precision) of one token's top-k routing from its router logits."""
     e = tl.arange(0, EP)
     em = e < E
     lg = tl.load(logits_ptr + e, mask=em, other=float("-inf")).to(tl.float32)
@@ -26,9 +25,18 @@ def route_kernel(logits_ptr, ids_ptr, wts_ptr, E: tl.constexpr, EP: tl.constexpr
         sel = sel | (e == idx)
         key = tl.where(e == idx, -1, key)
     wsum = tl.sum(tl.where(sel, p, 0.0), 0) if NORM else 1.0
-    rank = tl.cumsum(sel.to(tl.int32), 0) - 1  # slot of each selected expert, ascending id
+    rank = tl.cumsum(sel.to(tl.int32), 0) - 1
+    return e, sel, rank, _bf16(p / wsum)
+
+
+@triton.jit
+def route_kernel(logits_ptr, ids_ptr, wts_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
+                 NORM: tl.constexpr, PDL: tl.constexpr):
+    """Top-k routing of one token from its router logits; ids ascending, weights in bf16 precision."""
+    pdl_begin(PDL)
+    e, sel, rank, w = topk_select(logits_ptr, E, EP, TOPK, NORM)
     tl.store(ids_ptr + rank, e, mask=sel)
-    tl.store(wts_ptr + rank, _bf16(p / wsum), mask=sel)
+    tl.store(wts_ptr + rank, w, mask=sel)
 
 
 def route(logits, ids, wts, *, num_experts, top_k, norm_topk=True):
