@@ -170,9 +170,10 @@ def moe_route_ab(ctx: int = 8192, steps: int = 200, check_steps: int = 32) -> di
     db.fill_context(eng, ctx, torch.Generator(device="cuda").manual_seed(1234))
     n0, snap = eng.export_state()
     out = {"context": ctx, "steps": steps}
-    for label, tuning in (("route_launch", Tuning()),
+    launch = dataclasses.replace(Tuning(), moe_route_in_gate_up=False)
+    for label, tuning in (("route_launch", launch),
                           ("route_in_gate_up", dataclasses.replace(Tuning(), moe_route_in_gate_up=True)),
-                          ("route_launch_again", Tuning())):
+                          ("route_launch_again", launch)):
         d = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
         runner = GraphRunner(d)
         g = runner._graph(False)

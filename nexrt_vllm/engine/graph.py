@@ -50,9 +50,10 @@ class Tuning:
     moe_block_k: int = 256
     moe_down_block_n: int = 2
     moe_down_block_k: int = 512
-    # Opt-in: route inside the experts' gate_up launch (one launch less per MoE layer; every routed
-    # program repeats the top-k selection before its first weight load). A/B: gpu_check --moe-route-ab.
-    moe_route_in_gate_up: bool = False
+    # Route inside the experts' gate_up launch (one launch less per MoE layer; every routed program
+    # repeats the top-k selection before its first weight load): 35B at 8K 2.825 -> 2.756 ms on the
+    # H200, same tokens (gpu_check --moe-route-ab). False: the separate one-warp route launch.
+    moe_route_in_gate_up: bool = True
 
     def shape(self, n: int) -> dict:
         for max_rows, bn, bk, nw in self.gemv:
