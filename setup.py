@@ -56,6 +56,8 @@ setup(
         "numpy",
         "safetensors",
         "tqdm",
+        "tokenizers",
+        "prometheus-client",
     ],
     extras_require={
         "engine": ["torch>=2.4", "safetensors", "tqdm"],
