@@ -17,6 +17,8 @@ import time
 from aiohttp import web
 from tokenizers import Tokenizer
 
+from nexrt_vllm.testing import make_tokenizer
+
 
 class Loop:
     """An asyncio loop in a daemon thread; `serve(app)` returns the URL it listens on."""
@@ -249,6 +251,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tokenizer_dir(tmp_path_factory) -> str:
+    """A fresh temporary directory holding the tiny test tokenizer."""
+    d = str(tmp_path_factory.mktemp("tok"))
+    make_tokenizer(d)
+    return d
+
+
+def wait(cond, timeout: float = 5.0) -> None:
+    """Poll `cond()` until it is true; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
 class Stack:
     """Fake vLLM + `n_nodes` fake decode nodes + a real in-process router, on one Loop."""
 
@@ -283,3 +300,11 @@ class Stack:
 
     def close(self) -> None:
         self.loop.close()
+
+
+def interactive_stack(tmp_path_factory):
+    """Body of a module-scoped `stack` fixture (`yield from` it): one fake node, and requests
+    without a class header take the interactive path."""
+    s = Stack(tokenizer_dir(tmp_path_factory), n_nodes=1, router_args=("--default-class", "interactive"))
+    yield s
+    s.close()

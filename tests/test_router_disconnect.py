@@ -1,29 +1,16 @@
 """Client disconnect at any stage: during prefill the vLLM request is closed (vLLM aborts it) and
 the node reservation cancelled; during decode the node stops; the slot is released exactly once."""
 import socket
-import time
 
 import pytest
 import requests
 
-from nexrt_vllm.testing import make_tokenizer
-from router_fakes import Stack
+from router_fakes import interactive_stack, wait
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tok"))
-    make_tokenizer(d)
-    s = Stack(d, n_nodes=1, router_args=("--default-class", "interactive"))
-    yield s
-    s.close()
-
-
-def wait(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
+    yield from interactive_stack(tmp_path_factory)
 
 
 def test_disconnect_during_prefill(stack):

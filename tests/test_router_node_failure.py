@@ -8,15 +8,12 @@ import time
 import pytest
 import requests
 
-from nexrt_vllm.testing import make_tokenizer
-from router_fakes import Stack
+from router_fakes import Stack, tokenizer_dir, wait
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tok"))
-    make_tokenizer(d)
-    return d
+    return tokenizer_dir(tmp_path_factory)
 
 
 def complete(url, stream, max_tokens=10):
@@ -28,13 +25,6 @@ def complete(url, stream, max_tokens=10):
 def sse(text):
     frames = [f for f in text.split("\n\n") if f]
     return [f[len("data: "):] for f in frames]
-
-
-def wait(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 def test_node_dies_mid_stream_then_failover(tok_dir):

@@ -6,17 +6,12 @@ import time
 import pytest
 import requests
 
-from nexrt_vllm.testing import make_tokenizer
-from router_fakes import Stack
+from router_fakes import interactive_stack
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tok"))
-    make_tokenizer(d)
-    s = Stack(d, n_nodes=1, router_args=("--default-class", "interactive"))
-    yield s
-    s.close()
+    yield from interactive_stack(tmp_path_factory)
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
