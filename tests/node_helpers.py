@@ -150,6 +150,20 @@ class PrefillSide:
         self.sender.close()
 
 
+def assert_request_matches_engine(node: NodeProcess, side: PrefillSide, rid: str, prompt: list[int], prep: dict,
+                                  max_tokens: int) -> None:
+    """A whole request (admit, hand-off of `prep`, generate) yields the prefill engine's own greedy
+    continuation of `prompt`, and the node's slot is free afterwards."""
+    ref = side.reference(prompt, max_tokens)
+    adm = node.admit(rid)
+    side.send(node, rid, adm["generation"], prep)
+    tokens, _ = node.generate(rid, adm["generation"], prep["first"], max_tokens)
+    got = [prep["first"], *tokens]
+    assert got == ref, f"node tokens {got} != engine tokens {ref}"
+    health = node.wait_free()
+    assert health["busy_slots"] == 0, health
+
+
 def control_request(control_addr: str, message: dict | bytes, timeout: float = 5.0) -> dict:
     """One raw REQ/REP round trip with the node's control endpoint (for malformed/foreign messages)."""
     import msgpack

@@ -7,7 +7,7 @@ import pytest
 
 from nexrt_vllm import protocol as P
 from nexrt_vllm.handoff import HandoffError
-from node_helpers import NodeProcess, PrefillSide
+from node_helpers import NodeProcess, PrefillSide, assert_request_matches_engine
 
 GRACE = 1.5
 
@@ -43,12 +43,7 @@ def test_single_buffer_quarantine(qwen3_next_ckpt):
         assert time.monotonic() - t0 > GRACE - 0.5
         node.call("POST", "/v1/cancel", {"rid": "q-4"})  # reserved only: no writer, no quarantine
 
-        ref = side.reference(prompt, 17)
-        adm = node.admit("q-5")
-        side.send(node, "q-5", adm["generation"], prep)
-        tokens, _ = node.generate("q-5", adm["generation"], prep["first"], 17)
-        assert [prep["first"], *tokens] == ref
-        assert node.wait_free()["busy_slots"] == 0
+        assert_request_matches_engine(node, side, "q-5", prompt, prep, 17)
     finally:
         side.close()
         node.stop()

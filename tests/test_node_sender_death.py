@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from node_helpers import NodeProcess, PrefillSide
+from node_helpers import NodeProcess, PrefillSide, assert_request_matches_engine
 
 TRANSFER_TIMEOUT = 2.0
 
@@ -53,12 +53,7 @@ def test_sender_dies_mid_transfer(qwen3_next_ckpt, transport):
         assert node.health()["busy_slots"] == 0
         assert node.metric("nexrt_requests_finished_total", 'outcome="timeout"') == 1
 
-        ref = side.reference(prompt, 33)
-        adm2 = node.admit("next")
-        side.send(node, "next", adm2["generation"], prep)
-        tokens, final = node.generate("next", adm2["generation"], prep["first"], 33)
-        assert [prep["first"], *tokens] == ref
-        assert node.wait_free()["busy_slots"] == 0
+        assert_request_matches_engine(node, side, "next", prompt, prep, 33)
     finally:
         side.close()
         node.stop()
