@@ -22,27 +22,22 @@ def _engine(host: str):
     return eng
 
 
-def _register(eng, addr: int, size: int) -> None:
-    rc = eng.register_memory(addr, size)
-    if rc != 0:
-        raise TransferError(f"mooncake register_memory({addr:#x}, {size}) returned {rc}")
+class _MooncakeBase:
+    """What both ends share: one engine, registrations released on close."""
 
-
-class MooncakeReceiver(ReceiverTransport):
     name = "mooncake"
 
     def __init__(self, host: str = "127.0.0.1"):
-        self._host = host
+        self._host = host  # the address advertised to peers
         self._eng = _engine(host)
         self._regs: list[int] = []
 
     def register(self, addr: int, size: int, kind: str = "host") -> None:
         _check_kind(self, kind)
-        _register(self._eng, addr, size)
+        rc = self._eng.register_memory(addr, size)
+        if rc != 0:
+            raise TransferError(f"mooncake register_memory({addr:#x}, {size}) returned {rc}")
         self._regs.append(addr)
-
-    def peer_info(self) -> dict:
-        return {"backend": self.name, "target": f"{self._host}:{self._eng.get_rpc_port()}"}
 
     def close(self) -> None:
         for addr in self._regs:
@@ -50,18 +45,12 @@ class MooncakeReceiver(ReceiverTransport):
         self._regs.clear()
 
 
-class MooncakeSender(SenderTransport):
-    name = "mooncake"
+class MooncakeReceiver(_MooncakeBase, ReceiverTransport):
+    def peer_info(self) -> dict:
+        return {"backend": self.name, "target": f"{self._host}:{self._eng.get_rpc_port()}"}
 
-    def __init__(self, host: str = "127.0.0.1"):
-        self._eng = _engine(host)
-        self._regs: list[int] = []
 
-    def register(self, addr: int, size: int, kind: str = "host") -> None:
-        _check_kind(self, kind)
-        _register(self._eng, addr, size)
-        self._regs.append(addr)
-
+class MooncakeSender(_MooncakeBase, SenderTransport):
     def unregister(self, addr: int) -> None:
         if addr in self._regs:
             self._regs.remove(addr)
@@ -86,8 +75,3 @@ class MooncakeSender(SenderTransport):
             raise TransferError(f"mooncake write to {peer} failed (rc={rc})")
         if time.monotonic() - t0 > timeout:
             raise TransferError(f"mooncake write to {peer} took longer than {timeout}s")
-
-    def close(self) -> None:
-        for addr in self._regs:
-            self._eng.unregister_memory(addr)
-        self._regs.clear()
