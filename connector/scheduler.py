@@ -47,6 +47,10 @@ class NexRTScheduler:
 
     # -- per step ------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> NexRTMetadata:
+        if not self._reqs:
+            # Nothing claimed (an abort is only queued for a tracked request): an empty meta,
+            # without looking at the batch (tests/test_connector_noop_cost.py counts this).
+            return NexRTMetadata()
         meta = NexRTMetadata(aborted=self._aborts)
         self._aborts = []
         block_state = scheduler_output.kv_connector_block_state
@@ -110,4 +114,4 @@ class NexRTScheduler:
 
     def has_pending_push_work(self) -> bool:
         # Keeps the engine stepping so get_finished can release held blocks once sends end.
-        return any(t.finished for t in self._reqs.values())
+        return bool(self._reqs) and any(t.finished for t in self._reqs.values())

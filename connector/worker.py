@@ -295,6 +295,8 @@ class NexRTWorker:
         if meta is self._meta:
             return
         self._meta = meta
+        if not meta.steps and not self._jobs:
+            return  # nothing claimed in flight: nothing to start, stop or drain (self._steps is empty)
         self._steps = {s.req_id: s for s in meta.steps}
         for req_id in meta.aborted:
             job = self._jobs.get(req_id)
@@ -320,8 +322,10 @@ class NexRTWorker:
                 job.drain(self._cfg.drain_timeout_s)
 
     def save_kv_layer(self, layer_name: str) -> None:
+        if not self._steps:
+            return
         layer = self._attn_by_name.get(layer_name)
-        if layer is None or not self._steps:
+        if layer is None:
             return
         for s in self._steps.values():
             job = self._jobs.get(s.req_id)
@@ -334,6 +338,8 @@ class NexRTWorker:
             self._queue_attention(job, s, layer, upto)
 
     def wait_for_save(self) -> None:
+        if not self._steps:
+            return
         for s in self._steps.values():
             job = self._jobs.get(s.req_id)
             if job is None or job.ended or job.final_queued or not s.completes_prefill:
@@ -358,6 +364,8 @@ class NexRTWorker:
             self._ended[job.req_id] = job.outcome
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not self._jobs:
+            return None, None
         self._vllm_finished.update(r for r in finished_req_ids if r in self._jobs)
         done = {r for r in self._vllm_finished if self._jobs[r].ended}
         for r in done:
@@ -366,6 +374,8 @@ class NexRTWorker:
         return (done or None), None
 
     def build_worker_meta(self) -> NexRTWorkerMetadata | None:
+        if not self._ended:
+            return None  # unlocked read: an outcome being added now is reported next step
         with self._lock:
             if not self._ended:
                 return None
