@@ -9,9 +9,11 @@ in alternating rounds (the box is shared, so neighbours' load spreads over all t
 * ``nexrt``   - vLLM with NexRTConnector (mooncake transport), no request claimed.
 
 Per request it reads vLLM's own timestamps (``RequestOutput.metrics``) and reports the median
-TPOT; ``--profile`` also writes a cProfile of one configuration's engine core (in-process).
+TPOT. ``--profile CONFIG`` instead runs one configuration with engine core and worker in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) under cProfile and prints the top functions.
 
-    python3 -m benchmarks.connector_overhead --out benchmarks/results/connector_overhead.json
+    python3 -m benchmarks.connector_overhead --rounds 3 --requests 8 --warmup 1 \
+        --out benchmarks/results/connector_overhead.json
 """
 from __future__ import annotations
 
