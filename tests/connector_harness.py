@@ -44,6 +44,18 @@ def _margins(ids, plps):
             for t, lp in zip(ids, plps)]
 
 
+def _add_and_step(llm, cmd: dict) -> None:
+    """Add one greedy request to the engine and run ``cmd["steps"]`` engine steps."""
+    from vllm import SamplingParams
+
+    r = cmd["request"]
+    sp = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
+                        extra_args={"kv_transfer_params": r["kv_transfer_params"]})
+    llm.llm_engine.add_request(cmd["request_id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
+    for _ in range(cmd["steps"]):
+        llm.llm_engine.step()
+
+
 def _child(cfg: dict) -> None:
     import torch
     from vllm import LLM, SamplingParams
@@ -84,23 +96,13 @@ def _child(cfg: dict) -> None:
         elif op == "abort_midway":
             # Abort a request after ``steps`` engine steps (mid chunked prefill), as a client
             # disconnect would.
-            r = cmd["request"]
-            sp = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
-                                extra_args={"kv_transfer_params": r["kv_transfer_params"]})
-            llm.llm_engine.add_request(cmd["request_id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
-            for _ in range(cmd["steps"]):
-                llm.llm_engine.step()
+            _add_and_step(llm, cmd)
             llm.llm_engine.abort_request([cmd["request_id"]])
             reply({"aborted": True})
         elif op == "preempt_midway":
             # Run ``steps`` engine steps, then preempt every running request (vLLM's own
             # reset_prefix_cache(reset_running_requests=True)): they recompute into new blocks.
-            r = cmd["request"]
-            sp = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
-                                extra_args={"kv_transfer_params": r["kv_transfer_params"]})
-            llm.llm_engine.add_request(cmd["request_id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
-            for _ in range(cmd["steps"]):
-                llm.llm_engine.step()
+            _add_and_step(llm, cmd)
             assert llm.reset_prefix_cache(reset_running_requests=True)
             done = None
             while done is None:
