@@ -4,4 +4,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false UCX_NET_DEVICES=lo
-exec python3 -m pytest tests -q -rfEs --timeout=900 -p no:cacheprovider "$@"
+log=$(mktemp)
+set +e
+python3 -m pytest tests -q -rfEs --timeout=900 -p no:cacheprovider "$@" 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+# Mooncake's C++ logs a few lines at interpreter exit, after pytest's summary: repeat the summary last.
+grep -E "^[0-9]+ (passed|failed)|^(=+ )?[0-9]+ (passed|failed)|no tests ran" "$log" | tail -1
+rm -f "$log"
+exit "$rc"
