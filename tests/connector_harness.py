@@ -184,6 +184,21 @@ class VLLMProc:
 DENSE_ROUTING = {"num_experts": 2, "num_experts_per_tok": 2}
 
 
+def vllm_with_node(ckpt: str, d, transport: str, kv_transfer_config: dict):
+    """Module-fixture body: one fp32 `nexrt-decode` node + one vLLM with `kv_transfer_config`;
+    yields (vllm, node) and closes both, also when either fails to start."""
+    node = vllm = None
+    try:
+        node = NodeProc(ckpt, transport, str(d / "node.log"), str(d), extra_args=("--dtype", "float32"))
+        vllm = VLLMProc({"model": ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": kv_transfer_config},
+                        str(d / "vllm.log"))
+        yield vllm, node
+    finally:
+        for p in (vllm, node):
+            if p is not None:
+                p.close()
+
+
 def nexrt_kv_config(transport: str, **extra) -> dict:
     return {"kv_connector": "NexRTConnector", "kv_connector_module_path": "nexrt_vllm.connector",
             "kv_role": "kv_producer", "kv_connector_extra_config": {"transport": transport, **extra}}

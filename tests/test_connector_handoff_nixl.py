@@ -2,8 +2,8 @@
 `nexrt-decode --transport nixl` continues; criterion as in test_connector_handoff_mooncake.py."""
 import pytest
 
-from connector_harness import (DENSE_ROUTING, NodeProc, VLLMProc, assert_vllm_greedy, continue_on_node, hand_off,
-                               nexrt_kv_config, random_prompt)
+from connector_harness import (DENSE_ROUTING, assert_vllm_greedy, continue_on_node, hand_off, nexrt_kv_config,
+                               random_prompt, vllm_with_node)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -14,16 +14,7 @@ MAX_TOKENS = 33
 def setup(ckpt_factory, tmp_path_factory):
     ckpt = ckpt_factory("qwen3_next", "bfloat16", **DENSE_ROUTING)
     d = tmp_path_factory.mktemp("nixl")
-    node = vllm = None
-    try:
-        node = NodeProc(ckpt, "nixl", str(d / "node.log"), str(d), extra_args=("--dtype", "float32"))
-        vllm = VLLMProc({"model": ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": nexrt_kv_config("nixl")},
-                        str(d / "vllm.log"))
-        yield vllm, node
-    finally:
-        for p in (vllm, node):
-            if p is not None:
-                p.close()
+    yield from vllm_with_node(ckpt, d, "nixl", nexrt_kv_config("nixl"))
 
 
 @pytest.mark.parametrize("n", [40, 1100])  # one page; five pages prefilled in three chunks

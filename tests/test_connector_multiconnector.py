@@ -3,8 +3,8 @@ vLLM without any connector, a request that both connectors act on gets both sets
 kv_transfer_params without a key clash, and a claimed request still hands off correctly."""
 import pytest
 
-from connector_harness import (DENSE_ROUTING, NodeProc, VLLMProc, assert_vllm_greedy, continue_on_node, hand_off,
-                               nexrt_kv_config, random_prompt)
+from connector_harness import (DENSE_ROUTING, VLLMProc, assert_vllm_greedy, continue_on_node, hand_off, nexrt_kv_config,
+                               random_prompt, vllm_with_node)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,16 +34,7 @@ def plain_outputs(ckpt, tmp_path_factory):
 @pytest.fixture(scope="module")
 def multi(ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("multi")
-    node = vllm = None
-    try:
-        node = NodeProc(ckpt, "mooncake", str(d / "node.log"), str(d), extra_args=("--dtype", "float32"))
-        vllm = VLLMProc({"model": ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": _multi_config()},
-                        str(d / "vllm.log"))
-        yield vllm, node
-    finally:
-        for p in (vllm, node):
-            if p is not None:
-                p.close()
+    yield from vllm_with_node(ckpt, d, "mooncake", _multi_config())
 
 
 def test_unclaimed_requests_unchanged(multi, plain_outputs):
