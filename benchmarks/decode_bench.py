@@ -63,6 +63,16 @@ def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+_BW: list[float] = []
+
+
+def copy_bw_cached() -> float:
+    """copy_bandwidth() measured once per process."""
+    if not _BW:
+        _BW.append(copy_bandwidth())
+    return _BW[0]
+
+
 def time_replays(g, n: int) -> list[float]:
     """Per-replay device time (s) of `n` back-to-back replays, from events between them."""
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
@@ -193,7 +203,7 @@ def kernel_groups(d, reps: int = 20) -> dict:
     for name, items in groups.items():
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+        with torch.cuda.stream(s), d.launch_options():
             for fn, _ in items:
                 fn()
             torch.cuda.synchronize()
@@ -353,8 +363,15 @@ def main(argv=None) -> int:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "copy_bw_Bps": bw, "shapes": []}
     try:
+        import dataclasses
+
         import triton
+
+        from nexrt_vllm.engine.graph import Tuning
+        from nexrt_vllm.engine.kernels import common
         results["triton"] = triton.__version__
+        results["tuning"] = dataclasses.asdict(Tuning())
+        results["launch_options"] = {"pdl": common.DEFAULT[0], "prefetch": common.DEFAULT[1]}
     except ImportError:
         pass
     for key in args.shapes.split(","):

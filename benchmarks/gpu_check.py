@@ -3,15 +3,15 @@
     PYTHONPATH=. python benchmarks/gpu_check.py --out $OUT [--sweep] [--bench-args "..."]
 
 1. the kernel tests (tests/test_kernels_decode_ops.py) on the GPU: compiled kernels, random inputs,
-   poisoned outputs, relative-error bounds;
+   poisoned outputs, relative-error bounds; again with PDL + L2 prefetch on (NEXRT_PDL=1);
 2. greedy parity on the tiny test checkpoints (all three families): eager engine vs the graph path
    (fused kernels, and eager ops in one graph) for 256 steps, replays per token; the same through
    the product wiring (Engine.use_graph + Engine.stream, as nexrt-decode --graph runs it);
 3. optionally a GEMV / MoE launch-shape sweep on the real projection shapes (bandwidth per config);
 4. optionally the sampling graph (support of every draw, seed reproducibility, step time);
 5. optionally benchmarks/decode_bench.py with the given arguments;
-6. optionally (--moe-route-ab) the 35B step time with and without the MoE routing folded into the
-   experts' gate_up launch.
+6. optionally (--ab SHAPES) an A/B of Tuning variants at 8K in one process: step time, greedy tokens,
+   kernel-group times of the fastest (default variants: PDL and prefetch off / on).
 Everything lands in --out as JSON; a short table is printed last.
 """
 from __future__ import annotations
@@ -36,17 +36,17 @@ def log(*a):
     print(*a, flush=True)
 
 
-def kernel_tests(out: str) -> dict:
-    env = dict(os.environ, NEXRT_KERNEL_DEVICE="cuda", PYTHONPATH=ROOT)
+def kernel_tests(out: str, pdl: bool = False) -> dict:
+    env = dict(os.environ, NEXRT_KERNEL_DEVICE="cuda", PYTHONPATH=ROOT, NEXRT_PDL="1" if pdl else "0")
     env.pop("TRITON_INTERPRET", None)
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         os.path.join(ROOT, "tests", "test_kernels_decode_ops.py")],
                        env=env, capture_output=True, text=True, timeout=400)
-    with open(os.path.join(out, "kernel_tests.log"), "w") as f:
+    with open(os.path.join(out, f"kernel_tests{'_pdl' if pdl else ''}.log"), "w") as f:
         f.write(p.stdout + p.stderr)
     tail = (p.stdout.strip().splitlines() or [""])[-1]
-    log(f"kernel tests on GPU: rc={p.returncode} {tail} ({time.time() - t0:.0f}s)")
+    log(f"kernel tests on GPU (pdl={pdl}): rc={p.returncode} {tail} ({time.time() - t0:.0f}s)")
     if p.returncode:
         log(p.stdout[-3000:])
     return {"rc": p.returncode, "summary": tail}
@@ -154,10 +154,33 @@ def engine_graph(steps: int) -> dict:
     return out
 
 
-def moe_route_ab(ctx: int = 8192, steps: int = 200, check_steps: int = 32) -> dict:
-    """Qwen3.5-35B-A3B shape at `ctx`: step time with the route launch (default), with the routing
-    folded into the experts' gate_up launch (Tuning.moe_route_in_gate_up), and the default again
-    (drift check); greedy tokens of the variants from one state must agree."""
+DEFAULT_AB = ("off:pdl=0,prefetch=0;pdl:pdl=1,prefetch=0;pdl_prefetch:pdl=1,prefetch=1;"
+              "off_again:pdl=0,prefetch=0")
+
+
+def parse_variants(spec: str) -> list[tuple[str, dict]]:
+    """"label:key=value,key=value;label2:..." -> [(label, {key: value})]; keys are Tuning fields, values
+    ints (bools for bool fields), or a/b/c for tuples."""
+    out = []
+    for part in filter(None, spec.split(";")):
+        label, _, kvs = part.partition(":")
+        kw = {}
+        for kv in filter(None, kvs.split(",")):
+            k, _, v = kv.partition("=")
+            if "/" in v:  # a tuple field, e.g. gemv_router=2/1024/4
+                kw[k] = tuple(int(x) for x in v.split("/"))
+            else:
+                kw[k] = int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v.lower(), v)
+        out.append((label, kw))
+    return out
+
+
+def tuning_ab(shape: str, variants: list[tuple[str, dict]], ctx: int = 8192, steps: int = 200,
+              check_steps: int = 32, breakdown: bool = True) -> dict:
+    """One model of `shape` at `ctx`; per Tuning variant (fields replaced, ints as bools where the
+    field is bool): median step time over `steps` replays, greedy tokens from one state (variants
+    that only change launch options must give the same tokens) and, for the fastest variant, the
+    per-kernel-group times. A repeated variant shows the drift between measurements."""
     import dataclasses
 
     sys.path.insert(0, HERE)
@@ -165,15 +188,16 @@ def moe_route_ab(ctx: int = 8192, steps: int = 200, check_steps: int = 32) -> di
     from nexrt_vllm.engine import Engine
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner, Tuning
 
-    eng = Engine.from_config(db.SHAPES["35b"], device="cuda", dtype="bfloat16", max_seq_len=ctx + 2 * steps + 64,
+    eng = Engine.from_config(db.SHAPES[shape], device="cuda", dtype="bfloat16", max_seq_len=ctx + 2 * steps + 64,
                              seed=0)
     db.fill_context(eng, ctx, torch.Generator(device="cuda").manual_seed(1234))
     n0, snap = eng.export_state()
-    out = {"context": ctx, "steps": steps}
-    launch = dataclasses.replace(Tuning(), moe_route_in_gate_up=False)
-    for label, tuning in (("route_launch", launch),
-                          ("route_in_gate_up", dataclasses.replace(Tuning(), moe_route_in_gate_up=True)),
-                          ("route_launch_again", launch)):
+    out = {"shape": shape, "context": ctx, "steps": steps, "variants": {}}
+    fields = {f.name: f for f in dataclasses.fields(Tuning)}
+    best = None
+    for label, kw in variants:
+        kw = {k: (bool(v) if fields[k].type in ("bool", "bool | None") else v) for k, v in kw.items()}
+        tuning = dataclasses.replace(Tuning(), **kw)
         d = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
         runner = GraphRunner(d)
         g = runner._graph(False)
@@ -185,11 +209,19 @@ def moe_route_ab(ctx: int = 8192, steps: int = 200, check_steps: int = 32) -> di
         eng.import_state(n0, snap)
         toks = list(runner.generate(1, check_steps))
         eng.import_state(n0, snap)
-        out[label] = {"step_ms_median": med * 1e3, "tokens": toks}
-        log(f"moe route A/B {label}: {med * 1e3:.3f} ms/step")
-        del runner, d, g
-    out["tokens_equal"] = out["route_launch"]["tokens"] == out["route_in_gate_up"]["tokens"]
-    del eng
+        out["variants"][label] = {"tuning": kw, "step_ms_median": med * 1e3, "tokens": toks,
+                                  "mbu": d.bytes_per_step(ctx)["total"] / med / db.copy_bw_cached()}
+        log(f"A/B {shape} {label} {kw}: {med * 1e3:.3f} ms/step, MBU {out['variants'][label]['mbu'] * 100:.1f}%")
+        if best is None or med < best[1]:
+            best = (label, med, d)
+        del runner, g
+    if breakdown and best is not None:
+        eng.state.set_seq_len(ctx)
+        out["kernel_groups_best"] = {"variant": best[0], "groups": db.kernel_groups(best[2])}
+        eng.import_state(n0, snap)
+    first = next(iter(out["variants"].values()))["tokens"]
+    out["tokens_equal_to_first"] = {k: v["tokens"] == first for k, v in out["variants"].items()}
+    del eng, best
     torch.cuda.empty_cache()
     return out
 
@@ -337,16 +369,20 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--kernel-tests-only", action="store_true", help="of the tests, only the kernel tests")
     ap.add_argument("--tiny-steps", type=int, default=256)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sampling", action="store_true")
     ap.add_argument("--bench-args", default="")
-    ap.add_argument("--moe-route-ab", action="store_true", help="after the bench: moe_route_ab() (35B shape, 8K)")
+    ap.add_argument("--ab", default="", help="shapes (e.g. 35b,2b) for tuning_ab() at 8K, before the bench")
+    ap.add_argument("--ab-variants", default=DEFAULT_AB, help="label:field=value,...;label2:... (Tuning fields)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if not args.skip_tests:
         report["kernel_tests"] = kernel_tests(args.out)
+        report["kernel_tests_pdl"] = kernel_tests(args.out, pdl=True)
+    if not args.skip_tests and not args.kernel_tests_only:
         try:
             report["tiny_parity"] = tiny_parity(args.tiny_steps)
         except Exception as e:  # noqa: BLE001 - keep going to the bench; the report says what broke
@@ -365,15 +401,15 @@ def main() -> int:
         report["sampling"] = sampling_check()
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1)
+    for shape in filter(None, args.ab.split(",")):
+        report.setdefault("tuning_ab", {})[shape] = tuning_ab(shape, parse_variants(args.ab_variants))
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=1)
     rc = 0
     if args.bench_args:
         sys.path.insert(0, HERE)
         import decode_bench
         rc = decode_bench.main(shlex.split(args.bench_args))
-    if args.moe_route_ab:
-        report["moe_route_ab"] = moe_route_ab()
-        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-            json.dump(report, f, indent=1)
     return rc
 
 

@@ -54,6 +54,11 @@ class Tuning:
     # repeats the top-k selection before its first weight load): 35B at 8K 2.825 -> 2.756 ms on the
     # H200, same tokens (gpu_check --moe-route-ab). False: the separate one-warp route launch.
     moe_route_in_gate_up: bool = True
+    # Programmatic dependent launch for every kernel of the step, and (with it) each kernel's L2
+    # prefetch of its weights / state before it waits for its predecessor (kernels/common.py).
+    # None: the process default (NEXRT_PDL / NEXRT_PREFETCH).
+    pdl: bool | None = None
+    prefetch: bool | None = None
 
     def shape(self, n: int) -> dict:
         for max_rows, bn, bk, nw in self.gemv:
@@ -159,7 +164,8 @@ class FusedDecoder:
             raise EngineError(f"mode must be 'fused' or 'eager', got {mode!r}")
         cfg = model.config
         _require_gpu_dtype(cfg, state.dtype)
-        from .kernels import attention, gdn, gemv, moe, route, sampling  # triton: GPU path only
+        from .kernels import attention, common, gdn, gemv, moe, route, sampling  # triton: GPU path only
+        self.k_common = common
         self.k_attn, self.k_gdn, self.k_gemv, self.k_moe, self.k_samp = attention, gdn, gemv, moe, sampling
         self.k_route = route
         self.model, self.cfg, self.state, self.mode, self.t = model, cfg, state, mode, tuning or Tuning()
@@ -302,6 +308,14 @@ class FusedDecoder:
 
     def launch(self, sample: bool = False) -> None:
         """Enqueue one decode step: input token `tok` at `position`; leaves the next token in `tok`."""
+        with self.launch_options():
+            self._launch(sample)
+
+    def launch_options(self):
+        """Context in which this decoder's kernels are launched (PDL / prefetch per its Tuning)."""
+        return self.k_common.launch_options(self.t.pdl, self.t.prefetch)
+
+    def _launch(self, sample: bool) -> None:
         pos = self.state.position
         if self.mode == "fused":
             for _, fn, _ in self.plan():
