@@ -64,6 +64,10 @@ out = {
                                                          EP=256, NORM=True, LINES=32, **on)),
     "moe_down": compile_(moe.moe_down_kernel, dict(E=256, EP=256, NORM=True, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=512,
                                                    LINES=8, LINES_S=8, **on)),
+    "attn_scores": compile_(attention.attn_scores_kernel, dict(NSPLIT=256, MIN_PER=32, G=8, GP=16, HD=256, BLOCK=32,
+                                                              DOT_F32=False, LINES=4, **on)),
+    "attn_pv": compile_(attention.attn_pv_kernel, dict(NSPLIT=256, MIN_PER=32, G=8, GP=16, HD=256, BLOCK=32,
+                                                      DOT_F32=False, LINES=4, **on)),
     "gdn_step": compile_(gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, LINES=1, **on)),
 }
 json.dump(out, sys.stdout)
@@ -84,7 +88,8 @@ def test_every_variant_builds_a_cubin(compiled):
 
 
 @pytest.mark.parametrize("name", ["gemv_rmsnorm_swiglu", "gemv_rmsnorm_conv", "gemv_gated_residual",
-                                  "gemv_lm_head_argmax", "gemv_router_xn", "moe_gate_up", "moe_down", "gdn_step"])
+                                  "gemv_lm_head_argmax", "gemv_router_xn", "moe_gate_up", "moe_down", "gdn_step",
+                                  "attn_scores", "attn_pv"])
 def test_prefetch_and_grid_dependency_are_emitted(compiled, name):
     assert compiled[name]["prefetch"] > 0, compiled[name]
     assert compiled[name]["griddep"] >= 2, compiled[name]  # wait + launch_dependents
