@@ -371,7 +371,7 @@ def main(argv=None) -> int:
         from nexrt_vllm.engine.kernels import common
         results["triton"] = triton.__version__
         results["tuning"] = dataclasses.asdict(Tuning())
-        results["launch_options"] = {"pdl": common.DEFAULT[0], "prefetch": common.DEFAULT[1]}
+        results["launch_options"] = {"pdl": common.DEFAULT_PDL}
     except ImportError:
         pass
     for key in args.shapes.split(","):

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/gpu_check.py --out $OUT [--sweep] [--bench-args "..."]
 
 1. the kernel tests (tests/test_kernels_decode_ops.py) on the GPU: compiled kernels, random inputs,
-   poisoned outputs, relative-error bounds; again with PDL + L2 prefetch on (NEXRT_PDL=1);
+   poisoned outputs, relative-error bounds; again with PDL on (NEXRT_PDL=1);
 2. greedy parity on the tiny test checkpoints (all three families): eager engine vs the graph path
    (fused kernels, and eager ops in one graph) for 256 steps, replays per token; the same through
    the product wiring (Engine.use_graph + Engine.stream, as nexrt-decode --graph runs it);
@@ -11,7 +11,7 @@
 4. optionally the sampling graph (support of every draw, seed reproducibility, step time);
 5. optionally benchmarks/decode_bench.py with the given arguments;
 6. optionally (--ab SHAPES) an A/B of Tuning variants at 8K in one process: step time, greedy tokens,
-   kernel-group times of the fastest (default variants: PDL and prefetch off / on).
+   kernel-group times of the fastest (default variants: PDL off / on).
 Everything lands in --out as JSON; a short table is printed last.
 """
 from __future__ import annotations
@@ -154,8 +154,7 @@ def engine_graph(steps: int) -> dict:
     return out
 
 
-DEFAULT_AB = ("off:pdl=0,prefetch=0;pdl:pdl=1,prefetch=0;pdl_prefetch:pdl=1,prefetch=1;"
-              "off_again:pdl=0,prefetch=0")
+DEFAULT_AB = "off:pdl=0;pdl:pdl=1;off_again:pdl=0"
 
 
 def parse_variants(spec: str) -> list[tuple[str, dict]]:

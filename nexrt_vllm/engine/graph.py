@@ -54,11 +54,9 @@ class Tuning:
     # repeats the top-k selection before its first weight load): 35B at 8K 2.825 -> 2.756 ms on the
     # H200, same tokens (gpu_check --moe-route-ab). False: the separate one-warp route launch.
     moe_route_in_gate_up: bool = True
-    # Programmatic dependent launch for every kernel of the step, and (with it) each kernel's L2
-    # prefetch of its weights / state before it waits for its predecessor (kernels/common.py).
-    # None: the process default (NEXRT_PDL / NEXRT_PREFETCH).
+    # Programmatic dependent launch for every kernel of the step (kernels/common.py); None: the
+    # process default (NEXRT_PDL, off).
     pdl: bool | None = None
-    prefetch: bool | None = None
 
     def shape(self, n: int) -> dict:
         for max_rows, bn, bk, nw in self.gemv:
@@ -312,8 +310,8 @@ class FusedDecoder:
             self._launch(sample)
 
     def launch_options(self):
-        """Context in which this decoder's kernels are launched (PDL / prefetch per its Tuning)."""
-        return self.k_common.launch_options(self.t.pdl, self.t.prefetch)
+        """Context in which this decoder's kernels are launched (PDL per its Tuning)."""
+        return self.k_common.launch_options(self.t.pdl)
 
     def _launch(self, sample: bool) -> None:
         pos = self.state.position

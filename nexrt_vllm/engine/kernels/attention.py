@@ -15,7 +15,7 @@ import os
 import triton
 import triton.language as tl
 
-from .common import LAUNCH, lines, pdl_begin, prefetch_rows, prefetching
+from .common import LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 
 
@@ -74,25 +74,15 @@ def _split_range(pos_ptr, sp, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _prefetch_split(base, start, end, stride_cs, HD: tl.constexpr, BLOCK: tl.constexpr, LINES: tl.constexpr):
-    for n0 in range(start, end, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        prefetch_rows(base, n, n < end, stride_cs, HD, 64, LINES)
-
-
-@triton.jit
 def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, stride_ch, stride_cs, max_len,
                        NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                       HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                       PREFETCH: tl.constexpr, LINES: tl.constexpr):
+                       HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     # Pass 1, grid (kv head, split): the scores of the split's keys for all query heads of the group
     # (K read once), stored fp32 in [H, max_len] scratch, plus the split's max and sum of exp.
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)  # pos: last step's finish
-    if PREFETCH:  # a prefetch only warms L2 (the predecessor writing row pos meanwhile is harmless)
-        _prefetch_split(k_cache_ptr + kvh * stride_ch, start, end, stride_cs, HD, BLOCK, LINES)
-    pdl_begin(PDL)
+    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
     g = tl.arange(0, GP)
     d = tl.arange(0, HD)
     gm = g < G
@@ -124,17 +114,14 @@ def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, 
 @triton.jit
 def attn_pv_kernel(v_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
                    NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                   HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr, LINES: tl.constexpr):
+                   HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     # Pass 2, grid (kv head, split): global max and sum from every live split, then the split's
     # probabilities normalised and rounded to bf16 exactly as the eager softmax(fp32).to(bf16)
     # leaves them, times V (read once) with fp32 accumulation; partial sums per split.
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
     start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
-    if PREFETCH:  # V row pos was written two launches back (complete once the predecessor started)
-        _prefetch_split(v_cache_ptr + kvh * stride_ch, start, end, stride_cs, HD, BLOCK, LINES)
-    pdl_begin(PDL)
     g = tl.arange(0, GP)
     d = tl.arange(0, HD)
     gm = g < G
@@ -203,13 +190,12 @@ def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, 
     max_len = k_cache.shape[1]
     kw = dict(NSPLIT=nsplit, MIN_PER=min_per, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block,
               DOT_F32=_INTERPRETED, **LAUNCH)
-    pf = dict(PREFETCH=prefetching() and k_cache.element_size() == 2, LINES=lines(head_dim))
     attn_scores_kernel[(num_kv_heads, nsplit)](
         q, k_cache, pos, s_buf, m_buf, l_buf, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1), max_len,
-        **kw, **pf, num_warps=num_warps)
+        **kw, num_warps=num_warps)
     attn_pv_kernel[(num_kv_heads, nsplit)](
         v_cache, pos, s_buf, m_buf, l_buf, acc_buf, v_cache.stride(0), v_cache.stride(1), max_len,
-        **kw, **pf, num_warps=num_warps)
+        **kw, num_warps=num_warps)
     block_d = min(64, head_dim)
     attn_combine_kernel[(num_heads, head_dim // block_d)](acc_buf, qkv, out, pos, NSPLIT=nsplit, MIN_PER=min_per,
                                                           BLOCK=block, HD=head_dim, BLOCK_D=block_d, **LAUNCH,

@@ -12,40 +12,33 @@ except ImportError:  # pragma: no cover - depends on the Triton build
     _HAVE_GDC = False
 
 # Programmatic dependent launch (PDL, Hopper): a kernel may be scheduled while its predecessor still
-# runs. Before `gdc_wait` it may only touch memory the predecessor does not write: there it asks L2
-# for its own weights (`prefetch_l2`), so the HBM stream continues through the predecessor's tail
-# and this kernel's ramp-up. After the wait it at once lets its own successor launch. Off in the
-# interpreter. Default from NEXRT_PDL (1 = on, with prefetch unless NEXRT_PREFETCH=0); a
-# `FusedDecoder` sets its `Tuning`'s choice with `launch_options` around its launches.
+# runs; it waits (gdc_wait) before touching any memory and at once lets its own successor launch.
+# Off by default: on the H200 it was neutral to slightly slower (docs/GPU.md, round 3), and L2
+# prefetching the weights before the wait made the step 10-12 % slower (measured, then removed).
+# Default from NEXRT_PDL=1; a `FusedDecoder` applies its `Tuning.pdl` with `launch_options`.
+# Always off in the interpreter.
 _PDL_OK = _HAVE_GDC and os.environ.get("TRITON_INTERPRET") != "1"
 LAUNCH = {"PDL": False}  # **kwargs of every decode-kernel launch; mutated in place by launch_options
-OPTS = {"prefetch": False}
 
 
-def _set(pdl: bool, prefetch: bool) -> None:
-    on = bool(pdl) and _PDL_OK
+def _set(pdl: bool) -> None:
     LAUNCH.clear()
-    LAUNCH.update({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
-    OPTS["prefetch"] = on and bool(prefetch)
+    LAUNCH.update({"PDL": True, "launch_pdl": True} if pdl and _PDL_OK else {"PDL": False})
 
 
-_set(os.environ.get("NEXRT_PDL") == "1", os.environ.get("NEXRT_PREFETCH", "1") == "1")
-DEFAULT = (LAUNCH["PDL"], OPTS["prefetch"])
+_set(os.environ.get("NEXRT_PDL") == "1")
+DEFAULT_PDL = LAUNCH["PDL"]
 
 
 @contextlib.contextmanager
-def launch_options(pdl: bool | None = None, prefetch: bool | None = None):
-    """Launch the decode kernels inside the block with PDL / L2 prefetch on or off (None: the default)."""
-    saved = (LAUNCH["PDL"], OPTS["prefetch"])
-    _set(DEFAULT[0] if pdl is None else pdl, DEFAULT[1] if prefetch is None else prefetch)
+def launch_options(pdl: bool | None = None):
+    """Launch the decode kernels inside the block with PDL on or off (None: the process default)."""
+    saved = LAUNCH["PDL"]
+    _set(DEFAULT_PDL if pdl is None else pdl)
     try:
         yield
     finally:
-        _set(*saved)
-
-
-def prefetching() -> bool:
-    return OPTS["prefetch"]
+        _set(saved)
 
 
 @triton.jit
@@ -73,22 +66,3 @@ def pdl_begin(PDL: tl.constexpr):
         gdc_wait()
         gdc_launch_dependents()
 
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at `ptrs` (no registers held, no wait)."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_rows(base, rows, rmask, row_stride, ncols, ELEMS_PER_LINE: tl.constexpr, LINES: tl.constexpr):
-    """prefetch_l2 of `rows` x [0, ncols) elements of a row-major matrix (LINES >= ncols / ELEMS_PER_LINE)."""
-    ln = tl.arange(0, LINES) * ELEMS_PER_LINE
-    ok = rmask[:, None] & (ln[None, :] < ncols)
-    prefetch_l2(base + tl.where(ok, rows[:, None].to(tl.int64) * row_stride + ln[None, :], 0))
-
-
-def lines(ncols: int, elem_bytes: int = 2) -> int:
-    """LINES for prefetch_rows: 128-byte lines per row of `ncols` elements, as a power of two."""
-    return triton.next_power_of_2(max(1, -(-ncols * elem_bytes // 128)))

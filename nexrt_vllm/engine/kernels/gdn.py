@@ -9,7 +9,7 @@ whole head, so it runs in the out_proj prologue (`gemv` PRO_GATED) instead of he
 import triton
 import triton.language as tl
 
-from .common import LAUNCH, lines, pdl_begin, prefetch_rows, prefetching
+from .common import LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 
 
@@ -17,15 +17,13 @@ from .common import bf16_round as _bf16
 def gdn_step_kernel(buf_ptr, state_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
                     KEY_DIM, VALUE_DIM, OFF_B, OFF_A, q_scale,
                     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    BLOCK_V: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr):
+                    BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     vh = tl.program_id(0)
     jb = tl.program_id(1)
     kh = vh // (HV // HK)  # key heads repeat_interleave onto value heads
     offs_k = tl.arange(0, DK)
     offs_v = jb * BLOCK_V + tl.arange(0, BLOCK_V)
-    if PREFETCH:  # the state slice was last written by this kernel a step ago
-        prefetch_rows(state_ptr + vh * DK * DV + jb * BLOCK_V, offs_k, offs_k < DK, DV, BLOCK_V, 32, LINES)
-    pdl_begin(PDL)
     q = tl.load(buf_ptr + kh * DK + offs_k).to(tl.float32)
     k = tl.load(buf_ptr + KEY_DIM + kh * DK + offs_k).to(tl.float32)
     v = tl.load(buf_ptr + 2 * KEY_DIM + vh * DV + offs_v).to(tl.float32)
@@ -60,4 +58,4 @@ def gdn_step(buf, state, out, a_log, dt_bias, *, num_k_heads, num_v_heads, head_
     gdn_step_kernel[(num_v_heads, head_v_dim // block_v)](
         buf, state, out, a_log, dt_bias, key_dim, value_dim, off_b, off_b + num_v_heads,
         float(head_k_dim) ** 0.5, HV=num_v_heads, HK=num_k_heads, DK=head_k_dim, DV=head_v_dim,
-        BLOCK_V=block_v, **LAUNCH, PREFETCH=prefetching(), LINES=lines(block_v, 4), num_warps=num_warps)
+        BLOCK_V=block_v, **LAUNCH, num_warps=num_warps)

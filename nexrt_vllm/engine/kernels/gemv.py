@@ -16,7 +16,7 @@ also stores the normed input (PRO 1) for a later launch (the MoE experts).
 import triton
 import triton.language as tl
 
-from .common import LAUNCH, lines, pdl_begin, prefetch_rows, prefetching
+from .common import LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 
@@ -49,16 +49,11 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                 N, K, stride_w, eps, CONV_N,
                 PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
                 STORE_XN: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                PREFETCH: tl.constexpr, LINES: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    if PREFETCH:  # the weights are never written by a predecessor: stream them to L2 before the wait
-        prefetch_rows(w_ptr, rows, rmask, stride_w, K, 64, LINES)
-        if EPI == 2:
-            prefetch_rows(w_ptr + N * stride_w, rows, rmask, stride_w, K, 64, LINES)
-    pdl_begin(PDL)
     offs_k = tl.arange(0, BLOCK_K)
     rstd = 0.0
     if PRO == 1:
@@ -141,8 +136,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy, n, k, w.stride(0), eps, conv_n,
         PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
         STORE_XN=xn_out is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=(k % block_k == 0), **LAUNCH, PREFETCH=prefetching() and w.element_size() == 2, LINES=lines(k),
-        num_warps=num_warps)
+        EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
     return grid
 
 

@@ -11,7 +11,7 @@ sigmoid-gated shared expert and the residual.
 import triton
 import triton.language as tl
 
-from .common import LAUNCH, lines, pdl_begin, prefetch_rows, prefetching
+from .common import LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 from .route import topk_select
@@ -22,15 +22,10 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
                        K, I, IS, stride_ge,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        ROUTE: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
-                       PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr):
+                       PDL: tl.constexpr):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     slot = tl.program_id(1)
-    if PREFETCH:  # before the wait only the shared expert is known (the routing needs the router's logits)
-        if slot == TOPK:
-            srows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            prefetch_rows(sgu_ptr, srows, srows < IS, K, K, 64, LINES)
-            prefetch_rows(sgu_ptr + IS * K, srows, srows < IS, K, K, 64, LINES)
-    pdl_begin(PDL)
     if slot < TOPK:
         if ROUTE:
             # Routing folded in (no route launch): each routed program selects its own slot's
@@ -70,22 +65,12 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
 @triton.jit
 def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr,
                     N, I, IS, stride_de,
-                    E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                    LINES: tl.constexpr, LINES_S: tl.constexpr):
+                    E: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    if PREFETCH:
-        # This launch starts only once every gate_up program has passed its wait, so the router's
-        # logits are complete: route again (the same selection as the published ids) and stream
-        # the selected experts' down rows to L2 while gate_up still runs.
-        e, sel, rank, _ = topk_select(logits_ptr, E, EP, TOPK, NORM)
-        for s in tl.static_range(TOPK):
-            eid = tl.sum(tl.where(sel & (rank == s), e, 0), 0)
-            prefetch_rows(dn_ptr + eid.to(tl.int64) * stride_de, rows, rmask, I, I, 64, LINES)
-        prefetch_rows(sdn_ptr, rows, rmask, IS, IS, 64, LINES_S)
-    pdl_begin(PDL)
     offs_k = tl.arange(0, BLOCK_K)
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
     # Unrolled over the experts: every expert's loads are independent and can be in flight together;
@@ -134,9 +119,8 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     moe_gate_up_kernel[(triton.cdiv(imax, block_n), top_k + 1)](
         xn, gate_up, shared_gate_up, act, ids, logits, wts, hidden, inter, inter_s, gate_up.stride(0),
         TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, ROUTE=route, E=n_exp, EP=triton.next_power_of_2(n_exp),
-        NORM=norm_topk, **LAUNCH, PREFETCH=prefetching(), LINES=lines(hidden), num_warps=num_warps)
+        NORM=norm_topk, **LAUNCH, num_warps=num_warps)
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     moe_down_kernel[(triton.cdiv(hidden, down_block_n),)](
         act, down, shared_down, ids, wts, logits, res, hidden, inter, inter_s, down.stride(0),
-        E=n_exp, EP=triton.next_power_of_2(n_exp), NORM=norm_topk, TOPK=top_k, IMAX=imax, BLOCK_N=down_block_n,
-        BLOCK_K=bkd, **LAUNCH, PREFETCH=prefetching(), LINES=lines(inter), LINES_S=lines(inter_s), num_warps=num_warps)
+        E=n_exp, TOPK=top_k, IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, **LAUNCH, num_warps=num_warps)
