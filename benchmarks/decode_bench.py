@@ -63,6 +63,26 @@ def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def tuning_from(kvs: str):
+    """"field=value,..." -> a graph.Tuning with those fields replaced (ints; 0/1 for bools; a/b/c tuples)."""
+    import dataclasses
+
+    from nexrt_vllm.engine.graph import Tuning
+    types = {f.name: f.type for f in dataclasses.fields(Tuning)}
+    kw = {}
+    for kv in filter(None, kvs.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in types:
+            raise SystemExit(f"unknown Tuning field {k!r}; fields: {sorted(types)}")
+        if "/" in v:
+            kw[k] = tuple(int(x) for x in v.split("/"))
+        elif types[k] in ("bool", "bool | None"):
+            kw[k] = v.lower() in ("1", "true")
+        else:
+            kw[k] = int(v)
+    return dataclasses.replace(Tuning(), **kw), kw
+
+
 _BW: list[float] = []
 
 
@@ -226,14 +246,14 @@ def kernel_groups(d, reps: int = 20) -> dict:
 
 
 def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eager_steps: int, bw: float,
-              breakdown_ctx: int) -> dict:
+              breakdown_ctx: int, tuning=None) -> dict:
     from nexrt_vllm.engine import Engine
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
 
     t0 = time.time()
     max_len = max(contexts) + max(steps, parity_steps) + 64
     eng = Engine.from_config(SHAPES[key], device="cuda", dtype="bfloat16", max_seq_len=max_len, seed=0)
-    fused = FusedDecoder(eng.model, eng.state, mode="fused")
+    fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
     runner = GraphRunner(fused)
     runner.capture()
     eager_runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="eager"))
@@ -352,12 +372,14 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown-ctx", type=int, default=8192)
     ap.add_argument("--json", required=True)
     ap.add_argument("--png")
+    ap.add_argument("--tuning", default="", help="Tuning fields for the fused path, e.g. moe_split_down=1")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_bench needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     contexts = [int(x) for x in args.contexts.split(",")]
+    tuning, tuning_kw = tuning_from(args.tuning)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
@@ -367,17 +389,17 @@ def main(argv=None) -> int:
 
         import triton
 
-        from nexrt_vllm.engine.graph import Tuning
         from nexrt_vllm.engine.kernels import common
         results["triton"] = triton.__version__
-        results["tuning"] = dataclasses.asdict(Tuning())
+        results["tuning"] = dataclasses.asdict(tuning)
+        results["tuning_overrides"] = tuning_kw
         results["launch_options"] = {"pdl": common.DEFAULT_PDL}
     except ImportError:
         pass
     for key in args.shapes.split(","):
         try:
             results["shapes"].append(run_shape(key, contexts, args.steps, args.parity_steps, args.eager_steps, bw,
-                                               args.breakdown_ctx))
+                                               args.breakdown_ctx, tuning))
         except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
             import traceback
             traceback.print_exc()

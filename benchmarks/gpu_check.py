@@ -158,20 +158,11 @@ DEFAULT_AB = "off:pdl=0;pdl:pdl=1;off_again:pdl=0"
 
 
 def parse_variants(spec: str) -> list[tuple[str, dict]]:
-    """"label:key=value,key=value;label2:..." -> [(label, {key: value})]; keys are Tuning fields, values
-    ints (bools for bool fields), or a/b/c for tuples."""
-    out = []
-    for part in filter(None, spec.split(";")):
-        label, _, kvs = part.partition(":")
-        kw = {}
-        for kv in filter(None, kvs.split(",")):
-            k, _, v = kv.partition("=")
-            if "/" in v:  # a tuple field, e.g. gemv_router=2/1024/4
-                kw[k] = tuple(int(x) for x in v.split("/"))
-            else:
-                kw[k] = int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v.lower(), v)
-        out.append((label, kw))
-    return out
+    """"label:field=value,...;label2:..." -> [(label, Tuning overrides)] (values as decode_bench.tuning_from)."""
+    sys.path.insert(0, HERE)
+    import decode_bench as db
+    return [(label, db.tuning_from(kvs)[1]) for label, _, kvs in
+            (part.partition(":") for part in filter(None, spec.split(";")))]
 
 
 def tuning_ab(shape: str, variants: list[tuple[str, dict]], ctx: int = 8192, steps: int = 200,
@@ -192,10 +183,8 @@ def tuning_ab(shape: str, variants: list[tuple[str, dict]], ctx: int = 8192, ste
     db.fill_context(eng, ctx, torch.Generator(device="cuda").manual_seed(1234))
     n0, snap = eng.export_state()
     out = {"shape": shape, "context": ctx, "steps": steps, "variants": {}}
-    fields = {f.name: f for f in dataclasses.fields(Tuning)}
     best = None
     for label, kw in variants:
-        kw = {k: (bool(v) if fields[k].type in ("bool", "bool | None") else v) for k, v in kw.items()}
         tuning = dataclasses.replace(Tuning(), **kw)
         d = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
         runner = GraphRunner(d)
