@@ -58,6 +58,7 @@ class Tuning:
     # summed by a small reduce launch (kernels/moe.py): all expert bytes in one launch per layer.
     # The transposed copy replaces the eager model's tensors (it keeps strided views of it).
     moe_split_down: bool = False
+    moe_reduce_block_n: int = 16
     # Programmatic dependent launch for every kernel of the step (kernels/common.py); None: the
     # process default (NEXRT_PDL, off).
     pdl: bool | None = None
@@ -308,7 +309,8 @@ class FusedDecoder:
                         self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=t.moe_block_n,
                         block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k,
                         route=t.moe_route_in_gate_up, norm_topk=c.norm_topk_prob,
-                        **(dict(down_t=L["down_t"], shared_down_t=L["s_down_t"], part=self.part)
+                        **(dict(down_t=L["down_t"], shared_down_t=L["s_down_t"], part=self.part,
+                                reduce_block_n=t.moe_reduce_block_n)
                            if t.moe_split_down else {})),
                      c.num_experts_per_tok * per_expert + b(L["s_gate_up"]) + b(L["s_down"]))]
             else:
