@@ -8,8 +8,6 @@ same state the step differs only by fp32 accumulation order (step 0: < 1e-3; bit
 later steps allow for one bf16 rounding flip carried in the state and amplified by the layers.
 The graph capture, pinned control ring and timing are GPU-only (benchmarks/gpu_check.py).
 """
-import dataclasses
-
 import pytest
 import torch
 
@@ -30,9 +28,8 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("arch,split_down", [("qwen3_5", False), ("qwen3_5_moe", False), ("qwen3_next", False),
-                                             ("qwen3_5_moe", True), ("qwen3_next", True)])
-def test_fused_step_matches_eager(ckpt_factory, arch, split_down):
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_fused_step_matches_eager(ckpt_factory, arch):
     eng = Engine.from_pretrained(ckpt_factory(arch, "bfloat16"), device="cpu", dtype="bfloat16", max_seq_len=64,
                                  progress=False)
     prompt = [5, 17, 3, 99, 42, 7, 11]
@@ -46,11 +43,7 @@ def test_fused_step_matches_eager(ckpt_factory, arch, split_down):
         tok = int(torch.argmax(lg))
     _, eager_state = eng.export_state()
     eng.import_state(n0, snap)
-    tuning = dataclasses.replace(CPU_TUNING, moe_split_down=split_down)
-    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
-    if split_down:  # the eager model now reads the transposed down weights through views: same step
-        assert rel(eng.decode_step(inputs[0]), eager_logits[0]) < 1e-3
-        eng.import_state(n0, snap)
+    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=CPU_TUNING)
     for k, t in enumerate(inputs):
         dec.tok.fill_(t)
         dec.launch()

@@ -54,11 +54,6 @@ class Tuning:
     # repeats the top-k selection before its first weight load): 35B at 8K 2.825 -> 2.756 ms on the
     # H200, same tokens (gpu_check --moe-route-ab). False: the separate one-warp route launch.
     moe_route_in_gate_up: bool = True
-    # MoE down projection applied inside the gate_up launch from transposed down weights, partials
-    # summed by a small reduce launch (kernels/moe.py): all expert bytes in one launch per layer.
-    # The transposed copy replaces the eager model's tensors (it keeps strided views of it).
-    moe_split_down: bool = False
-    moe_reduce_block_n: int = 16
     # Programmatic dependent launch for every kernel of the step (kernels/common.py); None: the
     # process default (NEXRT_PDL, off).
     pdl: bool | None = None
@@ -197,16 +192,7 @@ class FusedDecoder:
                 L["w_router"], (f.router, f.shared_gate) = _concat_shared([f.router, f.shared_gate])
                 L["s_gate_up"], (f.shared.gate_proj, f.shared.up_proj) = _concat_shared(
                     [f.shared.gate_proj, f.shared.up_proj])
-                if not self.t.moe_split_down and not f.down_proj.is_contiguous():
-                    # a split-down decoder built earlier over this model left transposed storage
-                    f.down_proj, f.shared.down_proj = f.down_proj.contiguous(), f.shared.down_proj.contiguous()
                 L.update(moe=True, gate_up=f.gate_up_proj, down=f.down_proj, s_down=f.shared.down_proj)
-                if self.t.moe_split_down:
-                    # [E, H, I] -> [E, I, H] contiguous, once; the eager path reads it through a view
-                    L["down_t"] = f.down_proj.transpose(1, 2).contiguous()
-                    L["s_down_t"] = f.shared.down_proj.t().contiguous()
-                    f.down_proj = L["down"] = L["down_t"].transpose(1, 2)
-                    f.shared.down_proj = L["s_down"] = L["s_down_t"].t()
             else:
                 L["w_gu"], (f.gate_proj, f.up_proj) = _concat_shared([f.gate_proj, f.up_proj])
                 L.update(moe=False, w_down=f.down_proj)
@@ -230,11 +216,6 @@ class FusedDecoder:
             self.ids = torch.zeros(c.num_experts_per_tok, dtype=torch.int32, device=dev)
             self.wts = torch.zeros(c.num_experts_per_tok, dtype=torch.float32, device=dev)
             self.xn = torch.zeros(c.hidden_size, dtype=dt, device=dev)
-            if self.t.moe_split_down:
-                from .kernels.moe import split_down_scratch
-                self.part = torch.zeros(split_down_scratch(c.num_experts_per_tok, c.moe_intermediate_size,
-                                                           c.shared_expert_intermediate_size, H, self.t.moe_block_n),
-                                        dtype=torch.float32, device=dev)
         if c.intermediate_size:
             self.act_dense = torch.zeros(c.intermediate_size, dtype=dt, device=dev)
         self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
@@ -308,10 +289,7 @@ class FusedDecoder:
                         self.xn, self.res, self.router_logits, L["gate_up"], L["s_gate_up"], L["down"], L["s_down"],
                         self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=t.moe_block_n,
                         block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k,
-                        route=t.moe_route_in_gate_up, norm_topk=c.norm_topk_prob,
-                        **(dict(down_t=L["down_t"], shared_down_t=L["s_down_t"], part=self.part,
-                                reduce_block_n=t.moe_reduce_block_n)
-                           if t.moe_split_down else {})),
+                        route=t.moe_route_in_gate_up, norm_topk=c.norm_topk_prob),
                      c.num_experts_per_tok * per_expert + b(L["s_gate_up"]) + b(L["s_down"]))]
             else:
                 steps += [

@@ -7,12 +7,6 @@ Launch 3 (`moe_gate_up_kernel`, grid (intermediate blocks, top_k + 1)) writes Si
 its slot's expert; the last slot is the shared expert. Launch 4 (`moe_down_kernel`) sums the down
 projections in ascending expert id (the eager order, with its bf16 rounding), adds the
 sigmoid-gated shared expert and the residual.
-
-Split-down variant (`down_t` given): launch 3 also applies its rows' slice of the down projection
-(weights stored transposed, [E, I, H], so the slice is contiguous) and writes an fp32 partial
-[H] per (slot, intermediate block); launch 4 (`moe_reduce_kernel`) sums the partials in a fixed
-order and rounds exactly where the down launch does. All expert weights then stream in one launch
-of ~57 MB per layer (35B-A3B) instead of 38 + 19 MB; the partials (~2.4 MB) stay in L2.
 """
 import triton
 import triton.language as tl
@@ -24,11 +18,11 @@ from .route import topk_select
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr, dt_ptr, sdt_ptr, part_ptr,
-                       K, I, IS, stride_ge, stride_de,
+def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
+                       K, I, IS, stride_ge,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        ROUTE: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
-                       SPLIT_DOWN: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
+                       PDL: tl.constexpr):
     pdl_begin(PDL)
     pid = tl.program_id(0)
     slot = tl.program_id(1)
@@ -45,11 +39,9 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
         else:
             eid = tl.load(ids_ptr + slot)
         wbase = gu_ptr + eid.to(tl.int64) * stride_ge
-        dbase = dt_ptr + eid.to(tl.int64) * stride_de
         n_rows = I
     else:
         wbase = sgu_ptr
-        dbase = sdt_ptr
         n_rows = IS
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
@@ -67,20 +59,7 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
                          eviction_policy="evict_first").to(tl.float32) * xv[None, :]
     g = _bf16(tl.sum(acc_g, 1))
     u = _bf16(tl.sum(acc_u, 1))
-    act = _bf16(_bf16(_silu(g)) * u)
-    if SPLIT_DOWN:
-        # This block's rows of the transposed down weights [n_rows, K] against its activations: an
-        # fp32 partial of the expert's output (rows past n_rows contribute zeros, still stored).
-        act = tl.where(rmask, act, 0.0)
-        pbase = part_ptr + (slot * NB + pid).to(tl.int64) * K
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + offs_k
-            cmask = cols < K
-            wd = tl.load(dbase + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0,
-                         eviction_policy="evict_first")
-            tl.store(pbase + cols, tl.sum(wd.to(tl.float32) * act[:, None], 0), mask=cmask)
-    else:
-        tl.store(act_ptr + slot * IMAX + rows, act.to(act_ptr.dtype.element_ty), mask=rmask)
+    tl.store(act_ptr + slot * IMAX + rows, _bf16(_bf16(_silu(g)) * u).to(act_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -124,67 +103,24 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
     tl.store(res_ptr + rows, _bf16(r + moe).to(res_ptr.dtype.element_ty), mask=rmask)
 
 
-@triton.jit
-def moe_reduce_kernel(part_ptr, wts_ptr, logits_ptr, res_ptr, N,
-                      E: tl.constexpr, TOPK: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """Split-down finish: per output row, each slot's partials summed (fixed order), then the same
-    bf16 rounding, weighting, ascending-id accumulation, shared-expert gate and residual as
-    `moe_down_kernel`."""
-    pdl_begin(PDL)
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    b = tl.arange(0, NBP)
-    m2 = (b < NB)[:, None] & rmask[None, :]
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for s in tl.static_range(TOPK):
-        p = tl.load(part_ptr + (s * NB + b[:, None]).to(tl.int64) * N + rows[None, :], mask=m2, other=0.0)
-        w = tl.load(wts_ptr + s)
-        out = _bf16(out + _bf16(_bf16(tl.sum(p, 0)) * w))
-    p = tl.load(part_ptr + (TOPK * NB + b[:, None]).to(tl.int64) * N + rows[None, :], mask=m2, other=0.0)
-    sg = tl.load(logits_ptr + E).to(tl.float32)
-    gate = _bf16(1.0 / (1.0 + tl.exp(-sg)))
-    moe = _bf16(out + _bf16(gate * _bf16(tl.sum(p, 0))))
-    r = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(res_ptr + rows, _bf16(r + moe).to(res_ptr.dtype.element_ty), mask=rmask)
-
-
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, route=False,
-                norm_topk=True, down_t=None, shared_down_t=None, part=None, reduce_block_n=32):
+                norm_topk=True):
     """Routed + shared experts for one token, after the router launch (`gemv`, xn_out) and `route.route`
     have left the normed input xn [H], logits [E+1] (router logits, then the shared-expert gate logit)
     and ids / wts [top_k]. route=True: no `route.route` launch before; the gate_up launch routes
     (every routed program from the logits) and writes ids / wts itself.
     `res` (the residual, [H]) is updated in place. gate_up [E, 2I, H], down [E, H, I],
-    shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch.
-    Split-down (`down_t` [E, I, H] and `shared_down_t` [Is, H], contiguous, the transposed down
-    weights; `part` fp32 scratch of `split_down_scratch(...)` elements): two launches, see the module
-    docstring; `down` / `shared_down` / `act` are then unused."""
+    shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
     bk = min(block_k or 512, triton.next_power_of_2(hidden))
-    nb = triton.cdiv(imax, block_n)
-    split = down_t is not None
-    moe_gate_up_kernel[(nb, top_k + 1)](
-        xn, gate_up, shared_gate_up, act, ids, logits, wts, down_t if split else act,
-        shared_down_t if split else act, part if split else act, hidden, inter, inter_s, gate_up.stride(0),
-        down_t.stride(0) if split else 0,
+    moe_gate_up_kernel[(triton.cdiv(imax, block_n), top_k + 1)](
+        xn, gate_up, shared_gate_up, act, ids, logits, wts, hidden, inter, inter_s, gate_up.stride(0),
         TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, ROUTE=route, E=n_exp, EP=triton.next_power_of_2(n_exp),
-        NORM=norm_topk, SPLIT_DOWN=split, NB=nb, **LAUNCH, num_warps=num_warps)
-    if split:
-        moe_reduce_kernel[(triton.cdiv(hidden, reduce_block_n),)](
-            part, wts, logits, res, hidden, E=n_exp, TOPK=top_k, NB=nb, NBP=triton.next_power_of_2(nb),
-            BLOCK_N=reduce_block_n, **LAUNCH, num_warps=4)
-        return
+        NORM=norm_topk, **LAUNCH, num_warps=num_warps)
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     moe_down_kernel[(triton.cdiv(hidden, down_block_n),)](
         act, down, shared_down, ids, wts, logits, res, hidden, inter, inter_s, down.stride(0),
         E=n_exp, TOPK=top_k, IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, **LAUNCH, num_warps=num_warps)
-
-
-def split_down_scratch(top_k: int, inter: int, inter_s: int, hidden: int, block_n: int) -> int:
-    """fp32 elements of the split-down partials: (top_k + 1) slots x intermediate blocks x hidden."""
-    return (top_k + 1) * triton.cdiv(max(inter, inter_s), block_n) * hidden
