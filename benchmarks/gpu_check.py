@@ -107,6 +107,43 @@ def tiny_parity(steps: int) -> dict:
     return out
 
 
+def trained_parity(steps: int, archs=("qwen3_next", "qwen3_5", "qwen3_5_moe")) -> dict:
+    """Greedy parity, fused graph path vs the eager engine, on tiny checkpoints trained to continue
+    periodic text (testing.make_checkpoint(train="periodic")): confident, context-decided tokens,
+    so a difference means a wrong result rather than a near-tie flipped by summation order."""
+    import random
+
+    from nexrt_vllm.engine import Engine
+    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.testing import make_checkpoint
+
+    out = {}
+    for arch in archs:
+        t0 = time.time()
+        with tempfile.TemporaryDirectory() as d:
+            make_checkpoint(d, arch=arch, dtype="bfloat16", train="periodic")
+            eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 128, progress=False)
+        rng = random.Random(7)
+        seg = rng.sample(range(3, eng.config.vocab_size), 7)
+        prompt = [seg[i % 7] for i in range(40)]
+        first = int(torch.argmax(eng.prefill(prompt)))
+        n0, snap = eng.export_state()
+        ref, tok = [], first
+        for _ in range(steps):
+            tok = int(torch.argmax(eng.decode_step(tok)))
+            ref.append(tok)
+        eng.import_state(n0, snap)
+        runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused"))
+        toks = list(runner.generate(first, steps))
+        div = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)
+        out[arch] = {"equal": toks == ref, "first_divergence": div, "steps": steps,
+                     "continues_period": [first] + ref[:20] == [seg[(40 + i) % 7] for i in range(21)],
+                     "replays_per_token": runner.replays / len(toks), "seconds": time.time() - t0}
+        log(f"trained {arch}: {json.dumps(out[arch])}")
+        del eng, runner
+    return out
+
+
 def engine_graph(steps: int) -> dict:
     """The product wiring: Engine.use_graph(mode) then Engine.stream (what nexrt-decode --graph runs),
     against the same engine's eager stream; greedy, a stop id, and a seeded sampled stream."""
@@ -360,6 +397,7 @@ def main() -> int:
     ap.add_argument("--kernel-tests-only", action="store_true", help="of the tests, only the kernel tests")
     ap.add_argument("--tiny-steps", type=int, default=256)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--trained-parity", action="store_true", help="fused vs eager on trained tiny checkpoints")
     ap.add_argument("--sampling", action="store_true")
     ap.add_argument("--bench-args", default="")
     ap.add_argument("--ab", default="", help="shapes (e.g. 35b,2b) for tuning_ab() at 8K, before the bench")
@@ -383,6 +421,8 @@ def main() -> int:
             import traceback
             traceback.print_exc()
             report["engine_graph"] = {"error": f"{type(e).__name__}: {e}"}
+    if args.trained_parity:
+        report["trained_parity"] = trained_parity(args.tiny_steps)
     if args.sweep:
         report["gemv_sweep"] = gemv_sweep()
     if args.sampling:
