@@ -52,6 +52,18 @@ def kernel_tests(out: str, pdl: bool = False) -> dict:
     return {"rc": p.returncode, "summary": tail}
 
 
+def eager_greedy(eng, prompt: list[int], steps: int):
+    """Prefill `prompt`, then `steps` eager greedy decode steps: (first token, exported state before
+    the decode as (n0, snap), the decoded tokens)."""
+    first = int(torch.argmax(eng.prefill(prompt)))
+    n0, snap = eng.export_state()
+    ref, tok = [], first
+    for _ in range(steps):
+        tok = int(torch.argmax(eng.decode_step(tok)))
+        ref.append(tok)
+    return first, n0, snap, ref
+
+
 def tiny_parity(steps: int) -> dict:
     from nexrt_vllm.engine import Engine
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
@@ -62,13 +74,7 @@ def tiny_parity(steps: int) -> dict:
         with tempfile.TemporaryDirectory() as d:
             make_checkpoint(d, arch=arch, dtype="bfloat16")
             eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 64, progress=False)
-        prompt = [5, 17, 3, 99, 42, 7, 11, 23]
-        first = int(torch.argmax(eng.prefill(prompt)))
-        n0, snap = eng.export_state()
-        ref, tok = [], first
-        for _ in range(steps):
-            tok = int(torch.argmax(eng.decode_step(tok)))
-            ref.append(tok)
+        first, n0, snap, ref = eager_greedy(eng, [5, 17, 3, 99, 42, 7, 11, 23], steps)
         r = {"distinct_tokens": len(set(ref))}
         for mode in ("fused", "eager"):
             eng.import_state(n0, snap)
@@ -125,13 +131,7 @@ def trained_parity(steps: int, archs=("qwen3_next", "qwen3_5", "qwen3_5_moe")) -
             eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 128, progress=False)
         rng = random.Random(7)
         seg = rng.sample(range(3, eng.config.vocab_size), 7)
-        prompt = [seg[i % 7] for i in range(40)]
-        first = int(torch.argmax(eng.prefill(prompt)))
-        n0, snap = eng.export_state()
-        ref, tok = [], first
-        for _ in range(steps):
-            tok = int(torch.argmax(eng.decode_step(tok)))
-            ref.append(tok)
+        first, n0, snap, ref = eager_greedy(eng, [seg[i % 7] for i in range(40)], steps)
         eng.import_state(n0, snap)
         runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused"))
         toks = list(runner.generate(first, steps))
