@@ -35,15 +35,6 @@ from nexrt_vllm.transport import make_receiver
 MARK = "@@"
 
 
-def _margins(ids, plps):
-    """Per prompt position j >= 1: (logprob of the token at j) - (best logprob) given ids[:j]; 0.0
-    means the token is vLLM's greedy choice there. None without prompt_logprobs."""
-    if plps is None:
-        return None
-    return [None if lp is None else lp[t].logprob - max(x.logprob for x in lp.values())
-            for t, lp in zip(ids, plps)]
-
-
 def _add_and_step(llm, cmd: dict) -> None:
     """Add one greedy request to the engine and run ``cmd["steps"]`` engine steps."""
     from vllm import SamplingParams
@@ -88,11 +79,10 @@ def _child(cfg: dict) -> None:
             for r in reqs:
                 extra = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
                 sps.append(SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
-                                          extra_args=extra, prompt_logprobs=r.get("prompt_logprobs")))
+                                          extra_args=extra))
             outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], sps, use_tqdm=False)
             reply({"outputs": [{"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
-                                "kv_transfer_params": o.kv_transfer_params,
-                                "prompt_margins": _margins(o.prompt_token_ids, o.prompt_logprobs)} for o in outs]})
+                                "kv_transfer_params": o.kv_transfer_params} for o in outs]})
         elif op == "abort_midway":
             # Abort a request after ``steps`` engine steps (mid chunked prefill), as a client
             # disconnect would.
@@ -179,9 +169,11 @@ class VLLMProc:
         self._log.close()
 
 
-# Checkpoint overrides for parity tests: every expert always selected, so bf16 vLLM and the fp32
-# node never route a token to different experts (a discrete flip no tolerance can absorb).
-DENSE_ROUTING = {"num_experts": 2, "num_experts_per_tok": 2}
+# The connector tests' checkpoint (make_checkpoint overrides): every expert always selected, so bf16
+# vLLM and the fp32 node never route a token to different experts; trained to continue periodic
+# text (testing.train_periodic), so greedy decoding is confident (top-1 margins of several nats)
+# and decided by the context: bf16-vs-fp32 noise cannot flip a token, a wrong state does.
+TRAINED = {"num_experts": 2, "num_experts_per_tok": 2, "train": "periodic"}
 
 
 def vllm_with_node(ckpt: str, d, transport: str, kv_transfer_config: dict):
@@ -204,21 +196,26 @@ def nexrt_kv_config(transport: str, **extra) -> dict:
             "kv_role": "kv_producer", "kv_connector_extra_config": {"transport": transport, **extra}}
 
 
-# vLLM-CPU computes logits in bf16: one ulp is 0.0625 for logits in [8, 16). Two tokens within
-# two ulps are a tie that vLLM's own batching already breaks either way (docs/CONNECTOR.md, "Parity").
-TIE_NATS = 0.125
-
-
-def greedy_margins(vllm: "VLLMProc", prompt: list[int], continuation: list[int]) -> list[float]:
-    """For each token of ``continuation``: its vLLM logprob minus vLLM's best logprob given the
-    prompt and the continuation before it (one teacher-forced prefill). All ~0 = vLLM-greedy."""
-    out = vllm.generate([{"prompt_token_ids": prompt + continuation, "max_tokens": 1, "prompt_logprobs": 1}])[0]
-    return out["prompt_margins"][len(prompt):]
-
-
-def random_prompt(n: int, seed: int) -> list[int]:
+def periodic_prompt(n: int, seed: int) -> list[int]:
+    """n tokens: a segment of p distinct ordinary tokens repeated (p < n, 3..24), which the trained
+    checkpoint continues; different seeds give different segments."""
     rng = random.Random(seed)
-    return [rng.randrange(3, 380) for _ in range(n)]
+    p = rng.randint(3, max(3, min(24, n - 1)))
+    seg = rng.sample(range(3, 380), p)
+    return [seg[i % p] for i in range(n)]
+
+
+def period_continuation(prompt: list[int], k: int) -> list[int]:
+    """The next k tokens of a periodic_prompt (its period is where its first token recurs)."""
+    p = prompt.index(prompt[0], 1)
+    return [prompt[(len(prompt) + i) % p] for i in range(k)]
+
+
+def vllm_greedy(vllm: "VLLMProc", prompt: list[int], n: int) -> list[int]:
+    """vLLM-only greedy: the same prompt as an ordinary (unclaimed) request, n tokens."""
+    (out,) = vllm.generate([{"prompt_token_ids": prompt, "max_tokens": n}])
+    assert "nexrt" not in (out["kv_transfer_params"] or {}), out  # not claimed: vLLM alone generated it
+    return out["token_ids"]
 
 
 def hand_off(vllm: "VLLMProc", pairs) -> list[tuple[dict, dict]]:
@@ -238,9 +235,10 @@ def continue_on_node(node: "NodeProc", claim: dict, out: dict, max_tokens: int) 
 
 
 def assert_vllm_greedy(vllm: "VLLMProc", prompt: list[int], full: list[int]) -> None:
-    margins = greedy_margins(vllm, prompt, full)
-    worst = min(margins)
-    assert worst >= -TIE_NATS, f"token {margins.index(worst)} is {-worst:.3f} nats below vLLM's greedy choice"
+    """vLLM's first token + the node's continuation == vLLM-only greedy generation, token for token."""
+    ref = vllm_greedy(vllm, prompt, len(full))
+    j = next((i for i, (a, b) in enumerate(zip(full, ref)) if a != b), None)
+    assert full == ref, f"first difference at token {j}: hand-off {full[j:j + 4]} vs vLLM-only {ref[j:j + 4]}"
 
 
 class RecordingReceiver:

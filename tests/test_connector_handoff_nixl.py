@@ -2,8 +2,8 @@
 `nexrt-decode --transport nixl` continues; criterion as in test_connector_handoff_mooncake.py."""
 import pytest
 
-from connector_harness import (DENSE_ROUTING, assert_vllm_greedy, continue_on_node, hand_off, nexrt_kv_config,
-                               random_prompt, vllm_with_node)
+from connector_harness import (TRAINED, assert_vllm_greedy, continue_on_node, hand_off, nexrt_kv_config,
+                               periodic_prompt, vllm_with_node)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -12,7 +12,7 @@ MAX_TOKENS = 33
 
 @pytest.fixture(scope="module")
 def setup(ckpt_factory, tmp_path_factory):
-    ckpt = ckpt_factory("qwen3_next", "bfloat16", **DENSE_ROUTING)
+    ckpt = ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
     d = tmp_path_factory.mktemp("nixl")
     yield from vllm_with_node(ckpt, d, "nixl", nexrt_kv_config("nixl"))
 
@@ -20,7 +20,7 @@ def setup(ckpt_factory, tmp_path_factory):
 @pytest.mark.parametrize("n", [40, 1100])  # one page; five pages prefilled in three chunks
 def test_nixl_parity(setup, n):
     vllm, node = setup
-    prompt = random_prompt(n, seed=100 + n)
+    prompt = periodic_prompt(n, seed=100 + n)
     ((claim, out),) = hand_off(vllm, [(node, f"nixl-{n}", prompt)])
     assert out["kv_transfer_params"]["nexrt"]["status"] == "sending"
     full = continue_on_node(node, claim, out, MAX_TOKENS)

@@ -4,15 +4,15 @@ the node never decodes from an incomplete state, a preempted request still hands
 state, and every held block comes back: vLLM's free block count returns to its starting value."""
 import pytest
 
-from connector_harness import (DENSE_ROUTING, NodeProc, RecordingReceiver, VLLMProc, assert_vllm_greedy, continue_on_node,
-                               nexrt_kv_config, random_prompt)
+from connector_harness import (TRAINED, NodeProc, RecordingReceiver, VLLMProc, assert_vllm_greedy, continue_on_node,
+                               nexrt_kv_config, periodic_prompt)
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
 def env(ckpt_factory, tmp_path_factory):
-    ckpt = ckpt_factory("qwen3_next", "bfloat16", **DENSE_ROUTING)
+    ckpt = ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
     d = tmp_path_factory.mktemp("lifecycle")
     procs = []
     try:
@@ -43,7 +43,7 @@ def test_refused_handoff(env):
     claim = live.admit("refused-real", 2000)
     bogus = {"nexrt": {**claim["nexrt"], "rid": "never-admitted"}}
     # 2000 tokens prefill in 4 steps; the refusal (one local round trip) is known long before the end
-    (out,) = vllm.generate([{"prompt_token_ids": random_prompt(2000, 1), "max_tokens": 1,
+    (out,) = vllm.generate([{"prompt_token_ids": periodic_prompt(2000, 1), "max_tokens": 1,
                              "kv_transfer_params": bogus}])
     assert len(out["token_ids"]) == 1  # vLLM still answers, and says the hand-off failed
     assert out["kv_transfer_params"]["nexrt"] == {"rid": "never-admitted", "generation": claim["nexrt"]["generation"],
@@ -58,7 +58,7 @@ def test_killed_node(env):
     vllm, doomed = env["vllm"], env["doomed"]
     claim = doomed.admit("dead", 700)
     doomed.kill()
-    (out,) = vllm.generate([{"prompt_token_ids": random_prompt(700, 2), "max_tokens": 1, "kv_transfer_params": claim}],
+    (out,) = vllm.generate([{"prompt_token_ids": periodic_prompt(700, 2), "max_tokens": 1, "kv_transfer_params": claim}],
                            timeout=120)
     assert len(out["token_ids"]) == 1
     settled = vllm.call({"op": "settle", "timeout": 30})
@@ -69,7 +69,7 @@ def test_transfer_error(env):
     rx = RecordingReceiver(unregistered=True)  # accepts, but every page write is refused by the engine
     try:
         claim = {"nexrt": {"rid": "xfer", "generation": 1, "control_addr": rx.addr}}
-        (out,) = env["vllm"].generate([{"prompt_token_ids": random_prompt(2000, 9), "max_tokens": 1,
+        (out,) = env["vllm"].generate([{"prompt_token_ids": periodic_prompt(2000, 9), "max_tokens": 1,
                                         "kv_transfer_params": claim}])
         assert out["kv_transfer_params"]["nexrt"]["status"] == "failed"
         assert out["kv_transfer_params"]["nexrt"]["reason"] == "transfer_failed"
@@ -80,7 +80,7 @@ def test_transfer_error(env):
 
 
 def test_malformed_claim(env):
-    (out,) = env["vllm"].generate([{"prompt_token_ids": random_prompt(20, 3), "max_tokens": 2,
+    (out,) = env["vllm"].generate([{"prompt_token_ids": periodic_prompt(20, 3), "max_tokens": 2,
                                     "kv_transfer_params": {"nexrt": {"rid": 5}}}])
     assert len(out["token_ids"]) == 2
     assert out["kv_transfer_params"] == {"nexrt": {"status": "failed", "reason": "bad_message",
@@ -91,7 +91,7 @@ def test_abort_mid_prefill(env):
     vllm, live = env["vllm"], env["live"]
     claim = live.admit("aborted", 1100)
     vllm.call({"op": "abort_midway", "request_id": "abort-1", "steps": 1,
-               "request": {"prompt_token_ids": random_prompt(1100, 4), "max_tokens": 1, "kv_transfer_params": claim}})
+               "request": {"prompt_token_ids": periodic_prompt(1100, 4), "max_tokens": 1, "kv_transfer_params": claim}})
     settled = vllm.call({"op": "settle", "timeout": 30})
     assert not settled["pending"]
     status, last = _gen_error(live, claim)
@@ -100,7 +100,7 @@ def test_abort_mid_prefill(env):
 
 def test_preempted_mid_prefill_still_correct(env):
     vllm, live = env["vllm"], env["live"]
-    prompt = random_prompt(1500, 6)
+    prompt = periodic_prompt(1500, 6)
     claim = live.admit("preempted", len(prompt))
     out = vllm.call({"op": "preempt_midway", "request_id": "preempt-1", "steps": 2,
                      "request": {"prompt_token_ids": prompt, "max_tokens": 1, "kv_transfer_params": claim}})
@@ -111,7 +111,7 @@ def test_preempted_mid_prefill_still_correct(env):
 
 def test_unclaimed_after_failures_and_no_block_leak(env):
     vllm = env["vllm"]
-    (out,) = vllm.generate([{"prompt_token_ids": random_prompt(50, 5), "max_tokens": 4}])
+    (out,) = vllm.generate([{"prompt_token_ids": periodic_prompt(50, 5), "max_tokens": 4}])
     assert len(out["token_ids"]) == 4 and out["kv_transfer_params"] is None
     settled = vllm.call({"op": "settle", "timeout": 30})
     assert settled == {"free_blocks": env["start_free"], "pending": False}

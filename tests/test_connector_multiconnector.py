@@ -3,12 +3,12 @@ vLLM without any connector, a request that both connectors act on gets both sets
 kv_transfer_params without a key clash, and a claimed request still hands off correctly."""
 import pytest
 
-from connector_harness import (DENSE_ROUTING, VLLMProc, assert_vllm_greedy, continue_on_node, hand_off, nexrt_kv_config,
-                               random_prompt, vllm_with_node)
+from connector_harness import (TRAINED, VLLMProc, assert_vllm_greedy, continue_on_node, hand_off, nexrt_kv_config,
+                               periodic_prompt, vllm_with_node)
 
 pytestmark = pytest.mark.timeout(600)
 
-PROMPTS = [random_prompt(n, 300 + n) for n in (9, 260, 700)]
+PROMPTS = [periodic_prompt(n, 300 + n) for n in (9, 260, 700)]
 
 
 def _multi_config():
@@ -19,7 +19,7 @@ def _multi_config():
 
 @pytest.fixture(scope="module")
 def ckpt(ckpt_factory):
-    return ckpt_factory("qwen3_next", "bfloat16", **DENSE_ROUTING)
+    return ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_unclaimed_requests_unchanged(multi, plain_outputs):
 def test_both_connectors_params_no_clash(multi):
     vllm, node = multi
     claim = node.admit("both", 300)
-    (out,) = vllm.generate([{"prompt_token_ids": random_prompt(300, 7), "max_tokens": 1,
+    (out,) = vllm.generate([{"prompt_token_ids": periodic_prompt(300, 7), "max_tokens": 1,
                              "kv_transfer_params": {**claim, "do_remote_decode": True}}])
     params = out["kv_transfer_params"]
     assert params["nexrt"]["rid"] == "both" and params["nexrt"]["status"] == "sending"
@@ -58,7 +58,7 @@ def test_both_connectors_params_no_clash(multi):
 
 def test_claimed_request_hands_off(multi):
     vllm, node = multi
-    prompt = random_prompt(600, 8)
+    prompt = periodic_prompt(600, 8)
     ((claim, out),) = hand_off(vllm, [(node, "multi-claimed", prompt)])
     assert set(out["kv_transfer_params"]) == {"nexrt"}
     full = continue_on_node(node, claim, out, 33)

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from connector_harness import DENSE_ROUTING, NodeProc, continue_on_node, nexrt_kv_config, random_prompt
+from connector_harness import TRAINED, NodeProc, continue_on_node, nexrt_kv_config, periodic_prompt
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,7 +42,7 @@ def _kv_usage(base):
 
 @pytest.fixture(scope="module")
 def server(ckpt_factory, tmp_path_factory):
-    ckpt = ckpt_factory("qwen3_next", "bfloat16", **DENSE_ROUTING)
+    ckpt = ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
     d = tmp_path_factory.mktemp("serve")
     port = _free_port()
     node = NodeProc(ckpt, "mooncake", str(d / "node.log"), str(d), extra_args=("--dtype", "float32"))
@@ -79,7 +79,7 @@ def server(ckpt_factory, tmp_path_factory):
 
 def test_claimed_completion_over_http(server):
     base, ckpt, node = server
-    prompt = random_prompt(1100, 31)
+    prompt = periodic_prompt(1100, 31)
     fulls = []
     for i in range(2):  # the second run hits the prefix cache for its first 1024 tokens
         claim = node.admit(f"http-{i}", len(prompt))

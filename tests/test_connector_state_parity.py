@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from connector_harness import DENSE_ROUTING, RecordingReceiver, VLLMProc, nexrt_kv_config, random_prompt
+from connector_harness import TRAINED, RecordingReceiver, VLLMProc, nexrt_kv_config, periodic_prompt
 from nexrt_vllm import protocol as P
 from nexrt_vllm.worker.convert import unpack_state
 
@@ -21,9 +21,9 @@ F32 = {"kv": torch.float32, "conv": torch.float32, "rec": torch.float32}
 
 @pytest.fixture(scope="module")
 def received(ckpt_factory, tmp_path_factory):
-    ckpt = ckpt_factory("qwen3_next", "bfloat16", **DENSE_ROUTING)
+    ckpt = ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
     rx = RecordingReceiver()
-    prompts = {"short": random_prompt(7, 21), "long": random_prompt(1000, 22)}
+    prompts = {"short": periodic_prompt(7, 21), "long": periodic_prompt(1000, 22)}
     v = VLLMProc({"model": ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": nexrt_kv_config("mooncake")},
                  str(tmp_path_factory.mktemp("state") / "vllm.log"))
     try:
