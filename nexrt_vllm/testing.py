@@ -229,11 +229,22 @@ def train_periodic(model, path: str, seed: int = 0, steps: int = None, log=None)
     the context alone, so a decode that starts from a wrong state emits other tokens. Trained
     with the embeddings tied (the copy circuit forms several times faster), saved untied.
     Returns {"seconds", "steps", "loss"}."""
+    import torch
+
+    steps = steps or TRAIN_STEPS
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one reduction order whatever the caller's setting: the same weights
+    try:
+        return _train(model, path, seed, steps, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model, path: str, seed: int, steps: int, log) -> dict:
     import time
 
     import torch
 
-    steps = steps or TRAIN_STEPS
     torch.manual_seed(seed)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
