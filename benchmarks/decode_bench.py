@@ -372,7 +372,7 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown-ctx", type=int, default=8192)
     ap.add_argument("--json", required=True)
     ap.add_argument("--png")
-    ap.add_argument("--tuning", default="", help="Tuning fields for the fused path, e.g. moe_split_down=1")
+    ap.add_argument("--tuning", default="", help="Tuning fields for the fused path, e.g. pdl=1,moe_block_n=8")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_bench needs a CUDA GPU", file=sys.stderr)
