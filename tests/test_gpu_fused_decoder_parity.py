@@ -20,8 +20,8 @@ kernels.load(interpret=True)  # the decoder's lazy kernel imports then get the i
 torch.set_num_threads(1)
 STEPS = 4
 # Few, large programs: the interpreter's cost is per program, not per element.
-CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), block_n_lm=128, attn_splits=4, attn_block=32, attn_pv_splits=4,
-                    gdn_block_v=64, moe_block_n=64, moe_block_k=128, moe_down_block_n=64, moe_down_block_k=64)
+CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), block_n_lm=128, attn_splits=4, attn_block=32, gdn_block_v=64,
+                    moe_block_n=64, moe_block_k=128, moe_down_block_n=64, moe_down_block_k=64)
 
 
 def rel(a, b):

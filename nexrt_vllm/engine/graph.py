@@ -45,10 +45,6 @@ class Tuning:
     attn_splits: int = 256
     attn_block: int = 32
     attn_min_per: int = 32
-    # Attention pass 2 (P·V + combine): key chunks x head-dim blocks per kv head; the last program of
-    # each (kv head, d block) sums attn_pv_splits partials of G x attn_pv_block_d (kernels/attention.py).
-    attn_pv_splits: int = 64
-    attn_pv_block_d: int = 64
     gdn_block_v: int = 16
     moe_block_n: int = 16
     moe_block_k: int = 256
@@ -208,16 +204,11 @@ class FusedDecoder:
         self.buf = torch.zeros(max_buf, dtype=dt, device=dev)
         self.o = torch.zeros(max(c.value_dim, c.num_heads * c.head_dim), dtype=dt, device=dev)
         self.q = torch.zeros(c.num_heads * c.head_dim, dtype=dt, device=dev)
-        ns, npv = self.t.attn_splits, self.t.attn_pv_splits
+        ns = self.t.attn_splits
         self.m_buf = torch.zeros(c.num_heads * ns, dtype=torch.float32, device=dev)
         self.l_buf = torch.zeros(c.num_heads * ns, dtype=torch.float32, device=dev)
-        self.ml_buf = torch.zeros(2 * c.num_heads, dtype=torch.float32, device=dev)  # global max, 1 / sum
-        self.acc_buf = torch.zeros(c.num_heads * npv * c.head_dim, dtype=torch.float32, device=dev)
+        self.acc_buf = torch.zeros(c.num_heads * ns * c.head_dim, dtype=torch.float32, device=dev)
         self.s_buf = torch.zeros(c.num_heads * state.max_seq_len, dtype=torch.float32, device=dev)  # scores
-        # Attention ticket counters: zero, and every attention call leaves them zero (its last programs
-        # reset them), so one set serves all attention layers (they run one after another) and replays.
-        self.attn_tickets = torch.zeros(attention.ticket_count(c.num_kv_heads, c.head_dim, self.t.attn_pv_block_d),
-                                        dtype=torch.int32, device=dev)
         if c.num_experts:
             imax = max(c.moe_intermediate_size, c.shared_expert_intermediate_size)
             self.act = torch.zeros((c.num_experts_per_tok + 1) * imax, dtype=dt, device=dev)
@@ -277,11 +268,9 @@ class FusedDecoder:
                         st.position, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                         rotary_dim=c.rotary_dim, eps=eps), 2 * kv_row),
                     ("attn_splitk+combine", lambda L=L: self.k_attn.attention_decode(
-                        self.q, L["k"], L["v"], st.position, self.buf, self.o, self.m_buf, self.l_buf, self.ml_buf,
-                        self.acc_buf, self.s_buf, self.attn_tickets, num_heads=c.num_heads,
-                        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, nsplit=t.attn_splits,
-                        pv_splits=t.attn_pv_splits, pv_block_d=t.attn_pv_block_d, block=t.attn_block,
-                        min_per=t.attn_min_per), 2 * kv_row * (seq_len + 1)),
+                        self.q, L["k"], L["v"], st.position, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
+                        self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                        nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per), 2 * kv_row * (seq_len + 1)),
                     ("attn_o_proj", lambda L=L: g.gemv(
                         self.o, L["w_o"], self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)), b(L["w_o"]))]
             if L["moe"]:

@@ -1,22 +1,14 @@
 """Batch-1 gated attention over the static KV cache, with the sequence length read on the device.
 
-Three launches per attention layer: (1) q/k RMSNorm + partial NeoX RoPE at the device position,
+Four launches per attention layer: (1) q/k RMSNorm + partial NeoX RoPE at the device position,
 K/V written into the cache row; (2) scores: grid (kv head, split), each program covers a contiguous
 slice of [0, pos] for all query heads of its group (GQA: K read once), keeping the bf16-rounded
-scores and the split's max / sum of exp; the last program of each kv head (atomic ticket) reduces
-the splits' statistics to one global max and 1 / sum per query head; (3) P·V: grid (head-dim block,
-key chunk, kv head), probabilities normalised by the global max and sum and rounded to bf16 first,
-as the eager softmax(fp32).to(bf16) does (a one-pass flash softmax cannot round there: it only
-normalises at the end), times V[:, d block]; the last program of each (kv head, d block) (atomic
-ticket) sums the chunks' partials and applies the sigmoid output gate. K and V are each read once;
-the scores round-trip through a small fp32 scratch. The grid never depends on the length, so one
-captured graph serves every position up to max_seq_len.
-
-Tickets: every program, empty splits included, stores its results, passes a CTA barrier (so all of
-its threads' stores precede the one thread's atomic) and takes a ticket with an acq_rel atomic_add
-on an int32 counter; the program that draws the last ticket reads the others' results with .cg
-loads (from L2, never a stale L1 line) and puts the counter back to 0, so the next layer, call or
-graph replay starts from 0 on the same counters.
+scores and the split's max / sum of exp; (3) P·V over the same splits with the probabilities
+normalised by the global max and sum and rounded to bf16 first, as the eager softmax(fp32).to(bf16)
+does (a one-pass flash softmax cannot round there: it only normalises at the end); (4) sum the
+splits and apply the sigmoid output gate. K and V are each read once, as in one-pass flash
+decoding; the scores round-trip through a small fp32 scratch. The grid never depends on the length,
+so one captured graph serves every position up to max_seq_len.
 """
 import os
 
@@ -82,14 +74,12 @@ def _split_range(pos_ptr, sp, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK
 
 
 @triton.jit
-def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, ml_ptr, cnt_ptr, scale, stride_ch, stride_cs,
-                       max_len, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, stride_ch, stride_cs, max_len,
+                       NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     # Pass 1, grid (kv head, split): the scores of the split's keys for all query heads of the group
-    # (K read once), stored fp32 in [H, max_len] scratch, plus the split's max and sum of exp. The
-    # last program of the kv head (atomic ticket) reduces the live splits' statistics to one global
-    # (max, 1 / sum) per query head, so pass 2 reads 2 floats per head instead of 2 x NSPLIT.
+    # (K read once), stored fp32 in [H, max_len] scratch, plus the split's max and sum of exp.
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
     start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
@@ -119,47 +109,31 @@ def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, ml_ptr,
     live = gm & ((tl.zeros_like(g) + start) < length)  # vector compare: the interpreter rejects bool&scalar
     tl.store(m_ptr + h * NSPLIT + sp, m, mask=live)
     tl.store(l_ptr + h * NSPLIT + sp, l, mask=live)
-    # Every program (empty splits too: the count never depends on the length) takes a ticket after
-    # its stores; the barrier orders all threads' stores before the one thread's acq_rel atomic.
-    tl.debug_barrier()
-    if tl.atomic_add(cnt_ptr + kvh, 1) == NSPLIT - 1:
-        j = tl.arange(0, NSPLIT)
-        jm = gm[:, None] & (j * per < length)[None, :]
-        # .cg: straight from L2, never a stale L1 line of another program's store.
-        mj = tl.load(m_ptr + h[:, None] * NSPLIT + j[None, :], mask=jm, other=float("-inf"), cache_modifier=".cg")
-        lj = tl.load(l_ptr + h[:, None] * NSPLIT + j[None, :], mask=jm, other=0.0, cache_modifier=".cg")
-        mx = tl.max(mj, 1)
-        mx = tl.where(gm, mx, 0.0)  # padded heads (masked out): keep them finite
-        inv = 1.0 / tl.where(gm, tl.sum(tl.where(jm, lj * tl.exp(mj - mx[:, None]), 0.0), 1), 1.0)
-        tl.store(ml_ptr + 2 * h, mx, mask=gm)
-        tl.store(ml_ptr + 2 * h + 1, inv, mask=gm)
-        tl.store(cnt_ptr + kvh, 0)  # back to 0 for the next layer / call / graph replay
 
 
 @triton.jit
-def attn_pv_kernel(v_cache_ptr, pos_ptr, s_ptr, ml_ptr, acc_ptr, qkv_ptr, out_ptr, cnt_ptr, stride_ch, stride_cs,
-                   max_len, NPV: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                   HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr,
-                   PDL: tl.constexpr):
+def attn_pv_kernel(v_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
+                   NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                   HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
-    # Pass 2, grid (head-dim block, key chunk, kv head): the chunk's probabilities from the global
-    # max and 1 / sum, rounded to bf16 exactly as the eager softmax(fp32).to(bf16) leaves them, times
-    # V[:, d block] (V read once overall) with fp32 accumulation -> a partial per chunk. The last
-    # program of each (kv head, d block) (atomic ticket) sums the live chunks' partials (one fixed
-    # reduction, as the old combine launch did), rounds as the eager bf16 matmul output and applies
-    # the sigmoid output gate. The key chunks need not match pass 1's splits: only the global
-    # statistics connect the passes.
-    db = tl.program_id(0)
-    c = tl.program_id(1)
-    kvh = tl.program_id(2)
-    start, end, per, length = _split_range(pos_ptr, c, NPV, MIN_PER, BLOCK)
+    # Pass 2, grid (kv head, split): global max and sum from every live split, then the split's
+    # probabilities normalised and rounded to bf16 exactly as the eager softmax(fp32).to(bf16)
+    # leaves them, times V (read once) with fp32 accumulation; partial sums per split.
+    kvh = tl.program_id(0)
+    sp = tl.program_id(1)
+    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
     g = tl.arange(0, GP)
-    d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    d = tl.arange(0, HD)
     gm = g < G
     h = kvh * G + g
-    mx = tl.load(ml_ptr + 2 * h, mask=gm, other=0.0)
-    inv = tl.load(ml_ptr + 2 * h + 1, mask=gm, other=0.0)
-    acc = tl.zeros([GP, BLOCK_D], tl.float32)
+    j = tl.arange(0, NSPLIT)
+    jm = gm[:, None] & (j * per < length)[None, :]
+    mj = tl.load(m_ptr + h[:, None] * NSPLIT + j[None, :], mask=jm, other=float("-inf"))
+    lj = tl.load(l_ptr + h[:, None] * NSPLIT + j[None, :], mask=jm, other=0.0)
+    mx = tl.max(mj, 1)
+    mx = tl.where(gm, mx, 0.0)  # padded heads (masked out below): keep them finite
+    inv = 1.0 / tl.where(gm, tl.sum(tl.where(jm, lj * tl.exp(mj - mx[:, None]), 0.0), 1), 1.0)
+    acc = tl.zeros([GP, HD], tl.float32)
     vb = v_cache_ptr + kvh * stride_ch
     for n0 in range(start, end, BLOCK):
         n = n0 + tl.arange(0, BLOCK)
@@ -171,21 +145,26 @@ def attn_pv_kernel(v_cache_ptr, pos_ptr, s_ptr, ml_ptr, acc_ptr, qkv_ptr, out_pt
             vt = vt.to(tl.float32)
         acc += tl.dot(p.to(vt.dtype), vt)  # p is bf16-exact: the cast loses nothing
     live = gm & ((tl.zeros_like(g) + start) < length)
-    tl.store(acc_ptr + (h * NPV + c)[:, None] * HD + d[None, :], acc, mask=live[:, None])
-    tl.debug_barrier()  # every thread's partial stored before the ticket (see attn_scores_kernel)
-    ndb: tl.constexpr = HD // BLOCK_D
-    if tl.atomic_add(cnt_ptr + kvh * ndb + db, 1) == NPV - 1:
-        cc = tl.arange(0, NPV)
-        cl = (cc * per < length)[:, None]
-        for gi in tl.static_range(G):
-            hh = kvh * G + gi
-            part = tl.load(acc_ptr + (hh * NPV + cc)[:, None] * HD + d[None, :], mask=cl, other=0.0,
-                           cache_modifier=".cg")
-            o = tl.sum(part, 0)
-            gate = tl.load(qkv_ptr + hh * 2 * HD + HD + d).to(tl.float32)
-            sig = _bf16(1.0 / (1.0 + tl.exp(-gate)))
-            tl.store(out_ptr + hh * HD + d, _bf16(_bf16(o) * sig).to(out_ptr.dtype.element_ty))
-        tl.store(cnt_ptr + kvh * ndb + db, 0)  # back to 0 for the next layer / call / graph replay
+    tl.store(acc_ptr + (h * NSPLIT + sp)[:, None] * HD + d[None, :], acc, mask=live[:, None])
+
+
+@triton.jit
+def attn_combine_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr,
+                        NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr, HD: tl.constexpr,
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    # grid (head, head_dim block): sum the live splits' partial P·V, round as the eager bf16 matmul
+    # output, apply the sigmoid output gate.
+    h = tl.program_id(0)
+    s = tl.arange(0, NSPLIT)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    _, _, per, length = _split_range(pos_ptr, 0, NSPLIT, MIN_PER, BLOCK)
+    live = s * per < length
+    acc = tl.load(acc_ptr + (h * NSPLIT + s)[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
+    o = tl.sum(acc, 0)
+    gate = tl.load(qkv_ptr + h * 2 * HD + HD + d).to(tl.float32)
+    sig = _bf16(1.0 / (1.0 + tl.exp(-gate)))
+    tl.store(out_ptr + h * HD + d, _bf16(_bf16(o) * sig).to(out_ptr.dtype.element_ty))
 
 
 # The interpreter (CPU tests) multiplies bf16 dot operands as raw integers; give it fp32 there.
@@ -203,29 +182,21 @@ def qk_rope_cache(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, po
         **LAUNCH, num_warps=2)
 
 
-def ticket_count(num_kv_heads, head_dim, pv_block_d=64):
-    """int32 ticket counters `attention_decode` needs (all 0 before the first call; every call leaves
-    them 0 again): one per kv head for pass 1, one per (kv head, head-dim block) for pass 2."""
-    return num_kv_heads * (1 + head_dim // min(pv_block_d, head_dim))
-
-
-def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, ml_buf, acc_buf, s_buf, tickets, *, num_heads,
-                     num_kv_heads, head_dim, nsplit, pv_splits=64, pv_block_d=64, block=32, min_per=128,
-                     num_warps=4):
-    """softmax(q K[:pos+1]^T / sqrt(d)) V per head, times sigmoid(gate); two launches. Scratch (fp32):
-    m_buf, l_buf [H * nsplit] (pass-1 split statistics), ml_buf [2 * H] (global max, 1 / sum),
-    acc_buf [H * pv_splits * d] (pass-2 partials), s_buf [H * max_seq_len] (the scores); tickets:
-    int32 [ticket_count(...)], zero, and zero again when the call's kernels end. Calls that run one
-    after another on a stream (the layers of a step) may share every scratch buffer and the tickets."""
+def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, s_buf, *, num_heads, num_kv_heads,
+                     head_dim, nsplit, block=32, min_per=128, num_warps=4):
+    """softmax(q K[:pos+1]^T / sqrt(d)) V per head, times sigmoid(gate). Scratch: m_buf, l_buf
+    [H * nsplit], acc_buf [H * nsplit * d] fp32, s_buf [H * max_seq_len] fp32 (the scores)."""
     g = num_heads // num_kv_heads
     max_len = k_cache.shape[1]
-    bd = min(pv_block_d, head_dim)
-    assert head_dim % bd == 0 and tickets.numel() >= ticket_count(num_kv_heads, head_dim, pv_block_d)
-    kw = dict(MIN_PER=min_per, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block,
+    kw = dict(NSPLIT=nsplit, MIN_PER=min_per, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block,
               DOT_F32=_INTERPRETED, **LAUNCH)
     attn_scores_kernel[(num_kv_heads, nsplit)](
-        q, k_cache, pos, s_buf, m_buf, l_buf, ml_buf, tickets, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1),
-        max_len, NSPLIT=nsplit, **kw, num_warps=num_warps)
-    attn_pv_kernel[(head_dim // bd, pv_splits, num_kv_heads)](
-        v_cache, pos, s_buf, ml_buf, acc_buf, qkv, out, tickets[num_kv_heads:], v_cache.stride(0), v_cache.stride(1),
-        max_len, NPV=pv_splits, BLOCK_D=bd, **kw, num_warps=num_warps)
+        q, k_cache, pos, s_buf, m_buf, l_buf, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1), max_len,
+        **kw, num_warps=num_warps)
+    attn_pv_kernel[(num_kv_heads, nsplit)](
+        v_cache, pos, s_buf, m_buf, l_buf, acc_buf, v_cache.stride(0), v_cache.stride(1), max_len,
+        **kw, num_warps=num_warps)
+    block_d = min(64, head_dim)
+    attn_combine_kernel[(num_heads, head_dim // block_d)](acc_buf, qkv, out, pos, NSPLIT=nsplit, MIN_PER=min_per,
+                                                          BLOCK=block, HD=head_dim, BLOCK_D=block_d, **LAUNCH,
+                                                          num_warps=4)
