@@ -76,6 +76,8 @@ def tuning_from(kvs: str):
             raise SystemExit(f"unknown Tuning field {k!r}; fields: {sorted(types)}")
         if "/" in v:
             kw[k] = tuple(int(x) for x in v.split("/"))
+        elif types[k] == "str":
+            kw[k] = v
         elif types[k] in ("bool", "bool | None"):
             kw[k] = v.lower() in ("1", "true")
         else:
@@ -150,7 +152,8 @@ def layer_errors(eng, d) -> list[dict]:
     plan, k, rows = d.plan()[1:], 0, []
     for i, L in enumerate(d.layers):
         nm = 3 if L["kind"] == "linear_attention" else 4
-        nf = (2 if d.t.moe_route_in_gate_up else 3) if L["moe"] else 2  # router, (route,) experts | gate_up, down
+        # ffn plan entries: the CUDA MoE block | router, (route,) experts | gate_up, down
+        nf = (1 if d.moe_kernel else 2 if d.t.moe_route_in_gate_up else 3) if L["moe"] else 2
         h_in, mid, out = ref[i]
         d.res.copy_(h_in)
         for _, fn, _ in plan[k:k + nm]:
@@ -264,7 +267,8 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
         eager_runner = None
     log(f"[{key}] built + captured in {time.time() - t0:.1f}s; GPU mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    res = {"shape": NAMES[key], "config": SHAPES[key], "hf_transformers_tok_s": HF_TOKS[key], "contexts": []}
+    res = {"shape": NAMES[key], "config": SHAPES[key], "hf_transformers_tok_s": HF_TOKS[key],
+           "moe_impl": fused.moe_impl, "contexts": []}
     if parity_steps:
         t1 = time.time()
         res["parity"] = parity(eng, runner, eager_runner, parity_steps, gen)

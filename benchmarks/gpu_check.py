@@ -41,7 +41,8 @@ def kernel_tests(out: str, pdl: bool = False) -> dict:
     env.pop("TRITON_INTERPRET", None)
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(ROOT, "tests", "test_kernels_decode_ops.py")],
+                        os.path.join(ROOT, "tests", "test_kernels_decode_ops.py"),
+                        os.path.join(ROOT, "tests", "test_csrc_moe_decode.py")],
                        env=env, capture_output=True, text=True, timeout=400)
     with open(os.path.join(out, f"kernel_tests{'_pdl' if pdl else ''}.log"), "w") as f:
         f.write(p.stdout + p.stderr)
@@ -234,7 +235,7 @@ def tuning_ab(shape: str, variants: list[tuple[str, dict]], ctx: int = 8192, ste
         eng.import_state(n0, snap)
         toks = list(runner.generate(1, check_steps))
         eng.import_state(n0, snap)
-        out["variants"][label] = {"tuning": kw, "step_ms_median": med * 1e3, "tokens": toks,
+        out["variants"][label] = {"tuning": kw, "moe_impl": d.moe_impl, "step_ms_median": med * 1e3, "tokens": toks,
                                   "mbu": d.bytes_per_step(ctx)["total"] / med / db.copy_bw_cached()}
         log(f"A/B {shape} {label} {kw}: {med * 1e3:.3f} ms/step, MBU {out['variants'][label]['mbu'] * 100:.1f}%")
         if best is None or med < best[1]:
@@ -305,6 +306,87 @@ def sampling_check(steps: int = 64) -> dict:
             statistics.median(decode_bench.time_replays(gr, 100)) * 1e3
     log(f"sampling: {json.dumps(out)}")
     return out
+
+
+def moe_profile(layers: int = 40, n_weights: int = 8) -> dict:
+    """The 35B-A3B MoE block alone: the CUDA kernel vs the Triton pair (router GEMV + experts), each
+    as `layers` launches over `n_weights` rotated weight sets in one graph (per-layer µs), and the
+    CUDA kernel's phase timeline (per-CTA %globaltimer stamps, µs from the first CTA's start)."""
+    from nexrt_vllm.engine import cuda_kernels as ck
+    from nexrt_vllm.engine.kernels import gemv, moe
+
+    H, E, K, I, Is = 2048, 256, 8, 512, 512
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(5)
+    r = lambda *sh, sc: (torch.randn(*sh, generator=g, device=dev) * sc).to(bf)  # noqa: E731
+    W = [dict(ln=r(H, sc=0.1), wr=r(E + 1, H, sc=3 * H ** -0.5), gu=r(E, 2 * I, H, sc=H ** -0.5),
+              dn=r(E, H, I, sc=I ** -0.5), sgu=r(2 * Is, H, sc=H ** -0.5), sdn=r(H, Is, sc=Is ** -0.5))
+         for _ in range(n_weights)]
+    res = r(H, sc=1.0)
+    res0 = res.clone()
+    logits = torch.zeros(E + 1, dtype=bf, device=dev)
+    act = torch.zeros((K + 1) * I, dtype=bf, device=dev)
+    ids = torch.zeros(K, dtype=torch.int32, device=dev)
+    wts = torch.zeros(K, dtype=torch.float32, device=dev)
+    xn = torch.zeros(H, dtype=bf, device=dev)
+    kerns = {v: ck.MoeDecode(dev, H, E, K, I, Is, defines=(v,) if v else ()) for v in ("", "NEXRT_MOE_NO_COMPUTE",
+                                                                                   "NEXRT_MOE_NO_LOAD")}
+    kern = kerns[""]
+    nbytes = 2 * (E + 1) * H + K * 3 * I * H * 2 + 3 * Is * H * 2
+
+    def cuda_step(w, prof=None, kern=kern):
+        kern.launch(res, w["ln"], w["wr"], w["gu"], w["dn"], w["sgu"], w["sdn"], logits, act, ids, wts, eps=1e-6,
+                    norm_topk=True, prof=prof)
+
+    def triton_step(w):
+        gemv.gemv(res, w["wr"], logits, pro=gemv.PRO_RMSNORM, norm_w=w["ln"], eps=1e-6, xn_out=xn, block_n=4,
+                  block_k=1024, num_warps=8)
+        moe.moe_experts(xn, res, logits, w["gu"], w["sgu"], w["dn"], w["sdn"], act, ids, wts, top_k=K, block_n=16,
+                        block_k=256, down_block_n=2, down_block_k=512, route=True)
+
+    out = {"bytes_per_layer": nbytes}
+    variants = [("cuda", cuda_step), ("triton", triton_step), ("cuda_again", cuda_step)]
+    variants += [(f"cuda_{v[11:].lower()}", lambda w, k=kerns[v]: cuda_step(w, kern=k)) for v in kerns if v]
+    for name, step in variants:
+        res.copy_(res0)
+        sec = _time_graph(lambda: [step(W[i % n_weights]) for i in range(layers)], reps=20) / layers
+        out[name] = {"us_per_layer": sec * 1e6, "GBps": nbytes / sec / 1e9}
+        log(f"moe block {name}: {sec * 1e6:.2f} us/layer, {nbytes / sec / 1e9:.0f} GB/s")
+    names = ["init", "xn", "router", "shared_gu", "barrier1", "routing", "routed_gu", "barrier2", "down_ready", "end"]
+    for v, k in kerns.items():
+        prof = torch.zeros(k.plan.grid, 10, dtype=torch.int64, device=dev)
+        for i in range(5):
+            prof.zero_()
+            cuda_step(W[i % n_weights], prof, kern=k)
+            torch.cuda.synchronize()
+        p = prof.double()
+        t0 = p[:, 0].min()
+        live = p[:, 9] > 0
+        ph = {n: {"median": float((p[live, i] - t0).median() / 1e3), "max": float((p[live, i] - t0).max() / 1e3)}
+              for i, n in enumerate(names)}
+        out[f"phases_us{'_' + v if v else ''}"] = ph
+        log(f"moe phases {v or 'cuda'} (us from first CTA start, median/max over CTAs): " +
+            ", ".join(f"{n} {x['median']:.2f}/{x['max']:.2f}" for n, x in ph.items()))
+    del W
+    torch.cuda.empty_cache()
+    return out
+
+
+def moe_ncu_target() -> None:
+    """Three plain launches of the CUDA MoE block at the 35B-A3B shape (a target for `ncu -k moe_decode_kernel`)."""
+    from nexrt_vllm.engine import cuda_kernels as ck
+
+    H, E, K, I, Is = 2048, 256, 8, 512, 512
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    r = lambda *sh, sc: (torch.randn(*sh, device=dev) * sc).to(bf)  # noqa: E731
+    w = dict(ln=r(H, sc=0.1), wr=r(E + 1, H, sc=3 * H ** -0.5), gu=r(E, 2 * I, H, sc=H ** -0.5),
+             dn=r(E, H, I, sc=I ** -0.5), sgu=r(2 * Is, H, sc=H ** -0.5), sdn=r(H, Is, sc=Is ** -0.5))
+    res, kern = r(H, sc=1.0), ck.MoeDecode(dev, H, E, K, I, Is)
+    bufs = (torch.zeros(E + 1, dtype=bf, device=dev), torch.zeros((K + 1) * I, dtype=bf, device=dev),
+            torch.zeros(K, dtype=torch.int32, device=dev), torch.zeros(K, dtype=torch.float32, device=dev))
+    for _ in range(3):
+        kern.launch(res, w["ln"], w["wr"], w["gu"], w["dn"], w["sgu"], w["sdn"], *bufs, eps=1e-6, norm_topk=True)
+    torch.cuda.synchronize()
 
 
 def _time_graph(launch, reps: int = 5) -> float:
@@ -399,10 +481,15 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--trained-parity", action="store_true", help="fused vs eager on trained tiny checkpoints")
     ap.add_argument("--sampling", action="store_true")
+    ap.add_argument("--moe-profile", action="store_true", help="35B MoE block alone: CUDA vs Triton, phases")
+    ap.add_argument("--moe-ncu-target", action="store_true", help="only: 3 launches of the CUDA MoE block (for ncu)")
     ap.add_argument("--bench-args", default="")
     ap.add_argument("--ab", default="", help="shapes (e.g. 35b,2b) for tuning_ab() at 8K, before the bench")
     ap.add_argument("--ab-variants", default=DEFAULT_AB, help="label:field=value,...;label2:... (Tuning fields)")
     args = ap.parse_args()
+    if args.moe_ncu_target:
+        moe_ncu_target()
+        return 0
     os.makedirs(args.out, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if not args.skip_tests:
@@ -427,6 +514,8 @@ def main() -> int:
         report["gemv_sweep"] = gemv_sweep()
     if args.sampling:
         report["sampling"] = sampling_check()
+    if args.moe_profile:
+        report["moe_profile"] = moe_profile()
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1)
     for shape in filter(None, args.ab.split(",")):

@@ -63,3 +63,19 @@ def test_fused_decoder_refuses_non_bf16(ckpt_factory):
                                  max_seq_len=16, progress=False)
     with pytest.raises(EngineError, match="bfloat16"):
         FusedDecoder(eng.model, eng.state)
+
+
+def test_fused_decoder_moe_impl_choice(ckpt_factory):
+    """Triton MoE by default; the CUDA MoE kernel only when asked for, refused with a typed error where
+    it cannot run (here: no CUDA device); an unknown choice is refused."""
+    from nexrt_vllm.engine.cuda_kernels import CudaKernelUnsupported
+
+    eng = Engine.from_pretrained(ckpt_factory("qwen3_5_moe", "bfloat16"), device="cpu", dtype="bfloat16",
+                                 max_seq_len=16, progress=False)
+    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=CPU_TUNING)
+    assert dec.moe_impl == "triton" and dec.moe_kernel is None
+    assert not any(name.startswith("moe_block") for name, _, _ in dec.plan())
+    with pytest.raises(CudaKernelUnsupported, match="CUDA device"):
+        FusedDecoder(eng.model, eng.state, tuning=Tuning(moe_impl="cuda"))
+    with pytest.raises(EngineError, match="moe_impl"):
+        FusedDecoder(eng.model, eng.state, tuning=Tuning(moe_impl="fast"))

@@ -54,6 +54,10 @@ class Tuning:
     # repeats the top-k selection before its first weight load): 35B at 8K 2.825 -> 2.756 ms on the
     # H200, same tokens (gpu_check --moe-route-ab). False: the separate one-warp route launch.
     moe_route_in_gate_up: bool = True
+    # MoE block: "triton" = the router GEMV + experts launches above; "cuda" = the persistent CUDA C++
+    # kernel (csrc/moe_decode.cu: norm + router + routing + experts + residual in one launch). Opt-in:
+    # on the H200 it is slower (35B-A3B 8K 3.3-4.1 ms vs 2.75 ms; docs/GPU.md, round 4).
+    moe_impl: str = "triton"
     # Programmatic dependent launch for every kernel of the step (kernels/common.py); None: the
     # process default (NEXRT_PDL, off).
     pdl: bool | None = None
@@ -198,6 +202,9 @@ class FusedDecoder:
                 L.update(moe=False, w_down=f.down_proj)
             self.layers.append(L)
         self.embed, self.final_norm, self.lm_head = model.embed, model.final_norm, model.lm_head
+        self.moe_kernel, self.moe_impl = None, None
+        if c.num_experts and mode == "fused":
+            self.moe_kernel, self.moe_impl = self._moe_kernel(dev)
         # Static activations (addresses fixed for capture).
         H = c.hidden_size
         self.res = torch.zeros(H, dtype=dt, device=dev)
@@ -229,6 +236,18 @@ class FusedDecoder:
         self.ring_host, self.ring, self.control, self._ring_owner = _control_ring(dev)
         self.params = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float32, device=dev)  # temperature, top_p, top_k
         self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
+
+    def _moe_kernel(self, dev):
+        """(kernel or None, "cuda" | "triton") for the MoE layers, per Tuning.moe_impl."""
+        impl = self.t.moe_impl
+        if impl not in ("cuda", "triton"):
+            raise EngineError(f"Tuning.moe_impl must be 'cuda' or 'triton', got {impl!r}")
+        if impl == "triton":
+            return None, "triton"
+        from .cuda_kernels import MoeDecode
+        c = self.cfg
+        return MoeDecode(dev, c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                         c.shared_expert_intermediate_size), "cuda"
 
     # ---- one decode step -------------------------------------------------------------------------
     def plan(self, seq_len: int = 0) -> list[tuple[str, object, int]]:
@@ -273,7 +292,13 @@ class FusedDecoder:
                         nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per), 2 * kv_row * (seq_len + 1)),
                     ("attn_o_proj", lambda L=L: g.gemv(
                         self.o, L["w_o"], self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)), b(L["w_o"]))]
-            if L["moe"]:
+            if L["moe"] and self.moe_kernel is not None:
+                per_expert = (b(L["gate_up"]) + b(L["down"])) // c.num_experts
+                steps.append(("moe_block(norm+router+experts)", lambda L=L: self.moe_kernel.launch(
+                    self.res, L["ln2"], L["w_router"], L["gate_up"], L["down"], L["s_gate_up"], L["s_down"],
+                    self.router_logits, self.act, self.ids, self.wts, eps=eps, norm_topk=c.norm_topk_prob),
+                    b(L["w_router"]) + c.num_experts_per_tok * per_expert + b(L["s_gate_up"]) + b(L["s_down"])))
+            elif L["moe"]:
                 per_expert = (b(L["gate_up"]) + b(L["down"])) // c.num_experts
                 steps += [
                     ("moe_router", lambda L=L: g.gemv(
