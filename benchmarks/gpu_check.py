@@ -346,7 +346,7 @@ def moe_profile(layers: int = 40, n_weights: int = 8) -> dict:
 
     out = {"bytes_per_layer": nbytes}
     variants = [("cuda", cuda_step), ("triton", triton_step), ("cuda_again", cuda_step)]
-    variants += [(f"cuda_{v[11:].lower()}", lambda w, k=kerns[v]: cuda_step(w, kern=k)) for v in kerns if v]
+    variants += [(f"cuda_{v[len('NEXRT_MOE_'):].lower()}", lambda w, k=kerns[v]: cuda_step(w, kern=k)) for v in kerns if v]
     for name, step in variants:
         res.copy_(res0)
         sec = _time_graph(lambda: [step(W[i % n_weights]) for i in range(layers)], reps=20) / layers

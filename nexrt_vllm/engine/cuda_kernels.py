@@ -26,7 +26,8 @@ ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
 NVCC_FLAGS = ["-cubin", "-O3", "-std=c++17", *ARCH_FLAGS]
 
 # Mirrors of csrc/moe_decode.cu's constants (its shared-memory layout is computed here).
-THREADS, STAGE_BYTES, MAX_TILES, MAX_TOPK, MAX_STAGES, STATIC_SMEM = 256, 16384, 160, 16, 16, 1024
+THREADS, CTHREADS, MAX_TILES, MAX_TOPK, MAX_STAGES, STATIC_SMEM, ROW_PAD = 288, 256, 160, 16, 16, 512, 64
+STAGE_BYTES = 16384 + 4 * ROW_PAD
 
 
 class CudaKernelUnsupported(EngineError):
@@ -150,27 +151,32 @@ def moe_decode_plan(H: int, E: int, top_k: int, I: int, Is: int, num_sms: int, s
     """Layout of the persistent MoE kernel for this shape on a device with `num_sms` SMs and
     `smem_optin` bytes of opt-in shared memory per block; CudaKernelUnsupported if it does not fit."""
     why = []
-    if H % 16 or I % 16 or Is % 16 or E % 4:
-        why.append(f"needs hidden, intermediate sizes % 16 == 0 and experts % 4 == 0 (H={H}, I={I}, Is={Is}, E={E})")
-    if 4 * H > STAGE_BYTES:
-        why.append(f"hidden {H} > {STAGE_BYTES // 4}: one gate/up row pair must fit a 16 KB stage")
-    if not 1 <= top_k <= min(MAX_TOPK, E) or E > 2 * THREADS:
-        why.append(f"needs 1 <= top_k <= {MAX_TOPK}, top_k <= experts <= {2 * THREADS} (E={E}, top_k={top_k})")
+    if H % 64 or I % 16 or Is % 16 or E % 4:
+        why.append(f"needs hidden % 64, intermediate sizes % 16 and experts % 4 == 0 (H={H}, I={I}, Is={Is}, E={E})")
+    if 2 * (2 * H + ROW_PAD) > STAGE_BYTES:
+        why.append(f"hidden {H} > 4096: one gate/up row pair must fit a stage")
+    if not 1 <= top_k <= min(MAX_TOPK, E) or E > 2 * CTHREADS:
+        why.append(f"needs 1 <= top_k <= {MAX_TOPK}, top_k <= experts <= {2 * CTHREADS} (E={E}, top_k={top_k})")
     G = num_sms
     R = _cdiv(H, G)
-    if R > THREADS:
-        why.append(f"{R} down rows per CTA > {THREADS}")
-    ppt = max(1, min(STAGE_BYTES // (4 * H), 16))
-    rpr = max(1, min(32, STAGE_BYTES // (2 * H)))
+    if R > CTHREADS:
+        why.append(f"{R} down rows per CTA > {CTHREADS}")
+    ppt = max(1, min(STAGE_BYTES // (2 * (2 * H + ROW_PAD)), 2))  # csrc: gate/up pairs per tile (<= 4 rows)
+    rpr = max(1, min(4, STAGE_BYTES // (2 * H + ROW_PAD)))
     tiles = _cdiv(_cdiv(E + 1, G), rpr)
+    down_tiles = 0
     for n in [I] * top_k + [Is]:
-        tiles += _cdiv(_cdiv(n, G), ppt) + _cdiv(R, max(1, min(32, STAGE_BYTES // (2 * max(n, 1)))))
+        down = _cdiv(R, max(1, min(16, STAGE_BYTES // (2 * max(n, 1)))))
+        tiles += _cdiv(_cdiv(n, G), ppt) + down
+        down_tiles += down
     if tiles > MAX_TILES:
         why.append(f"{tiles} ring tiles per CTA > {MAX_TILES}")
     imax = max(I, Is)
-    fixed = (H * 2 + (top_k + 1) * imax * 2 + 8 * MAX_STAGES + MAX_TILES * 16 + 4 * MAX_TOPK * 4 + 128 * 4
-             + E * 4 + R * (top_k + 1) * 4)
+    fixed = (H * 2 + (top_k + 1) * imax * 2 + 16 * MAX_STAGES + MAX_TILES * 16 + 4 * MAX_TOPK * 4 + E * 4
+             + R * (top_k + 1) * 4)
     stages = min(MAX_STAGES, (smem_optin - STATIC_SMEM - fixed) // STAGE_BYTES)
+    if down_tiles > stages:  # csrc: the down tiles all wait in the ring for the second barrier
+        why.append(f"{down_tiles} down tiles per CTA do not fit {max(stages, 0)} ring stages")
     if stages < 2:
         why.append(f"shared memory: {fixed} B of buffers leave {max(stages, 0)} ring stages (need >= 2) of "
                    f"{smem_optin} B")

@@ -56,7 +56,7 @@ class Tuning:
     moe_route_in_gate_up: bool = True
     # MoE block: "triton" = the router GEMV + experts launches above; "cuda" = the persistent CUDA C++
     # kernel (csrc/moe_decode.cu: norm + router + routing + experts + residual in one launch). Opt-in:
-    # on the H200 it is slower (35B-A3B 8K 3.3-4.1 ms vs 2.75 ms; docs/GPU.md, round 4).
+    # on the H200 it is still slower (35B-A3B 8K 2.92 ms vs 2.75 ms; docs/GPU.md, round 4).
     moe_impl: str = "triton"
     # Programmatic dependent launch for every kernel of the step (kernels/common.py); None: the
     # process default (NEXRT_PDL, off).
