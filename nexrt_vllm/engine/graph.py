@@ -292,14 +292,13 @@ class FusedDecoder:
                         nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per), 2 * kv_row * (seq_len + 1)),
                     ("attn_o_proj", lambda L=L: g.gemv(
                         self.o, L["w_o"], self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)), b(L["w_o"]))]
+            per_expert = (b(L["gate_up"]) + b(L["down"])) // c.num_experts if L["moe"] else 0
             if L["moe"] and self.moe_kernel is not None:
-                per_expert = (b(L["gate_up"]) + b(L["down"])) // c.num_experts
                 steps.append(("moe_block(norm+router+experts)", lambda L=L: self.moe_kernel.launch(
                     self.res, L["ln2"], L["w_router"], L["gate_up"], L["down"], L["s_gate_up"], L["s_down"],
                     self.router_logits, self.act, self.ids, self.wts, eps=eps, norm_topk=c.norm_topk_prob),
                     b(L["w_router"]) + c.num_experts_per_tok * per_expert + b(L["s_gate_up"]) + b(L["s_down"])))
             elif L["moe"]:
-                per_expert = (b(L["gate_up"]) + b(L["down"])) // c.num_experts
                 steps += [
                     ("moe_router", lambda L=L: g.gemv(
                         self.res, L["w_router"], self.router_logits, pro=g.PRO_RMSNORM, norm_w=L["ln2"], eps=eps,
