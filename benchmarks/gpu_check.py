@@ -308,6 +308,17 @@ def sampling_check(steps: int = 64) -> dict:
     return out
 
 
+MOE_35B = (2048, 256, 8, 512, 512)  # H, E, top_k, I, Is of Qwen3.5-35B-A3B
+
+
+def _moe_weights(g=None) -> dict:
+    """Random bf16 MoE-block weights at the 35B-A3B shape, scaled so activations stay O(1)."""
+    H, E, K, I, Is = MOE_35B
+    r = lambda *sh, sc: (torch.randn(*sh, generator=g, device="cuda") * sc).to(torch.bfloat16)  # noqa: E731
+    return dict(ln=r(H, sc=0.1), wr=r(E + 1, H, sc=3 * H ** -0.5), gu=r(E, 2 * I, H, sc=H ** -0.5),
+                dn=r(E, H, I, sc=I ** -0.5), sgu=r(2 * Is, H, sc=H ** -0.5), sdn=r(H, Is, sc=Is ** -0.5))
+
+
 def moe_profile(layers: int = 40, n_weights: int = 8) -> dict:
     """The 35B-A3B MoE block alone: the CUDA kernel vs the Triton pair (router GEMV + experts), each
     as `layers` launches over `n_weights` rotated weight sets in one graph (per-layer µs), and the
@@ -315,14 +326,11 @@ def moe_profile(layers: int = 40, n_weights: int = 8) -> dict:
     from nexrt_vllm.engine import cuda_kernels as ck
     from nexrt_vllm.engine.kernels import gemv, moe
 
-    H, E, K, I, Is = 2048, 256, 8, 512, 512
+    H, E, K, I, Is = MOE_35B
     dev, bf = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(5)
-    r = lambda *sh, sc: (torch.randn(*sh, generator=g, device=dev) * sc).to(bf)  # noqa: E731
-    W = [dict(ln=r(H, sc=0.1), wr=r(E + 1, H, sc=3 * H ** -0.5), gu=r(E, 2 * I, H, sc=H ** -0.5),
-              dn=r(E, H, I, sc=I ** -0.5), sgu=r(2 * Is, H, sc=H ** -0.5), sdn=r(H, Is, sc=Is ** -0.5))
-         for _ in range(n_weights)]
-    res = r(H, sc=1.0)
+    W = [_moe_weights(g) for _ in range(n_weights)]
+    res = torch.randn(H, generator=g, device=dev).to(bf)
     res0 = res.clone()
     logits = torch.zeros(E + 1, dtype=bf, device=dev)
     act = torch.zeros((K + 1) * I, dtype=bf, device=dev)
@@ -376,12 +384,10 @@ def moe_ncu_target() -> None:
     """Three plain launches of the CUDA MoE block at the 35B-A3B shape (a target for `ncu -k moe_decode_kernel`)."""
     from nexrt_vllm.engine import cuda_kernels as ck
 
-    H, E, K, I, Is = 2048, 256, 8, 512, 512
+    H, E, K, I, Is = MOE_35B
     dev, bf = torch.device("cuda"), torch.bfloat16
-    r = lambda *sh, sc: (torch.randn(*sh, device=dev) * sc).to(bf)  # noqa: E731
-    w = dict(ln=r(H, sc=0.1), wr=r(E + 1, H, sc=3 * H ** -0.5), gu=r(E, 2 * I, H, sc=H ** -0.5),
-             dn=r(E, H, I, sc=I ** -0.5), sgu=r(2 * Is, H, sc=H ** -0.5), sdn=r(H, Is, sc=Is ** -0.5))
-    res, kern = r(H, sc=1.0), ck.MoeDecode(dev, H, E, K, I, Is)
+    w = _moe_weights()
+    res, kern = torch.randn(H, device=dev).to(bf), ck.MoeDecode(dev, H, E, K, I, Is)
     bufs = (torch.zeros(E + 1, dtype=bf, device=dev), torch.zeros((K + 1) * I, dtype=bf, device=dev),
             torch.zeros(K, dtype=torch.int32, device=dev), torch.zeros(K, dtype=torch.float32, device=dev))
     for _ in range(3):

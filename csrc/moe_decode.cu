@@ -245,8 +245,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_decode_kernel(const
   float* s_wts = reinterpret_cast<float*>(s_ids + MAX_TOPK);
   int* c_ids = reinterpret_cast<int*>(s_wts + MAX_TOPK);  // top-k candidates by rank
   float* c_l = reinterpret_cast<float*>(c_ids + MAX_TOPK);
-  float* sl = c_l + MAX_TOPK;                              // [E] router logits (fp32)
-  float* dres = sl + a.E;                                  // [R][K + 1] down dot products
+  uint32_t* skey = reinterpret_cast<uint32_t*>(c_l + MAX_TOPK);  // [E] routing keys
+  float* dres = reinterpret_cast<float*>(skey + a.E);              // [R][K + 1] down dot products
   __shared__ int n_tiles, n_pre, n_gu;
   __shared__ float s_red[2][CONSUMERS];
   __shared__ float s_part[CONSUMERS][4];
@@ -454,7 +454,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_decode_kernel(const
   {
     float l[2];
     uint32_t key[2];
-    uint32_t* skey = reinterpret_cast<uint32_t*>(sl);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int e = tid + q * CTHREADS;

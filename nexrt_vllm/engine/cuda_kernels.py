@@ -6,8 +6,9 @@ cached by source hash under $NEXRT_CACHE_DIR or ~/.cache/nexrt_vllm), loaded wit
 `torch.cuda.graph` capture becomes a node of the step's graph like the Triton launches.
 
 `moe_decode_plan` (pure, testable on CPU) decides whether a model's MoE shape fits the persistent
-MoE kernel on a device and how it is laid out; `MoeDecode` builds and launches it. A shape that
-does not fit raises `CudaKernelUnsupported` (the decoder then keeps the Triton path).
+MoE kernel on a device and how it is laid out; `MoeDecode` builds and launches it. A shape, device
+or machine it cannot serve raises `CudaKernelUnsupported` with the reason (the decoder uses the
+kernel only when `Tuning.moe_impl == "cuda"`).
 """
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ class _MoeArgs(ctypes.Structure):
 class MoePlan:
     grid: int  # CTAs = multiprocessors (all resident: the kernel has grid-wide barriers)
     rows_per_cta: int  # R: hidden rows of the down projections each CTA owns
-    stages: int  # 16 KB ring stages per CTA
+    stages: int  # ring stages per CTA (STAGE_BYTES each)
     smem: int  # dynamic shared memory per CTA, bytes
     tiles: int  # most ring tiles of one CTA
 
