@@ -203,8 +203,43 @@ def parse_variants(spec: str) -> list[tuple[str, dict]]:
             (part.partition(":") for part in filter(None, spec.split(";")))]
 
 
+def kernel_timeline(g, reps: int = 12) -> dict:
+    """Kernel-level trace (CUPTI, via torch.profiler) of `reps` replays of the step graph `g`: per
+    kernel of the step, the median duration and the median idle gap before it (end of the previous
+    kernel to its start), in launch order, and the totals by kernel name. Shows where a step loses
+    time between kernels rather than inside them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type != torch.autograd.DeviceType.CPU and "memcpy" not in e.name.lower()
+                 and "memset" not in e.name.lower()), key=lambda x: x[0])
+    if not ev or len(ev) % reps:
+        return {"error": f"{len(ev)} kernel events for {reps} replays"}
+    n = len(ev) // reps
+    rows = []
+    for i in range(n):
+        durs = [ev[r * n + i][1] - ev[r * n + i][0] for r in range(reps)]
+        gaps = [ev[r * n + i][0] - ev[r * n + i - 1][1] for r in range(reps) if r * n + i > 0 and i > 0]
+        rows.append({"name": ev[i][2], "us": statistics.median(durs), "gap_before_us": statistics.median(gaps) if gaps else 0.0})
+    by_name: dict = {}
+    for r in rows:
+        a = by_name.setdefault(r["name"], {"count": 0, "us": 0.0, "gap_us": 0.0})
+        a["count"] += 1
+        a["us"] += r["us"]
+        a["gap_us"] += r["gap_before_us"]
+    span = [ev[r * n + n - 1][1] - ev[r * n][0] for r in range(reps)]
+    return {"kernels_per_step": n, "span_us_median": statistics.median(span),
+            "sum_kernel_us": sum(r["us"] for r in rows), "sum_gap_us": sum(r["gap_before_us"] for r in rows),
+            "by_name": by_name, "kernels": rows}
+
+
 def tuning_ab(shape: str, variants: list[tuple[str, dict]], ctx: int = 8192, steps: int = 200,
-              check_steps: int = 32, breakdown: bool = True) -> dict:
+              check_steps: int = 32, breakdown: bool = True, timeline: bool = False) -> dict:
     """One model of `shape` at `ctx`; per Tuning variant (fields replaced, ints as bools where the
     field is bool): median step time over `steps` replays, greedy tokens from one state (variants
     that only change launch options must give the same tokens) and, for the fastest variant, the
@@ -232,11 +267,19 @@ def tuning_ab(shape: str, variants: list[tuple[str, dict]], ctx: int = 8192, ste
         db.time_replays(g, 5)
         d.state.position.fill_(ctx)
         med = statistics.median(db.time_replays(g, steps))
+        tl_ = None
+        if timeline:
+            d.state.position.fill_(ctx)
+            try:
+                tl_ = kernel_timeline(g)
+            except Exception as e:  # noqa: BLE001 - a trace failure must not lose the A/B
+                tl_ = {"error": f"{type(e).__name__}: {e}"}
+            log(f"timeline {shape} {label}: " + json.dumps({k: v for k, v in tl_.items() if k not in ("kernels", "by_name")}))
         eng.import_state(n0, snap)
         toks = list(runner.generate(1, check_steps))
         eng.import_state(n0, snap)
         out["variants"][label] = {"tuning": kw, "moe_impl": d.moe_impl, "step_ms_median": med * 1e3, "tokens": toks,
-                                  "mbu": d.bytes_per_step(ctx)["total"] / med / db.copy_bw_cached()}
+                                  "timeline": tl_, "mbu": d.bytes_per_step(ctx)["total"] / med / db.copy_bw_cached()}
         log(f"A/B {shape} {label} {kw}: {med * 1e3:.3f} ms/step, MBU {out['variants'][label]['mbu'] * 100:.1f}%")
         if best is None or med < best[1]:
             best = (label, med, d)
@@ -491,6 +534,7 @@ def main() -> int:
     ap.add_argument("--moe-ncu-target", action="store_true", help="only: 3 launches of the CUDA MoE block (for ncu)")
     ap.add_argument("--bench-args", default="")
     ap.add_argument("--ab", default="", help="shapes (e.g. 35b,2b) for tuning_ab() at 8K, before the bench")
+    ap.add_argument("--timeline", action="store_true", help="with --ab: a CUPTI kernel trace of every variant")
     ap.add_argument("--ab-variants", default=DEFAULT_AB, help="label:field=value,...;label2:... (Tuning fields)")
     args = ap.parse_args()
     if args.moe_ncu_target:
@@ -525,7 +569,8 @@ def main() -> int:
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1)
     for shape in filter(None, args.ab.split(",")):
-        report.setdefault("tuning_ab", {})[shape] = tuning_ab(shape, parse_variants(args.ab_variants))
+        report.setdefault("tuning_ab", {})[shape] = tuning_ab(shape, parse_variants(args.ab_variants),
+                                                          timeline=args.timeline)
         with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
             json.dump(report, f, indent=1)
     rc = 0

@@ -45,11 +45,14 @@ class Tuning:
     attn_splits: int = 256
     attn_block: int = 32
     attn_min_per: int = 32
+    attn_warps: int = 4
     gdn_block_v: int = 16
     moe_block_n: int = 16
     moe_block_k: int = 256
     moe_down_block_n: int = 2
     moe_down_block_k: int = 512
+    moe_warps: int = 4
+    moe_down_warps: int = 4
     # Route inside the experts' gate_up launch (one launch less per MoE layer; every routed program
     # repeats the top-k selection before its first weight load): 35B at 8K 2.825 -> 2.756 ms on the
     # H200, same tokens (gpu_check --moe-route-ab). False: the separate one-warp route launch.
@@ -289,7 +292,8 @@ class FusedDecoder:
                     ("attn_splitk+combine", lambda L=L: self.k_attn.attention_decode(
                         self.q, L["k"], L["v"], st.position, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
                         self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                        nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per), 2 * kv_row * (seq_len + 1)),
+                        nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per,
+                        num_warps=t.attn_warps), 2 * kv_row * (seq_len + 1)),
                     ("attn_o_proj", lambda L=L: g.gemv(
                         self.o, L["w_o"], self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)), b(L["w_o"]))]
             per_expert = (b(L["gate_up"]) + b(L["down"])) // c.num_experts if L["moe"] else 0
@@ -313,6 +317,7 @@ class FusedDecoder:
                         self.xn, self.res, self.router_logits, L["gate_up"], L["s_gate_up"], L["down"], L["s_down"],
                         self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=t.moe_block_n,
                         block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k,
+                        num_warps=t.moe_warps, down_num_warps=t.moe_down_warps,
                         route=t.moe_route_in_gate_up, norm_topk=c.norm_topk_prob),
                      c.num_experts_per_tok * per_expert + b(L["s_gate_up"]) + b(L["s_down"]))]
             else:

@@ -3,8 +3,8 @@
 Launch 1 is the router GEMV (`gemv`, RMSNorm prologue, `xn_out`) over [router; shared_expert_gate]
 rows; its program 0 also stores the normed input for the experts. Launch 2 (`route.route`, one
 warp) does the routing: softmax over E in fp32, top-k, renormalise, ids sorted ascending.
-Launch 3 (`moe_gate_up_kernel`, grid (intermediate blocks, top_k + 1)) writes SiLU(gate)·up for
-its slot's expert; the last slot is the shared expert. Launch 4 (`moe_down_kernel`) sums the down
+Launch 3 (`moe_gate_up_kernel`, grid (intermediate blocks, 1 + top_k)) writes SiLU(gate)·up for
+its slot's expert; grid column 0 is the shared expert (its act row is the last). Launch 4 (`moe_down_kernel`) sums the down
 projections in ascending expert id (the eager order, with its bf16 rounding), adds the
 sigmoid-gated shared expert and the residual.
 """
@@ -18,18 +18,20 @@ from .route import topk_select
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-                       K, I, IS, stride_ge,
+def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr, stride_ge,
+                       K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        ROUTE: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
                        PDL: tl.constexpr):
     pdl_begin(PDL)
     pid = tl.program_id(0)
-    slot = tl.program_id(1)
-    if slot < TOPK:
+    # Grid column 0 is the shared expert (scheduled first: it needs no routing, so its loads start
+    # while the routed programs select their experts); columns 1..TOPK are routed slots 0..TOPK-1.
+    slot = tl.program_id(1) - 1
+    if slot >= 0:
         if ROUTE:
             # Routing folded in (no route launch): each routed program selects its own slot's
-            # expert; the programs of column 0 publish ids / weights for the down launch.
+            # expert; the programs with pid 0 publish ids / weights for the down launch.
             e, sel, rank, w = topk_select(logits_ptr, E, EP, TOPK, NORM)
             mine = sel & (rank == slot)
             eid = tl.sum(tl.where(mine, e, 0), 0)
@@ -43,12 +45,16 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
     else:
         wbase = sgu_ptr
         n_rows = IS
+        slot = TOPK  # the shared expert's act row is the last
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # K is a compile-time constant and the loop is unrolled: no K block's loads wait for the
+    # previous block's arithmetic, so a program's whole slice can be in flight at once (a rolled
+    # loop costs one dependent HBM round trip per block).
+    for k0 in tl.static_range(0, K, BLOCK_K):
         cols = k0 + offs_k
         cmask = cols < K
         xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -63,49 +69,53 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
 
 
 @triton.jit
-def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr,
-                    N, I, IS, stride_de,
-                    E: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N, stride_de,
+                    I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
+                    IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     offs_k = tl.arange(0, BLOCK_K)
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # Unrolled over the experts: every expert's loads are independent and can be in flight together;
-    # the bf16 accumulation below keeps the eager (ascending id) order.
-    for s in tl.static_range(TOPK):
-        eid = tl.load(ids_ptr + s)
-        w = tl.load(wts_ptr + s)
-        base = dn_ptr + eid.to(tl.int64) * stride_de
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            cols = k0 + offs_k
-            cm = cols < I
-            a = tl.load(act_ptr + s * IMAX + cols, mask=cm, other=0.0).to(tl.float32)
-            wv = tl.load(base + rows[:, None] * I + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
-                         eviction_policy="evict_first")
-            acc += wv.to(tl.float32) * a[None, :]
-        out = _bf16(out + _bf16(_bf16(tl.sum(acc, 1)) * w))
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, IS, BLOCK_K):
+    # The shared expert's rows first (no routing needed), then every routed expert's rows in one
+    # gather load [TOPKP, BLOCK_N, BLOCK_K] per K block: all of the program's weight bytes can be in
+    # flight together. (Expert after expert, each bf16 sum waits for its own round trip.)
+    acc_s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.static_range(0, IS, BLOCK_K):
         cols = k0 + offs_k
         cm = cols < IS
         a = tl.load(act_ptr + TOPK * IMAX + cols, mask=cm, other=0.0).to(tl.float32)
         wv = tl.load(sdn_ptr + rows[:, None] * IS + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
                      eviction_policy="evict_first")
-        acc += wv.to(tl.float32) * a[None, :]
+        acc_s += wv.to(tl.float32) * a[None, :]
+    s = tl.arange(0, TOPKP)
+    sm = s < TOPK
+    eid = tl.load(ids_ptr + s, mask=sm, other=0)
+    base = dn_ptr + eid.to(tl.int64)[:, None, None] * stride_de + rows[None, :, None] * I
+    acc = tl.zeros([TOPKP, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.static_range(0, I, BLOCK_K):
+        cols = k0 + offs_k
+        cm = cols < I
+        a = tl.load(act_ptr + s[:, None] * IMAX + cols[None, :], mask=sm[:, None] & cm[None, :], other=0.0)
+        wv = tl.load(base + cols[None, None, :], mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :],
+                     other=0.0,
+                     eviction_policy="evict_first")
+        acc += wv.to(tl.float32) * a.to(tl.float32)[:, None, :]
+    w = tl.load(wts_ptr + s, mask=sm, other=0.0)
+    part = _bf16(_bf16(tl.sum(acc, 2)) * w[:, None])  # [TOPKP, BLOCK_N]: each expert's bf16 output
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in tl.static_range(TOPK):  # the eager order: ascending expert id, bf16 after every add
+        out = _bf16(out + tl.sum(tl.where(s[:, None] == i, part, 0.0), 0))
     sg = tl.load(logits_ptr + E).to(tl.float32)
     gate = _bf16(1.0 / (1.0 + tl.exp(-sg)))
-    moe = _bf16(out + _bf16(gate * _bf16(tl.sum(acc, 1))))
+    moe = _bf16(out + _bf16(gate * _bf16(tl.sum(acc_s, 1))))
     r = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(res_ptr + rows, _bf16(r + moe).to(res_ptr.dtype.element_ty), mask=rmask)
 
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
-                block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, route=False,
-                norm_topk=True):
+                block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
+                route=False, norm_topk=True):
     """Routed + shared experts for one token, after the router launch (`gemv`, xn_out) and `route.route`
     have left the normed input xn [H], logits [E+1] (router logits, then the shared-expert gate logit)
     and ids / wts [top_k]. route=True: no `route.route` launch before; the gate_up launch routes
@@ -116,11 +126,12 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
     bk = min(block_k or 512, triton.next_power_of_2(hidden))
-    moe_gate_up_kernel[(triton.cdiv(imax, block_n), top_k + 1)](
-        xn, gate_up, shared_gate_up, act, ids, logits, wts, hidden, inter, inter_s, gate_up.stride(0),
+    moe_gate_up_kernel[(triton.cdiv(imax, block_n), 1 + top_k)](
+        xn, gate_up, shared_gate_up, act, ids, logits, wts, gate_up.stride(0), K=hidden, I=inter, IS=inter_s,
         TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, ROUTE=route, E=n_exp, EP=triton.next_power_of_2(n_exp),
         NORM=norm_topk, **LAUNCH, num_warps=num_warps)
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     moe_down_kernel[(triton.cdiv(hidden, down_block_n),)](
-        act, down, shared_down, ids, wts, logits, res, hidden, inter, inter_s, down.stride(0),
-        E=n_exp, TOPK=top_k, IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, **LAUNCH, num_warps=num_warps)
+        act, down, shared_down, ids, wts, logits, res, hidden, down.stride(0), I=inter, IS=inter_s,
+        E=n_exp, TOPK=top_k, TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd,
+        **LAUNCH, num_warps=down_num_warps)
