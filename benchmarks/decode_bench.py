@@ -64,7 +64,8 @@ def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
 
 
 def tuning_from(kvs: str):
-    """"field=value,..." -> a graph.Tuning with those fields replaced (ints; 0/1 for bools; a/b/c tuples)."""
+    """"field=value,..." -> a graph.Tuning with those fields replaced (ints; 0/1 for bools; a/b/c tuples;
+    a/b/c+d/e/f tuples of tuples, e.g. the `gemv` rules)."""
     import dataclasses
 
     from nexrt_vllm.engine.graph import Tuning
@@ -74,7 +75,9 @@ def tuning_from(kvs: str):
         k, _, v = kv.partition("=")
         if k not in types:
             raise SystemExit(f"unknown Tuning field {k!r}; fields: {sorted(types)}")
-        if "/" in v:
+        if "+" in v:
+            kw[k] = tuple(tuple(int(x) for x in part.split("/")) for part in v.split("+"))
+        elif "/" in v:
             kw[k] = tuple(int(x) for x in v.split("/"))
         elif types[k] == "str":
             kw[k] = v

@@ -18,6 +18,33 @@ from .route import topk_select
 
 
 @triton.jit
+def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, rstd, nw_ptr):
+    """SiLU(W_gate x)·(W_up x) for `rows` of a [2 n_rows, K] matrix; x is normed first (zero-centred
+    RMSNorm with rstd, weights nw) when PRO. K is a compile-time constant and the loop is unrolled:
+    no K block's loads wait for the previous block's arithmetic, so a program's whole slice can be in
+    flight at once (a rolled loop costs one dependent HBM round trip per block)."""
+    rmask = rows < n_rows
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        cmask = cols < K
+        wp = wbase + rows[:, None] * K + cols[None, :]
+        m2 = rmask[:, None] & cmask[None, :]
+        wg = tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first")
+        wu = tl.load(wp + n_rows * K, mask=m2, other=0.0, eviction_policy="evict_first")
+        xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        if PRO:
+            xv = _bf16((xv * rstd) * (1.0 + tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)))
+        acc_g += wg.to(tl.float32) * xv[None, :]
+        acc_u += wu.to(tl.float32) * xv[None, :]
+    g = _bf16(tl.sum(acc_g, 1))
+    u = _bf16(tl.sum(acc_u, 1))
+    return _bf16(_bf16(_silu(g)) * u)
+
+
+@triton.jit
 def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr, stride_ge,
                        K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -47,25 +74,8 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
         n_rows = IS
         slot = TOPK  # the shared expert's act row is the last
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < n_rows
-    offs_k = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    # K is a compile-time constant and the loop is unrolled: no K block's loads wait for the
-    # previous block's arithmetic, so a program's whole slice can be in flight at once (a rolled
-    # loop costs one dependent HBM round trip per block).
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        cols = k0 + offs_k
-        cmask = cols < K
-        xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        wp = wbase + rows[:, None] * K + cols[None, :]
-        m2 = rmask[:, None] & cmask[None, :]
-        acc_g += tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32) * xv[None, :]
-        acc_u += tl.load(wp + n_rows * K, mask=m2, other=0.0,
-                         eviction_policy="evict_first").to(tl.float32) * xv[None, :]
-    g = _bf16(tl.sum(acc_g, 1))
-    u = _bf16(tl.sum(acc_u, 1))
-    tl.store(act_ptr + slot * IMAX + rows, _bf16(_bf16(_silu(g)) * u).to(act_ptr.dtype.element_ty), mask=rmask)
+    a = _swiglu_rows(x_ptr, wbase, n_rows, rows, K, BLOCK_K, False, 0.0, x_ptr)
+    tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < n_rows)
 
 
 @triton.jit
