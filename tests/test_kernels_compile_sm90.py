@@ -48,7 +48,7 @@ def compile_(fn, consts, num_warps=4):
     return {"griddep": ptx.count("griddepcontrol"), "cubin_bytes": len(k.asm["cubin"])}
 
 
-G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, BLOCK_N=16, BLOCK_K=256, EVEN_K=True)
+G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True)
 A = dict(NSPLIT=256, MIN_PER=32, G=8, GP=16, HD=256, BLOCK=32, DOT_F32=False)
 out = {}
 for pdl in (False, True):

@@ -154,8 +154,9 @@ def _gdn_ref(qkv, b, a, a_log, dt_bias, S, hk, hv, dk, dv):
     return (S * q[:, :, None]).sum(1).to(BF).reshape(-1), S
 
 
+@pytest.mark.parametrize("warps", [4, 1])  # one warp: the default on the GPU (Tuning.gdn_warps)
 @pytest.mark.parametrize("hk,hv", [(2, 4), (2, 2)])
-def test_gdn_step_matches_delta_rule(hk, hv):
+def test_gdn_step_matches_delta_rule(hk, hv, warps):
     g = torch.Generator().manual_seed(6)
     dk = dv = 32
     kd, vd = hk * dk, hv * dv
@@ -168,7 +169,7 @@ def test_gdn_step_matches_delta_rule(hk, hv):
                             hk, hv, dk, dv)
     out = nan_like(torch.empty(vd, dtype=BF))
     call(gdn.gdn_step, buf, S, out, a_log, dt_bias, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
-                 block_v=16)
+         block_v=16, num_warps=warps)
     assert rel(S, S_ref) < 1e-5
     assert rel(out, o_ref) < 8e-3
 
@@ -252,8 +253,10 @@ def test_embed_row():
     assert torch.equal(out, table[37])
 
 
+@pytest.mark.parametrize("shape", [(16, 8, 4), (2, 1, 1)])  # (rows gate_up, rows down, warps); the GPU default
 @pytest.mark.parametrize("topk", [4, 3])  # the down launch gathers a power-of-two slot tile, masked
-def test_moe_experts_selected_only(topk):
+def test_moe_experts_selected_only(topk, shape):
+    bn, dbn, nw = shape
     g = torch.Generator().manual_seed(8)
     E, hid, inter, inter_s = 16, 64, 32, 48
     res = torch.randn(hid, generator=g).to(BF)
@@ -287,15 +290,15 @@ def test_moe_experts_selected_only(topk):
     assert torch.equal(wts, top_v[[top_i.tolist().index(e) for e in ids.tolist()]].float())
     res0 = res.clone()
     act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
-    call(moe.moe_experts, xn, res, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, block_n=16, block_k=32,
-         down_block_n=8, down_block_k=16)
+    call(moe.moe_experts, xn, res, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, block_n=bn, block_k=32,
+         down_block_n=dbn, down_block_k=16, num_warps=nw, down_num_warps=nw)
     d = lambda x: x.float() - res_start.float()  # noqa: E731 - the MoE's contribution, not the residual
     assert rel(d(res), d(ref)) < 2e-2, rel(d(res), d(ref))
     # routing folded into the gate_up launch (no route launch): same ids, weights and result
     ids2, wts2 = torch.full((topk,), -1, dtype=torch.int32), nan_like(torch.empty(topk))
     act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
-    call(moe.moe_experts, xn, res0, lg, gu, sgu, dn, sdn, act, ids2, wts2, top_k=topk, block_n=16, block_k=32,
-         down_block_n=8, down_block_k=16, route=True)
+    call(moe.moe_experts, xn, res0, lg, gu, sgu, dn, sdn, act, ids2, wts2, top_k=topk, block_n=bn, block_k=32,
+         down_block_n=dbn, down_block_k=16, num_warps=nw, down_num_warps=nw, route=True)
     assert torch.equal(ids2, ids) and torch.equal(wts2, wts) and torch.equal(res0, res)
 
 

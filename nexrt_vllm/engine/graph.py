@@ -47,12 +47,17 @@ class Tuning:
     attn_min_per: int = 64
     attn_warps: int = 4
     gdn_block_v: int = 16
-    moe_block_n: int = 16
+    # One-warp programs for the GDN step and the MoE experts: their reductions (the L2 norms, the
+    # top-k picks of the routing, the per-expert dot products) stay in warp shuffles, no CTA barrier
+    # between a program's loads and its arithmetic. 35B-A3B 8K: 2.545 -> 2.467 ms (r5 A/B; gate_up
+    # (16, 256, 4 warps) / down (2, 512, 4 warps) / GDN 4 warps before).
+    gdn_warps: int = 1
+    moe_block_n: int = 2
     moe_block_k: int = 256
-    moe_down_block_n: int = 2
+    moe_down_block_n: int = 1
     moe_down_block_k: int = 512
-    moe_warps: int = 4
-    moe_down_warps: int = 4
+    moe_warps: int = 1
+    moe_down_warps: int = 1
     # Route inside the experts' gate_up launch (one launch less per MoE layer; every routed program
     # repeats the top-k selection before its first weight load): 35B at 8K 2.825 -> 2.756 ms on the
     # H200, same tokens (gpu_check --moe-route-ab). False: the separate one-warp route launch.
@@ -62,8 +67,9 @@ class Tuning:
     # on the H200 it is still slower (35B-A3B 8K 2.92 ms vs 2.75 ms; docs/GPU.md, round 4).
     moe_impl: str = "triton"
     # Programmatic dependent launch for every kernel of the step (kernels/common.py); None: the
-    # process default (NEXRT_PDL, off).
-    pdl: bool | None = None
+    # process default (NEXRT_PDL). On: with the small programs above a kernel's CTAs can be resident
+    # while its predecessor drains (35B-A3B 8K 2.467 -> 2.418 ms, 2B 1.392 -> 1.385; r5 A/B).
+    pdl: bool | None = True
 
     def shape(self, n: int) -> dict:
         for max_rows, bn, bk, nw in self.gemv:
@@ -274,7 +280,8 @@ class FusedDecoder:
                     ("gdn_step", lambda L=L: self.k_gdn.gdn_step(
                         self.buf, L["rec"], self.o, L["a_log"], L["dt_bias"], num_k_heads=c.linear_num_key_heads,
                         num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
-                        head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v), 2 * b(L["rec"])),
+                        head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
+                        num_warps=t.gdn_warps), 2 * b(L["rec"])),
                     ("gdn_out_proj", lambda L=L: g.gemv(
                         self.o, L["w_out"], self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=L["gnorm"],
                         z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim,

@@ -48,7 +48,7 @@ def _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO: tl.constexpr, GRO
 def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                 N, K, stride_w, eps, CONV_N,
                 PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
-                STORE_XN: tl.constexpr,
+                STORE_XN: tl.constexpr, KP: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -57,11 +57,18 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     rstd = 0.0
     if PRO == 1:
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xv = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
-            ss += xv * xv
-        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        # The whole of x in one load where it fits (KP = next power of two of K): a loop over K
+        # blocks is one dependent L2 round trip per block before the first weight load.
+        if KP <= 8192:
+            kk = tl.arange(0, KP)
+            xa = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xa * xa, 0) / K + eps)
+        else:
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xv = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+                ss += xv * xv
+            rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if EPI == 2:
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -135,7 +142,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         x, w, y, norm_w if norm_w is not None else dummy, z if z is not None else dummy,
         aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy, n, k, w.stride(0), eps, conv_n,
         PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
-        STORE_XN=xn_out is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
     return grid
 
