@@ -542,37 +542,39 @@ def main() -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+    def save():  # after every section: a run cut short by the device's time limit keeps what it did
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+    if args.trained_parity:  # first: the longest and the one a cut-short run must not lose
+        for arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+            report.setdefault("trained_parity", {}).update(trained_parity(args.tiny_steps, archs=(arch,)))
+            save()
     if not args.skip_tests:
         report["kernel_tests"] = kernel_tests(args.out)
         report["kernel_tests_pdl"] = kernel_tests(args.out, pdl=True)
+        save()
     if not args.skip_tests and not args.kernel_tests_only:
-        try:
-            report["tiny_parity"] = tiny_parity(args.tiny_steps)
-        except Exception as e:  # noqa: BLE001 - keep going to the bench; the report says what broke
-            import traceback
-            traceback.print_exc()
-            report["tiny_parity"] = {"error": f"{type(e).__name__}: {e}"}
-        try:
-            report["engine_graph"] = engine_graph(args.tiny_steps)
-        except Exception as e:  # noqa: BLE001 - as above
-            import traceback
-            traceback.print_exc()
-            report["engine_graph"] = {"error": f"{type(e).__name__}: {e}"}
-    if args.trained_parity:
-        report["trained_parity"] = trained_parity(args.tiny_steps)
+        for name, fn in (("tiny_parity", tiny_parity), ("engine_graph", engine_graph)):
+            try:
+                report[name] = fn(args.tiny_steps)
+            except Exception as e:  # noqa: BLE001 - keep going to the bench; the report says what broke
+                import traceback
+                traceback.print_exc()
+                report[name] = {"error": f"{type(e).__name__}: {e}"}
+            save()
     if args.sweep:
         report["gemv_sweep"] = gemv_sweep()
     if args.sampling:
         report["sampling"] = sampling_check()
     if args.moe_profile:
         report["moe_profile"] = moe_profile()
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    save()
     for shape in filter(None, args.ab.split(",")):
         report.setdefault("tuning_ab", {})[shape] = tuning_ab(shape, parse_variants(args.ab_variants),
                                                           timeline=args.timeline)
-        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        save()
     rc = 0
     if args.bench_args:
         sys.path.insert(0, HERE)
