@@ -64,6 +64,12 @@ for pdl in (False, True):
                                                      BLOCK_K=256, ROUTE=True, E=256, EP=256, NORM=True), 4),
         ("moe_down", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2,
                                                BLOCK_K=512), 4),
+        # the GPU defaults (graph.Tuning): one-warp MoE and GDN programs
+        ("moe_gate_up_1warp", moe.moe_gate_up_kernel, dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2,
+                                                           BLOCK_K=256, ROUTE=True, E=256, EP=256, NORM=True), 1),
+        ("moe_down_1warp", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1,
+                                                     BLOCK_K=512), 1),
+        ("gdn_step_1warp", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16), 1),
         ("gdn_step", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16), 4),
         ("qk_rope_cache", attention.qk_rope_cache_kernel, dict(H=16, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2),
         ("attn_scores", attention.attn_scores_kernel, A, 4),
@@ -87,7 +93,7 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 30 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 36 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_pdl_emits_the_grid_dependency_pair_and_only_with_pdl(compiled):
