@@ -224,8 +224,9 @@ def kernel_timeline(g, reps: int = 12) -> dict:
     rows = []
     for i in range(n):
         durs = [ev[r * n + i][1] - ev[r * n + i][0] for r in range(reps)]
-        gaps = [ev[r * n + i][0] - ev[r * n + i - 1][1] for r in range(reps) if r * n + i > 0 and i > 0]
-        rows.append({"name": ev[i][2], "us": statistics.median(durs), "gap_before_us": statistics.median(gaps) if gaps else 0.0})
+        gaps = [ev[r * n + i][0] - ev[r * n + i - 1][1] for r in range(reps)] if i else []
+        rows.append({"name": ev[i][2], "us": statistics.median(durs),
+                     "gap_before_us": statistics.median(gaps) if gaps else 0.0})
     by_name: dict = {}
     for r in rows:
         a = by_name.setdefault(r["name"], {"count": 0, "us": 0.0, "gap_us": 0.0})
@@ -274,7 +275,8 @@ def tuning_ab(shape: str, variants: list[tuple[str, dict]], ctx: int = 8192, ste
                 tl_ = kernel_timeline(g)
             except Exception as e:  # noqa: BLE001 - a trace failure must not lose the A/B
                 tl_ = {"error": f"{type(e).__name__}: {e}"}
-            log(f"timeline {shape} {label}: " + json.dumps({k: v for k, v in tl_.items() if k not in ("kernels", "by_name")}))
+            log(f"timeline {shape} {label}: "
+                + json.dumps({k: v for k, v in tl_.items() if k not in ("kernels", "by_name")}))
         eng.import_state(n0, snap)
         toks = list(runner.generate(1, check_steps))
         eng.import_state(n0, snap)

@@ -4,9 +4,9 @@ Launch 1 is the router GEMV (`gemv`, RMSNorm prologue, `xn_out`) over [router; s
 rows; its program 0 also stores the normed input for the experts. Launch 2 (`route.route`, one
 warp) does the routing: softmax over E in fp32, top-k, renormalise, ids sorted ascending.
 Launch 3 (`moe_gate_up_kernel`, grid (intermediate blocks, 1 + top_k)) writes SiLU(gate)·up for
-its slot's expert; grid column 0 is the shared expert (its act row is the last). Launch 4 (`moe_down_kernel`) sums the down
-projections in ascending expert id (the eager order, with its bf16 rounding), adds the
-sigmoid-gated shared expert and the residual.
+its slot's expert; grid column 0 is the shared expert (its act row is the last). Launch 4
+(`moe_down_kernel`) sums the down projections in ascending expert id (the eager order, with its
+bf16 rounding), adds the sigmoid-gated shared expert and the residual.
 """
 import triton
 import triton.language as tl
@@ -18,11 +18,11 @@ from .route import topk_select
 
 
 @triton.jit
-def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, rstd, nw_ptr):
-    """SiLU(W_gate x)·(W_up x) for `rows` of a [2 n_rows, K] matrix; x is normed first (zero-centred
-    RMSNorm with rstd, weights nw) when PRO. K is a compile-time constant and the loop is unrolled:
-    no K block's loads wait for the previous block's arithmetic, so a program's whole slice can be in
-    flight at once (a rolled loop costs one dependent HBM round trip per block)."""
+def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """SiLU(W_gate x)·(W_up x) for `rows` of a [2 n_rows, K] matrix. K is a compile-time constant and
+    the loop is unrolled: no K block's loads wait for the previous block's arithmetic, so a
+    program's whole slice can be in flight at once (a rolled loop costs one dependent HBM round
+    trip per block: gate_up 16.0 -> 14.0 us per layer at the 35B-A3B shape)."""
     rmask = rows < n_rows
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
@@ -35,8 +35,6 @@ def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.conste
         wg = tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first")
         wu = tl.load(wp + n_rows * K, mask=m2, other=0.0, eviction_policy="evict_first")
         xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        if PRO:
-            xv = _bf16((xv * rstd) * (1.0 + tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)))
         acc_g += wg.to(tl.float32) * xv[None, :]
         acc_u += wu.to(tl.float32) * xv[None, :]
     g = _bf16(tl.sum(acc_g, 1))
@@ -74,7 +72,7 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
         n_rows = IS
         slot = TOPK  # the shared expert's act row is the last
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    a = _swiglu_rows(x_ptr, wbase, n_rows, rows, K, BLOCK_K, False, 0.0, x_ptr)
+    a = _swiglu_rows(x_ptr, wbase, n_rows, rows, K, BLOCK_K)
     tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < n_rows)
 
 
@@ -108,8 +106,7 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
         cm = cols < I
         a = tl.load(act_ptr + s[:, None] * IMAX + cols[None, :], mask=sm[:, None] & cm[None, :], other=0.0)
         wv = tl.load(base + cols[None, None, :], mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :],
-                     other=0.0,
-                     eviction_policy="evict_first")
+                     other=0.0, eviction_policy="evict_first")
         acc += wv.to(tl.float32) * a.to(tl.float32)[:, None, :]
     w = tl.load(wts_ptr + s, mask=sm, other=0.0)
     part = _bf16(_bf16(tl.sum(acc, 2)) * w[:, None])  # [TOPKP, BLOCK_N]: each expert's bf16 output
