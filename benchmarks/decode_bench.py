@@ -271,7 +271,7 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
     log(f"[{key}] built + captured in {time.time() - t0:.1f}s; GPU mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     gen = torch.Generator(device="cuda").manual_seed(1234)
     res = {"shape": NAMES[key], "config": SHAPES[key], "hf_transformers_tok_s": HF_TOKS[key],
-           "moe_impl": fused.moe_impl, "contexts": []}
+           "moe_impl": fused.moe_impl, "pdl": fused.pdl, "contexts": []}
     if parity_steps:
         t1 = time.time()
         res["parity"] = parity(eng, runner, eager_runner, parity_steps, gen)
@@ -400,7 +400,7 @@ def main(argv=None) -> int:
         results["triton"] = triton.__version__
         results["tuning"] = dataclasses.asdict(tuning)
         results["tuning_overrides"] = tuning_kw
-        results["launch_options"] = {"pdl": common.DEFAULT_PDL}
+        results["launch_options"] = {"pdl_process_default": common.DEFAULT_PDL}
     except ImportError:
         pass
     for key in args.shapes.split(","):

@@ -42,3 +42,15 @@ def test_decode_cli_graph_default_is_auto():
     _positive(ap, args)  # off is fine anywhere
     with pytest.raises(SystemExit):
         ap.parse_args(["--model", "m", "--graph", "bogus"])
+
+
+def test_pdl_only_where_the_gpu_has_it():
+    """PDL (on by default in Tuning) must never reach a GPU without griddepcontrol (pre-Hopper) or the
+    CPU interpreter; an explicit False or the process default still decide on a Hopper GPU."""
+    from nexrt_vllm.engine.graph import Tuning, pdl_enabled
+
+    assert Tuning().pdl is True
+    assert pdl_enabled(True, False, (9, 0)) and pdl_enabled(None, True, (10, 0))
+    assert not pdl_enabled(True, True, (8, 0))  # A100: the kernels would not assemble
+    assert not pdl_enabled(True, True, None)  # not a CUDA device
+    assert not pdl_enabled(False, True, (9, 0)) and not pdl_enabled(None, False, (9, 0))

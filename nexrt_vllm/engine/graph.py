@@ -66,8 +66,8 @@ class Tuning:
     # kernel (csrc/moe_decode.cu: norm + router + routing + experts + residual in one launch). Opt-in:
     # on the H200 it is still slower (35B-A3B 8K 2.92 ms vs 2.75 ms; docs/GPU.md, round 4).
     moe_impl: str = "triton"
-    # Programmatic dependent launch for every kernel of the step (kernels/common.py); None: the
-    # process default (NEXRT_PDL). On: with the small programs above a kernel's CTAs can be resident
+    # Programmatic dependent launch for every kernel of the step (kernels/common.py) where the GPU has
+    # it (`pdl_enabled`); None: the process default (NEXRT_PDL). On: with the small programs above a kernel's CTAs can be resident
     # while its predecessor drains (35B-A3B 8K 2.467 -> 2.418 ms, 2B 1.392 -> 1.385; r5 A/B).
     pdl: bool | None = True
 
@@ -76,6 +76,14 @@ class Tuning:
             if n <= max_rows:
                 return {"block_n": bn, "block_k": bk, "num_warps": nw}
         raise AssertionError("unreachable: the last gemv rule has no row limit")
+
+
+def pdl_enabled(requested: bool | None, process_default: bool, capability: tuple[int, int] | None) -> bool:
+    """Whether the step's kernels launch with PDL: as requested (None: the process default), and only
+    on a device that has it (compute capability 9.0+, Hopper; None: not a CUDA device). The kernels
+    then carry `griddepcontrol`, which an older GPU cannot run."""
+    want = process_default if requested is None else requested
+    return bool(want) and capability is not None and capability >= (9, 0)
 
 
 def _require_gpu_dtype(cfg: ModelConfig, dtype: torch.dtype) -> None:
@@ -177,6 +185,8 @@ class FusedDecoder:
         _require_gpu_dtype(cfg, state.dtype)
         from .kernels import attention, common, gdn, gemv, moe, route, sampling  # triton: GPU path only
         self.k_common = common
+        self.pdl = pdl_enabled((tuning or Tuning()).pdl, common.DEFAULT_PDL,
+                               torch.cuda.get_device_capability(state.device) if state.device.type == "cuda" else None)
         self.k_attn, self.k_gdn, self.k_gemv, self.k_moe, self.k_samp = attention, gdn, gemv, moe, sampling
         self.k_route = route
         self.model, self.cfg, self.state, self.mode, self.t = model, cfg, state, mode, tuning or Tuning()
@@ -346,8 +356,8 @@ class FusedDecoder:
             self._launch(sample)
 
     def launch_options(self):
-        """Context in which this decoder's kernels are launched (PDL per its Tuning)."""
-        return self.k_common.launch_options(self.t.pdl)
+        """Context in which this decoder's kernels are launched (PDL per `pdl_enabled`)."""
+        return self.k_common.launch_options(self.pdl)
 
     def _launch(self, sample: bool) -> None:
         pos = self.state.position
