@@ -244,7 +244,8 @@ def tuning_ab(shape: str, variants: list[tuple[str, dict]], ctx: int = 8192, ste
     """One model of `shape` at `ctx`; per Tuning variant (fields replaced, ints as bools where the
     field is bool): median step time over `steps` replays, greedy tokens from one state (variants
     that only change launch options must give the same tokens) and, for the fastest variant, the
-    per-kernel-group times. A repeated variant shows the drift between measurements."""
+    per-kernel-group times; with `timeline`, a CUPTI kernel trace of every variant (`kernel_timeline`).
+    A repeated variant shows the drift between measurements."""
     import dataclasses
 
     sys.path.insert(0, HERE)
