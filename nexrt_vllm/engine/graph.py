@@ -185,11 +185,11 @@ class FusedDecoder:
         _require_gpu_dtype(cfg, state.dtype)
         from .kernels import attention, common, gdn, gemv, moe, route, sampling  # triton: GPU path only
         self.k_common = common
-        self.pdl = pdl_enabled((tuning or Tuning()).pdl, common.DEFAULT_PDL,
-                               torch.cuda.get_device_capability(state.device) if state.device.type == "cuda" else None)
         self.k_attn, self.k_gdn, self.k_gemv, self.k_moe, self.k_samp = attention, gdn, gemv, moe, sampling
         self.k_route = route
         self.model, self.cfg, self.state, self.mode, self.t = model, cfg, state, mode, tuning or Tuning()
+        self.pdl = pdl_enabled(self.t.pdl, common.DEFAULT_PDL,
+                               torch.cuda.get_device_capability(state.device) if state.device.type == "cuda" else None)
         dev, dt, c = state.device, state.dtype, cfg
         self.layers: list[dict] = []
         max_buf = 1
