@@ -30,6 +30,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+TINY_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # the model families of the tiny test checkpoints
 
 
 def log(*a):
@@ -71,7 +72,7 @@ def tiny_parity(steps: int) -> dict:
     from nexrt_vllm.testing import make_checkpoint
 
     out = {}
-    for arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+    for arch in TINY_ARCHS:
         with tempfile.TemporaryDirectory() as d:
             make_checkpoint(d, arch=arch, dtype="bfloat16")
             eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 64, progress=False)
@@ -114,34 +115,31 @@ def tiny_parity(steps: int) -> dict:
     return out
 
 
-def trained_parity(steps: int, archs=("qwen3_next", "qwen3_5", "qwen3_5_moe")) -> dict:
-    """Greedy parity, fused graph path vs the eager engine, on tiny checkpoints trained to continue
-    periodic text (testing.make_checkpoint(train="periodic")): confident, context-decided tokens,
-    so a difference means a wrong result rather than a near-tie flipped by summation order."""
+def trained_parity(steps: int, arch: str) -> dict:
+    """Greedy parity, fused graph path vs the eager engine, on a tiny checkpoint of `arch` trained to
+    continue periodic text (testing.make_checkpoint(train="periodic")): confident, context-decided
+    tokens, so a difference means a wrong result rather than a near-tie flipped by summation order."""
     import random
 
     from nexrt_vllm.engine import Engine
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
     from nexrt_vllm.testing import make_checkpoint
 
-    out = {}
-    for arch in archs:
-        t0 = time.time()
-        with tempfile.TemporaryDirectory() as d:
-            make_checkpoint(d, arch=arch, dtype="bfloat16", train="periodic")
-            eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 128, progress=False)
-        rng = random.Random(7)
-        seg = rng.sample(range(3, eng.config.vocab_size), 7)
-        first, n0, snap, ref = eager_greedy(eng, [seg[i % 7] for i in range(40)], steps)
-        eng.import_state(n0, snap)
-        runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused"))
-        toks = list(runner.generate(first, steps))
-        div = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)
-        out[arch] = {"equal": toks == ref, "first_divergence": div, "steps": steps,
-                     "continues_period": [first] + ref[:20] == [seg[(40 + i) % 7] for i in range(21)],
-                     "replays_per_token": runner.replays / len(toks), "seconds": time.time() - t0}
-        log(f"trained {arch}: {json.dumps(out[arch])}")
-        del eng, runner
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as d:
+        make_checkpoint(d, arch=arch, dtype="bfloat16", train="periodic")
+        eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 128, progress=False)
+    rng = random.Random(7)
+    seg = rng.sample(range(3, eng.config.vocab_size), 7)
+    first, n0, snap, ref = eager_greedy(eng, [seg[i % 7] for i in range(40)], steps)
+    eng.import_state(n0, snap)
+    runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused"))
+    toks = list(runner.generate(first, steps))
+    div = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)
+    out = {"equal": toks == ref, "first_divergence": div, "steps": steps,
+           "continues_period": [first] + ref[:20] == [seg[(40 + i) % 7] for i in range(21)],
+           "replays_per_token": runner.replays / len(toks), "seconds": time.time() - t0}
+    log(f"trained {arch}: {json.dumps(out)}")
     return out
 
 
@@ -152,7 +150,7 @@ def engine_graph(steps: int) -> dict:
     from nexrt_vllm.testing import make_checkpoint
 
     out = {}
-    for arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+    for arch in TINY_ARCHS:
         with tempfile.TemporaryDirectory() as d:
             make_checkpoint(d, arch=arch, dtype="bfloat16")
             eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 64, progress=False)
@@ -551,8 +549,8 @@ def main() -> int:
             json.dump(report, f, indent=1)
 
     if args.trained_parity:  # first: the longest and the one a cut-short run must not lose
-        for arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
-            report.setdefault("trained_parity", {}).update(trained_parity(args.tiny_steps, archs=(arch,)))
+        for arch in TINY_ARCHS:
+            report.setdefault("trained_parity", {})[arch] = trained_parity(args.tiny_steps, arch)
             save()
     if not args.skip_tests:
         report["kernel_tests"] = kernel_tests(args.out)

@@ -56,13 +56,14 @@ def nan_like(t):
     return torch.full_like(t, float("nan"))
 
 
-def test_gemv_rmsnorm_prologue_store():
+@pytest.mark.parametrize("k,block_k", [(96, 32), (8200, 1024)])  # x in one load / K > 8192: looped
+def test_gemv_rmsnorm_prologue_store(k, block_k):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(96, generator=g).to(BF)
-    w = (torch.randn(70, 96, generator=g) * 0.1).to(BF)
-    nw = (torch.randn(96, generator=g) * 0.1).to(BF)
+    x = torch.randn(k, generator=g).to(BF)
+    w = (torch.randn(70, k, generator=g) * 0.1).to(BF)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
     y = nan_like(torch.empty(70, dtype=BF))
-    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32)
+    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=block_k)
     ref = lin(rms1p(x, nw), w)
     assert rel(y, ref) < 8e-3 and not y.isnan().any()
 
