@@ -214,6 +214,55 @@ def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator) ->
                              "logits_rel_err_per_step": errs,
                              "argmax_mismatches": mism, "mismatches_at_bf16_near_tie": near}
     eng.import_state(n0, snap)
+    out["eager_controls"] = eager_controls(eng, n0, snap, first, eager_tokens, eager_logits)
+    return out
+
+
+def _perturb_state(eng, rel: float = 2 ** -9) -> None:
+    """Multiply the fp32 recurrent states by (1 + rel * N(0,1)): half a bf16 rounding step."""
+    g = torch.Generator(device="cuda").manual_seed(99)
+    for name, t in eng.state.tensors.items():
+        if name.endswith(".rec"):
+            t.mul_(1 + rel * torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype))
+
+
+def eager_controls(eng, n0: int, snap, first: int, eager_tokens: list[int], eager_logits: list,
+                   tf_steps: int | None = None) -> dict:
+    """How far two *correct* eager runs drift apart on these weights: the eager engine with cuBLASLt
+    instead of cuBLAS (another summation order for every matmul), and with its recurrent state
+    perturbed by half a bf16 rounding step. Same measures as the fused path: free-run greedy
+    tokens vs the eager reference, teacher-forced logits error (all steps unless `tf_steps`)."""
+    steps = len(eager_tokens)
+    inputs = [first] + eager_tokens[:-1]
+    blas0 = torch.backends.cuda.preferred_blas_library()
+
+    def cublaslt(on: bool) -> None:
+        torch.backends.cuda.preferred_blas_library("cublaslt" if on else blas0)
+
+    controls = {"eager_cublaslt": (lambda: cublaslt(True), lambda: cublaslt(False)),
+                "eager_state_perturbed_2^-9": (lambda: _perturb_state(eng), lambda: None)}
+    out = {}
+    for label, (setup, teardown) in controls.items():
+        try:
+            eng.import_state(n0, snap)
+            setup()
+            toks, tok = [], first
+            for _ in range(steps):
+                tok = int(torch.argmax(eng.decode_step(tok)))
+                toks.append(tok)
+            eng.import_state(n0, snap)
+            setup()
+            errs = []
+            for k, t in enumerate(inputs[:tf_steps or steps]):
+                ref = eager_logits[k]
+                errs.append(float((eng.decode_step(t) - ref).norm() / ref.norm()))
+        finally:
+            teardown()
+        out[label] = {"equal": toks == eager_tokens,
+                      "first_divergence": next((i for i, (a, b) in enumerate(zip(toks, eager_tokens)) if a != b), None),
+                      "teacher_forced_steps": len(errs), "logits_rel_err_step0": errs[0],
+                      "logits_rel_err_median": statistics.median(errs), "logits_rel_err_per_step": errs}
+    eng.import_state(n0, snap)
     return out
 
 
@@ -257,7 +306,7 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
 
     t0 = time.time()
-    max_len = max(contexts) + max(steps, parity_steps) + 64
+    max_len = max(contexts, default=0) + max(steps, parity_steps) + 64
     eng = Engine.from_config(SHAPES[key], device="cuda", dtype="bfloat16", max_seq_len=max_len, seed=0)
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
     runner = GraphRunner(fused)
@@ -281,6 +330,9 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
             f"teacher-forced step0 err {p['teacher_forced']['logits_rel_err_per_step'][0]:.4f} "
             f"median {p['teacher_forced']['logits_rel_err_median']:.4f} mism {p['teacher_forced']['argmax_mismatches']}"
             f" (near-tie {p['teacher_forced']['mismatches_at_bf16_near_tie']}); worst layers {worst}")
+        for label, c in p["eager_controls"].items():
+            log(f"[{key}] control {label}: equal {c['equal']} first divergence {c['first_divergence']} "
+                f"teacher-forced step0 err {c['logits_rel_err_step0']:.4f} median {c['logits_rel_err_median']:.4f}")
     g = runner._graph(False)
     g_eager = eager_runner._graph(False) if eager_runner else None
     for ctx in contexts:
@@ -385,7 +437,7 @@ def main(argv=None) -> int:
         print("decode_bench needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
-    contexts = [int(x) for x in args.contexts.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",") if x]  # empty: parity only
     tuning, tuning_kw = tuning_from(args.tuning)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s")

@@ -115,10 +115,12 @@ def tiny_parity(steps: int) -> dict:
     return out
 
 
-def trained_parity(steps: int, arch: str) -> dict:
+def trained_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
     """Greedy parity, fused graph path vs the eager engine, on a tiny checkpoint of `arch` trained to
     continue periodic text (testing.make_checkpoint(train="periodic")): confident, context-decided
-    tokens, so a difference means a wrong result rather than a near-tie flipped by summation order."""
+    tokens, so a difference means a wrong result rather than a near-tie flipped by summation order.
+    `checkpoints/<arch>`, where it exists, is such a checkpoint trained beforehand (training takes
+    2-5 min of the device's CPU per family); otherwise it is trained here."""
     import random
 
     from nexrt_vllm.engine import Engine
@@ -126,8 +128,12 @@ def trained_parity(steps: int, arch: str) -> dict:
     from nexrt_vllm.testing import make_checkpoint
 
     t0 = time.time()
+    pre = os.path.join(checkpoints, arch) if checkpoints else ""
     with tempfile.TemporaryDirectory() as d:
-        make_checkpoint(d, arch=arch, dtype="bfloat16", train="periodic")
+        if pre and os.path.isfile(os.path.join(pre, "config.json")):
+            d = pre
+        else:
+            make_checkpoint(d, arch=arch, dtype="bfloat16", train="periodic")
         eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 128, progress=False)
     rng = random.Random(7)
     seg = rng.sample(range(3, eng.config.vocab_size), 7)
@@ -136,7 +142,7 @@ def trained_parity(steps: int, arch: str) -> dict:
     runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused"))
     toks = list(runner.generate(first, steps))
     div = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)
-    out = {"equal": toks == ref, "first_divergence": div, "steps": steps,
+    out = {"equal": toks == ref, "first_divergence": div, "steps": steps, "pretrained": d == pre,
            "continues_period": [first] + ref[:20] == [seg[(40 + i) % 7] for i in range(21)],
            "replays_per_token": runner.replays / len(toks), "seconds": time.time() - t0}
     log(f"trained {arch}: {json.dumps(out)}")
@@ -530,6 +536,9 @@ def main() -> int:
     ap.add_argument("--tiny-steps", type=int, default=256)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--trained-parity", action="store_true", help="fused vs eager on trained tiny checkpoints")
+    ap.add_argument("--checkpoints", default="", help="dir of <arch>/ checkpoints trained beforehand "
+                    "(make_checkpoint(train='periodic')) for --trained-parity")
+    ap.add_argument("--arches", default=",".join(TINY_ARCHS), help="families for --trained-parity")
     ap.add_argument("--sampling", action="store_true")
     ap.add_argument("--moe-profile", action="store_true", help="35B MoE block alone: CUDA vs Triton, phases")
     ap.add_argument("--moe-ncu-target", action="store_true", help="only: 3 launches of the CUDA MoE block (for ncu)")
@@ -549,8 +558,8 @@ def main() -> int:
             json.dump(report, f, indent=1)
 
     if args.trained_parity:  # first: the longest and the one a cut-short run must not lose
-        for arch in TINY_ARCHS:
-            report.setdefault("trained_parity", {})[arch] = trained_parity(args.tiny_steps, arch)
+        for arch in filter(None, args.arches.split(",")):
+            report.setdefault("trained_parity", {})[arch] = trained_parity(args.tiny_steps, arch, args.checkpoints)
             save()
     if not args.skip_tests:
         report["kernel_tests"] = kernel_tests(args.out)
