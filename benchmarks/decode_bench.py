@@ -173,9 +173,11 @@ def layer_errors(eng, d) -> list[dict]:
     return rows
 
 
-def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator) -> dict:
-    """Greedy tokens of the eager engine vs the graph path (fused kernels, and eager ops) from one prompt."""
-    prompt = torch.randint(0, eng.config.vocab_size, (32,), generator=gen, device="cuda").tolist()
+def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator, prompt: list[int] | None = None) -> dict:
+    """Greedy tokens of the eager engine vs the graph path (fused kernels, and eager ops) from one
+    prompt (default: 32 random ids)."""
+    if prompt is None:
+        prompt = torch.randint(0, eng.config.vocab_size, (32,), generator=gen, device="cuda").tolist()
     first = int(torch.argmax(eng.prefill(prompt)))
     n0, snap = eng.export_state()
     eager_tokens, eager_logits, tok = [], [], first
@@ -184,7 +186,11 @@ def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator) ->
         eager_logits.append(lg.clone())
         tok = int(torch.argmax(lg))
         eager_tokens.append(tok)
-    out = {"steps": steps, "prompt_len": len(prompt), "layer_errors_step0": layer_errors(eng, fused_runner.d)}
+    top2 = torch.stack([torch.topk(lg, 2).values for lg in eager_logits])
+    margins = (top2[:, 0] - top2[:, 1]).tolist()
+    out = {"steps": steps, "prompt_len": len(prompt), "first_token": first, "eager_tokens": eager_tokens,
+           "eager_top1_margin_min": min(margins), "eager_top1_margin_median": statistics.median(margins),
+           "layer_errors_step0": layer_errors(eng, fused_runner.d)}
     eng.import_state(n0, snap)
     for label, runner in (("graph_fused", fused_runner), ("graph_eager_ops", eager_runner)):
         if runner is None:
@@ -300,14 +306,47 @@ def kernel_groups(d, reps: int = 20) -> dict:
     return out
 
 
+GRAFT_ARCH = {"2b": "qwen3_5", "35b": "qwen3_5_moe"}  # the tiny family each shape can carry
+
+
+def graft_engine(key: str, ckpt_dir: str, max_len: int, device: str = "cuda"):
+    """The real shape `key` carrying the trained tiny checkpoint `ckpt_dir`/<family> (benchmarks/graft.py)."""
+    try:
+        from benchmarks import graft as G
+    except ImportError:  # run as a script: benchmarks/ is on the path
+        import graft as G
+
+    from nexrt_vllm.engine import Engine
+    from nexrt_vllm.engine.config import ModelConfig
+    from nexrt_vllm.engine.model import Model
+    from nexrt_vllm.engine.weights import load_checkpoint
+    path = os.path.join(ckpt_dir, GRAFT_ARCH[key])
+    tcfg, rcfg = ModelConfig.from_pretrained(path), ModelConfig.from_dict(SHAPES[key])
+    tiny = load_checkpoint(path, tcfg, torch.float32, device, progress=False)[0]
+    tensors = G.graft(tiny, tcfg, rcfg, torch.bfloat16, device)
+    return Engine(rcfg, Model(rcfg, tensors, max_len), max_len), tcfg
+
+
+def periodic_prompt(vocab: int, period: int = 7, n: int = 40, seed: int = 7) -> tuple[list[int], list[int]]:
+    """(prompt, the segment it repeats): what the trained checkpoints continue (gpu_check.trained_parity)."""
+    import random
+    seg = random.Random(seed).sample(range(3, vocab), period)
+    return [seg[i % period] for i in range(n)], seg
+
+
 def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eager_steps: int, bw: float,
-              breakdown_ctx: int, tuning=None) -> dict:
+              breakdown_ctx: int, tuning=None, graft_dir: str = "") -> dict:
     from nexrt_vllm.engine import Engine
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
 
     t0 = time.time()
     max_len = max(contexts, default=0) + max(steps, parity_steps) + 64
-    eng = Engine.from_config(SHAPES[key], device="cuda", dtype="bfloat16", max_seq_len=max_len, seed=0)
+    prompt = seg = None
+    if graft_dir:
+        eng, tcfg = graft_engine(key, graft_dir, max_len)
+        prompt, seg = periodic_prompt(tcfg.vocab_size)
+    else:
+        eng = Engine.from_config(SHAPES[key], device="cuda", dtype="bfloat16", max_seq_len=max_len, seed=0)
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
     runner = GraphRunner(fused)
     runner.capture()
@@ -320,11 +359,17 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
     log(f"[{key}] built + captured in {time.time() - t0:.1f}s; GPU mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     gen = torch.Generator(device="cuda").manual_seed(1234)
     res = {"shape": NAMES[key], "config": SHAPES[key], "hf_transformers_tok_s": HF_TOKS[key],
-           "moe_impl": fused.moe_impl, "pdl": fused.pdl, "contexts": []}
+           "moe_impl": fused.moe_impl, "pdl": fused.pdl, "weights": "graft" if graft_dir else "random",
+           "contexts": []}
     if parity_steps:
         t1 = time.time()
-        res["parity"] = parity(eng, runner, eager_runner, parity_steps, gen)
+        res["parity"] = parity(eng, runner, eager_runner, parity_steps, gen, prompt)
         p = res["parity"]
+        if seg:
+            toks = [p["first_token"]] + p["eager_tokens"]
+            p["continues_period"] = toks[:21] == [seg[(len(prompt) + i) % len(seg)] for i in range(21)]
+            log(f"[{key}] grafted checkpoint: eager continues the period {p['continues_period']}, top-1 margin "
+                f"min {p['eager_top1_margin_min']:.2f} median {p['eager_top1_margin_median']:.2f}")
         worst = sorted(p["layer_errors_step0"], key=lambda r: -max(r["mixer_rel_err"], r["ffn_rel_err"]))[:4]
         log(f"[{key}] parity in {time.time() - t1:.1f}s: fused {p['graph_fused']} eager-ops {p.get('graph_eager_ops')} "
             f"teacher-forced step0 err {p['teacher_forced']['logits_rel_err_per_step'][0]:.4f} "
@@ -432,6 +477,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--png")
     ap.add_argument("--tuning", default="", help="Tuning fields for the fused path, e.g. pdl=1,moe_block_n=8")
+    ap.add_argument("--graft", default="", help="dir of trained tiny checkpoints (<family>/) to carry into the "
+                    "real shapes (benchmarks/graft.py) instead of random weights: parity on confident tokens")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_bench needs a CUDA GPU", file=sys.stderr)
@@ -458,7 +505,7 @@ def main(argv=None) -> int:
     for key in args.shapes.split(","):
         try:
             results["shapes"].append(run_shape(key, contexts, args.steps, args.parity_steps, args.eager_steps, bw,
-                                               args.breakdown_ctx, tuning))
+                                               args.breakdown_ctx, tuning, args.graft))
         except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
             import traceback
             traceback.print_exc()

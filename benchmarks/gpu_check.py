@@ -121,7 +121,7 @@ def trained_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
     tokens, so a difference means a wrong result rather than a near-tie flipped by summation order.
     `checkpoints/<arch>`, where it exists, is such a checkpoint trained beforehand (training takes
     2-5 min of the device's CPU per family); otherwise it is trained here."""
-    import random
+    import decode_bench as db
 
     from nexrt_vllm.engine import Engine
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
@@ -135,15 +135,14 @@ def trained_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
         else:
             make_checkpoint(d, arch=arch, dtype="bfloat16", train="periodic")
         eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 128, progress=False)
-    rng = random.Random(7)
-    seg = rng.sample(range(3, eng.config.vocab_size), 7)
-    first, n0, snap, ref = eager_greedy(eng, [seg[i % 7] for i in range(40)], steps)
+    prompt, seg = db.periodic_prompt(eng.config.vocab_size)
+    first, n0, snap, ref = eager_greedy(eng, prompt, steps)
     eng.import_state(n0, snap)
     runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused"))
     toks = list(runner.generate(first, steps))
     div = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)
     out = {"equal": toks == ref, "first_divergence": div, "steps": steps, "pretrained": d == pre,
-           "continues_period": [first] + ref[:20] == [seg[(40 + i) % 7] for i in range(21)],
+           "continues_period": [first] + ref[:20] == [seg[(len(prompt) + i) % len(seg)] for i in range(21)],
            "replays_per_token": runner.replays / len(toks), "seconds": time.time() - t0}
     log(f"trained {arch}: {json.dumps(out)}")
     return out

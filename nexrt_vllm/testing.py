@@ -136,13 +136,15 @@ def _model_class(arch: str):
 
 def make_checkpoint(path: str, arch: str = "qwen3_next", dtype: str = "bfloat16",
                     sharded: bool = False, seed: int = 0, init_std: float = 0.06,
-                    train: str | None = None, **overrides) -> str:
+                    train: str | None = None, final_norm_fixed: bool = False, **overrides) -> str:
     """Write a tiny checkpoint (config.json, safetensors, tokenizer) to `path`; return it.
 
     Random weights, or with ``train="periodic"`` trained to copy periodic text (see
     `train_periodic`: greedy decoding is then confident and decided by the context).
     `overrides` go into the transformers config (e.g. num_hidden_layers=8, full_attention_interval=2,
     num_key_value_heads=1, num_experts=4, num_experts_per_tok=1, tie_word_embeddings=True).
+    `final_norm_fixed`: the final norm's weight stays 0 (scale 1), also in training, so the model can be
+    rotated into a larger hidden size with its embeddings tied (benchmarks/graft.py).
     """
     import torch
 
@@ -167,6 +169,9 @@ def make_checkpoint(path: str, arch: str = "qwen3_next", dtype: str = "bfloat16"
             elif "norm" in name and p.dim() == 1:
                 # Non-trivial norm weights so a wrong norm convention shows up in parity tests.
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    if final_norm_fixed:
+        model.model.norm.weight.data.zero_()
+        model.model.norm.weight.requires_grad_(False)
     if train == "periodic":
         train_periodic(model, path, seed=seed)
     model = model.to(getattr(torch, dtype))
