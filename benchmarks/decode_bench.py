@@ -310,7 +310,8 @@ GRAFT_ARCH = {"2b": "qwen3_5", "35b": "qwen3_5_moe"}  # the tiny family each sha
 
 
 def graft_engine(key: str, ckpt_dir: str, max_len: int, device: str = "cuda"):
-    """The real shape `key` carrying the trained tiny checkpoint `ckpt_dir`/<family> (benchmarks/graft.py)."""
+    """The real shape `key` carrying the trained tiny checkpoint `ckpt_dir`/<family> (benchmarks/graft.py;
+    trained there first when absent)."""
     try:
         from benchmarks import graft as G
     except ImportError:  # run as a script: benchmarks/ is on the path
@@ -320,7 +321,7 @@ def graft_engine(key: str, ckpt_dir: str, max_len: int, device: str = "cuda"):
     from nexrt_vllm.engine.config import ModelConfig
     from nexrt_vllm.engine.model import Model
     from nexrt_vllm.engine.weights import load_checkpoint
-    path = os.path.join(ckpt_dir, GRAFT_ARCH[key])
+    path = G.ensure_checkpoint(os.path.join(ckpt_dir, GRAFT_ARCH[key]), GRAFT_ARCH[key], SHAPES[key])
     tcfg, rcfg = ModelConfig.from_pretrained(path), ModelConfig.from_dict(SHAPES[key])
     tiny = load_checkpoint(path, tcfg, torch.float32, device, progress=False)[0]
     tensors = G.graft(tiny, tcfg, rcfg, torch.bfloat16, device)
@@ -477,8 +478,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--png")
     ap.add_argument("--tuning", default="", help="Tuning fields for the fused path, e.g. pdl=1,moe_block_n=8")
-    ap.add_argument("--graft", default="", help="dir of trained tiny checkpoints (<family>/) to carry into the "
-                    "real shapes (benchmarks/graft.py) instead of random weights: parity on confident tokens")
+    ap.add_argument("--graft", default="", help="dir of trained tiny checkpoints (<family>/, trained there when "
+                    "absent) to carry into the real shapes (benchmarks/graft.py) instead of random weights: "
+                    "parity on confident tokens")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_bench needs a CUDA GPU", file=sys.stderr)

@@ -35,6 +35,31 @@ import math
 import torch
 
 
+def tiny_overrides(real: dict) -> dict:
+    """`make_checkpoint` overrides for a tiny checkpoint that `graft` can carry into the real config
+    dict `real`: rotary over the whole tiny head (= the real rotary dim), the real expert count and
+    top-k with a small expert width, the final norm fixed where the real model ties its embeddings
+    (training ties them and saves lm_head as a copy of the embedding)."""
+    kw: dict = {"rope_parameters": {"partial_rotary_factor": 1.0}}
+    if real.get("num_experts"):
+        kw.update(num_experts=real["num_experts"], num_experts_per_tok=real["num_experts_per_tok"],
+                  moe_intermediate_size=16)
+    if real.get("tie_word_embeddings"):
+        kw.update(final_norm_fixed=True)
+    return kw
+
+
+def ensure_checkpoint(path: str, arch: str, real: dict) -> str:
+    """`path` if it holds a checkpoint, else a tiny `arch` checkpoint for `real` trained there
+    (`make_checkpoint(train="periodic")`: 5-8 min on one CPU core)."""
+    import os
+
+    from nexrt_vllm.testing import make_checkpoint
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        make_checkpoint(path, arch=arch, dtype="bfloat16", train="periodic", **tiny_overrides(real))
+    return path
+
+
 class GraftError(ValueError):
     """The tiny checkpoint cannot be carried into that shape (says which dimension)."""
 

@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from benchmarks.graft import GraftError, graft
+from benchmarks.graft import GraftError, graft, tiny_overrides
 from nexrt_vllm.engine import Engine
 from nexrt_vllm.engine.config import ModelConfig
 from nexrt_vllm.engine.model import Model
@@ -27,16 +27,14 @@ MID = {
                         num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
                         tie_word_embeddings=False),
 }
-TINY = {"qwen3_5": dict(final_norm_fixed=True, tie_word_embeddings=True),
-        "qwen3_5_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=16)}
 
 
 @pytest.fixture(scope="module", params=sorted(MID))
 def tiny(request, tmp_path_factory):
     arch = request.param
     d = str(tmp_path_factory.mktemp(arch))
-    make_checkpoint(d, arch=arch, dtype="float32", rope_parameters={"partial_rotary_factor": 1.0}, rms_norm_eps=1e-30,
-                    **TINY[arch])
+    tied = dict(tie_word_embeddings=True) if MID[arch]["tie_word_embeddings"] else {}  # untrained: tie it here
+    make_checkpoint(d, arch=arch, dtype="float32", rms_norm_eps=1e-30, **tiny_overrides(MID[arch]), **tied)
     cfg = ModelConfig.from_pretrained(d)
     return arch, cfg, load_checkpoint(d, cfg, torch.float32, progress=False)[0]
 
