@@ -58,7 +58,7 @@ def test_graft_is_the_tiny_function_in_fp32(tiny):
     assert float(b[V:].std()) == pytest.approx(0.3, rel=0.25)  # the extra vocabulary's logits
 
 
-def test_graft_bf16_with_random_extras_keeps_greedy_tokens(tiny):
+def test_graft_bf16_with_small_random_extras_stays_close(tiny):
     torch.set_num_threads(1)
     arch, tcfg, tt = tiny
     rcfg = ModelConfig.from_dict(MID[arch])
