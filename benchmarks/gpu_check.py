@@ -286,7 +286,7 @@ def tuning_ab(shape: str, variants: list[tuple[str, dict]], ctx: int = 8192, ste
         eng.import_state(n0, snap)
         out["variants"][label] = {"tuning": kw, "moe_impl": d.moe_impl, "step_ms_median": med * 1e3, "tokens": toks,
                                   "timeline": tl_, "mbu": d.bytes_per_step(ctx)["total"] / med / db.copy_bw_cached()}
-        log(f"A/B {shape} {label} {kw}: {med * 1e3:.3f} ms/step, MBU {out['variants'][label]['mbu'] * 100:.1f}%")
+        log(f"A/B {shape}@{ctx} {label} {kw}: {med * 1e3:.3f} ms/step, MBU {out['variants'][label]['mbu'] * 100:.1f}%")
         if best is None or med < best[1]:
             best = (label, med, d)
         del runner, g
@@ -543,6 +543,7 @@ def main() -> int:
     ap.add_argument("--moe-ncu-target", action="store_true", help="only: 3 launches of the CUDA MoE block (for ncu)")
     ap.add_argument("--bench-args", default="")
     ap.add_argument("--ab", default="", help="shapes (e.g. 35b,2b) for tuning_ab() at 8K, before the bench")
+    ap.add_argument("--ab-ctx", default="8192", help="with --ab: context lengths, e.g. 8192,131072")
     ap.add_argument("--timeline", action="store_true", help="with --ab: a CUPTI kernel trace of every variant")
     ap.add_argument("--ab-variants", default=DEFAULT_AB, help="label:field=value,...;label2:... (Tuning fields)")
     args = ap.parse_args()
@@ -581,9 +582,11 @@ def main() -> int:
         report["moe_profile"] = moe_profile()
     save()
     for shape in filter(None, args.ab.split(",")):
-        report.setdefault("tuning_ab", {})[shape] = tuning_ab(shape, parse_variants(args.ab_variants),
-                                                          timeline=args.timeline)
-        save()
+        for ctx in (int(c) for c in args.ab_ctx.split(",")):
+            key = shape if ctx == 8192 else f"{shape}@{ctx}"
+            report.setdefault("tuning_ab", {})[key] = tuning_ab(shape, parse_variants(args.ab_variants), ctx=ctx,
+                                                                timeline=args.timeline)
+            save()
     rc = 0
     if args.bench_args:
         sys.path.insert(0, HERE)
