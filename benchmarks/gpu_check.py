@@ -542,7 +542,7 @@ def main() -> int:
     ap.add_argument("--moe-profile", action="store_true", help="35B MoE block alone: CUDA vs Triton, phases")
     ap.add_argument("--moe-ncu-target", action="store_true", help="only: 3 launches of the CUDA MoE block (for ncu)")
     ap.add_argument("--bench-args", default="")
-    ap.add_argument("--ab", default="", help="shapes (e.g. 35b,2b) for tuning_ab() at 8K, before the bench")
+    ap.add_argument("--ab", default="", help="shapes (e.g. 35b,2b) for tuning_ab() at --ab-ctx, before the bench")
     ap.add_argument("--ab-ctx", default="8192", help="with --ab: context lengths, e.g. 8192,131072")
     ap.add_argument("--timeline", action="store_true", help="with --ab: a CUPTI kernel trace of every variant")
     ap.add_argument("--ab-variants", default=DEFAULT_AB, help="label:field=value,...;label2:... (Tuning fields)")
