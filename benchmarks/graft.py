@@ -31,6 +31,7 @@ Tied embeddings (Qwen3.5-2B) need the tiny model's final norm weight fixed at 0
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -52,8 +53,6 @@ def tiny_overrides(real: dict) -> dict:
 def ensure_checkpoint(path: str, arch: str, real: dict) -> str:
     """`path` if it holds a checkpoint, else a tiny `arch` checkpoint for `real` trained there
     (`make_checkpoint(train="periodic")`: 5-8 min on one CPU core)."""
-    import os
-
     from nexrt_vllm.testing import make_checkpoint
     if not os.path.isfile(os.path.join(path, "config.json")):
         make_checkpoint(path, arch=arch, dtype="bfloat16", train="periodic", **tiny_overrides(real))
@@ -169,6 +168,11 @@ def _attention(out, t, a, tc, rc, inp, outp):
     kn[:dt] = (1 + t[a + "k_norm.weight"]) * math.sqrt(dt / dr) - 1
 
 
+def _qkv_heads(x, nk: int, dk: int, nv: int, dv: int):
+    """Per-head views [nk, dk, -1], [nk, dk, -1], [nv, dv, -1] of the q | k | v rows (GDN conv channels)."""
+    return x[:nk * dk].view(nk, dk, -1), x[nk * dk:2 * nk * dk].view(nk, dk, -1), x[2 * nk * dk:].view(nv, dv, -1)
+
+
 def _gdn(out, t, g, tc, rc, inp, outp):
     nkt, nvt, dkt, dvt = tc.linear_num_key_heads, tc.linear_num_value_heads, tc.linear_key_head_dim, \
         tc.linear_value_head_dim
@@ -179,18 +183,10 @@ def _gdn(out, t, g, tc, rc, inp, outp):
     src: dict[int, int] = {}  # real key head -> tiny key head
     for j in range(nvt):  # tiny value head j -> real value head j
         _check(src.setdefault(j // rr, j // rt) == j // rt, "GDN key heads of the tiny value heads collide")
-    qkv = out[g + "in_proj_qkv.weight"]
-    rq, rk, rv = qkv[:nkr * dkr].view(nkr, dkr, -1), qkv[nkr * dkr:2 * nkr * dkr].view(nkr, dkr, -1), \
-        qkv[2 * nkr * dkr:].view(nvr, dvr, -1)
-    tqkv = inp(t[g + "in_proj_qkv.weight"])
-    tq, tk, tv = tqkv[:nkt * dkt].view(nkt, dkt, -1), tqkv[nkt * dkt:2 * nkt * dkt].view(nkt, dkt, -1), \
-        tqkv[2 * nkt * dkt:].view(nvt, dvt, -1)
-    conv = out[g + "conv1d.weight"]
-    cq, ck, cv = conv[:nkr * dkr].view(nkr, dkr, -1), conv[nkr * dkr:2 * nkr * dkr].view(nkr, dkr, -1), \
-        conv[2 * nkr * dkr:].view(nvr, dvr, -1)
-    tc_ = t[g + "conv1d.weight"]
-    tcq, tck, tcv = tc_[:nkt * dkt].view(nkt, dkt, -1), tc_[nkt * dkt:2 * nkt * dkt].view(nkt, dkt, -1), \
-        tc_[2 * nkt * dkt:].view(nvt, dvt, -1)
+    rq, rk, rv = _qkv_heads(out[g + "in_proj_qkv.weight"], nkr, dkr, nvr, dvr)
+    tq, tk, tv = _qkv_heads(inp(t[g + "in_proj_qkv.weight"]), nkt, dkt, nvt, dvt)
+    cq, ck, cv = _qkv_heads(out[g + "conv1d.weight"], nkr, dkr, nvr, dvr)
+    tcq, tck, tcv = _qkv_heads(t[g + "conv1d.weight"], nkt, dkt, nvt, dvt)
     for a, s in src.items():  # padded q / k dims 0: the L2 norms see the tiny vectors
         rq[a, :dkt], rq[a, dkt:], cq[a, :dkt] = tq[s], 0, tcq[s]
         rk[a, :dkt], rk[a, dkt:], ck[a, :dkt] = tk[s], 0, tck[s]
@@ -217,10 +213,13 @@ def _ffn(out, t, m, tc, rc, i, inp, outp):
         gate_r[:it], up_r[:it], up_r[it:] = inp(gate_t), inp(up_t), 0  # padding: SiLU(g) * 0 adds nothing
         down_r[:, :it] = outp(down_t)
 
+    def dense(p):  # the gate_proj / up_proj / down_proj modules under prefix p
+        names = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+        swiglu(*(out[p + n] for n in names), *(t[p + n] for n in names))
+
     if not tc.is_moe_layer(i):
         _check(not rc.is_moe_layer(i) and tc.intermediate_size <= rc.intermediate_size, "dense FFN")
-        swiglu(*(out[m + n] for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")),
-               *(t[m + n] for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")))
+        dense(m)
         return
     _check(rc.is_moe_layer(i) and tc.num_experts == rc.num_experts and tc.num_experts_per_tok ==
            rc.num_experts_per_tok and tc.moe_intermediate_size <= rc.moe_intermediate_size and
@@ -234,6 +233,4 @@ def _ffn(out, t, m, tc, rc, i, inp, outp):
     ir, it = rc.moe_intermediate_size, tc.moe_intermediate_size
     for e in range(rc.num_experts):
         swiglu(gu[e, :ir], gu[e, ir:], dn[e], tgu[e, :it], tgu[e, it:], tdn[e])
-    s = m + "shared_expert."
-    swiglu(*(out[s + n] for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")),
-           *(t[s + n] for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")))
+    dense(m + "shared_expert.")

@@ -67,8 +67,9 @@ class Tuning:
     # on the H200 it is still slower (35B-A3B 8K 2.92 ms vs 2.75 ms; docs/GPU.md, round 4).
     moe_impl: str = "triton"
     # Programmatic dependent launch for every kernel of the step (kernels/common.py) where the GPU has
-    # it (`pdl_enabled`); None: the process default (NEXRT_PDL). On: with the small programs above a kernel's CTAs can be resident
-    # while its predecessor drains (35B-A3B 8K 2.467 -> 2.418 ms, 2B 1.392 -> 1.385; r5 A/B).
+    # it (`pdl_enabled`); None: the process default (NEXRT_PDL). On: with the small programs above, a
+    # kernel's CTAs can be resident while its predecessor drains (35B-A3B 8K 2.467 -> 2.418 ms, 2B
+    # 1.392 -> 1.385; r5 A/B).
     pdl: bool | None = True
 
     def shape(self, n: int) -> dict:
