@@ -36,9 +36,9 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "nexrt-decode=nexrt_vllm.worker.server:main",
+            "nexrt-decode=nexrt_vllm.node.server:main",
             "nexrt-router=nexrt_vllm.router.server:main",
-            "nexrt-vllm=nexrt_vllm.cli:main",
+            "nexrt-vllm=nexrt_vllm.demo.cli:main",
         ]
     },
 )

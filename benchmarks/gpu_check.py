@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/gpu_check.py --out $OUT [--sweep] [--bench-args "..."]
 
-1. the kernel tests (tests/test_kernels_decode_ops.py) on the GPU: compiled kernels, random inputs,
+1. the kernel tests (tests/engine/test_kernels_decode_ops.py) on the GPU: compiled kernels, random inputs,
    poisoned outputs, relative-error bounds; again with PDL on (NEXRT_PDL=1);
 2. greedy parity on the tiny test checkpoints (all three families): eager engine vs the graph path
    (fused kernels, and eager ops in one graph) for 256 steps, replays per token; the same through
@@ -42,8 +42,8 @@ def kernel_tests(out: str, pdl: bool = False) -> dict:
     env.pop("TRITON_INTERPRET", None)
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(ROOT, "tests", "test_kernels_decode_ops.py"),
-                        os.path.join(ROOT, "tests", "test_csrc_moe_decode.py")],
+                        os.path.join(ROOT, "tests", "tests/engine/test_kernels_decode_ops.py"),
+                        os.path.join(ROOT, "tests", "tests/gpu/test_csrc_moe_decode.py")],
                        env=env, capture_output=True, text=True, timeout=400)
     with open(os.path.join(out, f"kernel_tests{'_pdl' if pdl else ''}.log"), "w") as f:
         f.write(p.stdout + p.stderr)

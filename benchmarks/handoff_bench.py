@@ -26,10 +26,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from node_helpers import NodeProcess  # noqa: E402 - the same runner the tests use
+from nexrt_vllm.testing.node_process import NodeProcess  # the same runner the tests use
 
-# Qwen3.5-35B-A3B's state shapes (shared/DESIGN.md §4) with a tiny hidden size and few experts.
+# Qwen3.5-35B-A3B's state shapes (docs/ARCHITECTURE.md) with a tiny hidden size and few experts.
 STATE_SHAPED = dict(num_hidden_layers=40, full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2,
                     head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
                     linear_value_head_dim=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -48,8 +47,8 @@ def _random_state(cfg, seq_len: int, dtype: torch.dtype) -> dict[str, torch.Tens
 
 def bench_transport(model: str, transport: str, seq_lens: list[int], reps: int, block_size: int) -> list[dict]:
     from nexrt_vllm.engine import ModelConfig
-    from nexrt_vllm.handoff import HandoffSender
-    from nexrt_vllm.worker.convert import layout_for, pack_state
+    from nexrt_vllm.handoff.sender import HandoffSender
+    from nexrt_vllm.node.convert import layout_for, pack_state
 
     cfg = ModelConfig.from_pretrained(model)
     node = NodeProcess(model, transport, "--recv-buffers", "1", max_seq_len=max(seq_lens) + 1, start_timeout=300)

@@ -1,6 +1,6 @@
 """Router overhead on loopback: what `nexrt-router` adds to TTFT and to every streamed token.
 
-Upstreams are the test doubles of vLLM and a decode node (tests/router_fakes.py: same HTTP
+Upstreams are the test doubles of vLLM and a decode node (nexrt_vllm/testing/router_fakes.py: same HTTP
 contracts, instant prefill, tokens emitted at a fixed pace), served from their own process; the
 router runs as the real `nexrt-router` process; the client is this process. Measured:
 
@@ -25,14 +25,12 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.join(os.path.dirname(HERE), "tests")
 
 
 def serve_fakes(tokenizer_dir: str, token_interval: float) -> None:
     """Child mode: fake vLLM + fake node; prints their URLs as one JSON line, serves until EOF."""
-    sys.path.insert(0, TESTS)
     from aiohttp import web
-    from router_fakes import FakeNode, FakeVLLM, Loop, Model
+    from nexrt_vllm.testing.router_fakes import FakeNode, FakeVLLM, Loop, Model
 
     loop = Loop()
     model = Model(tokenizer_dir)
@@ -147,8 +145,7 @@ def main(argv=None) -> int:
     router = None
     try:
         urls = json.loads(fakes.stdout.readline())
-        sys.path.insert(0, TESTS)
-        from router_fakes import free_port
+            from nexrt_vllm.testing.router_fakes import free_port
 
         port = free_port()
         router = subprocess.Popen([sys.executable, "-m", "nexrt_vllm.router.server", "--port",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from nexrt_vllm.protocol import KV_FORMATS, REC_LAYOUTS
+from nexrt_vllm.handoff.protocol import KV_FORMATS, REC_LAYOUTS
 
 CLAIM_KEY = "nexrt"  # our only key in kv_transfer_params, in and out (MultiConnector-safe)
 TRANSPORTS = ("mooncake", "nixl")

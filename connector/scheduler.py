@@ -49,7 +49,7 @@ class NexRTScheduler:
     def build_connector_meta(self, scheduler_output) -> NexRTMetadata:
         if not self._reqs:
             # Nothing claimed (an abort is only queued for a tracked request): an empty meta,
-            # without looking at the batch (tests/test_connector_noop_cost.py counts this).
+            # without looking at the batch (tests/connector/test_noop_cost.py counts this).
             return NexRTMetadata()
         meta = NexRTMetadata(aborted=self._aborts)
         self._aborts = []

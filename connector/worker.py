@@ -24,10 +24,10 @@ from typing import Callable
 import torch
 from vllm.logger import init_logger
 
-from nexrt_vllm import protocol as P
+from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.connector.config import ConfigError, ConnectorConfig
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
-from nexrt_vllm.handoff import HandoffError, HandoffSender, Transfer
+from nexrt_vllm.handoff.sender import HandoffError, HandoffSender, Transfer
 
 logger = init_logger("vllm.nexrt_connector")  # under "vllm": inherits vLLM's log handler and level
 

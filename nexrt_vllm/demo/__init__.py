@@ -1,0 +1,1 @@
+"""``nexrt-vllm demo``: the whole stack (vLLM + connector, a decode node, the router) on one machine."""

@@ -1,0 +1,250 @@
+"""`nexrt-vllm`: project command line. `nexrt-vllm demo` runs the whole interactive path on this
+machine: vLLM (with NexRTConnector) → NexRT decode node → router, one streamed chat request,
+TTFT and tokens/s per stage, then a clean shutdown (Ctrl-C included)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+DEMO_PROMPT = "Tell me a story about a fast decoder."
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Child processes, each in its own session so that the whole tree (vLLM's engine core
+    included) can be stopped, whatever way the demo ends."""
+
+    def __init__(self, logdir: str):
+        self.logdir = logdir
+        self.procs: list[tuple[str, subprocess.Popen, str]] = []
+
+    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = os.path.join(self.logdir, f"{name}.log")
+        with open(log, "wb") as f:
+            # NEXRT_RUN_DIR marks the whole tree (grandchildren inherit it) for operators/tests.
+            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, **(env or {}), "NEXRT_RUN_DIR": self.logdir})
+        self.procs.append((name, p, log))
+        return p
+
+    def check(self) -> None:
+        for name, p, log in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {p.returncode}; last lines of {log}:\n"
+                                   + _tail(log))
+
+    def stop(self, timeout: float = 20.0) -> None:
+        for _, p, _ in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, p, _ in reversed(self.procs):
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+            # Leftover grandchildren (vLLM's engine core) die with the session.
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def vllm_argv(model: str, port: int, max_model_len: int, transport: str) -> list[str]:
+    """The vLLM prefill server with the connector (CPU-friendly sizes)."""
+    ktc = {"kv_connector": "NexRTConnector", "kv_connector_module_path": "nexrt_vllm.connector",
+           "kv_role": "kv_producer", "kv_connector_extra_config": {"transport": transport}}
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
+            "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "4",
+            "--enforce-eager", "--uvicorn-log-level", "warning",
+            "--kv-transfer-config", json.dumps(ktc)]
+
+
+async def wait_http(url: str, procs: Procs, timeout: float, what: str) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while True:
+            procs.check()
+            try:
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not ready after {timeout:g}s")
+            await asyncio.sleep(0.5)
+
+
+async def wait_file(path: str, procs: Procs, timeout: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        procs.check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {timeout:g}s")
+        await asyncio.sleep(0.2)
+    with open(path) as f:
+        return json.load(f)
+
+
+async def _chat(router_url: str, model: str, prompt: str, max_tokens: int, out) -> dict:
+    """One streamed chat request through the interactive path; returns client-side timings."""
+    import aiohttp
+
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    ttft = None
+    usage = timing = None
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{router_url}/v1/chat/completions", json=body,
+                          headers={"X-NexRT-Class": "interactive"},
+                          timeout=aiohttp.ClientTimeout(total=600)) as r:
+            if r.status != 200:
+                raise RuntimeError(f"router answered {r.status}: {await r.text()}")
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream failed: {chunk['error']['message']}")
+                if chunk["choices"]:
+                    ttft = ttft if ttft is not None else time.monotonic() - t0
+                    text = chunk["choices"][0].get("delta", {}).get("content")
+                    if text:
+                        out.write(text)
+                        out.flush()
+                if chunk.get("usage"):
+                    usage, timing = chunk["usage"], chunk.get("nexrt_timing") or {}
+    return {"ttft_s": ttft, "e2e_s": time.monotonic() - t0, "usage": usage, "timing": timing}
+
+
+def _report(res: dict, out) -> None:
+    n = res["usage"]["completion_tokens"]
+    t = res["timing"]
+    node = t.get("node") or {}
+    dec_tokens = node.get("tokens", n - 1)
+    lines = [
+        "",
+        "-" * 64,
+        f"prompt tokens {res['usage']['prompt_tokens']}, completion tokens {n}",
+        f"client  TTFT                 {res['ttft_s'] * 1e3:8.1f} ms",
+        f"client  end-to-end           {res['e2e_s'] * 1e3:8.1f} ms   "
+        f"({n / res['e2e_s']:.1f} tok/s incl. TTFT)",
+        f"router  queue wait           {t.get('queue_s', 0) * 1e3:8.1f} ms",
+        f"vLLM    prefill + 1st token  {t.get('prefill_s', 0) * 1e3:8.1f} ms",
+        f"node    KV/state hand-off    {(node.get('transfer_s') or 0) * 1e3:8.1f} ms",
+    ]
+    if t.get("decode_s"):
+        lines.append(f"node    decode               {t['decode_s'] * 1e3:8.1f} ms   "
+                     f"({dec_tokens / t['decode_s']:.1f} tok/s, {dec_tokens} tokens)")
+    lines.append("-" * 64)
+    out.write("\n".join(lines) + "\n")
+
+
+async def _demo(args, procs: Procs, workdir: str) -> None:
+    model = args.model
+    if model is None:
+        from nexrt_vllm.testing import make_checkpoint
+
+        model = os.path.join(workdir, "tiny-qwen3-next")
+        print(f"[demo] writing a tiny random Qwen3-Next checkpoint to {model} (random weights: "
+              f"the reply is gibberish; the point is the path and its timings)", flush=True)
+        make_checkpoint(model, arch="qwen3_next")
+    threads = {"OMP_NUM_THREADS": "1", "NEXRT_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    vport, rport = _free_port(), _free_port()
+    ready = os.path.join(workdir, "node.ready")
+    print(f"[demo] starting vLLM (CPU) and a decode node; logs in {workdir}", flush=True)
+    procs.start("vllm", vllm_argv(model, vport, args.max_model_len, args.transport), env=threads)
+    procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", model,
+                         "--port", "0", "--transport", args.transport, "--max-seq-len",
+                         str(args.max_model_len), "--ready-file", ready], env=threads)
+    node = await wait_file(ready, procs, args.start_timeout, "decode node")
+    print(f"[demo] decode node up at {node['url']}", flush=True)
+    vllm_url = f"http://127.0.0.1:{vport}"
+    await wait_http(f"{vllm_url}/health", procs, args.start_timeout, "vLLM")
+    print(f"[demo] vLLM up at {vllm_url}", flush=True)
+    router_url = f"http://127.0.0.1:{rport}"
+    procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(rport),
+                           "--vllm-url", vllm_url, "--decode-url", node["url"],
+                           "--default-class", "interactive", "--tokenizer", model])
+    await wait_http(f"{router_url}/health", procs, 60, "router")
+    print(f"[demo] router up at {router_url}\n", flush=True)
+    print(f"user> {args.prompt}\nassistant> ", end="", flush=True)
+    res = await _chat(router_url, model, args.prompt, args.max_tokens, sys.stdout)
+    _report(res, sys.stdout)
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def demo(args) -> int:
+    workdir = tempfile.mkdtemp(prefix="nexrt-demo-")
+    procs = Procs(workdir)
+    # SIGTERM behaves like Ctrl-C: the finally below stops every child.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        asyncio.run(_demo(args, procs, workdir))
+        return 0
+    except KeyboardInterrupt:
+        print("\n[demo] interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, OSError) as e:
+        print(f"\n[demo] failed: {e}", file=sys.stderr)
+        for name, _, log in procs.procs:
+            print(f"--- {name} ({log}) ---\n{_tail(log, 15)}", file=sys.stderr)
+        return 1
+    finally:
+        print("[demo] shutting down", file=sys.stderr, flush=True)
+        procs.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nexrt-vllm", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="run vLLM + decode node + router and stream one chat reply",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d.add_argument("--model", default=None,
+                   help="checkpoint directory (default: make a tiny random Qwen3-Next one)")
+    d.add_argument("--prompt", default=DEMO_PROMPT)
+    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--max-model-len", type=int, default=2048)
+    d.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
+    d.add_argument("--start-timeout", type=float, default=600.0,
+                   help="seconds to wait for vLLM and the node to start")
+    args = ap.parse_args(argv)
+    if args.max_tokens < 1:
+        ap.error("--max-tokens must be >= 1")
+    return demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

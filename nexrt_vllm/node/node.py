@@ -1,0 +1,404 @@
+"""The decode node's admission state machine, control-message handlers and decode loop.
+
+Everything here runs on one asyncio loop (HTTP handlers, the ZMQ control endpoint and the reaper
+share it), so the state needs no locks; only the engine runs in a worker thread, one request at a
+time, and talks back through ``loop.call_soon_threadsafe``.
+
+One slot (batch 1). An admission moves RESERVED (``/v1/admit``) -> RECEIVING (``begin`` accepted,
+buffer assigned) -> READY (``done`` validated) -> DECODING (``/v1/generate``) -> released. Each
+state has a deadline (admit, transfer, start timeouts), enforced by the reaper, so a missing peer
+never pins the slot. ``/v1/generate`` may arrive before ``done``: it waits on the admission.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import enum
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import torch
+
+from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.node.buffers import RecvBuffer, stage
+from nexrt_vllm.node.convert import check_layout, unpack_state
+from nexrt_vllm.node.metrics import NodeMetrics
+
+log = logging.getLogger("nexrt.node")
+
+TOMBSTONES = 4096  # finished rids remembered to refuse duplicates (vLLM may reschedule a request)
+
+
+class State(str, enum.Enum):
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+    READY = "ready"
+    DECODING = "decoding"
+
+
+class NodeError(Exception):
+    """A refusal with an HTTP status and a wire reason."""
+
+    def __init__(self, status: int, reason: P.Reason | str, message: str):
+        super().__init__(message)
+        self.status, self.reason, self.message = status, P.Reason(reason).value, message
+
+
+@dataclass
+class Options:
+    max_seq_len: int
+    admit_timeout: float = 30.0  # admit -> begin
+    transfer_timeout: float = 30.0  # begin -> done
+    start_timeout: float = 30.0  # done -> generate
+    quarantine_s: float = 30.0  # grace for a writer that may outlive its admission
+    tick: float = 0.05
+
+
+@dataclass
+class Admission:
+    rid: str
+    generation: int
+    state: State
+    deadline: float
+    buffer: RecvBuffer | None = None
+    layout: P.Layout | None = None
+    regions: list[P.Region] = field(default_factory=list)
+    seq_len: int = 0
+    expected_bytes: int = 0
+    t_accept: float = 0.0
+    transfer_s: float = 0.0
+    started: bool = False  # /v1/generate claimed it
+    stop: threading.Event = field(default_factory=threading.Event)  # tells the decode thread to stop
+    cancelled: bool = False  # POST /v1/cancel
+    # resolves to None when READY, to (reason, message) when the admission fails first
+    ready: asyncio.Future | None = None
+
+
+class Node:
+    def __init__(self, engine, cfg, transport, buffers: list[RecvBuffer], opts: Options, *, device: str,
+                 control_addr: str, model_name: str, metrics: NodeMetrics | None = None):
+        self.engine, self.cfg, self.transport, self.buffers, self.opts = engine, cfg, transport, buffers, opts
+        self.device, self.control_addr, self.model_name = device, control_addr, model_name
+        self.metrics = metrics or NodeMetrics()
+        self.current: Admission | None = None
+        self._decoding: Admission | None = None  # the admission whose decode thread runs
+        self._generation = 0
+        # rid -> (generation, done received): finished rids, to refuse duplicates and late messages
+        self._tombstones: collections.OrderedDict[str, tuple[int, bool]] = collections.OrderedDict()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nexrt-decode")
+        native = engine.state.layout()  # name -> (shape, dtype)
+        pick = lambda suffix: next((dt for n, (_, dt) in native.items() if n.endswith(suffix)), None)  # noqa: E731
+        self._dtypes = {"kv": pick(".k"), "conv": pick(".conv"), "rec": pick(".rec")}
+
+    # ---- admission (HTTP) -------------------------------------------------------------------
+    def admit(self, rid: Any, prompt_len: Any = None) -> Admission:
+        if not isinstance(rid, str) or not rid:
+            raise self._refuse(400, P.Reason.BAD_MESSAGE, "rid must be a non-empty string")
+        if prompt_len is not None and (not isinstance(prompt_len, int) or isinstance(prompt_len, bool)
+                                       or prompt_len < 1):
+            raise self._refuse(400, P.Reason.BAD_MESSAGE, "prompt_len must be a positive integer")
+        if (self.current and self.current.rid == rid) or rid in self._tombstones:
+            raise self._refuse(409, P.Reason.DUPLICATE, f"rid {rid!r} was already admitted")
+        if prompt_len is not None and prompt_len + 1 > self.opts.max_seq_len:
+            raise self._refuse(413, P.Reason.TOO_LONG,
+                               f"prompt_len {prompt_len} + 1 exceeds max_seq_len {self.opts.max_seq_len}")
+        if self._decoding is not None:
+            if self._decoding.stop.is_set():
+                raise self._refuse(409, P.Reason.CANCELLING, "previous request is still stopping")
+            raise self._refuse(409, P.Reason.BUSY, f"node is decoding {self._decoding.rid!r}")
+        if self.current is not None:
+            raise self._refuse(409, P.Reason.BUSY, f"node is busy with {self.current.rid!r}")
+        now = time.monotonic()
+        if not any(b.available(now) for b in self.buffers):
+            raise self._refuse(409, P.Reason.BUSY, "every receive buffer waits for a stale writer")
+        self._generation += 1
+        adm = Admission(rid, self._generation, State.RESERVED, now + self.opts.admit_timeout,
+                        ready=asyncio.get_running_loop().create_future())
+        self.current = adm
+        self.metrics.admissions.inc()
+        self._update_busy()
+        return adm
+
+    def cancel(self, rid: Any) -> dict:
+        adm = self.current if self.current and self.current.rid == rid else None
+        if adm is None and self._decoding is not None and self._decoding.rid == rid:
+            adm = self._decoding
+        if adm is None:
+            if isinstance(rid, str) and rid in self._tombstones:
+                return {"rid": rid, "cancelled": False, "state": "finished"}
+            raise self._refuse(404, P.Reason.UNKNOWN_RID, f"rid {rid!r} is not in flight")
+        prior = adm.state.value
+        adm.cancelled = True
+        adm.stop.set()
+        if adm.state is not State.DECODING:
+            self._end(adm, "cancelled", P.Reason.CANCELLED, "cancelled by client")
+        return {"rid": rid, "cancelled": True, "state": prior}
+
+    # ---- control endpoint (ZMQ) ---------------------------------------------------------------
+    def handle(self, data: bytes) -> bytes:
+        try:
+            msg = P.decode(data)
+        except P.ProtocolError as e:
+            self.metrics.refusals.labels(e.reason.value).inc()
+            return P.encode(P.Refuse(e.reason.value, e.message))
+        handler = {"hello": self._on_hello, "begin": self._on_begin, "done": self._on_done,
+                   "abort": self._on_abort}.get(msg.type)
+        if handler is None:
+            return P.encode(P.Refuse(P.Reason.BAD_MESSAGE.value, f"node does not take {msg.type!r}"))
+        reply = handler(msg)
+        if isinstance(reply, (P.Refuse, P.Reject, P.Error)):
+            self.metrics.refusals.labels(reply.reason).inc()
+        return P.encode(reply)
+
+    def _layout(self, wire: dict) -> P.Layout:
+        layout = P.Layout.from_wire(wire)
+        check_layout(layout, self.cfg)
+        return layout
+
+    def _on_hello(self, msg: P.Hello):
+        try:
+            self._layout(msg.layout)
+        except P.ProtocolError as e:
+            return P.Refuse(e.reason.value, e.message)
+        return P.HelloOk(self.transport.peer_info(), {"model": self.model_name, "max_seq_len": self.opts.max_seq_len})
+
+    def _on_begin(self, msg: P.Begin):
+        def reject(reason, text):
+            return P.Reject(msg.rid, P.Reason(reason).value, text)
+
+        adm = self.current
+        if adm is None or adm.rid != msg.rid:
+            if msg.rid in self._tombstones:
+                return reject(P.Reason.DUPLICATE, f"rid {msg.rid!r} already finished")
+            return reject(P.Reason.UNKNOWN_RID, f"rid {msg.rid!r} was not admitted")
+        if msg.generation != adm.generation:
+            return reject(P.Reason.STALE_GENERATION, f"generation {msg.generation}, admission is {adm.generation}")
+        if adm.state is not State.RESERVED:
+            return reject(P.Reason.DUPLICATE, f"rid {msg.rid!r} already began ({adm.state.value})")
+        try:
+            layout = self._layout(msg.layout)
+        except P.ProtocolError as e:
+            self._end(adm, "rejected", e.reason, e.message)
+            return reject(e.reason, e.message)
+        if msg.seq_len < 1 or msg.seq_len + 1 > self.opts.max_seq_len:
+            text = f"seq_len {msg.seq_len} (+1 for the first token) exceeds max_seq_len {self.opts.max_seq_len}"
+            self._end(adm, "rejected", P.Reason.TOO_LONG, text)
+            return reject(P.Reason.TOO_LONG, text)
+        regions = layout.regions(msg.seq_len)
+        total = regions[-1].offset + regions[-1].nbytes if regions else 0
+        now = time.monotonic()
+        buf = next((b for b in self.buffers if b.available(now)), None)
+        if buf is None or total > buf.size:
+            text = (f"state needs {total} bytes, receive buffer holds {self.buffers[0].size}" if buf is not None
+                    else "no receive buffer free")
+            reason = P.Reason.TOO_LONG if buf is not None else P.Reason.BUSY
+            self._end(adm, "rejected", reason, text)
+            return reject(reason, text)
+        buf.owner = adm.generation
+        adm.buffer, adm.layout, adm.regions, adm.seq_len = buf, layout, regions, msg.seq_len
+        adm.expected_bytes = sum(r.nbytes for r in regions)
+        adm.state, adm.t_accept, adm.deadline = State.RECEIVING, now, now + self.opts.transfer_timeout
+        return P.Accept(adm.rid, adm.generation, {"base": buf.addr, "size": buf.size}, P.region_dicts(regions),
+                        self.opts.transfer_timeout)
+
+    def _on_done(self, msg: P.Done):
+        adm = self.current
+        if adm is None or adm.rid != msg.rid or adm.generation != msg.generation:
+            return self._late(msg, "done")
+        if adm.state is not State.RECEIVING:
+            if adm.state is State.RESERVED:
+                return P.Error(msg.rid, P.Reason.BAD_MESSAGE.value, "done before begin")
+            return P.Error(msg.rid, P.Reason.DUPLICATE_DONE.value, "done already received")
+        if msg.seq_len != adm.seq_len or msg.nbytes != adm.expected_bytes:
+            text = (f"done says seq_len={msg.seq_len} nbytes={msg.nbytes}, begin implies "
+                    f"seq_len={adm.seq_len} nbytes={adm.expected_bytes}")
+            self._end(adm, "failed", P.Reason.SIZE_MISMATCH, text)
+            return P.Error(msg.rid, P.Reason.SIZE_MISMATCH.value, text)
+        adm.transfer_s = time.monotonic() - adm.t_accept
+        self.metrics.transfer_bytes.inc(msg.nbytes)
+        self.metrics.transfer_seconds.observe(adm.transfer_s)
+        adm.state, adm.deadline = State.READY, time.monotonic() + self.opts.start_timeout
+        if adm.started:
+            adm.deadline = math.inf  # the waiting generate takes over
+        if not adm.ready.done():
+            adm.ready.set_result(None)
+        return P.Ack(adm.rid, adm.generation)
+
+    def _on_abort(self, msg: P.Abort):
+        adm = self.current
+        if adm is None or adm.rid != msg.rid or adm.generation != msg.generation:
+            return self._late(msg, "abort")
+        if adm.state not in (State.RESERVED, State.RECEIVING):
+            return P.Error(msg.rid, P.Reason.BAD_MESSAGE.value, f"cannot abort in state {adm.state.value}")
+        self._end(adm, "aborted", P.Reason.TRANSFER_FAILED, f"sender aborted: {msg.reason}", writer_live=False)
+        return P.Ack(msg.rid, msg.generation)
+
+    def _late(self, msg, what: str):
+        """done/abort for an admission that is gone: frees a quarantined buffer, says why."""
+        for b in self.buffers:
+            b.writer_finished(msg.generation)
+        gen, done = self._tombstones.get(msg.rid, (None, False))
+        if gen == msg.generation:
+            if what == "done" and done:
+                return P.Error(msg.rid, P.Reason.DUPLICATE_DONE.value, "done already received")
+            return P.Error(msg.rid, P.Reason.STALE_GENERATION.value, f"admission {msg.generation} already ended")
+        if msg.rid in self._tombstones or (self.current and self.current.rid == msg.rid):
+            return P.Error(msg.rid, P.Reason.STALE_GENERATION.value, f"generation {msg.generation} is not current")
+        return P.Error(msg.rid, P.Reason.UNKNOWN_RID.value, f"rid {msg.rid!r} was not admitted")
+
+    # ---- ending an admission --------------------------------------------------------------------
+    def _end(self, adm: Admission, outcome: str, reason: P.Reason | str, message: str,
+             writer_live: bool | None = None) -> None:
+        """Release the slot (once). ``writer_live`` defaults to: accepted but no done yet."""
+        if self.current is not adm:
+            return
+        if writer_live is None:
+            writer_live = adm.state is State.RECEIVING
+        if adm.buffer is not None and adm.buffer.owner == adm.generation:
+            adm.buffer.release(writer_live, self.opts.quarantine_s)
+        self.current = None
+        self._tombstones[adm.rid] = (adm.generation, adm.state in (State.READY, State.DECODING))
+        while len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
+        self.metrics.finished.labels(outcome).inc()
+        self._update_busy()
+        if adm.ready is not None and not adm.ready.done():
+            adm.ready.set_result((P.Reason(reason).value, message))
+        log.info("rid=%s gen=%d ended: %s (%s)", adm.rid, adm.generation, outcome, message)
+
+    async def reaper(self) -> None:
+        """Ages out admissions whose peer went silent (admit, transfer and start timeouts)."""
+        while True:
+            await asyncio.sleep(self.opts.tick)
+            adm = self.current
+            if adm is not None and adm.state is not State.DECODING and time.monotonic() > adm.deadline:
+                what = {State.RESERVED: "begin", State.RECEIVING: "done", State.READY: "generate"}[adm.state]
+                self._end(adm, "timeout", P.Reason.TIMEOUT, f"no {what} before the {adm.state.value} deadline")
+
+    # ---- decode (HTTP) ----------------------------------------------------------------------------
+    def claim(self, rid: Any, generation: Any, first_token: Any) -> Admission:
+        """Validate a generate request before any response byte is sent (errors become 4xx)."""
+        adm = self.current
+        if adm is None or adm.rid != rid:
+            raise self._refuse(404, P.Reason.UNKNOWN_RID, f"rid {rid!r} is not admitted")
+        if generation is not None and generation != adm.generation:
+            raise self._refuse(409, P.Reason.STALE_GENERATION,
+                               f"generation {generation!r}, admission is {adm.generation}")
+        if adm.started:
+            raise self._refuse(409, P.Reason.DUPLICATE, f"rid {rid!r} already started")
+        if isinstance(first_token, bool) or not isinstance(first_token, int) \
+                or not 0 <= first_token < self.cfg.vocab_size:
+            raise self._refuse(400, P.Reason.BAD_MESSAGE, f"first_token outside [0, {self.cfg.vocab_size})")
+        adm.started = True
+        if adm.state is State.READY:
+            adm.deadline = math.inf
+        return adm
+
+    async def generate(self, adm: Admission, sp, first_token: int) -> AsyncIterator[dict]:
+        """Yields ``{"token": id}`` dicts, then one final ``{"finish_reason", ...}`` dict.
+
+        However it ends (normally, by cancel, by the client closing the generator while it waits
+        for the transfer or mid-stream), the slot is released exactly once on the way out.
+        """
+        t0 = time.monotonic()
+        fut, tokens, final = None, 0, None
+        try:
+            failure = await adm.ready  # bounded: the reaper ends the admission at its deadline
+            if failure is not None:
+                final = {"finish_reason": "cancelled" if failure[0] == P.Reason.CANCELLED.value else "error",
+                         "error": f"{failure[0]}: {failure[1]}"}
+            elif self.current is not adm:
+                final = {"finish_reason": "cancelled"}
+            else:
+                adm.state = State.DECODING
+                self._decoding = adm
+                loop = asyncio.get_running_loop()
+                q: asyncio.Queue = asyncio.Queue()
+                put = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
+                fut = loop.run_in_executor(self._pool, self._run, adm, sp, first_token, put)
+                fut.add_done_callback(lambda _: self._decode_stopped(adm))
+                while final is None:
+                    kind, val = await q.get()
+                    if kind == "tok":
+                        tokens += 1
+                        yield {"token": val}
+                    elif kind == "converted":
+                        adm.buffer.release(False, 0.0)  # pages are in the engine: the buffer is free
+                    elif kind == "end":
+                        final = {"finish_reason": val}
+                    else:
+                        final = {"finish_reason": "error", "error": val}
+                final["timing"] = {"transfer_s": adm.transfer_s, "decode_s": time.monotonic() - t0,
+                                   "tokens": tokens}
+        finally:
+            if fut is not None:
+                adm.stop.set()  # stops the thread if the client went away mid-stream
+                await fut
+            outcome = final["finish_reason"] if final else "cancelled"
+            self._end(adm, outcome, P.Reason.CANCELLED, f"ended: {outcome}")
+        yield final
+
+    def _decode_stopped(self, adm: Admission) -> None:
+        """The decode thread ended. A cancelled request frees the slot now, even if its HTTP
+        writer is still stuck on a client that stopped reading."""
+        if self._decoding is adm:
+            self._decoding = None
+            self._update_busy()
+        if adm.cancelled:
+            self._end(adm, "cancelled", P.Reason.CANCELLED, "cancelled during decode")
+
+    def _run(self, adm: Admission, sp, first_token: int, put) -> None:
+        """Worker thread: convert the received pages, import them, stream tokens."""
+        try:
+            t = time.perf_counter()
+            nbytes = adm.regions[-1].offset + adm.regions[-1].nbytes
+            raw = stage(adm.buffer, nbytes, self.device)
+            state = unpack_state(raw, adm.layout, adm.regions, adm.seq_len, self._dtypes)
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize()  # the pinned buffer is reusable only after its copy landed
+            self.engine.import_state(adm.seq_len, state)
+            del state, raw
+            self.metrics.convert_seconds.observe(time.perf_counter() - t)
+            put(("converted", None))
+            last = time.perf_counter()
+            it = self.engine.stream(first_token, sp)
+            try:
+                for tok in it:
+                    now = time.perf_counter()
+                    self.metrics.step_seconds.observe(now - last)
+                    last = now
+                    if adm.stop.is_set():
+                        put(("end", "cancelled"))
+                        return
+                    self.metrics.tokens.inc()
+                    put(("tok", int(tok)))
+            finally:
+                it.close()
+            put(("end", self.engine.finish_reason or "length"))
+        except Exception as e:  # noqa: BLE001 - any engine failure ends the stream as an error
+            log.exception("decode of rid=%s failed", adm.rid)
+            put(("err", f"{type(e).__name__}: {e}"))
+
+    # ---- status -----------------------------------------------------------------------------------
+    def health(self) -> dict:
+        adm = self.current or self._decoding
+        now = time.monotonic()
+        return {"status": "busy" if adm else "free", "busy_slots": 1 if adm else 0,
+                "rid": adm.rid if adm else None, "state": adm.state.value if adm else None,
+                "free_buffers": sum(b.available(now) for b in self.buffers)}
+
+    def _update_busy(self) -> None:
+        self.metrics.busy.set(1 if self.current or self._decoding else 0)
+
+    def _refuse(self, status: int, reason, message: str) -> NodeError:
+        err = NodeError(status, reason, message)
+        self.metrics.refusals.labels(err.reason).inc()
+        return err
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,289 @@
+"""`nexrt-decode`: the NexRT decode node service.
+
+    nexrt-decode --model PATH [--host 127.0.0.1] [--port 8200] [--transport mooncake|nixl]
+                 [--device cpu|cuda] [--max-seq-len N] [--recv-memory host|pinned|device] ...
+
+Loads the engine, allocates and registers the receive buffers once, then serves
+
+* the control endpoint (ZMQ ROUTER, msgpack; ``nexrt_vllm.handoff.protocol``) for hello/begin/done/abort;
+* HTTP (docs/ARCHITECTURE.md §2): ``POST /v1/admit``, ``POST /v1/generate`` (NDJSON stream),
+  ``POST /v1/cancel``, ``GET /health``, ``GET /capabilities`` (which advertises the control
+  address and the transport, so peers need only the node's HTTP URL), ``GET /metrics``.
+
+HTTP and ZMQ bind ``--host`` (default loopback). The Mooncake TCP transport listens on all
+interfaces regardless (a property of Mooncake); NIXL/UCX follows ``UCX_NET_DEVICES``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.node.node import Node, NodeError, Options
+
+log = logging.getLogger("nexrt.decode")
+
+_GEN_FIELDS = {"rid", "generation", "first_token", "max_tokens", "temperature", "top_p", "top_k", "seed",
+               "ignore_eos", "stop_token_ids"}
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    headers = {"Retry-After": "1"} if status == 409 else None
+    return web.json_response({"error": {"type": kind, "message": message}}, status=status, headers=headers)
+
+
+async def _body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise NodeError(400, P.Reason.BAD_MESSAGE, "body must be JSON") from None
+    if not isinstance(body, dict):
+        raise NodeError(400, P.Reason.BAD_MESSAGE, "body must be a JSON object")
+    return body
+
+
+class Service:
+    def __init__(self, node: Node, args):
+        self.node, self.args = node, args
+
+    # ---- HTTP -------------------------------------------------------------------------------------
+    async def admit(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            adm = self.node.admit(body.get("rid"), body.get("prompt_len"))
+        except NodeError as e:
+            return _error(e.status, e.reason, e.message)
+        return web.json_response({"rid": adm.rid, "generation": adm.generation,
+                                  "control_addr": self.node.control_addr,
+                                  "admit_timeout_s": self.node.opts.admit_timeout})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        from nexrt_vllm.engine import SamplingParams, SamplingParamsError
+
+        try:
+            body = await _body(request)
+            unknown = sorted(set(body) - _GEN_FIELDS)
+            if unknown:
+                raise NodeError(400, P.Reason.BAD_MESSAGE, f"unsupported fields: {unknown}")
+            if "max_tokens" not in body:
+                raise NodeError(400, P.Reason.BAD_MESSAGE, "max_tokens is required")
+            kw = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
+                                       "stop_token_ids") if body.get(k) is not None}
+            try:
+                sp = SamplingParams(**kw)
+            except SamplingParamsError as e:
+                raise NodeError(400, P.Reason.BAD_MESSAGE, str(e)) from None
+            adm = self.node.claim(body.get("rid"), body.get("generation"), body.get("first_token"))
+        except NodeError as e:
+            return _error(e.status, e.reason, e.message)
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+            async with contextlib.aclosing(self.node.generate(adm, sp, body["first_token"])) as lines:
+                async for line in lines:
+                    # a client that stops reading counts as gone (its socket buffer fills up)
+                    await asyncio.wait_for(resp.write(json.dumps(line).encode() + b"\n"), self.args.write_timeout)
+        except asyncio.TimeoutError:
+            log.info("client of rid=%s stopped reading for %ss", adm.rid, self.args.write_timeout)
+            resp.force_close()
+        except (ConnectionResetError, asyncio.CancelledError):
+            # client vanished: leaving the `async with` cancels the decode and frees the slot
+            log.info("client of rid=%s went away", adm.rid)
+            raise
+        return resp
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            return web.json_response(self.node.cancel(body.get("rid")))
+        except NodeError as e:
+            return _error(e.status, e.reason, e.message)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response(self.node.health())
+
+    async def capabilities(self, request: web.Request) -> web.Response:
+        cfg, peer = self.node.cfg, self.node.transport.peer_info()
+        return web.json_response({
+            "model": self.node.model_name, "architecture": cfg.architecture, "vocab_size": cfg.vocab_size,
+            "eos_token_ids": list(cfg.eos_token_ids), "max_seq_len": self.node.opts.max_seq_len,
+            "max_batch": 1, "protocol_version": P.PROTOCOL_VERSION, "layout_version": P.LAYOUT_VERSION,
+            "control_addr": self.node.control_addr,
+            "transport": {"backend": peer["backend"], "recv_memory": self.args.recv_memory,
+                          "recv_buffers": len(self.node.buffers), "recv_buffer_bytes": self.node.buffers[0].size,
+                          **({"target": peer["target"]} if "target" in peer else {})},
+            "sampling": {"temperature": True, "top_p": True, "top_k": True, "seed": True, "ignore_eos": True,
+                         "stop_token_ids": True, "logprobs": False, "penalties": False},
+            "device": self.args.device, "graph": self.args.graph,
+        })
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.node.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    # ---- control endpoint ----------------------------------------------------------------------------
+    async def control_loop(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) < 2:
+                continue  # not a REQ/DEALER envelope; nothing to answer to
+            ident, data = frames[:-1], frames[-1]
+            try:
+                reply = self.node.handle(data)
+            except Exception as e:  # noqa: BLE001 - a handler bug must not kill the control endpoint
+                log.exception("control message failed")
+                reply = P.encode(P.Refuse(P.Reason.BAD_MESSAGE.value, f"node error: {type(e).__name__}: {e}"))
+            await sock.send_multipart([*ident, reply])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser("nexrt-decode", description="NexRT decode node")
+    ap.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
+    ap.add_argument("--host", default="127.0.0.1", help="address for HTTP and the control endpoint")
+    ap.add_argument("--port", type=int, default=8200, help="HTTP port (0 = pick a free one)")
+    ap.add_argument("--control-port", type=int, default=0, help="ZMQ control port (0 = pick a free one)")
+    ap.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+    ap.add_argument("--dtype", default=None, help="engine dtype (default: the checkpoint's)")
+    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--graph", choices=("auto", "fused", "eager", "off"), default="auto",
+                    help="GPU decode path (docs/GPU.md): one CUDA graph per token, captured at start-up; "
+                         "fused = Triton kernels, eager = the eager ops in the graph, off = eager loop; "
+                         "auto = fused on CUDA with bfloat16, off otherwise")
+    ap.add_argument("--recv-memory", choices=("host", "pinned", "device"), default=None,
+                    help="receive buffer memory (default: host on CPU, pinned on CUDA)")
+    ap.add_argument("--recv-buffers", type=int, default=2,
+                    help="receive buffers; with 2 a stale writer's buffer can be quarantined without blocking")
+    ap.add_argument("--recv-buffer-mib", type=float, default=None,
+                    help="bytes per receive buffer (default: the state of max-seq-len tokens, fp32 recurrent)")
+    ap.add_argument("--admit-timeout", type=float, default=30.0, help="seconds from admit to begin")
+    ap.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds from begin to done")
+    ap.add_argument("--start-timeout", type=float, default=30.0, help="seconds from done to generate")
+    ap.add_argument("--write-timeout", type=float, default=10.0,
+                    help="seconds a stream write may block before the client counts as gone")
+    ap.add_argument("--quarantine", type=float, default=30.0,
+                    help="seconds a buffer stays unused after its writer was cut off mid-transfer")
+    ap.add_argument("--ready-file", default=None, help="write the bound HTTP URL here once serving")
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+def _positive(ap, args) -> None:
+    for name in ("max_seq_len", "recv_buffers"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.graph in ("fused", "eager") and not args.device.startswith("cuda"):
+        ap.error(f"--graph {args.graph} needs --device cuda")
+    for name in ("admit_timeout", "transfer_timeout", "start_timeout", "write_timeout"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0")
+
+
+async def serve(args) -> None:
+    import torch
+    from prometheus_client import disable_created_metrics
+
+    from nexrt_vllm.engine import Engine
+    from nexrt_vllm.handoff.transport import make_receiver
+    from nexrt_vllm.node.buffers import allocate
+    from nexrt_vllm.node.convert import native_bytes
+
+    disable_created_metrics()
+    torch.set_num_threads(int(os.environ.get("NEXRT_THREADS", torch.get_num_threads())))
+    memory = args.recv_memory = args.recv_memory or ("pinned" if args.device.startswith("cuda") else "host")
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len)
+    cfg = engine.config
+    # GPU graph path: compiled and captured once here, before the node serves (not per request).
+    if args.graph == "auto":
+        args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 else "off"
+    if args.graph != "off":
+        from nexrt_vllm.engine import EngineError
+        try:
+            engine.use_graph(args.graph)
+        except EngineError as e:
+            raise ValueError(f"--graph {args.graph}: {e}") from None
+        log.info("graph path %s captured (control ring %s)", args.graph, engine.graph.d.control)
+    if args.recv_buffer_mib:
+        size = int(args.recv_buffer_mib * (1 << 20))
+    else:
+        elem = engine.state.dtype.itemsize
+        # one spare block of 2048 tokens absorbs the sender's rounding up to whole pages
+        size = native_bytes(cfg, args.max_seq_len + 2048, kv_bytes=elem, conv_bytes=elem)
+    transport = make_receiver(args.transport, args.host)
+    buffers = allocate(transport, args.recv_buffers, size, memory, args.device)
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if args.control_port:
+        sock.bind(f"tcp://{args.host}:{args.control_port}")
+        cport = args.control_port
+    else:
+        cport = sock.bind_to_random_port(f"tcp://{args.host}")
+    opts = Options(max_seq_len=args.max_seq_len, admit_timeout=args.admit_timeout,
+                   transfer_timeout=args.transfer_timeout, start_timeout=args.start_timeout,
+                   quarantine_s=args.quarantine)
+    node = Node(engine, cfg, transport, buffers, opts, device=args.device,
+                control_addr=f"tcp://{args.host}:{cport}", model_name=os.path.basename(os.path.abspath(args.model)))
+    svc = Service(node, args)
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_post("/v1/admit", svc.admit)
+    app.router.add_post("/v1/generate", svc.generate)
+    app.router.add_post("/v1/cancel", svc.cancel)
+    app.router.add_get("/health", svc.health)
+    app.router.add_get("/capabilities", svc.capabilities)
+    app.router.add_get("/metrics", svc.metrics)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    url = f"http://{args.host}:{port}"
+    tasks = [asyncio.create_task(svc.control_loop(sock)), asyncio.create_task(node.reaper())]
+    log.info("nexrt-decode serving %s on %s (control %s, transport %s, %d x %.1f MiB %s buffers)",
+             node.model_name, url, node.control_addr, args.transport, len(buffers), size / (1 << 20), memory)
+    if args.ready_file:
+        tmp = args.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"url": url, "control_addr": node.control_addr, "pid": os.getpid()}, f)
+        os.replace(tmp, args.ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await runner.cleanup()
+        sock.close(linger=0)
+        ctx.term()
+        node.close()
+        transport.close()
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    _positive(ap, args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except (OSError, ValueError) as e:
+        print(f"nexrt-decode: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""Test doubles of the router's external peers (vLLM prefill server, decode nodes), plus a helper
+that runs aiohttp apps on an event loop in a background thread so that tests can use ordinary
+blocking clients (the `openai` package, threads) against them.
+
+The fakes speak the real contracts (docs/ARCHITECTURE.md §2): vLLM's one-token response with
+`token_ids`/`prompt_token_ids`, the node's admit / NDJSON generate / cancel / health API. Their
+"model" is a fixed deterministic continuation of the prompt, so expected text is computable.
+The real peers are exercised by tests/router/test_fullpath.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+from aiohttp import web
+from tokenizers import Tokenizer
+
+from nexrt_vllm.testing import make_tokenizer
+
+
+class Loop:
+    """An asyncio loop in a daemon thread; `serve(app)` returns the URL it listens on."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runners: list[web.AppRunner] = []
+
+    def call(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def serve(self, app: web.Application, port: int = 0) -> str:
+        async def go():
+            runner = web.AppRunner(app, handler_cancellation=True)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", port)
+            await site.start()
+            self.runners.append(runner)
+            return runner, runner.addresses[0][1]
+        runner, port = self.call(go())
+        return f"http://127.0.0.1:{port}"
+
+    def stop_app(self, url: str) -> None:
+        """Stop one served app: its port refuses connections afterwards, open streams break."""
+        port = int(url.rsplit(":", 1)[1])
+        for r in list(self.runners):
+            if r.addresses and r.addresses[0][1] == port:
+                self.runners.remove(r)
+                self.call(r.cleanup())
+
+    def close(self) -> None:
+        for r in reversed(self.runners):
+            self.call(r.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class Model:
+    """The fakes' shared 'model': a deterministic continuation of the prompt, over word tokens."""
+
+    def __init__(self, tokenizer_dir: str):
+        self.tok = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
+        vocab = self.tok.get_vocab()
+        self.eos = vocab["<|im_end|>"]
+        self.words = sorted(i for t, i in vocab.items() if t.startswith("▁") and len(t) > 2)
+        self.eos_at: int | None = None    # position (0 = first token) at which EOS is produced
+
+    def prompt_ids(self, body: dict) -> list[int]:
+        if "messages" in body:
+            text = " ".join(str(m.get("content", "")) for m in body["messages"])
+        else:
+            p = body["prompt"]
+            p = p[0] if isinstance(p, list) and p and not isinstance(p[0], int) else p
+            if isinstance(p, list):
+                return list(p)
+            text = p
+        return self.tok.encode(text).ids
+
+    def continuation(self, prompt_ids: list[int], n: int, ignore_eos: bool = False) -> list[int]:
+        out, h = [], sum(prompt_ids) % len(self.words)
+        for i in range(n):
+            if self.eos_at == i and not ignore_eos:
+                out.append(self.eos)
+                break
+            out.append(self.words[(h + 7 * i) % len(self.words)])
+        return out
+
+
+class FakeVLLM:
+    """vLLM's OpenAI server as the router uses it (prefill leg, model list, standard proxy)."""
+
+    def __init__(self, model: Model, tokenizer_dir: str, name: str = "tiny",
+                 max_model_len: int = 4096):
+        self.model = model
+        self.name = name
+        self.root = tokenizer_dir
+        self.max_model_len = max_model_len
+        self.handoff: dict[str, list[int]] = {}   # rid -> prompt ids ("the KV" the node gets)
+        self.requests: list[dict] = []
+        self.delay = 0.0
+        self.handoff_status: dict | None = None   # connector's kv_transfer_params.nexrt reply
+        self.aborted = 0                           # requests whose client went away mid-prefill
+        self.active = 0
+        self.app = web.Application()
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post("/v1/completions", self.complete)
+        self.app.router.add_post("/v1/chat/completions", self.complete)
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [
+            {"id": self.name, "object": "model", "root": self.root,
+             "max_model_len": self.max_model_len}]})
+
+    async def complete(self, request):
+        body = await request.json()
+        self.requests.append(body)
+        if body.get("model") != self.name:
+            return web.json_response({"error": {"message": f"The model `{body.get('model')}` "
+                                                "does not exist.", "code": 404}}, status=404)
+        chat = request.path.endswith("chat/completions")
+        ids = self.model.prompt_ids(body)
+        self.active += 1
+        try:
+            await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.active -= 1
+        n = body.get("max_tokens") or 16
+        toks = self.model.continuation(ids, n, body.get("ignore_eos", False))
+        nexrt = (body.get("kv_transfer_params") or {}).get("nexrt")
+        if nexrt:
+            self.handoff[nexrt["rid"]] = ids
+        stop = toks[-1] == self.model.eos and not body.get("ignore_eos")
+        text = self.model.tok.decode(toks)
+        choice = {"index": 0, "finish_reason": "stop" if stop else "length",
+                  "token_ids": toks}
+        # Like vLLM: prompt ids top-level for chat, inside the choice for completions.
+        choice.update({"message": {"role": "assistant", "content": text}} if chat
+                      else {"text": text, "prompt_token_ids": ids})
+        return web.json_response({
+            "id": "x", "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.name, "choices": [choice],
+            "prompt_token_ids": ids if chat else None,
+            "kv_transfer_params": {"nexrt": self.handoff_status} if self.handoff_status else None,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
+                      "total_tokens": len(ids) + len(toks)}})
+
+
+class FakeNode:
+    """A NexRT decode node (one request at a time), with knobs for failure tests."""
+
+    def __init__(self, model: Model, vllm: FakeVLLM, max_seq_len: int = 4096):
+        self.model = model
+        self.vllm = vllm
+        self.max_seq_len = max_seq_len
+        self.token_delay = 0.0
+        self.die_after: int | None = None      # drop the connection after this many tokens
+        self.finish_error: str | None = None   # end with finish_reason "error" and this message
+        self.rid: str | None = None
+        self.generation = 0
+        self.admits = 0
+        self.cancels: list[str] = []
+        self.generated: list[str] = []         # rids decoded to the end
+        self.emit_times: list[float] = []      # time.monotonic() of each streamed token
+        self.app = self.new_app()
+
+    def new_app(self) -> web.Application:
+        """A fresh app over the same state (an aiohttp app cannot be served again once stopped)."""
+        app = web.Application()
+        for path, h in (("/v1/admit", self.admit), ("/v1/generate", self.generate),
+                        ("/v1/cancel", self.cancel)):
+            app.router.add_post(path, h)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/capabilities", self.caps)
+        return app
+
+    async def health(self, request):
+        return web.json_response({"status": "ok", "busy": self.rid is not None})
+
+    async def caps(self, request):
+        return web.json_response({"model": "tiny", "max_seq_len": self.max_seq_len})
+
+    async def admit(self, request):
+        body = await request.json()
+        if self.rid is not None:
+            return web.json_response({"error": {"type": "busy"}}, status=409)
+        self.admits += 1
+        self.generation += 1
+        self.rid = body["rid"]
+        return web.json_response({"rid": self.rid, "generation": self.generation,
+                                  "control_addr": "tcp://127.0.0.1:1"})
+
+    async def cancel(self, request):
+        body = await request.json()
+        if body["rid"] != self.rid:
+            return web.json_response({"error": {"type": "unknown_rid"}}, status=404)
+        self.cancels.append(body["rid"])
+        self.rid = None
+        return web.json_response({"rid": body["rid"], "cancelled": True})
+
+    async def generate(self, request):
+        req = await request.json()
+        rid = req["rid"]
+        if rid != self.rid or req["generation"] != self.generation:
+            return web.json_response({"error": {"type": "unknown_rid"}}, status=404)
+        ids = self.vllm.handoff.pop(rid)
+        assert self.model.continuation(ids, 1, req["ignore_eos"])[0] == req["first_token"]
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        toks = self.model.continuation(ids, req["max_tokens"], req["ignore_eos"])[1:]
+        sent: list[int] = []
+        try:
+            for i, t in enumerate(toks):
+                if self.rid != rid:
+                    return resp          # cancelled meanwhile
+                if self.die_after is not None and i == self.die_after:
+                    request.transport.close()
+                    self.rid = None
+                    return resp
+                await asyncio.sleep(self.token_delay)
+                self.emit_times.append(time.monotonic())
+                await resp.write(b'{"token": %d}\n' % t)
+                sent.append(t)
+                if t in req["stop_token_ids"]:
+                    break
+            if self.finish_error:
+                await resp.write(b'{"finish_reason": "error", "error": "%s"}\n'
+                                 % self.finish_error.encode())
+            else:
+                stop = bool(sent) and (sent[-1] == self.model.eos
+                                       or sent[-1] in req["stop_token_ids"])
+                await resp.write(b'{"finish_reason": "%s", "timing": {}}\n'
+                                 % (b"stop" if stop else b"length"))
+                self.generated.append(rid)
+            self.rid = None
+            return resp
+        except asyncio.CancelledError:
+            # The router went away without a cancel: like the real node, free after the fact.
+            self.rid = None
+            raise
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tokenizer_dir(tmp_path_factory) -> str:
+    """A fresh temporary directory holding the tiny test tokenizer."""
+    d = str(tmp_path_factory.mktemp("tok"))
+    make_tokenizer(d)
+    return d
+
+
+def wait(cond, timeout: float = 5.0) -> None:
+    """Poll `cond()` until it is true; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+class Stack:
+    """Fake vLLM + `n_nodes` fake decode nodes + a real in-process router, on one Loop."""
+
+    def __init__(self, tokenizer_dir: str, n_nodes: int = 1, router_args: tuple = ()):
+        from nexrt_vllm.router.server import ROUTER_KEY, build_parser, make_app
+
+        self.loop = Loop()
+        self.model = Model(tokenizer_dir)
+        self.vllm = FakeVLLM(self.model, tokenizer_dir)
+        self.vllm_url = self.loop.serve(self.vllm.app)
+        self.nodes = [FakeNode(self.model, self.vllm) for _ in range(n_nodes)]
+        self.node_urls = [self.loop.serve(n.app) for n in self.nodes]
+        argv = ["--vllm-url", self.vllm_url, "--health-interval", "0.2"]
+        for u in self.node_urls:
+            argv += ["--decode-url", u]
+        self.app = make_app(build_parser().parse_args(argv + list(router_args)))
+        self.router = self.app[ROUTER_KEY]
+        self.url = self.loop.serve(self.app)
+
+    def health(self) -> dict:
+        import requests
+        return requests.get(f"{self.url}/health", timeout=5).json()
+
+    def idle(self, timeout: float = 5.0) -> bool:
+        """True once no slot is busy (a cancelled slot is released after the node confirms)."""
+        deadline = time.monotonic() + timeout
+        while self.health()["slots_busy"]:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+def interactive_stack(tmp_path_factory):
+    """Body of a module-scoped `stack` fixture (`yield from` it): one fake node, and requests
+    without a class header take the interactive path."""
+    s = Stack(tokenizer_dir(tmp_path_factory), n_nodes=1, router_args=("--default-class", "interactive"))
+    yield s
+    s.close()

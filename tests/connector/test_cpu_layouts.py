@@ -1,0 +1,60 @@
+"""vLLM-CPU's attention page interiors, pinned against vLLM's own cache-write kernel for every CPU
+ISA: K/V written by `cpu_attn_reshape_and_cache` into scattered blocks, shipped page by page as the
+connector does, and read back by the node's `unpack_state` with the format the connector names.
+(The write kernel runs for "amx" on any x86 host; only the attention math needs AMX hardware.)"""
+import pytest
+import torch
+
+from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.node.convert import unpack_state
+
+ISA_FORMAT = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}  # as connector/worker.py maps them
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("isa", sorted(ISA_FORMAT))
+def test_page_interior_matches_vllm_kernel(isa, head_dim):
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(0)
+    heads, bs, seq_len = 2, 64, 150
+    blocks = [5, 1, 3]  # sequence pages live in scattered blocks
+    cache = torch.zeros(8, heads, bs, 2 * head_dim, dtype=torch.bfloat16)
+    k_cache, v_cache = cache.view(8, heads, 2 * bs, head_dim).chunk(2, dim=2)
+    k = torch.randn(seq_len, heads, head_dim).to(torch.bfloat16)
+    v = torch.randn(seq_len, heads, head_dim).to(torch.bfloat16)
+    slots = torch.tensor([blocks[t // bs] * bs + t % bs for t in range(seq_len)])
+    ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+    layer = P.AttentionLayout(0, "bfloat16", tuple(cache.shape[1:]), tuple(cache.stride()[1:]),
+                              kv_format=ISA_FORMAT[isa])
+    layout = P.Layout({"num_hidden_layers": 1}, bs, (layer,))
+    regions = layout.regions(seq_len)
+    buf = torch.zeros(P.align_up(regions[0].offset + regions[0].nbytes), dtype=torch.uint8)
+    for slot, b in enumerate(blocks):  # what the connector writes: page `slot` from block `b`
+        off = regions[0].offset + slot * regions[0].page_bytes
+        buf[off: off + regions[0].page_bytes] = cache[b].contiguous().view(torch.uint8).reshape(-1)
+    got = unpack_state(buf, layout, regions, seq_len, {"kv": torch.bfloat16})
+    assert torch.equal(got["layers.0.k"], k.transpose(0, 1))
+    assert torch.equal(got["layers.0.v"], v.transpose(0, 1))
+
+
+@pytest.mark.parametrize("fmt", ["packed", "cpu_vec", "cpu_amx"])
+def test_pack_state_is_the_inverse(fmt):
+    """`pack_state` (the benchmark's/tests' stand-in sender) writes the same interiors."""
+    from nexrt_vllm.node.convert import pack_state
+
+    heads, bs, d, seq_len = 2, 32, 64, 70
+    shape = (heads, bs, 2 * d)
+    layout = P.Layout({"num_hidden_layers": 1}, bs, (P.AttentionLayout(0, "bfloat16", shape, (bs * 2 * d, 2 * d, 1),
+                                                                      kv_format=fmt),))
+    state = {"layers.0.k": torch.randn(heads, seq_len, d).to(torch.bfloat16),
+             "layers.0.v": torch.randn(heads, seq_len, d).to(torch.bfloat16)}
+    cache, pages = pack_state(state, seq_len, layout)
+    (reg,) = layout.regions(seq_len)
+    buf = torch.zeros(P.align_up(reg.offset + reg.nbytes), dtype=torch.uint8)
+    for slot, off in enumerate(pages[0]):
+        buf[reg.offset + slot * reg.page_bytes: reg.offset + (slot + 1) * reg.page_bytes] = \
+            cache[off: off + reg.page_bytes]
+    got = unpack_state(buf, layout, [reg], seq_len, {"kv": torch.bfloat16})
+    assert torch.equal(got["layers.0.k"], state["layers.0.k"]) and torch.equal(got["layers.0.v"], state["layers.0.v"])

@@ -1,0 +1,56 @@
+"""How the product reaches the GPU graph path (Engine.use_graph, nexrt-decode --graph) on a CPU machine.
+
+The path itself (capture, replays, tokens equal to the eager engine through Engine.stream) needs
+CUDA and is checked on the device by benchmarks/gpu_check.py (`engine_graph`). Here: the refusals
+are typed and early, and a CPU engine keeps its eager stream.
+"""
+import pytest
+import torch
+
+from nexrt_vllm.engine import Engine, EngineError, SamplingParams
+from nexrt_vllm.node.server import _positive, build_parser
+
+torch.set_num_threads(1)
+
+
+def test_use_graph_refuses_cpu_and_keeps_eager_stream(qwen3_5_ckpt):
+    eng = Engine.from_pretrained(qwen3_5_ckpt, device="cpu", dtype="bfloat16", max_seq_len=32, progress=False)
+    first = int(torch.argmax(eng.prefill([5, 17, 3])))
+    n0, snap = eng.export_state()
+    want = list(eng.stream(first, SamplingParams(max_tokens=6, ignore_eos=True)))
+    with pytest.raises(EngineError, match="CUDA"):
+        eng.use_graph("fused")
+    assert eng.graph is None
+    eng.import_state(n0, snap)
+    assert list(eng.stream(first, SamplingParams(max_tokens=6, ignore_eos=True))) == want
+    assert len(want) == 5 and eng.finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode", ["fused", "eager"])
+def test_decode_cli_refuses_graph_on_cpu(mode, capsys):
+    ap = build_parser()
+    args = ap.parse_args(["--model", "m", "--device", "cpu", "--graph", mode])
+    with pytest.raises(SystemExit) as e:
+        _positive(ap, args)
+    assert e.value.code == 2 and "needs --device cuda" in capsys.readouterr().err
+
+
+def test_decode_cli_graph_default_is_auto():
+    ap = build_parser()
+    assert ap.parse_args(["--model", "m"]).graph == "auto"
+    args = ap.parse_args(["--model", "m", "--device", "cpu", "--graph", "off"])
+    _positive(ap, args)  # off is fine anywhere
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--model", "m", "--graph", "bogus"])
+
+
+def test_pdl_only_where_the_gpu_has_it():
+    """PDL (on by default in Tuning) must never reach a GPU without griddepcontrol (pre-Hopper) or the
+    CPU interpreter; an explicit False or the process default still decide on a Hopper GPU."""
+    from nexrt_vllm.engine.graph import Tuning, pdl_enabled
+
+    assert Tuning().pdl is True
+    assert pdl_enabled(True, False, (9, 0)) and pdl_enabled(None, True, (10, 0))
+    assert not pdl_enabled(True, True, (8, 0))  # A100: the kernels would not assemble
+    assert not pdl_enabled(True, True, None)  # not a CUDA device
+    assert not pdl_enabled(False, True, (9, 0)) and not pdl_enabled(None, False, (9, 0))

@@ -1,0 +1,104 @@
+"""The decode kernels compile for sm_90, with and without programmatic dependent launch.
+
+CI has no GPU, so the interpreter tests (tests/engine/test_kernels_decode_ops.py) never see the compiled code
+paths: the Triton frontend + PTX backend + ptxas for an H100/H200 target, and the code that only
+exists with PDL on (the `gdc_wait` / `gdc_launch_dependents` pair, kernels/common.py). This builds
+the kernel variants the two real shapes use with Triton's bundled ptxas and checks the cubin and
+the grid-dependency instructions. Runs in a subprocess: the test process imports the kernels in
+interpreter mode.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nexrt_vllm.engine.kernels import attention, gdn, gemv, moe, route, sampling
+
+FP32_PTRS = {"state_ptr", "wts_ptr", "m_ptr", "l_ptr", "acc_ptr", "s_ptr", "pmax_ptr", "cum_ptr", "params_ptr",
+             "vals_ptr", "cos_ptr", "sin_ptr"}
+I32_PTRS = {"ids_ptr", "pidx_ptr", "idx_ptr"}
+I64_PTRS = {"tok_ptr", "pos_ptr", "step_ptr", "ring_ptr", "seed_ptr"}
+FP32_SCALARS = {"eps", "q_scale", "scale"}
+
+
+def compile_(fn, consts, num_warps=4):
+    names = list(fn.arg_names)
+    sig = {}
+    for n in names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            sig[n] = "*fp32" if n in FP32_PTRS else "*i32" if n in I32_PTRS else "*i64" if n in I64_PTRS else "*bf16"
+        else:
+            sig[n] = "fp32" if n in FP32_SCALARS else "i32"
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts]
+    assert not missing, f"{fn.__name__}: constexprs not given: {missing}"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptx = k.asm["ptx"]
+    return {"griddep": ptx.count("griddepcontrol"), "cubin_bytes": len(k.asm["cubin"])}
+
+
+G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True)
+A = dict(NSPLIT=256, MIN_PER=32, G=8, GP=16, HD=256, BLOCK=32, DOT_F32=False)
+out = {}
+for pdl in (False, True):
+    on = dict(PDL=pdl)
+    for name, fn, consts, nw in [
+        ("gemv_rmsnorm_swiglu", gemv.gemv_kernel, dict(G, PRO=1, EPI=2), 4),
+        ("gemv_rmsnorm_conv", gemv.gemv_kernel, dict(G, PRO=1, EPI=3), 4),
+        ("gemv_gated_residual", gemv.gemv_kernel, dict(G, PRO=2, EPI=1, GROUP=128, BLOCK_N=8, BLOCK_K=1024), 8),
+        ("gemv_lm_head_argmax", gemv.gemv_kernel, dict(G, PRO=1, EPI=4, BLOCK_N=32), 4),
+        ("gemv_router_xn", gemv.gemv_kernel, dict(G, PRO=1, EPI=0, STORE_XN=True, BLOCK_N=4, BLOCK_K=1024), 8),
+        ("route", route.route_kernel, dict(E=256, EP=256, TOPK=8, NORM=True), 1),
+        ("moe_gate_up", moe.moe_gate_up_kernel, dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=16,
+                                                     BLOCK_K=256, ROUTE=True, E=256, EP=256, NORM=True), 4),
+        ("moe_down", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2,
+                                               BLOCK_K=512), 4),
+        # the GPU defaults (graph.Tuning): one-warp MoE and GDN programs
+        ("moe_gate_up_1warp", moe.moe_gate_up_kernel, dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2,
+                                                           BLOCK_K=256, ROUTE=True, E=256, EP=256, NORM=True), 1),
+        ("moe_down_1warp", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1,
+                                                     BLOCK_K=512), 1),
+        ("gdn_step_1warp", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16), 1),
+        ("gdn_step", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16), 4),
+        ("qk_rope_cache", attention.qk_rope_cache_kernel, dict(H=16, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2),
+        ("attn_scores", attention.attn_scores_kernel, A, 4),
+        ("attn_pv", attention.attn_pv_kernel, A, 4),
+        ("attn_combine", attention.attn_combine_kernel, dict(NSPLIT=256, MIN_PER=32, BLOCK=32, HD=256, BLOCK_D=64), 4),
+        ("embed", sampling.embed_kernel, dict(BLOCK=1024), 4),
+        ("finish", sampling.finish_kernel, dict(BLOCK=1024), 4),
+    ]:
+        out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, dict(consts, **on), nw)
+json.dump(out, sys.stdout)
+'''
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_every_kernel_builds_a_cubin(compiled):
+    assert len(compiled) == 36 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+
+
+def test_pdl_emits_the_grid_dependency_pair_and_only_with_pdl(compiled):
+    for name, v in compiled.items():
+        if name.endswith("_pdl"):
+            assert v["griddep"] >= 2, (name, v)  # wait + launch_dependents
+        else:
+            assert v["griddep"] == 0, (name, v)

