@@ -40,9 +40,9 @@ def _random_state(cfg, seq_len: int, dtype: torch.dtype) -> dict[str, torch.Tens
 
     st = DecodeState(cfg, seq_len, dtype)
     g = torch.Generator().manual_seed(seq_len)
-    for t in st.tensors.values():
+    for t in st.buffers():
         t.copy_(torch.randn(t.shape, generator=g))
-    return st.tensors
+    return st.named()
 
 
 def bench_transport(model: str, transport: str, seq_lens: list[int], reps: int, block_size: int) -> list[dict]:

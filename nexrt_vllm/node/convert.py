@@ -13,11 +13,10 @@ from typing import Mapping
 
 import torch
 
+from nexrt_vllm.engine.dtypes import TORCH_DTYPES
+from nexrt_vllm.engine.dtypes import contiguous_strides as _contig
+from nexrt_vllm.engine.state import AttentionState, GDNState
 from nexrt_vllm.handoff import protocol as P
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8, "uint8": torch.uint8}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def model_identity(cfg) -> dict:
@@ -44,14 +43,6 @@ def layout_for(cfg, *, block_size: int = 16, kv_dtype: str = "bfloat16", conv_dt
             layers.append(P.GDNLayout(i, conv_layout, conv_dtype, cshape, _contig(cshape),
                                       rec_layout, rec_dtype, rshape, _contig(rshape)))
     return P.Layout(model=model_identity(cfg), block_size=block_size, layers=tuple(layers))
-
-
-def _contig(shape) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
 
 
 def check_layout(layout: P.Layout, cfg) -> None:
@@ -108,8 +99,8 @@ def unpack_state(buf: torch.Tensor, layout: P.Layout, regions: list[P.Region], s
         raw = buf[reg.offset: reg.offset + reg.nbytes]
         if layer.kind == "attention":
             k, v = _attention_kv(raw, layer, reg)
-            out[f"layers.{layer.index}.k"] = k[:, :seq_len].to(dtypes["kv"]).contiguous()
-            out[f"layers.{layer.index}.v"] = v[:, :seq_len].to(dtypes["kv"]).contiguous()
+            out.update(AttentionState(k=k[:, :seq_len].to(dtypes["kv"]).contiguous(),
+                                      v=v[:, :seq_len].to(dtypes["kv"]).contiguous()).named(layer.index))
         else:
             conv = torch.as_strided(raw[:layer.conv_bytes].view(TORCH_DTYPES[layer.conv_dtype]),
                                     layer.conv_shape, layer.conv_strides)
@@ -119,8 +110,8 @@ def unpack_state(buf: torch.Tensor, layout: P.Layout, regions: list[P.Region], s
                                    layer.rec_shape, layer.rec_strides)
             if layer.rec_layout == "HVK":
                 rec = rec.transpose(1, 2)
-            out[f"layers.{layer.index}.conv"] = conv.to(dtypes["conv"]).contiguous()
-            out[f"layers.{layer.index}.rec"] = rec.to(dtypes["rec"]).contiguous()
+            out.update(GDNState(conv=conv.to(dtypes["conv"]).contiguous(),
+                                rec=rec.to(dtypes["rec"]).contiguous()).named(layer.index))
     return out
 
 
@@ -164,8 +155,9 @@ def pack_state(state: Mapping[str, torch.Tensor], seq_len: int, layout: P.Layout
         if layer.kind == "attention":
             h, bs, d2 = layer.shape
             kv = torch.zeros(h, n_pages * bs, d2, dtype=TORCH_DTYPES[layer.dtype])
-            kv[:, :seq_len, : d2 // 2] = state[f"layers.{i}.k"][:, :seq_len]
-            kv[:, :seq_len, d2 // 2:] = state[f"layers.{i}.v"][:, :seq_len]
+            native = AttentionState.from_named(state, i)
+            kv[:, :seq_len, : d2 // 2] = native.k[:, :seq_len]
+            kv[:, :seq_len, d2 // 2:] = native.v[:, :seq_len]
             paged = kv.reshape(h, n_pages, bs, d2).permute(1, 0, 2, 3)  # (pages, h, bs, 2d)
             d = d2 // 2
             if layer.kv_format == "cpu_vec":  # per head: K^T (d, bs) then V (bs, d), flat
@@ -183,8 +175,8 @@ def pack_state(state: Mapping[str, torch.Tensor], seq_len: int, layout: P.Layout
                 offs.append(off)
             pages[i] = offs
         else:
-            conv = state[f"layers.{i}.conv"]  # [conv_dim, kernel-1]
-            rec = state[f"layers.{i}.rec"]  # [heads, dk, dv]
+            native = GDNState.from_named(state, i)
+            conv, rec = native.conv, native.rec  # [conv_dim, kernel-1], [heads, dk, dv]
             off = blocks.pop() * stride
             _write_strided(cache, off, conv.t() if layer.conv_layout == "SD" else conv, layer.conv_dtype,
                            layer.conv_strides)

@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+from nexrt_vllm.engine.state import AttentionState, GDNState
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.node.convert import check_layout, layout_for, pack_state, unpack_state
 
@@ -19,12 +20,13 @@ def _state(cfg, seq_len, g):
     out = {}
     for i, kind in enumerate(cfg.layer_types):
         if kind == "full_attention":
-            for n in "kv":
-                out[f"layers.{i}.{n}"] = torch.randn(cfg.num_kv_heads, seq_len, cfg.head_dim, generator=g).bfloat16()
+            k, v = (torch.randn(cfg.num_kv_heads, seq_len, cfg.head_dim, generator=g).bfloat16() for _ in "kv")
+            out.update(AttentionState(k=k, v=v).named(i))
         else:
-            out[f"layers.{i}.conv"] = torch.randn(cfg.conv_dim, cfg.conv_kernel - 1, generator=g).bfloat16()
-            out[f"layers.{i}.rec"] = torch.randn(cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                                 cfg.linear_value_head_dim, generator=g)
+            conv = torch.randn(cfg.conv_dim, cfg.conv_kernel - 1, generator=g).bfloat16()
+            rec = torch.randn(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                              generator=g)
+            out.update(GDNState(conv=conv, rec=rec).named(i))
     return out
 
 
@@ -76,12 +78,14 @@ def test_hand_built_vllm_pages_convert_to_native(cfg):
     page = torch.cat([conv_sd.reshape(-1).view(torch.uint8), rec_hvk.reshape(-1).view(torch.uint8)])
     buf[rg.offset: rg.offset + rg.nbytes] = page
     got = unpack_state(buf, P.Layout(lay.model, bs, (attn, gdn)), [ra, rg], seq_len, NATIVE)
-    k, v = got[f"layers.{attn.index}.k"], got[f"layers.{attn.index}.v"]
+    native = AttentionState.from_named(got, attn.index)
+    k, v = native.k, native.v
     for t in range(seq_len):
         blk = kv_cache[block_ids[t // bs]]
         assert torch.equal(k[:, t], blk[:, t % bs, :d]) and torch.equal(v[:, t], blk[:, t % bs, d:])
-    assert torch.equal(got[f"layers.{gdn.index}.conv"], conv_sd.t())
-    assert torch.equal(got[f"layers.{gdn.index}.rec"][2, 5, 7], rec_hvk[2, 7, 5])
+    native = GDNState.from_named(got, gdn.index)
+    assert torch.equal(native.conv, conv_sd.t())
+    assert torch.equal(native.rec[2, 5, 7], rec_hvk[2, 7, 5])
 
 
 def test_cpu_vec_page_interior(cfg):
@@ -97,8 +101,9 @@ def test_cpu_vec_page_interior(cfg):
     buf = torch.zeros(reg.offset + reg.nbytes, dtype=torch.uint8)
     buf[reg.offset:] = page.reshape(-1).view(torch.uint8)
     got = unpack_state(buf, P.Layout(lay.model, bs, (attn,)), [reg], seq_len, NATIVE)
-    assert torch.equal(got[f"layers.{attn.index}.k"], kt.transpose(1, 2))
-    assert torch.equal(got[f"layers.{attn.index}.v"], v)
+    native = AttentionState.from_named(got, attn.index)
+    assert torch.equal(native.k, kt.transpose(1, 2))
+    assert torch.equal(native.v, v)
 
 
 def test_layout_of_another_model_is_refused(cfg, qwen3_5_ckpt):
