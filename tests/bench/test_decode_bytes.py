@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from benchmarks.decode_bench import bytes_per_step
-from nexrt_vllm.engine import Engine
+from nexrt_vllm.engine import DecodeState, Engine
 from nexrt_vllm.engine.graph import FusedDecoder
 
 
@@ -44,3 +44,17 @@ def test_step_bytes_follow_the_model_config(ckpt_factory, arch):
         assert got["total"] == expected_bytes(eng.config, n), (n, got)
     grow = bytes_per_step(dec, 100)["attn_splitk+combine"] - bytes_per_step(dec, 0)["attn_splitk+combine"]
     assert grow == len(eng.config.attention_layers) * 100 * 2 * eng.config.num_kv_heads * eng.config.head_dim * 2
+
+
+@pytest.mark.parametrize("shape", ["2b", "35b"])
+def test_step_bytes_at_the_benchmarked_shapes(shape):
+    """The real shapes decode_bench measures, built on the meta device (no memory, no kernel runs)."""
+    from benchmarks.decode_bench import SHAPES
+    from nexrt_vllm.engine import ModelConfig
+    from nexrt_vllm.engine.model import Model
+    from nexrt_vllm.engine.weights import expected_shapes
+
+    cfg, n = ModelConfig.from_dict(SHAPES[shape]), 8192
+    weights = {k: torch.empty(v, dtype=torch.bfloat16, device="meta") for k, v in expected_shapes(cfg).items()}
+    dec = FusedDecoder(Model(cfg, weights, n + 1), DecodeState(cfg, n + 1, torch.bfloat16, "meta"))
+    assert bytes_per_step(dec, n)["total"] == expected_bytes(cfg, n)
