@@ -78,11 +78,13 @@ class Sampled(NamedTuple):
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
     """(logprob of `token`, top-k (id, logprob) pairs) of fp32 logits [vocab] (vLLM's raw_logprobs).
-    Tokens a grammar mask forbids (-inf) are never listed, so fewer than k may come back."""
+    Tokens a grammar mask forbids (-inf) are never listed, so fewer than k may come back; equal
+    logprobs list the lower id first (as the graph's kernels do)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     top = ()
     if k:
-        vals, ids = torch.topk(lp, k)
+        vals, ids = torch.sort(lp, descending=True, stable=True)
+        vals, ids = vals[:k], ids[:k]
         top = tuple((i, v) for i, v in zip(ids.tolist(), vals.tolist()) if v > float("-inf"))
     return float(lp[token]), top
 

@@ -30,12 +30,14 @@ import zmq.asyncio
 from aiohttp import web
 
 from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff.structured import LOGPROBS_MAX, STRUCTURED_TYPES
 from nexrt_vllm.node.node import Node, NodeError, Options
 
 log = logging.getLogger("nexrt.decode")
 
+# logprobs / structured: to move into handoff/contracts.GenerateRequest with the contracts branch
 _GEN_FIELDS = {"rid", "generation", "first_token", "max_tokens", "temperature", "top_p", "top_k", "seed",
-               "ignore_eos", "stop_token_ids"}
+               "ignore_eos", "stop_token_ids", "logprobs", "structured"}
 
 
 def _error(status: int, kind: str, message: str) -> web.Response:
@@ -61,7 +63,7 @@ class Service:
     async def admit(self, request: web.Request) -> web.Response:
         try:
             body = await _body(request)
-            adm = self.node.admit(body.get("rid"), body.get("prompt_len"))
+            adm = self.node.admit(body.get("rid"), body.get("prompt_len"), body.get("structured"))
         except NodeError as e:
             return _error(e.status, e.reason, e.message)
         return web.json_response({"rid": adm.rid, "generation": adm.generation,
@@ -79,18 +81,21 @@ class Service:
             if "max_tokens" not in body:
                 raise NodeError(400, P.Reason.BAD_MESSAGE, "max_tokens is required")
             kw = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
-                                       "stop_token_ids") if body.get(k) is not None}
+                                       "stop_token_ids", "logprobs") if body.get(k) is not None}
             try:
                 sp = SamplingParams(**kw)
             except SamplingParamsError as e:
                 raise NodeError(400, P.Reason.BAD_MESSAGE, str(e)) from None
+            # before the claim: a grammar that does not compile leaves the admission as it was
+            constraint = await self.node.constraint(body.get("rid"), body.get("structured"), body.get("first_token"),
+                                                    sp.stop_token_ids)
             adm = self.node.claim(body.get("rid"), body.get("generation"), body.get("first_token"))
         except NodeError as e:
             return _error(e.status, e.reason, e.message)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
         try:
             await resp.prepare(request)
-            async with contextlib.aclosing(self.node.generate(adm, sp, body["first_token"])) as lines:
+            async with contextlib.aclosing(self.node.generate(adm, sp, body["first_token"], constraint)) as lines:
                 async for line in lines:
                     # a client that stops reading counts as gone (its socket buffer fills up)
                     await asyncio.wait_for(resp.write(json.dumps(line).encode() + b"\n"), self.args.write_timeout)
@@ -124,10 +129,20 @@ class Service:
                           "recv_buffers": len(self.node.buffers), "recv_buffer_bytes": self.node.buffers[0].size,
                           **({"target": peer["target"]} if "target" in peer else {})},
             "sampling": {"temperature": True, "top_p": True, "top_k": True, "seed": True, "ignore_eos": True,
-                         "stop_token_ids": True, "logprobs": False, "penalties": False},
+                         "stop_token_ids": True, "logprobs": True, "max_logprobs": LOGPROBS_MAX,
+                         "logprobs_mode": "raw_logprobs", "penalties": False},
+            "structured_output": self._structured_caps(),
             "device": self.args.device, "graph": self.args.graph, "load_format": self.args.load_format,
             "dtype": str(self.node.engine.dtype).removeprefix("torch."),
         })
+
+    def _structured_caps(self) -> dict:
+        if self.node.grammars is None:
+            return {"types": [], "reason": self.node.grammars_missing}
+        from importlib.metadata import version
+        return {"types": list(STRUCTURED_TYPES), "backend": "xgrammar", "backend_version": version("xgrammar"),
+                "json_schema_whitespace": "any", "on_graph": self.node.engine.graph is None or
+                self.node.engine.graph.masks}
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.node.metrics.render(), content_type="text/plain", charset="utf-8")
@@ -177,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a stream write may block before the client counts as gone")
     ap.add_argument("--quarantine", type=float, default=30.0,
                     help="seconds a buffer stays unused after its writer was cut off mid-transfer")
+    ap.add_argument("--tokenizer", default=None,
+                    help="Hugging Face tokenizer directory for structured output (default: --model); the "
+                         "grammar masks are built from it with xgrammar, as vLLM builds them")
+    ap.add_argument("--no-structured", action="store_true", help="refuse structured-output requests")
     ap.add_argument("--ready-file", default=None, help="write the bound HTTP URL here once serving")
     ap.add_argument("--log-level", default="INFO")
     return ap
@@ -191,6 +210,23 @@ def _positive(ap, args) -> None:
     for name in ("admit_timeout", "transfer_timeout", "start_timeout", "write_timeout"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
+
+
+def _grammars(args, cfg):
+    """(engine.structured.Grammars, None) for the checkpoint's tokenizer, or (None, why not)."""
+    if args.no_structured:
+        return None, "structured output is disabled on this node (--no-structured)"
+    path = args.tokenizer or args.model
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None, f"structured output needs the model's tokenizer: none in {path} (start the node with --tokenizer)"
+    try:
+        from nexrt_vllm.engine.structured import Grammars
+        t0 = time.monotonic()
+        g = Grammars(path, cfg.vocab_size)
+    except ImportError as e:
+        return None, f"structured output needs xgrammar and transformers ({e})"
+    log.info("structured output: xgrammar over the tokenizer in %s (%.1fs)", path, time.monotonic() - t0)
+    return g, ""
 
 
 async def serve(args) -> None:
@@ -249,8 +285,10 @@ async def serve(args) -> None:
     opts = Options(max_seq_len=args.max_seq_len, admit_timeout=args.admit_timeout,
                    transfer_timeout=args.transfer_timeout, start_timeout=args.start_timeout,
                    quarantine_s=args.quarantine)
+    grammars, missing = _grammars(args, cfg)
     node = Node(engine, cfg, transport, buffers, opts, device=args.device,
-                control_addr=f"tcp://{args.host}:{cport}", model_name=os.path.basename(os.path.abspath(args.model)))
+                control_addr=f"tcp://{args.host}:{cport}", model_name=os.path.basename(os.path.abspath(args.model)),
+                grammars=grammars, grammars_missing=missing)
     node.metrics.graph.labels(mode=args.graph, device=args.device).set(1)
     svc = Service(node, args)
     app = web.Application(client_max_size=1 << 20)

@@ -101,7 +101,7 @@ def tail_kernel(logits_ptr, V, step_ptr, flag_ptr, mask_ptr, MASK_WORDS, k_ptr, 
         tl.store(status_ptr, want, mask=f < want)
     mx = tl.max(tl.max(lg, 1), 0)
     ix = tl.min(tl.min(tl.where(lg == mx, r, _BIG), 1), 0)
-    se = tl.sum(tl.sum(tl.where(lg > float("-inf"), tl.exp(lg - mx), 0.0), 1), 0)
+    se = tl.sum(tl.sum(tl.exp(lg - tl.where(mx > float("-inf"), mx, 0.0)), 1), 0)  # a fully masked chunk: 0
     tl.store(tmax_ptr + pid, mx)
     tl.store(tidx_ptr + pid, ix)
     tl.store(tsum_ptr + pid, se)
@@ -156,7 +156,7 @@ def finish_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, pos_ptr, step_ptr, ring_ptr, 
         tm = tl.load(tmax_ptr + t, mask=t < NT, other=float("-inf"))
         ts = tl.load(tsum_ptr + t, mask=t < NT, other=0.0)
         mm = tl.max(tm, 0)
-        lse = mm + tl.log(tl.sum(tl.where(tm > float("-inf"), ts * tl.exp(tm - mm), 0.0), 0))
+        lse = mm + tl.log(tl.sum(ts * tl.exp(tm - tl.where(mm > float("-inf"), mm, 0.0)), 0))
         slot = (step - 1) % RING
         chosen = tl.load(logits_ptr + best_i) - lse
         kk = tl.arange(0, KMAX)
