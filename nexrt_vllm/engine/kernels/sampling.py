@@ -30,7 +30,7 @@ from .common import ASM, LAUNCH, fence_sys, pdl_begin
 
 INVALID_TOKEN = 0x7FFFFFFF  # published instead of a token when the step's grammar mask did not arrive
 KMAX = 32  # top-k slots per program and per ring slot (a power of two >= handoff.structured.LOGPROBS_MAX)
-_BIG = 2147483647
+_BIG = tl.constexpr(2147483647)
 
 
 @triton.jit
