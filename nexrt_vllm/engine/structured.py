@@ -39,14 +39,17 @@ def apply_mask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
 class Grammars:
     """xgrammar compiler for one tokenizer; compiled grammars are cached by spec."""
 
-    def __init__(self, tokenizer_dir: str, vocab_size: int, threads: int = 1):
+    def __init__(self, tokenizer_dir: str | None, vocab_size: int, threads: int = 1, info=None):
+        """`info`: an xgrammar TokenizerInfo to use instead of the tokenizer in `tokenizer_dir`."""
         import xgrammar as xgr
-        from transformers import AutoTokenizer
 
         self._xgr = xgr
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if info is None:
+            from transformers import AutoTokenizer
+            info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tokenizer_dir),
+                                                      vocab_size=vocab_size)
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
+        self.info = info
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True)
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
