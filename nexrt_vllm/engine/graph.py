@@ -322,6 +322,8 @@ class FusedDecoder:
         self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
         # Logprobs / grammar masks: the tail launch's partials, the requested k, the mask status.
         from .kernels.sampling import KMAX
+        if self.t.tail_chunk < 64 or self.t.tail_chunk & (self.t.tail_chunk - 1):
+            raise EngineError(f"Tuning.tail_chunk must be a power of two >= 64, got {self.t.tail_chunk}")
         self.n_tail = -(-c.vocab_size // self.t.tail_chunk)
         self.tmax = torch.zeros(self.n_tail, dtype=torch.float32, device=dev)
         self.tidx = torch.zeros(self.n_tail, dtype=torch.int32, device=dev)

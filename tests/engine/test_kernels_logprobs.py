@@ -5,13 +5,18 @@ Reference: vLLM's raw_logprobs (log_softmax of the fp32 logits, after the gramma
 torch.topk. The bitmask is xgrammar's int32 layout, bit t % 32 of word t // 32. The flag
 protocol: the tail waits until the host's flag reaches the step; a mask that never comes leaves
 the step's number in `status` and the finish publishes INVALID_TOKEN instead of a token.
+With NEXRT_KERNEL_DEVICE=cuda (benchmarks/gpu_check.py) the same tests run the compiled kernels,
+the flag and the masks then in device memory (the host-mapped case runs in benchmarks/outputs_bench.py).
 """
+import os
+
 import pytest
 import torch
 
 from nexrt_vllm.engine import kernels
 
-kernels.load(interpret=True)
+DEV = os.environ.get("NEXRT_KERNEL_DEVICE", "cpu")
+kernels.load(interpret=DEV == "cpu")
 from nexrt_vllm.engine.kernels import sampling as S  # noqa: E402
 
 torch.set_num_threads(1)
@@ -32,25 +37,26 @@ class Step:
     def __init__(self, v: int, chunk: int):
         self.v, self.chunk = v, chunk
         self.nt = -(-v // chunk)
-        km = S.KMAX
-        self.tmax, self.tsum = torch.zeros(self.nt), torch.zeros(self.nt)
-        self.tidx = torch.zeros(self.nt, dtype=torch.int32)
-        self.topv, self.topi = torch.zeros(self.nt * km), torch.zeros(self.nt * km, dtype=torch.int32)
-        self.masks = torch.full((2, (v + 31) // 32), -1, dtype=torch.int32)
-        self.step = torch.zeros(1, dtype=torch.int64)
-        self.flag = torch.zeros(1, dtype=torch.int64)
-        self.status = torch.full((1,), -1, dtype=torch.int64)
-        self.k = torch.zeros(1, dtype=torch.int32)
-        self.tok, self.pos = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        self.ring = torch.full((RING,), -1, dtype=torch.int64)
-        self.lpv, self.lpi = torch.zeros(RING, km + 1), torch.zeros(RING, km, dtype=torch.int32)
+        km, i32, i64 = S.KMAX, dict(dtype=torch.int32, device=DEV), dict(dtype=torch.int64, device=DEV)
+        self.tmax, self.tsum = torch.zeros(self.nt, device=DEV), torch.zeros(self.nt, device=DEV)
+        self.tidx = torch.zeros(self.nt, **i32)
+        self.topv, self.topi = torch.zeros(self.nt * km, device=DEV), torch.zeros(self.nt * km, **i32)
+        self.masks = torch.full((2, (v + 31) // 32), -1, **i32)
+        self.step = torch.zeros(1, **i64)
+        self.flag = torch.zeros(1, **i64)
+        self.status = torch.full((1,), -1, **i64)
+        self.k = torch.zeros(1, **i32)
+        self.tok, self.pos = torch.zeros(1, **i64), torch.zeros(1, **i64)
+        self.ring = torch.full((RING,), -1, **i64)
+        self.lpv, self.lpi = torch.zeros(RING, km + 1, device=DEV), torch.zeros(RING, km, **i32)
 
     def run(self, logits, k, allowed=None, write=False, spin=4):
         """One step: the mask (if any) for step `step + 1`, published by the flag; tail; finish."""
         want = int(self.step) + 1
         mask = allowed is not None
+        logits = logits.to(DEV)
         if mask:
-            self.masks[want % 2] = _bitmask(allowed)
+            self.masks[want % 2] = _bitmask(allowed).to(DEV)
             self.flag.fill_(want)
         self.k.fill_(k)
         n = S.tail(logits, self.step, self.flag, self.masks, self.k, self.status, self.tmax, self.tidx, self.tsum,
@@ -62,7 +68,9 @@ class Step:
         v = int(self.ring[(want - 1) % RING])
         assert v >> 32 == want
         slot = (want - 1) % RING
-        return v & 0xFFFFFFFF, float(self.lpv[slot, 0]), self.lpv[slot, 1:k + 1].clone(), self.lpi[slot, :k].tolist()
+        self.logits = logits.cpu()
+        return (v & 0xFFFFFFFF, float(self.lpv[slot, 0]), self.lpv[slot, 1:k + 1].cpu(),
+                self.lpi[slot, :k].tolist())
 
 
 @pytest.mark.parametrize("v,chunk,k", [(1000, 256, 7), (384, 128, 20), (500, 64, 0), (2048, 512, 1)])
@@ -94,8 +102,8 @@ def test_masked_logits_stored_back_for_the_sampler():
     allowed = torch.zeros(v, dtype=torch.bool)
     allowed[[3, 31, 32, 250, 299]] = True
     s = Step(v, 128)
-    x = logits.clone()
-    tok, lp, top_v, top_i = s.run(x, 20, allowed, write=True)
+    tok, lp, top_v, top_i = s.run(logits.clone(), 20, allowed, write=True)
+    x = s.logits  # the logits buffer after the step
     assert torch.equal(x, logits.masked_fill(~allowed, float("-inf")))
     # only the five allowed tokens are candidates: the rest of the top 20 is empty (-inf, no id)
     ref = torch.log_softmax(x, -1)
@@ -111,7 +119,7 @@ def test_missing_mask_publishes_invalid_token():
     v = 256
     s = Step(v, 128)
     s.k.fill_(3)
-    logits = torch.randn(v)
+    logits = torch.randn(v, device=DEV)
     n = S.tail(logits, s.step, s.flag, s.masks, s.k, s.status, s.tmax, s.tidx, s.tsum, s.topv, s.topi,
                mask=True, topk=False, write=False, chunk=128, spin=3)
     assert int(s.status) == 1

@@ -208,7 +208,7 @@ def finish(pmax, pidx, n_partials, tok, pos, step, ring, ring_slots, lp=None, st
                         logits, tmax, tsum, nt, topv, topi, k, status if status is not None else step, lpv, lpi,
                         BLOCK=block, LP=lp is not None, CHECK=status is not None, KMAX=kmax,
                         TB=max(triton.next_power_of_2(nt), 16), CB=max(triton.next_power_of_2(nt * kmax), 16),
-                        ASM=ASM, **LAUNCH, num_warps=8 if block >= 4096 else 4)
+                        ASM=ASM, **LAUNCH, num_warps=8 if block >= 4096 or lp is not None else 4)
 
 
 def gumbel_partial(vals, idx, cum_excl, params, seed, pos, pmax, pidx, block=2048):
