@@ -7,11 +7,11 @@ tolerance; ids may trade places only where their values are that close.
 
 Structured output: vLLM prefills under the grammar (`structured_outputs`, xgrammar) and samples the
 first token; the node continues under the same grammar. The whole answer must equal vLLM-only's
-constrained greedy answer token for token, for 30 fuzzed JSON schemas and a regex, a choice, an
+constrained greedy answer token for token, for 24 fuzzed JSON schemas and a regex, a choice, an
 EBNF grammar and json_object, and validate against its schema. bf16 vLLM against the fp32 node can
-flip a genuine near-tie (measured: 2 of the 30 schemas, at margins of 0.012 and 0.016 nats), so a
+flip a genuine near-tie (measured on 30 such schemas: 2 parted, at margins of 0.012 and 0.016 nats), so a
 request is compared up to the first token where vLLM's own top-2 margin is below NEAR_TIE, and at
-least 26 of the 30 must be equal to the end.
+least 21 of the 24 must be equal to the end.
 """
 import json
 
@@ -24,7 +24,7 @@ from nexrt_vllm.testing.schemas import fuzz_schemas
 pytestmark = pytest.mark.timeout(900)
 
 NEAR_TIE = 0.05  # nats: above any bf16-vs-fp32 logprob difference measured here (max 0.047)
-N_SCHEMAS = 30
+N_SCHEMAS = 24
 
 
 def tol(lp: float) -> float:
@@ -139,7 +139,7 @@ def test_structured_greedy_equals_vllm(structured):
     refs, got = structured
     equal = [compare(toks, ref) for (toks, _, _), ref in zip(got, refs)]
     assert all(equal[:4]), equal[:4]  # regex, choice, EBNF, json_object
-    assert sum(equal[4:]) >= N_SCHEMAS - 4, equal[4:]
+    assert sum(equal[4:]) >= N_SCHEMAS - 3, equal[4:]
     assert all(ref["finish_reason"] == "stop" for ref in refs)
 
 

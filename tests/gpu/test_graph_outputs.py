@@ -160,3 +160,42 @@ def test_constrained_request_stays_eager_without_mapped_memory(setup):
     finally:
         eng.graph = None
     assert eng.finish_reason == "stop" and got
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_fused_step_variants_choose_from_the_masked_logits(setup, sample):
+    """The fused step (all Triton kernels) with the logprobs + mask variant: the greedy token is the
+    argmax of the masked logits the step computed, the sampled one an allowed token, and the
+    logprob ring holds log_softmax of the masked logits."""
+    from nexrt_vllm.engine.graph import RING
+
+    eng, grammars, logits, (n0, snap) = setup
+    eng.import_state(n0, snap)
+    tuning = Tuning(gemv=((1 << 62, 64, 128, 4),), block_n_lm=128, attn_splits=4, attn_block=32, gdn_block_v=64,
+                    tail_chunk=128)
+    d = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
+    c = _constraint(grammars, eng, StructuredSpec("regex", "[a-z]{2,8}"))
+    tok = int(apply_mask(logits, c.fill()).argmax())
+    c.accept(tok)
+    d.params.copy_(torch.tensor([1.0, 1.0, 0.0]))
+    d.lp_k.fill_(4)
+    for step in range(2):
+        allowed = c.fill()
+        want = int(d.step) + 1
+        d.mem.host["masks"][want % 2] = allowed
+        d.mem.host["flag"].fill_(want)
+        d.tok.fill_(tok)
+        d.launch(sample, True, True)
+        masked = apply_mask(d.logits, allowed)  # (the sampling variant stored these back already)
+        ref = torch.log_softmax(masked, -1)
+        tok = int(d.tok)
+        assert torch.isfinite(ref[tok]), "a forbidden token was chosen"
+        if not sample:
+            assert tok == int(masked.argmax())
+        slot = (want - 1) % RING
+        assert int(d.ring[slot]) == (want << 32) | tok
+        assert float(d.mem.host["lpv"][slot, 0]) == pytest.approx(float(ref[tok]), abs=1e-5)
+        ids = torch.sort(ref, descending=True, stable=True).indices[:4].tolist()
+        assert d.mem.host["lpi"][slot, :4].tolist() == ids
+        c.accept(tok)
+    assert int(d.mask_status) == -1
