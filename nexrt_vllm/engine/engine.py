@@ -147,7 +147,7 @@ class Engine:
         # Same contract as _stream. Differences: sampled tokens come from the device sampler (same
         # distribution, another random stream), and after a stop state.seq_len also counts the one
         # replay that ran past it (its token discarded).
-        yield from self.graph.stream(first_token, params, constraint)
+        yield from self.graph.stream_steps(first_token, params, constraint)
         self.finish_reason = self.graph.finish_reason
 
     def _stream(self, first_token: int, params: SamplingParams, constraint) -> Iterator[Sampled]:

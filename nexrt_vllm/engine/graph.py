@@ -543,7 +543,11 @@ class GraphRunner:
         """Compile and capture one variant's step graph now rather than on first use."""
         self._graph(sample, logprobs, mask)
 
-    def stream(self, first_token: int, params, constraint=None) -> Iterator:
+    def stream(self, first_token: int, params, constraint=None) -> Iterator[int]:
+        """The token ids of `stream_steps`."""
+        return (rec.token for rec in self.stream_steps(first_token, params, constraint))
+
+    def stream_steps(self, first_token: int, params, constraint=None) -> Iterator:
         """`Engine.steps`'s contract (docs/ARCHITECTURE.md §1) on the graph path: the state holds N
         tokens and token N is `first_token` (already accepted by `constraint`); yields `Sampled`
         records of the following tokens until EOS (unless ignore_eos) / a stop id (both yielded) /

@@ -148,7 +148,7 @@ def test_constrained_request_stays_eager_without_mapped_memory(setup):
     class NoMasks:
         masks = False
 
-        def stream(self, *a):
+        def stream_steps(self, *a):
             raise AssertionError("a constrained request reached the graph")
 
     eng.import_state(n0, snap)
