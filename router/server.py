@@ -23,6 +23,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from nexrt_vllm.handoff.contracts import AdmitReply, Claim, GenerateRequest
+
 from . import params as P
 from .errors import APIError
 from .pool import NodePool, NoHealthyNode, QueueFull, QueueTimeout
@@ -307,7 +309,7 @@ class Router:
         finally:
             self.pool.release(node)
 
-    async def _admit(self, lease: Lease, deadline: float) -> dict:
+    async def _admit(self, lease: Lease, deadline: float) -> AdmitReply:
         """Admission with fail-over: a node that fails here is ejected and another one tried."""
         busy_until = None
         while True:
@@ -340,19 +342,18 @@ class Router:
                      t_recv: float) -> web.StreamResponse:
         adm = await self._admit(lease, t_recv + self.args.queue_timeout)
         node = lease.node
-        kv = {"rid": lease.rid, "generation": adm.get("generation"),
-              "control_addr": adm.get("control_addr"), "node_url": node.url}
+        claim = Claim(lease.rid, adm.generation, adm.control_addr, node.url)
         path = "/v1/chat/completions" if params.kind == "chat" else "/v1/completions"
         t_prefill = time.monotonic()
         pre = await vllm_prefill(self.session, self.vllm_url + path,
-                                 P.prefill_body(body, params, model, kv), self.args.prefill_timeout)
+                                 P.prefill_body(body, params, model, claim), self.args.prefill_timeout)
         t_first = time.monotonic()
-        if pre["handoff"].get("status") in ("failed", "aborted"):
+        h = pre["handoff"]
+        if h is not None and h.status.failed:
             # The connector already knows the node will get no state: fail now, not at the
             # node's transfer timeout.
-            h = pre["handoff"]
-            raise APIError(502, f"KV hand-off to the decode node failed: {h.get('reason')}: "
-                                f"{h.get('error') or h.get('status')}")
+            raise APIError(502, f"KV hand-off to the decode node failed: "
+                                f"{h.reason.value if h.reason else None}: {h.error or h.status.value}")
         prompt_len = pre["prompt_tokens"]
         limits = [x for x in (info.get("max_model_len"), node.caps.get("max_seq_len")) if x]
         limit = min(limits) if limits else None
@@ -388,8 +389,7 @@ class Router:
         self.metrics.ttft.observe(time.monotonic() - t_recv)
 
         if finish is None:
-            req = {"rid": lease.rid, "generation": adm.get("generation"), "first_token": first,
-                   "max_tokens": max_tokens, **params.sampling()}
+            req = GenerateRequest(lease.rid, first, max_tokens, adm.generation, params.sampling)
             t_dec = time.monotonic()
             try:
                 async with contextlib.aclosing(self.nodes.generate(node.url, req)) as lines:

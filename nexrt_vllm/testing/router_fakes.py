@@ -17,6 +17,9 @@ import time
 from aiohttp import web
 from tokenizers import Tokenizer
 
+from nexrt_vllm.handoff.contracts import (AdmissionState, AdmitReply, AdmitRequest, CancelReply, CancelRequest,
+                                          Claim, GenerateRequest, HandoffReport, Refusal)
+from nexrt_vllm.handoff.protocol import Reason
 from nexrt_vllm.testing import make_tokenizer
 
 
@@ -101,7 +104,7 @@ class FakeVLLM:
         self.handoff: dict[str, list[int]] = {}   # rid -> prompt ids ("the KV" the node gets)
         self.requests: list[dict] = []
         self.delay = 0.0
-        self.handoff_status: dict | None = None   # connector's kv_transfer_params.nexrt reply
+        self.handoff_status: HandoffReport | None = None   # the connector's report in the reply
         self.aborted = 0                           # requests whose client went away mid-prefill
         self.active = 0
         self.app = web.Application()
@@ -132,9 +135,9 @@ class FakeVLLM:
             self.active -= 1
         n = body.get("max_tokens") or 16
         toks = self.model.continuation(ids, n, body.get("ignore_eos", False))
-        nexrt = (body.get("kv_transfer_params") or {}).get("nexrt")
-        if nexrt:
-            self.handoff[nexrt["rid"]] = ids
+        claim = Claim.from_params(body.get("kv_transfer_params"))
+        if claim is not None:
+            self.handoff[claim.rid] = ids
         stop = toks[-1] == self.model.eos and not body.get("ignore_eos")
         text = self.model.tok.decode(toks)
         choice = {"index": 0, "finish_reason": "stop" if stop else "length",
@@ -146,7 +149,7 @@ class FakeVLLM:
             "id": "x", "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.name, "choices": [choice],
             "prompt_token_ids": ids if chat else None,
-            "kv_transfer_params": {"nexrt": self.handoff_status} if self.handoff_status else None,
+            "kv_transfer_params": self.handoff_status.to_params() if self.handoff_status else None,
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
                       "total_tokens": len(ids) + len(toks)}})
 
@@ -185,34 +188,38 @@ class FakeNode:
     async def caps(self, request):
         return web.json_response({"model": "tiny", "max_seq_len": self.max_seq_len})
 
+    @staticmethod
+    def _refuse(reason: Reason, message: str) -> web.Response:
+        r = Refusal(reason, message)
+        return web.json_response(r.to_wire(), status=r.status)
+
     async def admit(self, request):
-        body = await request.json()
+        adm = AdmitRequest.from_wire(await request.json())
         if self.rid is not None:
-            return web.json_response({"error": {"type": "busy"}}, status=409)
+            return self._refuse(Reason.BUSY, f"node is busy with {self.rid!r}")
         self.admits += 1
         self.generation += 1
-        self.rid = body["rid"]
-        return web.json_response({"rid": self.rid, "generation": self.generation,
-                                  "control_addr": "tcp://127.0.0.1:1"})
+        self.rid = adm.rid
+        return web.json_response(AdmitReply(self.rid, self.generation, "tcp://127.0.0.1:1", 30.0).to_wire())
 
     async def cancel(self, request):
-        body = await request.json()
-        if body["rid"] != self.rid:
-            return web.json_response({"error": {"type": "unknown_rid"}}, status=404)
-        self.cancels.append(body["rid"])
+        rid = CancelRequest.from_wire(await request.json()).rid
+        if rid != self.rid:
+            return self._refuse(Reason.UNKNOWN_RID, f"rid {rid!r} is not in flight")
+        self.cancels.append(rid)
         self.rid = None
-        return web.json_response({"rid": body["rid"], "cancelled": True})
+        return web.json_response(CancelReply(rid, True, AdmissionState.DECODING).to_wire())
 
     async def generate(self, request):
-        req = await request.json()
-        rid = req["rid"]
-        if rid != self.rid or req["generation"] != self.generation:
-            return web.json_response({"error": {"type": "unknown_rid"}}, status=404)
+        req = GenerateRequest.from_wire(await request.json())
+        rid, ignore_eos, stop_ids = req.rid, req.sampling.ignore_eos, req.sampling.stop_token_ids
+        if rid != self.rid or req.generation != self.generation:
+            return self._refuse(Reason.UNKNOWN_RID, f"rid {rid!r} is not admitted")
         ids = self.vllm.handoff.pop(rid)
-        assert self.model.continuation(ids, 1, req["ignore_eos"])[0] == req["first_token"]
+        assert self.model.continuation(ids, 1, ignore_eos)[0] == req.first_token
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
-        toks = self.model.continuation(ids, req["max_tokens"], req["ignore_eos"])[1:]
+        toks = self.model.continuation(ids, req.max_tokens, ignore_eos)[1:]
         sent: list[int] = []
         try:
             for i, t in enumerate(toks):
@@ -226,14 +233,14 @@ class FakeNode:
                 self.emit_times.append(time.monotonic())
                 await resp.write(b'{"token": %d}\n' % t)
                 sent.append(t)
-                if t in req["stop_token_ids"]:
+                if t in stop_ids:
                     break
             if self.finish_error:
                 await resp.write(b'{"finish_reason": "error", "error": "%s"}\n'
                                  % self.finish_error.encode())
             else:
                 stop = bool(sent) and (sent[-1] == self.model.eos
-                                       or sent[-1] in req["stop_token_ids"])
+                                       or sent[-1] in stop_ids)
                 await resp.write(b'{"finish_reason": "%s", "timing": {}}\n'
                                  % (b"stop" if stop else b"length"))
                 self.generated.append(rid)
