@@ -48,7 +48,7 @@ def _random_state(cfg, seq_len: int, dtype: torch.dtype) -> dict[str, torch.Tens
 def bench_transport(model: str, transport: str, seq_lens: list[int], reps: int, block_size: int) -> list[dict]:
     from nexrt_vllm.engine import ModelConfig
     from nexrt_vllm.handoff.sender import HandoffSender
-    from nexrt_vllm.node.convert import layout_for, pack_state
+    from nexrt_vllm.testing.senders import layout_for, pack_state
 
     cfg = ModelConfig.from_pretrained(model)
     node = NodeProcess(model, transport, "--recv-buffers", "1", max_seq_len=max(seq_lens) + 1, start_timeout=300)

@@ -24,16 +24,20 @@ from typing import Callable
 import torch
 from vllm.logger import init_logger
 
-from nexrt_vllm.handoff import protocol as P
-from nexrt_vllm.connector.config import ConfigError, ConnectorConfig
+from nexrt_vllm.connector.config import ConnectorConfig, ConnectorConfigError
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
+from nexrt_vllm.handoff import layout as L
+from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff.contracts import HandoffStatus
 from nexrt_vllm.handoff.sender import HandoffError, HandoffSender, Transfer
+from nexrt_vllm.node.convert import DTYPE_NAMES
 
 logger = init_logger("vllm.nexrt_connector")  # under "vllm": inherits vLLM's log handler and level
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
-           torch.int8: "int8", torch.uint8: "uint8"}
+# KV-cache dtypes the hand-off ships as they are (fp8 caches carry per-layer scales that the layout
+# does not describe, so they are refused rather than converted wrongly).
+_SENT_DTYPES = ("bfloat16", "float16", "float32", "int8", "uint8")
 
 
 class _Layer:
@@ -53,7 +57,7 @@ class _Layer:
 class _Job:
     """One claimed request's hand-off. Tasks run in order on the job's own thread."""
 
-    def __init__(self, step: ReqStep, sender: HandoffSender, layout: P.Layout, on_end: Callable[["_Job"], None]):
+    def __init__(self, step: ReqStep, sender: HandoffSender, layout: L.Layout, on_end: Callable[["_Job"], None]):
         self.req_id, self.claim, self.seq_len = step.req_id, step.claim, step.prompt_len
         self._sender, self._layout, self._on_end = sender, layout, on_end
         self._tasks: deque = deque()
@@ -114,9 +118,9 @@ class _Job:
             self.transfer = self._sender.begin(self.claim.control_addr, self._layout, self.claim.rid,
                                                self.claim.generation, self.seq_len)
         except HandoffError as e:
-            self._end(Outcome("failed", e.reason.value, e.message))
+            self._end(Outcome(HandoffStatus.FAILED, e.reason, e.message))
         except Exception as e:  # noqa: BLE001 - any sender bug must still end the job and free blocks
-            self._end(Outcome("failed", P.Reason.TRANSFER_FAILED.value, repr(e)))
+            self._end(Outcome(HandoffStatus.FAILED, P.Reason.TRANSFER_FAILED, repr(e)))
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._tasks or self.outcome is not None)
@@ -130,12 +134,12 @@ class _Job:
             try:
                 fn()
             except HandoffError as e:
-                self._end(Outcome("failed", e.reason.value, e.message))
+                self._end(Outcome(HandoffStatus.FAILED, e.reason, e.message))
             except Exception as e:  # noqa: BLE001
                 logger.exception("hand-off of %s failed", self.req_id)
                 if self.transfer is not None:
                     self.transfer.abort(f"sender error: {e!r}")
-                self._end(Outcome("failed", P.Reason.TRANSFER_FAILED.value, repr(e)))
+                self._end(Outcome(HandoffStatus.FAILED, P.Reason.TRANSFER_FAILED, repr(e)))
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
@@ -158,12 +162,12 @@ class _Job:
                     "done acked %.1f ms after it", self.claim.rid, self.seq_len, t.nbytes / 2**20,
                     100.0 * self._bytes_at_prefill_end / max(t.nbytes, 1),
                     1e3 * (time.perf_counter() - self._prefill_end))
-        self._end(Outcome("sent"))
+        self._end(Outcome(HandoffStatus.SENT))
 
     def _abort(self, reason: str) -> None:
         if self.transfer is not None:
             self.transfer.abort(reason)
-        self._end(Outcome("aborted", P.Reason.CANCELLED.value, reason))
+        self._end(Outcome(HandoffStatus.ABORTED, P.Reason.CANCELLED, reason))
 
     def _end(self, outcome: Outcome) -> None:
         with self._cv:
@@ -180,7 +184,7 @@ class NexRTWorker:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._sender: HandoffSender | None = None
-        self._layout: P.Layout | None = None
+        self._layout: L.Layout | None = None
         self._attn: list[_Layer] = []
         self._gdn: list[_Layer] = []
         self._attn_by_name: dict[str, _Layer] = {}
@@ -203,11 +207,11 @@ class NexRTWorker:
         attn_block_size = None
         for name, t in kv_caches.items():
             if name not in group_of:
-                raise ConfigError(f"KV cache {name!r} belongs to no KV-cache group")
+                raise ConnectorConfigError(f"KV cache {name!r} belongs to no KV-cache group")
             g, spec = group_of[name]
             m = _LAYER_RE.search(name)
             if m is None:
-                raise ConfigError(f"cannot read a layer index from KV cache name {name!r}")
+                raise ConnectorConfigError(f"cannot read a layer index from KV cache name {name!r}")
             idx = int(m.group(1))
             st = t.untyped_storage()
             storages[st.data_ptr()] = st.nbytes()
@@ -216,24 +220,24 @@ class NexRTWorker:
                                         self._gdn_layout(idx, t, spec)))
             elif isinstance(spec, AttentionSpec):
                 if t.dim() != 4 or t.shape[2] != spec.block_size:
-                    raise ConfigError(f"{name}: attention cache {tuple(t.shape)} is not "
+                    raise ConnectorConfigError(f"{name}: attention cache {tuple(t.shape)} is not "
                                       f"(num_blocks, kv_heads, block_size={spec.block_size}, 2*head_dim)")
                 attn_block_size = spec.block_size
-                layout = P.AttentionLayout(index=idx, dtype=_dtype(t.dtype), shape=tuple(t.shape[1:]),
+                layout = L.AttentionLayout(index=idx, dtype=_dtype(t.dtype), shape=tuple(t.shape[1:]),
                                            strides=tuple(t.stride()[1:]), kv_format=self._kv_format(name))
                 layer = _Layer(name, g, t.data_ptr(), t.stride(0) * t.element_size(), layout)
                 self._attn.append(layer)
                 self._attn_by_name[name] = layer
             else:
-                raise ConfigError(f"{name}: KV-cache spec {type(spec).__name__} is not supported")
+                raise ConnectorConfigError(f"{name}: KV-cache spec {type(spec).__name__} is not supported")
         if attn_block_size is None:
-            raise ConfigError("model has no full-attention layer; nothing defines the page size")
+            raise ConnectorConfigError("model has no full-attention layer; nothing defines the page size")
         self._attn.sort(key=lambda layer: layer.index)
         self._gdn.sort(key=lambda layer: layer.index)
         hf = self._vllm_config.model_config.hf_text_config
         model = {"num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size,
                  "vocab_size": hf.vocab_size}
-        self._layout = P.Layout(model=model, block_size=attn_block_size,
+        self._layout = L.Layout(model=model, block_size=attn_block_size,
                                 layers=tuple(sorted((x.layout for x in self._attn + self._gdn),
                                                     key=lambda lay: lay.index)))
         self._sender = HandoffSender(self._cfg.transport, host=self._cfg.host,
@@ -251,7 +255,7 @@ class NexRTWorker:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            raise ConfigError("attention page interior not characterised on this platform; set "
+            raise ConnectorConfigError("attention page interior not characterised on this platform; set "
                               "kv_connector_extra_config.attn_kv_format (docs/CONNECTOR.md)")
         layer = self._vllm_config.compilation_config.static_forward_context[name]
         isa = getattr(layer, "isa", None)
@@ -265,10 +269,10 @@ class NexRTWorker:
             return "cpu_vec"
         if isa == "amx":
             return "cpu_amx"
-        raise ConfigError(f"vLLM-CPU attention ISA {isa!r} stores pages in a layout NexRT does not convert "
+        raise ConnectorConfigError(f"vLLM-CPU attention ISA {isa!r} stores pages in a layout NexRT does not convert "
                           "(supported: vec, vec16, amx)")
 
-    def _gdn_layout(self, idx: int, t: torch.Tensor, spec) -> P.GDNLayout:
+    def _gdn_layout(self, idx: int, t: torch.Tensor, spec) -> L.GDNLayout:
         from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
         from vllm.platforms import current_platform
 
@@ -276,15 +280,16 @@ class NexRTWorker:
         rec_layout = self._cfg.gdn_rec_layout
         if rec_layout is None:
             if not current_platform.is_cpu():
-                raise ConfigError("GDN recurrent orientation not characterised on this platform; set "
+                raise ConnectorConfigError("GDN recurrent orientation not characterised on this platform; set "
                                   "kv_connector_extra_config.gdn_rec_layout (docs/CONNECTOR.md)")
             rec_layout = "HKV"  # measured against transformers (docs/CONNECTOR.md)
-        layout = P.GDNLayout(index=idx, conv_layout=get_conv_state_layout(), conv_dtype=_dtype(conv_dt),
-                             conv_shape=tuple(conv_shape), conv_strides=_contiguous(conv_shape),
+        layout = L.GDNLayout(index=idx, conv_layout=get_conv_state_layout(), conv_dtype=_dtype(conv_dt),
+                             conv_shape=tuple(conv_shape), conv_strides=L.contiguous_strides(conv_shape),
                              rec_layout=rec_layout, rec_dtype=_dtype(rec_dt), rec_shape=tuple(rec_shape),
-                             rec_strides=_contiguous(rec_shape))
+                             rec_strides=L.contiguous_strides(rec_shape))
         if layout.page_bytes > t.shape[-1]:
-            raise ConfigError(f"layer {idx}: GDN state ({layout.page_bytes} B) larger than its page ({t.shape[-1]} B)")
+            raise ConnectorConfigError(f"layer {idx}: GDN state ({layout.page_bytes} B) larger than its page "
+                                       f"({t.shape[-1]} B)")
         return layout
 
     # -- per step ------------------------------------------------------------------------------
@@ -396,15 +401,8 @@ def _state_block(blocks: list[int]) -> int:
     return blocks[-1]
 
 
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
-
-
 def _dtype(dt: torch.dtype) -> str:
-    if dt not in _DTYPES:
-        raise ConfigError(f"KV-cache dtype {dt} not supported by the hand-off")
-    return _DTYPES[dt]
+    name = DTYPE_NAMES.get(dt)
+    if name not in _SENT_DTYPES:
+        raise ConnectorConfigError(f"KV-cache dtype {dt} not supported by the hand-off")
+    return name
