@@ -1,4 +1,4 @@
-"""Batch-1 decode roofline benchmark of the GPU graph path (random weights at real model shapes).
+"""Batch-1 decode roofline benchmark of the GPU graph path at real model shapes (random or grafted weights).
 
 For each shape and context it reports: median step time over >= `--steps` graph replays (CUDA
 events), tok/s, the bytes a step must move (counted from the tensors it reads and writes), the
@@ -9,8 +9,8 @@ also checks greedy parity (graph vs eager, 256 steps; with `--graft DIR` on a tr
 carried into the real shape, benchmarks/graft.py) and times each kernel group. Writes JSON and a PNG
 (tok/s and MBU vs context with the roofline).
 
-    python benchmarks/decode_bench.py --shapes 2b,35b --contexts 1024,8192,32768,131072 \\
-        --json benchmarks/results/decode_h200.json --png benchmarks/results/decode_h200.png
+    python benchmarks/decode_bench.py --shapes 35b,2b --contexts 1024,8192,32768,131072 --eager-steps 5 \\
+        --graft .work/graft --json $OUT/decode_h200_r6.json --png $OUT/decode_h200_r6.png
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-# Qwen3.5 shapes (shared/DESIGN.md §4 and the transformers config defaults of the family).
+# Qwen3.5 shapes: the published Qwen3.5-2B / Qwen3.5-35B-A3B configs and the family's transformers defaults.
 _COMMON = dict(vocab_size=248320, hidden_size=2048, head_dim=256, linear_num_key_heads=16,
                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
                full_attention_interval=4, rms_norm_eps=1e-6, hidden_act="silu", dtype="bfloat16",
@@ -237,8 +237,8 @@ def eager_controls(eng, n0: int, snap, first: int, eager_tokens: list[int], eage
                    rel: float = 2 ** -9) -> dict:
     """How far the eager engine drifts from *itself* on these weights: its recurrent state perturbed
     once by half a bf16 rounding step, then the fused path's measures (free-run greedy tokens vs the
-    eager reference, teacher-forced logits error). Round 6 also ran it under cuBLASLt instead of
-    cuBLAS: bit-identical at batch 1 on the H200 (decode_h200_r6_parity_*.json), so no second opinion."""
+    eager reference, teacher-forced logits error). (The eager engine under cuBLASLt instead of cuBLAS is
+    bit-identical at batch 1 on the H200, decode_h200_r6_parity_*.json, so it is no second opinion.)"""
     inputs = [first] + eager_tokens[:-1]
     eng.import_state(n0, snap)
     _perturb_state(eng, rel)

@@ -72,15 +72,39 @@ def _tail(path: str, n: int = 30) -> str:
         return "(no log)"
 
 
-def vllm_argv(model: str, port: int, max_model_len: int, transport: str) -> list[str]:
-    """The vLLM prefill server with the connector (CPU-friendly sizes)."""
-    ktc = {"kv_connector": "NexRTConnector", "kv_connector_module_path": "nexrt_vllm.connector",
-           "kv_role": "kv_producer", "kv_connector_extra_config": {"transport": transport}}
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+def kv_transfer_config(transport: str) -> dict:
+    return {"kv_connector": "NexRTConnector", "kv_connector_module_path": "nexrt_vllm.connector",
+            "kv_role": "kv_producer", "kv_connector_extra_config": {"transport": transport}}
+
+
+def vllm_argv(model: str, port: int, max_model_len: int, transport: str | None, device: str = "cpu",
+              gpu_share: float = 0.3, extra: list[str] | None = None) -> list[str]:
+    """The vLLM prefill server, with the connector unless `transport` is None.
+
+    CPU: small fixed KV memory, eager. GPU: a bounded share of the GPU's memory (the decode node
+    shares the GPU), CUDA graphs on, and the Triton GDN prefill kernels (vLLM's SM90 default,
+    FlashInfer, is often not installed)."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
-            "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "4",
-            "--enforce-eager", "--uvicorn-log-level", "warning",
-            "--kv-transfer-config", json.dumps(ktc)]
+            "--max-num-seqs", "4", "--uvicorn-log-level", "warning"]
+    if device == "cpu":
+        argv += ["--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager"]
+    else:
+        argv += ["--gpu-memory-utilization", str(gpu_share), "--gdn-prefill-backend", "triton"]
+    if transport is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(transport))]
+    return argv + list(extra or [])
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> cuda when torch sees a GPU, else cpu."""
+    if device != "auto":
+        return device
+    try:
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
 
 
 async def wait_http(url: str, procs: Procs, timeout: float, what: str) -> None:
@@ -178,13 +202,17 @@ async def _demo(args, procs: Procs, workdir: str) -> None:
         print(f"[demo] writing a tiny random Qwen3-Next checkpoint to {model} (random weights: "
               f"the reply is gibberish; the point is the path and its timings)", flush=True)
         make_checkpoint(model, arch="qwen3_next")
+    device = resolve_device(args.device)
+    transport = args.transport if args.transport != "auto" else ("nixl" if device == "cuda" else "mooncake")
     threads = {"OMP_NUM_THREADS": "1", "NEXRT_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     vport, rport = _free_port(), _free_port()
     ready = os.path.join(workdir, "node.ready")
-    print(f"[demo] starting vLLM (CPU) and a decode node; logs in {workdir}", flush=True)
-    procs.start("vllm", vllm_argv(model, vport, args.max_model_len, args.transport), env=threads)
-    procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", model,
-                         "--port", "0", "--transport", args.transport, "--max-seq-len",
+    print(f"[demo] starting vLLM ({device}) and a decode node ({device}, transport {transport}); logs in "
+          f"{workdir}", flush=True)
+    procs.start("vllm", vllm_argv(model, vport, args.max_model_len, transport, device, args.gpu_share),
+                env=threads)
+    procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", model, "--device", device,
+                         "--port", "0", "--transport", transport, "--max-seq-len",
                          str(args.max_model_len), "--ready-file", ready], env=threads)
     node = await wait_file(ready, procs, args.start_timeout, "decode node")
     print(f"[demo] decode node up at {node['url']}", flush=True)
@@ -237,7 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--prompt", default=DEMO_PROMPT)
     d.add_argument("--max-tokens", type=int, default=48)
     d.add_argument("--max-model-len", type=int, default=2048)
-    d.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
+    d.add_argument("--transport", choices=("auto", "mooncake", "nixl"), default="auto",
+                   help="auto: nixl on a GPU (device memory to device memory), mooncake on CPU")
+    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where vLLM and the decode node run (auto: cuda when a GPU is visible)")
+    d.add_argument("--gpu-share", type=float, default=0.3,
+                   help="GPU only: vLLM's --gpu-memory-utilization (the node needs the rest)")
     d.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds to wait for vLLM and the node to start")
     args = ap.parse_args(argv)

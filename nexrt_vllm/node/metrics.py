@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_STEP_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+# GPU steps take 1-3 ms (fine buckets there), CPU steps tens of ms.
+_STEP_BUCKETS = (0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.00175, 0.002, 0.0025, 0.003, 0.004, 0.006, 0.008, 0.01,
+                 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _XFER_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -22,6 +24,8 @@ class NodeMetrics:
         self.step_seconds = Histogram("nexrt_decode_step_seconds", "Decode step latency", buckets=_STEP_BUCKETS,
                                       registry=r)
         self.busy = Gauge("nexrt_busy_slots", "Admitted requests in flight (0 or 1)", registry=r)
+        self.graph = Gauge("nexrt_decode_graph", "1 for the decode path in use (fused | eager graph, or off)",
+                           ["mode", "device"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

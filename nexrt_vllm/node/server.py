@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import asdict
 
 import zmq
@@ -119,7 +120,8 @@ class Endpoints:
                           **({"target": peer["target"]} if "target" in peer else {})},
             "sampling": {"temperature": True, "top_p": True, "top_k": True, "seed": True, "ignore_eos": True,
                          "stop_token_ids": True, "logprobs": False, "penalties": False},
-            "device": self.args.device, "graph": self.args.graph,
+            "device": self.args.device, "graph": self.args.graph, "load_format": self.args.load_format,
+            "dtype": str(self.node.engine.dtype).removeprefix("torch."),
         })
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -149,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
     ap.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     ap.add_argument("--dtype", default=None, help="engine dtype (default: the checkpoint's)")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                    help="dummy: random weights from config.json alone (speed runs only, like vLLM's "
+                         "--load-format dummy; tokens are meaningless)")
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--graph", choices=("auto", "fused", "eager", "off"), default="auto",
                     help="GPU decode path (docs/GPU.md): one CUDA graph per token, captured at start-up; "
@@ -195,18 +200,30 @@ async def serve(args) -> None:
     disable_created_metrics()
     torch.set_num_threads(int(os.environ.get("NEXRT_THREADS", torch.get_num_threads())))
     memory = args.recv_memory = args.recv_memory or ("pinned" if args.device.startswith("cuda") else "host")
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len)
+    t0 = time.monotonic()
+    if args.load_format == "dummy":
+        from nexrt_vllm.engine.config import ModelConfig
+        engine = Engine.from_config(ModelConfig.from_pretrained(args.model), device=args.device, dtype=args.dtype,
+                                    max_seq_len=args.max_seq_len)
+    else:
+        engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                        max_seq_len=args.max_seq_len)
     cfg = engine.config
+    log.info("weights loaded (%s) in %.1fs", args.load_format, time.monotonic() - t0)
     # GPU graph path: compiled and captured once here, before the node serves (not per request).
     if args.graph == "auto":
         args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 else "off"
     if args.graph != "off":
         from nexrt_vllm.engine import EngineError
+        log.info("compiling kernels and capturing the %s decode graph (greedy + sampling; the first start "
+                 "on a machine compiles the Triton kernels, about a minute)", args.graph)
+        t0 = time.monotonic()
         try:
             engine.use_graph(args.graph)
         except EngineError as e:
             raise ValueError(f"--graph {args.graph}: {e}") from None
-        log.info("graph path %s captured (control ring %s)", args.graph, engine.graph.d.control)
+        log.info("graph path %s captured in %.1fs (control ring %s)", args.graph, time.monotonic() - t0,
+                 engine.graph.d.control)
     if args.recv_buffer_mib:
         size = int(args.recv_buffer_mib * (1 << 20))
     else:
@@ -229,6 +246,7 @@ async def serve(args) -> None:
                    quarantine_s=args.quarantine)
     node = DecodeNode(engine, cfg, transport, buffers, opts, device=args.device,
                 control_addr=f"tcp://{args.host}:{cport}", model_name=os.path.basename(os.path.abspath(args.model)))
+    node.metrics.graph.labels(mode=args.graph, device=args.device).set(1)
     svc = Endpoints(node, args)
     app = web.Application(client_max_size=1 << 20)
     app.router.add_post("/v1/admit", svc.admit)

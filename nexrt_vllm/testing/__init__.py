@@ -5,7 +5,7 @@ Used by the tests, the demo and the CPU benchmarks: real `config.json` + safeten
 that both vLLM and the NexRT engine load through their normal loading code. Needs torch and
 transformers (imported lazily, so importing this module is cheap).
 
-Choices that make parity tests meaningful (see shared/DESIGN.md §7):
+Choices that make parity tests meaningful:
 - the tokenizer is a Metaspace BPE over ASCII letters (no byte fallback), so any token sequence
   detokenizes to the same text everywhere; `vocab_size` == tokenizer length;
 - matrices are re-initialised wider (std 0.06) so greedy decoding does not collapse into one token;

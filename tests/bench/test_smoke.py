@@ -47,9 +47,7 @@ def stack(qwen3_next_ckpt, tmp_path_factory):
         procs.start("vllm", vllm_argv(model, vport, 1024, "mooncake"), env=threads)
         # The vLLM-only baseline is vLLM as users run it, without the connector (with it loaded,
         # unclaimed requests measured ~4x slower TPOT here: benchmarks/results/cpu_smoke/).
-        plain = vllm_argv(model, pport, 1024, "mooncake")
-        i = plain.index("--kv-transfer-config")
-        procs.start("vllm_plain", plain[:i] + plain[i + 2:], env=threads)
+        procs.start("vllm_plain", vllm_argv(model, pport, 1024, None), env=threads)
         procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", model,
                              "--port", "0", "--max-seq-len", "1024", "--ready-file", ready],
                     env=threads)

