@@ -28,6 +28,25 @@ class ChatOptions:
     include_reasoning: bool = True
     thinking: bool = True  # chat_template_kwargs.enable_thinking
 
+    @classmethod
+    def from_request(cls, body: dict, default_chat_template_kwargs: dict | None = None) -> "ChatOptions":
+        """From a chat request body and vLLM's `--default-chat-template-kwargs`.
+
+        `enable_thinking`: the request's `chat_template_kwargs`, else `reasoning_effort != "none"`
+        when given, else the server default, else on; a null or "auto" in the request defers to
+        the server default (vLLM's merge), and vLLM reads the value by truthiness.
+        """
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        effort = body.get("reasoning_effort")
+        if effort is not None and "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = effort != "none"
+        if default_chat_template_kwargs:
+            kwargs = dict(default_chat_template_kwargs) | {
+                k: v for k, v in kwargs.items() if v is not None and v != "auto"}
+        return cls(tools=body.get("tools") or None, tool_choice=body.get("tool_choice"),
+                   include_reasoning=bool(body.get("include_reasoning", True)),
+                   thinking=bool(kwargs.get("enable_thinking", True)))
+
     @property
     def effective_tool_choice(self) -> Any:
         if self.tool_choice is None:

@@ -79,6 +79,22 @@ def test_prompt_state_same_as_vllm(tok, prompt, thinking):
     assert mine == pair.vllm.parser.is_reasoning_end(ids)
 
 
+@pytest.mark.parametrize("defaults", [None, {"enable_thinking": False}, {"enable_thinking": True}])
+@pytest.mark.parametrize("extra", [
+    {}, {"chat_template_kwargs": {"enable_thinking": False}}, {"chat_template_kwargs": {"enable_thinking": True}},
+    {"chat_template_kwargs": {"enable_thinking": None}}, {"chat_template_kwargs": {"enable_thinking": "auto"}},
+    {"reasoning_effort": "none"}, {"reasoning_effort": "low"},
+    {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}])
+def test_thinking_resolved_as_vllm(extra, defaults):
+    """vLLM builds the parser with the request's chat-template kwargs merged with the server's."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    kwargs = ChatCompletionRequest(**body).build_chat_params(None, "auto").with_defaults(
+        defaults).chat_template_kwargs
+    assert ChatOptions.from_request(body, defaults).thinking == bool(kwargs.get("enable_thinking", True))
+
+
 def test_split_with_and_without_opening_tag():
     p = Qwen3ReasoningParser()
     assert p.split(TEXTS["with_open"]) == ("\nStep 1: add.\nStep 2: done.\n", "\n\nThe answer is 4.")
