@@ -28,15 +28,22 @@ def model_identity(cfg) -> dict:
 
 def layout_for(cfg, *, block_size: int = 16, kv_dtype: str = "bfloat16", conv_dtype: str = "bfloat16",
                rec_dtype: str = "float32", conv_layout: str = "SD", rec_layout: str = "HVK",
-               kv_format: str = "packed") -> P.Layout:
-    """The descriptor of vLLM-like contiguous pages for ``cfg`` (sender-side choices as arguments)."""
+               kv_format: str = "packed", kv_interior: str = "HND") -> P.Layout:
+    """The descriptor of vLLM-like pages for ``cfg`` (sender-side choices as arguments).
+    ``kv_interior``: ``"HND"`` heads outside tokens (vLLM's LBHNC, CPU), ``"NHD"`` tokens outside
+    heads (LBNHC, FlashAttention's default on GPUs)."""
     layers: list[P.LayerLayout] = []
     w = cfg.conv_kernel - 1
     h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     for i, kind in enumerate(cfg.layer_types):
         if kind == "full_attention":
             shape = (cfg.num_kv_heads, block_size, 2 * cfg.head_dim)
-            layers.append(P.AttentionLayout(i, kv_dtype, shape, _contig(shape), kv_format=kv_format))
+            strides = _contig(shape)
+            if kv_interior == "NHD":
+                strides = (shape[2], shape[0] * shape[2], 1)
+            elif kv_interior != "HND":
+                raise ValueError(f"kv_interior {kv_interior!r} not HND or NHD")
+            layers.append(P.AttentionLayout(i, kv_dtype, shape, strides, kv_format=kv_format))
         else:
             cshape = (w, cfg.conv_dim) if conv_layout == "SD" else (cfg.conv_dim, w)
             rshape = (h, dv, dk) if rec_layout == "HVK" else (h, dk, dv)

@@ -34,12 +34,14 @@ NATIVE = {"kv": torch.bfloat16, "conv": torch.bfloat16, "rec": torch.float32}
 
 
 @pytest.mark.parametrize("conv,rec,rec_dtype,kv_format,kv_dtype", list(itertools.product(
-    ["SD", "DS"], ["HVK", "HKV"], ["float32", "bfloat16"], ["packed", "cpu_vec"], ["bfloat16", "float32"])))
+    ["SD", "DS"], ["HVK", "HKV"], ["float32", "bfloat16"], ["packed", "packed_nhd", "cpu_vec"],
+    ["bfloat16", "float32"])))
 def test_round_trip_every_layout(cfg, conv, rec, rec_dtype, kv_format, kv_dtype):
     seq_len = 37  # 3 pages of 16, the last one partial
     state = _state(cfg, seq_len, torch.Generator().manual_seed(1))
+    interior = "NHD" if kv_format == "packed_nhd" else "HND"  # NHD: FlashAttention's LBNHC pages
     lay = layout_for(cfg, block_size=16, conv_layout=conv, rec_layout=rec, rec_dtype=rec_dtype,
-                     kv_format=kv_format, kv_dtype=kv_dtype)
+                     kv_format=kv_format.removesuffix("_nhd"), kv_dtype=kv_dtype, kv_interior=interior)
     cache, pages = pack_state(state, seq_len, lay)
     regions = lay.regions(seq_len)
     buf = torch.zeros(regions[-1].offset + regions[-1].nbytes, dtype=torch.uint8)
