@@ -2,14 +2,13 @@
 
 `connector/` and `router/` are separate deployables but install as `nexrt_vllm.connector` and
 `nexrt_vllm.router` (package_dir), so vLLM can load `kv_connector_module_path=nexrt_vllm.connector`.
-`csrc/` (CUDA C++ kernel sources) installs as `nexrt_vllm.csrc`; the engine compiles them with nvcc
-at first use on a GPU (nexrt_vllm/engine/cuda_kernels.py), so installing needs no CUDA toolchain.
+`csrc/` is the home of CUDA C++ kernel sources (none today, csrc/README.md); nothing of it installs.
 """
 from setuptools import find_packages, setup
 
 
 pkgs = [p for p in find_packages(include=["nexrt_vllm", "nexrt_vllm.*"])]
-pkgs += ["nexrt_vllm.connector", "nexrt_vllm.router", "nexrt_vllm.csrc"]
+pkgs += ["nexrt_vllm.connector", "nexrt_vllm.router", "nexrt_vllm.router.parsing"]
 
 setup(
     name="nexrt-vllm",
@@ -17,8 +16,7 @@ setup(
     description="Fast batch-1 decode tier for vLLM (connector, decode node, router, benchmarks)",
     python_requires=">=3.10",
     packages=pkgs,
-    package_dir={"nexrt_vllm.connector": "connector", "nexrt_vllm.router": "router", "nexrt_vllm.csrc": "csrc"},
-    package_data={"nexrt_vllm.csrc": ["*.cu"]},
+    package_dir={"nexrt_vllm.connector": "connector", "nexrt_vllm.router": "router"},
     install_requires=[
         "msgpack>=1.0",
         "pyzmq>=25",

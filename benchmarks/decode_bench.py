@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from nexrt_vllm.engine.state import AttentionState, GDNState
+
 # Qwen3.5 shapes: the published Qwen3.5-2B / Qwen3.5-35B-A3B configs and the family's transformers defaults.
 _COMMON = dict(vocab_size=248320, hidden_size=2048, head_dim=256, linear_num_key_heads=16,
                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
@@ -80,23 +82,11 @@ def tuning_from(kvs: str):
             kw[k] = tuple(tuple(int(x) for x in part.split("/")) for part in v.split("+"))
         elif "/" in v:
             kw[k] = tuple(int(x) for x in v.split("/"))
-        elif types[k] == "str":
-            kw[k] = v
         elif types[k] in ("bool", "bool | None"):
             kw[k] = v.lower() in ("1", "true")
         else:
             kw[k] = int(v)
     return dataclasses.replace(Tuning(), **kw), kw
-
-
-_BW: list[float] = []
-
-
-def copy_bw_cached() -> float:
-    """copy_bandwidth() measured once per process."""
-    if not _BW:
-        _BW.append(copy_bandwidth())
-    return _BW[0]
 
 
 def time_replays(g, n: int) -> list[float]:
@@ -113,14 +103,58 @@ def time_replays(g, n: int) -> list[float]:
 def fill_context(eng, ctx: int, gen: torch.Generator) -> None:
     """Make the state hold `ctx` tokens of plausible magnitude (timing only: values do not matter)."""
     st = eng.state
-    for name, t in st.tensors.items():
-        if name.endswith((".k", ".v")):
-            t[:, :ctx].normal_(generator=gen)
-        elif name.endswith(".rec"):
-            t.normal_(generator=gen).mul_(0.05)
+    for layer in st.layers:
+        if isinstance(layer, AttentionState):
+            layer.k[:, :ctx].normal_(generator=gen)
+            layer.v[:, :ctx].normal_(generator=gen)
         else:
-            t.normal_(generator=gen)
+            layer.conv.normal_(generator=gen)
+            layer.rec.normal_(generator=gen).mul_(0.05)
     st.set_seq_len(ctx)
+
+
+def _nb(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _kv_row(c, layer) -> int:
+    return c.num_kv_heads * c.head_dim * layer.mixer.state.k.element_size()
+
+
+# Each group of graph.FusedDecoder.plan(): the part of its layer it computes (None: not a layer's) and
+# the bytes one launch must move at context n, from the decoder d and the layer's record L: each
+# weight / state byte read once, state written once, K/V rows 0..n read, only the selected experts.
+GROUPS = {
+    "embed": (None, lambda d, L, n: d.cfg.hidden_size * d.embed.element_size()),
+    "gdn_in_proj+conv": ("mixer", lambda d, L, n: _nb(L.mixer.w_in) + _nb(L.mixer.conv_w) + 2 * _nb(L.mixer.state.conv)),
+    "gdn_step": ("mixer", lambda d, L, n: 2 * _nb(L.mixer.state.rec)),
+    "gdn_out_proj": ("mixer", lambda d, L, n: _nb(L.mixer.w_out)),
+    "attn_qkv_proj": ("mixer", lambda d, L, n: _nb(L.mixer.w_qkv)),
+    "attn_qknorm_rope_kvwrite": ("mixer", lambda d, L, n: 2 * _kv_row(d.cfg, L)),
+    "attn_splitk+combine": ("mixer", lambda d, L, n: 2 * _kv_row(d.cfg, L) * (n + 1)),
+    "attn_o_proj": ("mixer", lambda d, L, n: _nb(L.mixer.w_o)),
+    "moe_router": ("ffn", lambda d, L, n: _nb(L.ffn.w_router)),
+    "moe_experts": ("ffn", lambda d, L, n: d.cfg.num_experts_per_tok * ((_nb(L.ffn.gate_up) + _nb(L.ffn.down))
+                                                                     // d.cfg.num_experts)
+                    + _nb(L.ffn.s_gate_up) + _nb(L.ffn.s_down)),
+    "mlp_gate_up+swiglu": ("ffn", lambda d, L, n: _nb(L.ffn.w_gate_up)),
+    "mlp_down": ("ffn", lambda d, L, n: _nb(L.ffn.w_down)),
+    "lm_head+argmax": (None, lambda d, L, n: _nb(d.lm_head)),
+}
+
+
+def step_bytes(d, seq_len: int) -> list[tuple[object, int]]:
+    """(launch, bytes it must move at context `seq_len`) for every launch of the fused step, in order."""
+    return [(s, GROUPS[s.group][1](d, None if s.layer is None else d.layers[s.layer], seq_len)) for s in d.plan()]
+
+
+def bytes_per_step(d, seq_len: int) -> dict[str, int]:
+    """Bytes the fused step must move at context `seq_len`, per kernel group and in total."""
+    out: dict[str, int] = {}
+    for s, nb in step_bytes(d, seq_len):
+        out[s.group] = out.get(s.group, 0) + nb
+    out["total"] = sum(out.values())
+    return out
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
@@ -144,31 +178,30 @@ def layer_errors(eng, d) -> list[dict]:
         for i, layer in enumerate(m.layers):
             x = M.rms_norm(h, layer.input_norm, eps)
             if layer.kind == "full_attention":
-                x = M.attention_decode(layer.mixer, cfg, x, cos, sin, st[f"layers.{i}.k"], st[f"layers.{i}.v"], pos,
-                                       visible)
+                kv = st.attention(i)
+                x = M.attention_decode(layer.mixer, cfg, x, cos, sin, kv.k, kv.v, pos, visible)
             else:
-                x = M.gdn_decode(layer.mixer, cfg, x, st[f"layers.{i}.conv"], st[f"layers.{i}.rec"])
+                s = st.gdn(i)
+                x = M.gdn_decode(layer.mixer, cfg, x, s.conv, s.rec)
             mid = h + x
             out = mid + m.ffn(i, M.rms_norm(mid, layer.post_norm, eps), decode=True)
             ref.append((h[0].clone(), mid[0].clone(), out[0].clone()))
             h = out
     eng.import_state(n0, snap)
-    plan, k, rows = d.plan()[1:], 0, []
-    for i, L in enumerate(d.layers):
-        nm = 3 if L["kind"] == "linear_attention" else 4
-        # ffn plan entries: the CUDA MoE block | router, (route,) experts | gate_up, down
-        nf = (1 if d.moe_kernel else 2 if d.t.moe_route_in_gate_up else 3) if L["moe"] else 2
+    plan, rows = d.plan(), []
+    for i, layer in enumerate(m.layers):
         h_in, mid, out = ref[i]
         d.res.copy_(h_in)
-        for _, fn, _ in plan[k:k + nm]:
-            fn()
+        for s in plan:
+            if s.layer == i and GROUPS[s.group][0] == "mixer":
+                s.run()
         e_mix = _rel(d.res, mid, mid.float() - h_in.float())
         d.res.copy_(mid)
-        for _, fn, _ in plan[k + nm:k + nm + nf]:
-            fn()
+        for s in plan:
+            if s.layer == i and GROUPS[s.group][0] == "ffn":
+                s.run()
         e_ffn = _rel(d.res, out, out.float() - mid.float())
-        k += nm + nf
-        rows.append({"layer": i, "kind": L["kind"], "mixer_rel_err": e_mix, "ffn_rel_err": e_ffn})
+        rows.append({"layer": i, "kind": layer.kind, "mixer_rel_err": e_mix, "ffn_rel_err": e_ffn})
     torch.cuda.synchronize()
     eng.import_state(n0, snap)
     return rows
@@ -228,8 +261,9 @@ def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator, pr
 def _perturb_state(eng, rel: float) -> None:
     """Multiply the fp32 recurrent states by (1 + rel * N(0,1))."""
     g = torch.Generator(device=eng.device).manual_seed(99)
-    for name, t in eng.state.tensors.items():
-        if name.endswith(".rec"):
+    for layer in eng.state.layers:
+        if isinstance(layer, GDNState):
+            t = layer.rec
             t.mul_(1 + rel * torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype))
 
 
@@ -261,10 +295,10 @@ def kernel_groups(d, reps: int = 20) -> dict:
     """Device time of each kernel group of the fused step: the group's launches for every layer back
     to back in one graph (weights stream from HBM as in a real step), with the bytes they move."""
     groups: dict[str, list] = {}
-    for name, fn, nb in d.plan(int(d.state.seq_len)):
-        groups.setdefault(name, []).append((fn, nb))
+    for s, nb in step_bytes(d, int(d.state.seq_len)):
+        groups.setdefault(s.group, []).append((s.run, nb))
     out = {}
-    saved = {n: x.clone() for n, x in d.state.tensors.items() if not n.endswith((".k", ".v"))}
+    saved = [(t, t.clone()) for layer in d.state.layers for p, t in layer.parts().items() if p not in layer.ROWS]
     pos = d.state.position.clone()
     for name, items in groups.items():
         s = torch.cuda.Stream()
@@ -285,8 +319,8 @@ def kernel_groups(d, reps: int = 20) -> dict:
         out[name] = {"launches": len(items), "us_per_step": sec * 1e6, "us_per_launch": sec * 1e6 / len(items),
                      "bytes_per_step": nb, "GBps": nb / sec / 1e9 if nb else None}
         del gr
-    for n, x in saved.items():
-        d.state.tensors[n].copy_(x)
+    for t, x in saved:
+        t.copy_(x)
     d.state.position.copy_(pos)
     return out
 
@@ -345,7 +379,7 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
     log(f"[{key}] built + captured in {time.time() - t0:.1f}s; GPU mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     gen = torch.Generator(device="cuda").manual_seed(1234)
     res = {"shape": NAMES[key], "config": SHAPES[key], "hf_transformers_tok_s": HF_TOKS[key],
-           "moe_impl": fused.moe_impl, "pdl": fused.pdl, "weights": "graft" if graft_dir else "random",
+           "pdl": fused.pdl, "weights": "graft" if graft_dir else "random",
            "contexts": []}
     if parity_steps:
         t1 = time.time()
@@ -368,7 +402,7 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
     g_eager = eager_runner._graph(False) if eager_runner else None
     for ctx in contexts:
         fill_context(eng, ctx, gen)
-        nb = fused.bytes_per_step(ctx)
+        nb = bytes_per_step(fused, ctx)
         fused.state.position.fill_(ctx)
         fused.tok.fill_(1)
         time_replays(g, 5)

@@ -141,6 +141,30 @@ def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: 
     return out
 
 
+def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, out_dir: str, label: str) -> dict:
+    """InferenceX's own client (utils/bench_serving/benchmark_serving.py, unchanged) with the flags of its
+    benchmark_lib.sh, as a cross-check of benchmarks/inferencex.py."""
+    isl, osl = scenario(sc)
+    name = f"ix_{label}_isl{isl}_osl{osl}_conc1"
+    cmd = [sys.executable, os.path.join(client_dir, "benchmark_serving.py"), "--model", model_dir,
+           "--served-model-name", "model", "--backend", "vllm", "--base-url", base_url, "--dataset-name", "random",
+           "--random-input-len", str(isl), "--random-output-len", str(osl), "--random-range-ratio", "0.8",
+           "--num-prompts", str(n), "--max-concurrency", "1", "--request-rate", "inf", "--ignore-eos",
+           "--save-result", "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--result-dir", out_dir, "--result-filename", name + ".json"]
+    os.makedirs(out_dir, exist_ok=True)
+    log("run InferenceX client", " ".join(cmd[2:]))
+    p = subprocess.run(cmd, cwd=client_dir, capture_output=True, text=True, timeout=1800)
+    sys.stdout.write(p.stdout[-2000:])
+    if p.returncode:
+        sys.stdout.write(p.stderr[-3000:])
+        return {"error": f"benchmark_serving.py exited {p.returncode}: {p.stderr[-500:]}"}
+    with open(os.path.join(out_dir, name + ".json")) as f:
+        raw = json.load(f)
+    return {k: raw.get(k) for k in ("completed", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms",
+                                    "p99_tpot_ms", "output_throughput")}
+
+
 def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str) -> dict:
     """decode_bench at the scenario contexts (the engine alone, same GPU, nothing else running)."""
     if layers:
@@ -185,6 +209,7 @@ class Stack:
         port = _free_port()
         self.procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(port),
                                     "--vllm-url", vllm_url, "--decode-url", node_url, "--tokenizer", tokenizer,
+                                    "--default-class", "interactive",
                                     "--queue-size", "4", "--queue-timeout", "120", "--log-level", "WARNING"])
         return f"http://127.0.0.1:{port}"
 
@@ -210,13 +235,18 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrent-baseline", action="store_true",
                     help="start plain vLLM beside the NexRT stack (saves a start; needs memory for 3 models)")
     ap.add_argument("--skip-engine-bench", action="store_true")
+    ap.add_argument("--ix-client", default=None,
+                    help="dir with InferenceX's utils/bench_serving/*.py: also run its own client (cross-check)")
+    ap.add_argument("--ix-scenarios", nargs="*", default=None, help="scenarios for --ix-client (default: all)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--start-timeout", type=float, default=420)
     a = ap.parse_args(argv)
     for sc in a.scenarios:
         scenario(sc)
+    if a.ix_client:
+        a.ix_client = os.path.abspath(a.ix_client)
     if a.device == "cpu" and a.recv_memory == "device":
-        a.recv_memory = "pinned" if a.transport == "nixl" else "host"
+        a.recv_memory = "host"
 
     os.makedirs(a.out, exist_ok=True)
     label = a.shape + (f"_l{a.layers}" if a.layers else "")
@@ -258,9 +288,13 @@ def main(argv=None) -> int:
         for sc in a.scenarios:
             before = scrape(node["url"])
             summary["nexrt"][sc] = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir,
-                                              ["X-NexRT-Class=interactive"], a.transport, hw)
+                                              [], a.transport, hw)
             summary["node"][sc] = node_delta(before, scrape(node["url"]))
             log(sc, "nexrt", summary["nexrt"][sc], summary["node"][sc])
+            save()
+        for sc in (a.ix_scenarios if a.ix_scenarios is not None else a.scenarios) if a.ix_client else ():
+            summary.setdefault("inferencex_client", {}).setdefault("nexrt", {})[sc] = ix_client(
+                a.ix_client, rurl, model, sc, a.num_prompts, os.path.join(res_dir, "ix"), "nexrt")
             save()
         if purl is None:
             stack.procs.stop()
@@ -270,6 +304,10 @@ def main(argv=None) -> int:
         for sc in a.scenarios:
             summary["vllm"][sc] = inferencex(purl, "vllm", "model", model, sc, a.num_prompts, res_dir, [], "", hw)
             log(sc, "vllm", summary["vllm"][sc])
+            save()
+        for sc in (a.ix_scenarios if a.ix_scenarios is not None else a.scenarios) if a.ix_client else ():
+            summary.setdefault("inferencex_client", {}).setdefault("vllm", {})[sc] = ix_client(
+                a.ix_client, purl, model, sc, a.num_prompts, os.path.join(res_dir, "ix"), "vllm")
             save()
     except Exception as e:  # noqa: BLE001 - keep what was measured
         summary["error"] = f"{type(e).__name__}: {e}"

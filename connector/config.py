@@ -11,6 +11,8 @@ from typing import Any
 from nexrt_vllm.handoff.layout import KV_FORMATS, REC_LAYOUTS
 from nexrt_vllm.handoff.transport import TRANSPORTS
 
+STAGING = ("auto", "always", "never")
+
 
 class ConnectorConfigError(ValueError):
     """Bad ``kv_connector_extra_config`` or an unsupported vLLM setup: raised at vLLM start, before any request."""
@@ -23,10 +25,14 @@ class ConnectorConfig:
     control_timeout_s: float = 5.0  # one control round trip (hello/begin/done/abort) with the node
     transfer_timeout_s: float = 30.0  # one batch of page writes
     drain_timeout_s: float = 60.0  # wait for in-flight writes before vLLM reuses their blocks
-    # Interior of an attention page and GDN recurrent orientation. Measured for vLLM-CPU and
-    # detected there; other platforms must name them (docs/CONNECTOR.md).
+    # Page layouts are detected from what vLLM allocated (connector/layouts.py). These force a
+    # reading only for a backend/platform not characterised; one contradicting a detection is an error.
     attn_kv_format: str | None = None
     gdn_rec_layout: str | None = None
+    # GPU KV cache: "auto" sends straight from device memory where the transport can read it and
+    # through a pinned host pool where it cannot; "always" / "never" force either.
+    staging: str = "auto"
+    staging_mib: int = 256
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
@@ -46,6 +52,10 @@ class ConnectorConfig:
             raise ConnectorConfigError(f"attn_kv_format {cfg.attn_kv_format!r} not one of {KV_FORMATS}")
         if cfg.gdn_rec_layout is not None and cfg.gdn_rec_layout not in REC_LAYOUTS:
             raise ConnectorConfigError(f"gdn_rec_layout {cfg.gdn_rec_layout!r} not one of {REC_LAYOUTS}")
+        if cfg.staging not in STAGING:
+            raise ConnectorConfigError(f"staging {cfg.staging!r} not one of {STAGING}")
+        if not isinstance(cfg.staging_mib, int) or isinstance(cfg.staging_mib, bool) or cfg.staging_mib <= 0:
+            raise ConnectorConfigError(f"staging_mib must be a positive integer, got {cfg.staging_mib!r}")
         if not isinstance(cfg.host, str) or not cfg.host:
             raise ConnectorConfigError("host must be a non-empty string")
         return cfg

@@ -9,9 +9,9 @@ from .config import ModelConfig
 from .engine import Engine
 from .errors import ConfigError, EngineError, InputError, SamplingParamsError, StateError, WeightsError
 from .sampling import Sampler, SamplingParams, sampling_probs
-from .state import DecodeState
+from .state import AttentionState, DecodeState, GDNState
 
 __all__ = [
-    "ConfigError", "DecodeState", "Engine", "EngineError", "InputError", "ModelConfig", "Sampler",
-    "SamplingParams", "SamplingParamsError", "StateError", "WeightsError", "sampling_probs",
+    "AttentionState", "ConfigError", "DecodeState", "Engine", "EngineError", "GDNState", "InputError", "ModelConfig",
+    "Sampler", "SamplingParams", "SamplingParamsError", "StateError", "WeightsError", "sampling_probs",
 ]

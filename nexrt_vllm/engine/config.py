@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .dtypes import MODEL_DTYPES
 from .errors import ConfigError
 
 # architecture name -> (family, whether the text config is nested under "text_config")
@@ -30,7 +31,6 @@ MODEL_TYPES = {
 }
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LAYER_TYPES = ("linear_attention", "full_attention")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -268,8 +268,8 @@ def _parse(c: dict[str, Any], family: str, arch: str, top: dict[str, Any],
             kw["intermediate_size"] = req("intermediate_size")  # some layer is dense
 
     dtype = c.get("dtype") or c.get("torch_dtype") or top.get("dtype") or top.get("torch_dtype") or "bfloat16"
-    if dtype not in DTYPES:
-        raise ConfigError(f"{arch}: unsupported dtype {dtype!r}; expected one of {DTYPES}")
+    if dtype not in MODEL_DTYPES:
+        raise ConfigError(f"{arch}: unsupported dtype {dtype!r}; expected one of {MODEL_DTYPES}")
     tie = top.get("tie_word_embeddings", c.get("tie_word_embeddings", False))
     eos = _int_list(c.get("eos_token_id", top.get("eos_token_id")), "eos_token_id")
     eos += [e for e in extra_eos if e not in eos]

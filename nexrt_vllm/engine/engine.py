@@ -6,13 +6,14 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .config import ModelConfig
+from .dtypes import MODEL_DTYPES, TORCH_DTYPES
 from .errors import ConfigError, EngineError, InputError, StateError
 from .model import Model
 from .sampling import Sampler, SamplingParams
 from .state import DecodeState
 from .weights import load_checkpoint, random_weights
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: TORCH_DTYPES[name] for name in MODEL_DTYPES}
 
 
 def _resolve_dtype(dtype, cfg: ModelConfig) -> torch.dtype:

@@ -20,21 +20,21 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from .config import ModelConfig
 from .errors import EngineError
-from .state import DecodeState
+from .state import AttentionState, DecodeState, GDNState
 
 RING = 64  # control slots; must exceed the replays in flight (2)
 
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch shapes, from the on-device sweeps recorded in docs/GPU.md.
+    """Launch shapes of the fused step (chosen by on-device sweeps, docs/GPU.md) and PDL on/off.
 
     `gemv`: (max output rows, block_n, block_k, num_warps), first match wins. Few output rows need
     few rows per program and long K blocks, so that enough programs stream enough bytes each."""
@@ -42,15 +42,14 @@ class Tuning:
     gemv_gated: tuple = (8, 1024, 8)  # GDN out_proj (gated-norm prologue), by the same sweep
     gemv_router: tuple = (4, 1024, 8)  # MoE router (E+1 rows)
     block_n_lm: int = 32
-    attn_splits: int = 128  # 35B-A3B 8K 2.603 -> 2.562 ms, 2B 1.438 -> 1.420 vs 256 / 32 / 32 (r5 A/B)
+    attn_splits: int = 128
     attn_block: int = 64
     attn_min_per: int = 64
     attn_warps: int = 4
     gdn_block_v: int = 16
     # One-warp programs for the GDN step and the MoE experts: their reductions (the L2 norms, the
     # top-k picks of the routing, the per-expert dot products) stay in warp shuffles, no CTA barrier
-    # between a program's loads and its arithmetic. 35B-A3B 8K: 2.545 -> 2.467 ms (r5 A/B; gate_up
-    # (16, 256, 4 warps) / down (2, 512, 4 warps) / GDN 4 warps before).
+    # between a program's loads and its arithmetic.
     gdn_warps: int = 1
     moe_block_n: int = 2
     moe_block_k: int = 256
@@ -58,18 +57,9 @@ class Tuning:
     moe_down_block_k: int = 512
     moe_warps: int = 1
     moe_down_warps: int = 1
-    # Route inside the experts' gate_up launch (one launch less per MoE layer; every routed program
-    # repeats the top-k selection before its first weight load): 35B at 8K 2.825 -> 2.756 ms on the
-    # H200, same tokens (gpu_check --moe-route-ab). False: the separate one-warp route launch.
-    moe_route_in_gate_up: bool = True
-    # MoE block: "triton" = the router GEMV + experts launches above; "cuda" = the persistent CUDA C++
-    # kernel (csrc/moe_decode.cu: norm + router + routing + experts + residual in one launch). Opt-in:
-    # on the H200 it is still slower (35B-A3B 8K 2.92 ms vs 2.75 ms; docs/GPU.md, round 4).
-    moe_impl: str = "triton"
     # Programmatic dependent launch for every kernel of the step (kernels/common.py) where the GPU has
-    # it (`pdl_enabled`); None: the process default (NEXRT_PDL). On: with the small programs above, a
-    # kernel's CTAs can be resident while its predecessor drains (35B-A3B 8K 2.467 -> 2.418 ms, 2B
-    # 1.392 -> 1.385; r5 A/B).
+    # it (`pdl_enabled`); None: the process default (NEXRT_PDL). With the small programs above, a
+    # kernel's CTAs can be resident while its predecessor drains.
     pdl: bool | None = True
 
     def shape(self, n: int) -> dict:
@@ -171,6 +161,63 @@ def _control_ring(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, str, o
     return host, torch.full((RING,), -1, dtype=torch.int64, device=dev), "pinned-copy", None
 
 
+@dataclass(frozen=True, eq=False)
+class GDNMixer:
+    """A GDN layer as the fused step reads it: in_proj rows regrouped to [q|k|v|z|b|a] (one GEMV with
+    the causal conv as epilogue), the conv filter, gates, the gated-norm weight, out_proj, its state."""
+    w_in: torch.Tensor
+    conv_w: torch.Tensor
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.Tensor
+    w_out: torch.Tensor
+    state: GDNState
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionMixer:
+    """A full-attention layer: [q|k|v] rows in one matrix, the q/k norms, o_proj, its K/V cache."""
+    w_qkv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    w_o: torch.Tensor
+    state: AttentionState
+
+
+@dataclass(frozen=True, eq=False)
+class MoEFFN:
+    """A sparse MoE block: router rows then the shared-expert gate row in one matrix, the routed
+    experts' gate_up [E, 2I, H] / down [E, H, I], the shared expert's [gate; up] and down."""
+    w_router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    s_gate_up: torch.Tensor
+    s_down: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class DenseFFN:
+    w_gate_up: torch.Tensor  # [gate; up]
+    w_down: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class FusedLayer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    mixer: GDNMixer | AttentionMixer
+    ffn: MoEFFN | DenseFFN
+
+
+@dataclass(frozen=True, eq=False)
+class Launch:
+    """One kernel launch of the fused step: its group (the benchmark times and counts bytes per group),
+    the model layer it serves (None: embedding, lm_head) and the call that enqueues it."""
+    group: str
+    layer: int | None
+    run: Callable[[], None]
+
+
 class FusedDecoder:
     """Static buffers + fused weights over an eager `Model`; `launch()` enqueues one decode step.
 
@@ -184,47 +231,19 @@ class FusedDecoder:
             raise EngineError(f"mode must be 'fused' or 'eager', got {mode!r}")
         cfg = model.config
         _require_gpu_dtype(cfg, state.dtype)
-        from .kernels import attention, common, gdn, gemv, moe, route, sampling  # triton: GPU path only
+        from .kernels import attention, common, gdn, gemv, moe, sampling  # triton: GPU path only
         self.k_common = common
         self.k_attn, self.k_gdn, self.k_gemv, self.k_moe, self.k_samp = attention, gdn, gemv, moe, sampling
-        self.k_route = route
         self.model, self.cfg, self.state, self.mode, self.t = model, cfg, state, mode, tuning or Tuning()
         self.pdl = pdl_enabled(self.t.pdl, common.DEFAULT_PDL,
                                torch.cuda.get_device_capability(state.device) if state.device.type == "cuda" else None)
         dev, dt, c = state.device, state.dtype, cfg
-        self.layers: list[dict] = []
-        max_buf = 1
-        for i, lw in enumerate(model.layers if mode == "fused" else ()):
-            p = f"layers.{i}."
-            L: dict = {"kind": lw.kind, "ln1": lw.input_norm, "ln2": lw.post_norm}
-            m = lw.mixer
-            if lw.kind == "linear_attention":
-                if c.family == "qwen3_next":
-                    L["w_in"] = _next_in_proj(c, m)
-                else:
-                    L["w_in"], (m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a) = _concat_shared(
-                        [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
-                L.update(conv_w=m.conv1d.contiguous(), a_log=m.A_log, dt_bias=m.dt_bias, gnorm=m.norm,
-                         w_out=m.out_proj, conv=state[p + "conv"], rec=state[p + "rec"])
-                max_buf = max(max_buf, L["w_in"].shape[0])
-            else:
-                L["w_qkv"], (m.q_proj, m.k_proj, m.v_proj) = _concat_shared([m.q_proj, m.k_proj, m.v_proj])
-                L.update(qn=m.q_norm, kn=m.k_norm, w_o=m.o_proj, k=state[p + "k"], v=state[p + "v"])
-                max_buf = max(max_buf, L["w_qkv"].shape[0])
-            f = lw.ffn
-            if hasattr(f, "router"):
-                L["w_router"], (f.router, f.shared_gate) = _concat_shared([f.router, f.shared_gate])
-                L["s_gate_up"], (f.shared.gate_proj, f.shared.up_proj) = _concat_shared(
-                    [f.shared.gate_proj, f.shared.up_proj])
-                L.update(moe=True, gate_up=f.gate_up_proj, down=f.down_proj, s_down=f.shared.down_proj)
-            else:
-                L["w_gu"], (f.gate_proj, f.up_proj) = _concat_shared([f.gate_proj, f.up_proj])
-                L.update(moe=False, w_down=f.down_proj)
-            self.layers.append(L)
+        self.layers: list[FusedLayer] = [
+            FusedLayer(lw.input_norm, lw.post_norm, self._fuse_mixer(i, lw), self._fuse_ffn(lw.ffn))
+            for i, lw in enumerate(model.layers if mode == "fused" else ())]
+        max_buf = max([1] + [(L.mixer.w_in if isinstance(L.mixer, GDNMixer) else L.mixer.w_qkv).shape[0]
+                             for L in self.layers])
         self.embed, self.final_norm, self.lm_head = model.embed, model.final_norm, model.lm_head
-        self.moe_kernel, self.moe_impl = None, None
-        if c.num_experts and mode == "fused":
-            self.moe_kernel, self.moe_impl = self._moe_kernel(dev)
         # Static activations (addresses fixed for capture).
         H = c.hidden_size
         self.res = torch.zeros(H, dtype=dt, device=dev)
@@ -257,99 +276,95 @@ class FusedDecoder:
         self.params = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float32, device=dev)  # temperature, top_p, top_k
         self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
 
-    def _moe_kernel(self, dev):
-        """(kernel or None, "cuda" | "triton") for the MoE layers, per Tuning.moe_impl."""
-        impl = self.t.moe_impl
-        if impl not in ("cuda", "triton"):
-            raise EngineError(f"Tuning.moe_impl must be 'cuda' or 'triton', got {impl!r}")
-        if impl == "triton":
-            return None, "triton"
-        from .cuda_kernels import MoeDecode
-        c = self.cfg
-        return MoeDecode(dev, c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-                         c.shared_expert_intermediate_size), "cuda"
+    def _fuse_mixer(self, i: int, lw) -> GDNMixer | AttentionMixer:
+        m = lw.mixer
+        if lw.kind == "linear_attention":
+            if self.cfg.family == "qwen3_next":
+                w_in = _next_in_proj(self.cfg, m)
+            else:
+                w_in, (m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a) = _concat_shared(
+                    [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+            return GDNMixer(w_in, m.conv1d.contiguous(), m.A_log, m.dt_bias, m.norm, m.out_proj, self.state.gdn(i))
+        w_qkv, (m.q_proj, m.k_proj, m.v_proj) = _concat_shared([m.q_proj, m.k_proj, m.v_proj])
+        return AttentionMixer(w_qkv, m.q_norm, m.k_norm, m.o_proj, self.state.attention(i))
+
+    @staticmethod
+    def _fuse_ffn(f) -> MoEFFN | DenseFFN:
+        if hasattr(f, "router"):
+            w_router, (f.router, f.shared_gate) = _concat_shared([f.router, f.shared_gate])
+            s_gate_up, (f.shared.gate_proj, f.shared.up_proj) = _concat_shared([f.shared.gate_proj, f.shared.up_proj])
+            return MoEFFN(w_router, f.gate_up_proj, f.down_proj, s_gate_up, f.shared.down_proj)
+        w_gate_up, (f.gate_proj, f.up_proj) = _concat_shared([f.gate_proj, f.up_proj])
+        return DenseFFN(w_gate_up, f.down_proj)
 
     # ---- one decode step -------------------------------------------------------------------------
-    def plan(self, seq_len: int = 0) -> list[tuple[str, object, int]]:
-        """The fused step as (kernel group, launch, bytes it must move at context `seq_len`), in order.
-
-        The step runs these launches; the benchmark times each group and sums the bytes (each
-        weight / state byte read once, state written once, K/V rows 0..seq_len read)."""
-        c, g, t, st = self.cfg, self.k_gemv, self.t, self.state
-        eps = c.rms_norm_eps
-        b = lambda x: x.numel() * x.element_size()  # noqa: E731
-        steps: list[tuple[str, object, int]] = [
-            ("embed", lambda: self.k_samp.embed(self.tok, self.embed, self.res),
-             c.hidden_size * self.embed.element_size())]
-        for L in self.layers:
-            if L["kind"] == "linear_attention":
-                steps += [
-                    ("gdn_in_proj+conv", lambda L=L: g.gemv(
-                        self.res, L["w_in"], self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L["ln1"],
-                        aux0=L["conv"], aux1=L["conv_w"], eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel,
-                        **t.shape(L["w_in"].shape[0])), b(L["w_in"]) + b(L["conv_w"]) + 2 * b(L["conv"])),
-                    ("gdn_step", lambda L=L: self.k_gdn.gdn_step(
-                        self.buf, L["rec"], self.o, L["a_log"], L["dt_bias"], num_k_heads=c.linear_num_key_heads,
-                        num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
-                        head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
-                        num_warps=t.gdn_warps), 2 * b(L["rec"])),
-                    ("gdn_out_proj", lambda L=L: g.gemv(
-                        self.o, L["w_out"], self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=L["gnorm"],
-                        z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim,
-                        **dict(zip(("block_n", "block_k", "num_warps"), t.gemv_gated))), b(L["w_out"]))]
-            else:
-                kv_row = c.num_kv_heads * c.head_dim * L["k"].element_size()
-                steps += [
-                    ("attn_qkv_proj", lambda L=L: g.gemv(
-                        self.res, L["w_qkv"], self.buf, pro=g.PRO_RMSNORM, norm_w=L["ln1"], eps=eps,
-                        **t.shape(L["w_qkv"].shape[0])), b(L["w_qkv"])),
-                    ("attn_qknorm_rope_kvwrite", lambda L=L: self.k_attn.qk_rope_cache(
-                        self.buf, self.q, L["k"], L["v"], L["qn"], L["kn"], self.model.rope_cos, self.model.rope_sin,
-                        st.position, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                        rotary_dim=c.rotary_dim, eps=eps), 2 * kv_row),
-                    ("attn_splitk+combine", lambda L=L: self.k_attn.attention_decode(
-                        self.q, L["k"], L["v"], st.position, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
-                        self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                        nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per,
-                        num_warps=t.attn_warps), 2 * kv_row * (seq_len + 1)),
-                    ("attn_o_proj", lambda L=L: g.gemv(
-                        self.o, L["w_o"], self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)), b(L["w_o"]))]
-            per_expert = (b(L["gate_up"]) + b(L["down"])) // c.num_experts if L["moe"] else 0
-            if L["moe"] and self.moe_kernel is not None:
-                steps.append(("moe_block(norm+router+experts)", lambda L=L: self.moe_kernel.launch(
-                    self.res, L["ln2"], L["w_router"], L["gate_up"], L["down"], L["s_gate_up"], L["s_down"],
-                    self.router_logits, self.act, self.ids, self.wts, eps=eps, norm_topk=c.norm_topk_prob),
-                    b(L["w_router"]) + c.num_experts_per_tok * per_expert + b(L["s_gate_up"]) + b(L["s_down"])))
-            elif L["moe"]:
-                steps += [
-                    ("moe_router", lambda L=L: g.gemv(
-                        self.res, L["w_router"], self.router_logits, pro=g.PRO_RMSNORM, norm_w=L["ln2"], eps=eps,
-                        xn_out=self.xn, **dict(zip(("block_n", "block_k", "num_warps"), t.gemv_router))),
-                     b(L["w_router"]))]
-                if not t.moe_route_in_gate_up:
-                    steps.append(("moe_route", lambda: self.k_route.route(
-                        self.router_logits, self.ids, self.wts, num_experts=c.num_experts,
-                        top_k=c.num_experts_per_tok, norm_topk=c.norm_topk_prob), 0))
-                steps += [
-                    ("moe_experts", lambda L=L: self.k_moe.moe_experts(
-                        self.xn, self.res, self.router_logits, L["gate_up"], L["s_gate_up"], L["down"], L["s_down"],
-                        self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=t.moe_block_n,
-                        block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k,
-                        num_warps=t.moe_warps, down_num_warps=t.moe_down_warps,
-                        route=t.moe_route_in_gate_up, norm_topk=c.norm_topk_prob),
-                     c.num_experts_per_tok * per_expert + b(L["s_gate_up"]) + b(L["s_down"]))]
-            else:
-                steps += [
-                    ("mlp_gate_up+swiglu", lambda L=L: g.gemv(
-                        self.res, L["w_gu"], self.act_dense, pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L["ln2"],
-                        eps=eps, **t.shape(L["w_gu"].shape[0] // 2)), b(L["w_gu"])),
-                    ("mlp_down", lambda L=L: g.gemv(
-                        self.act_dense, L["w_down"], self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)),
-                     b(L["w_down"]))]
-        steps.append(("lm_head+argmax", lambda: g.gemv(
+    def plan(self) -> list[Launch]:
+        """The fused step as its launches, in order: the step runs them; benchmarks/decode_bench.py
+        times each group and counts the bytes it moves."""
+        c, g = self.cfg, self.k_gemv
+        steps = [Launch("embed", None, lambda: self.k_samp.embed(self.tok, self.embed, self.res))]
+        for i, L in enumerate(self.layers):
+            mixer = self._gdn if isinstance(L.mixer, GDNMixer) else self._attention
+            ffn = self._moe if isinstance(L.ffn, MoEFFN) else self._dense
+            steps += [Launch(group, i, fn) for group, fn in mixer(L) + ffn(L)]
+        steps.append(Launch("lm_head+argmax", None, lambda: g.gemv(
             self.res, self.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
-            aux0=self.pmax, aux1=self.pidx, eps=eps, block_n=t.block_n_lm, block_k=256), b(self.lm_head)))
+            aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, block_n=self.t.block_n_lm, block_k=256)))
         return steps
+
+    def _gdn(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
+        c, g, t, m, eps = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps
+        return [
+            ("gdn_in_proj+conv", lambda: g.gemv(
+                self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
+                aux0=m.state.conv, aux1=m.conv_w, eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel,
+                **t.shape(m.w_in.shape[0]))),
+            ("gdn_step", lambda: self.k_gdn.gdn_step(
+                self.buf, m.state.rec, self.o, m.a_log, m.dt_bias, num_k_heads=c.linear_num_key_heads,
+                num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
+                head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v, num_warps=t.gdn_warps)),
+            ("gdn_out_proj", lambda: g.gemv(
+                self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
+                z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim,
+                **dict(zip(("block_n", "block_k", "num_warps"), t.gemv_gated))))]
+
+    def _attention(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
+        c, g, t, m, eps, pos = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.state.position
+        return [
+            ("attn_qkv_proj", lambda: g.gemv(
+                self.res, m.w_qkv, self.buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps,
+                **t.shape(m.w_qkv.shape[0]))),
+            ("attn_qknorm_rope_kvwrite", lambda: self.k_attn.qk_rope_cache(
+                self.buf, self.q, m.state.k, m.state.v, m.q_norm, m.k_norm, self.model.rope_cos, self.model.rope_sin,
+                pos, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                rotary_dim=c.rotary_dim, eps=eps)),
+            ("attn_splitk+combine", lambda: self.k_attn.attention_decode(
+                self.q, m.state.k, m.state.v, pos, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
+                self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
+            ("attn_o_proj", lambda: g.gemv(
+                self.o, m.w_o, self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)))]
+
+    def _moe(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
+        c, g, t, f, eps = self.cfg, self.k_gemv, self.t, L.ffn, self.cfg.rms_norm_eps
+        return [
+            ("moe_router", lambda: g.gemv(
+                self.res, f.w_router, self.router_logits, pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
+                xn_out=self.xn, **dict(zip(("block_n", "block_k", "num_warps"), t.gemv_router)))),
+            ("moe_experts", lambda: self.k_moe.moe_experts(
+                self.xn, self.res, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down,
+                self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=t.moe_block_n,
+                block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k,
+                num_warps=t.moe_warps, down_num_warps=t.moe_down_warps, norm_topk=c.norm_topk_prob))]
+
+    def _dense(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
+        c, g, t, f = self.cfg, self.k_gemv, self.t, L.ffn
+        return [
+            ("mlp_gate_up+swiglu", lambda: g.gemv(
+                self.res, f.w_gate_up, self.act_dense, pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
+                eps=c.rms_norm_eps, **t.shape(f.w_gate_up.shape[0] // 2))),
+            ("mlp_down", lambda: g.gemv(
+                self.act_dense, f.w_down, self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)))]
 
     def launch(self, sample: bool = False) -> None:
         """Enqueue one decode step: input token `tok` at `position`; leaves the next token in `tok`."""
@@ -363,8 +378,8 @@ class FusedDecoder:
     def _launch(self, sample: bool) -> None:
         pos = self.state.position
         if self.mode == "fused":
-            for _, fn, _ in self.plan():
-                fn()
+            for step in self.plan():
+                step.run()
             n_part = self.n_part
         else:
             self.logits.copy_(self.model.decode(self.tok, self.state))  # advances position itself
@@ -386,14 +401,6 @@ class FusedDecoder:
         self.k_samp.finish(self.pmax, self.pidx, n_part, self.tok, pos, self.step, self.ring, RING)
         if self.control == "pinned-copy":
             self.ring_host.copy_(self.ring, non_blocking=True)
-
-    def bytes_per_step(self, seq_len: int) -> dict[str, int]:
-        """Bytes the fused step must move at context `seq_len`, per kernel group and in total."""
-        out: dict[str, int] = {}
-        for name, _, nb in self.plan(seq_len):
-            out[name] = out.get(name, 0) + nb
-        out["total"] = sum(out.values())
-        return out
 
 
 class GraphRunner:
@@ -431,7 +438,7 @@ class GraphRunner:
     def _snapshot(self) -> dict:
         # Warm-up runs a real step; put back every tensor it mutates so capture leaves no trace.
         d = self.d
-        live = [d.state.position, d.tok, d.step, d.res] + [t for t in d.state.tensors.values()]
+        live = [d.state.position, d.tok, d.step, d.res] + d.state.buffers()
         return {id(t): (t, t.clone()) for t in live}
 
     @staticmethod

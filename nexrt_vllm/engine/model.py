@@ -446,10 +446,11 @@ class Model:
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
             if layer.kind == "full_attention":
-                x = attention_prefill(layer.mixer, cfg, x, self.rope_cos, self.rope_sin,
-                                      state[f"layers.{i}.k"], state[f"layers.{i}.v"])
+                kv = state.attention(i)
+                x = attention_prefill(layer.mixer, cfg, x, self.rope_cos, self.rope_sin, kv.k, kv.v)
             else:
-                x = gdn_prefill(layer.mixer, cfg, x, state[f"layers.{i}.conv"], state[f"layers.{i}.rec"])
+                s = state.gdn(i)
+                x = gdn_prefill(layer.mixer, cfg, x, s.conv, s.rec)
             h = h + x
             h = h + self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=False)
         return self.logits(h)
@@ -465,10 +466,11 @@ class Model:
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
             if layer.kind == "full_attention":
-                x = attention_decode(layer.mixer, cfg, x, cos, sin, state[f"layers.{i}.k"],
-                                     state[f"layers.{i}.v"], pos, visible)
+                kv = state.attention(i)
+                x = attention_decode(layer.mixer, cfg, x, cos, sin, kv.k, kv.v, pos, visible)
             else:
-                x = gdn_decode(layer.mixer, cfg, x, state[f"layers.{i}.conv"], state[f"layers.{i}.rec"])
+                s = state.gdn(i)
+                x = gdn_decode(layer.mixer, cfg, x, s.conv, s.rec)
             h = h + x
             h = h + self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=True)
         pos.add_(1)

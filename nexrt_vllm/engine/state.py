@@ -1,22 +1,67 @@
 """DecodeState: the static per-request buffers of one batch-1 decode (docs/ARCHITECTURE.md §1).
 
 Allocated once for `max_seq_len`; a decode step only writes into these tensors, so their addresses
-never change (a CUDA graph can capture the step). Native layout, per model layer `i`:
+never change (a CUDA graph can capture the step). Native layout, one record per model layer `i`
+(`state.layers[i]`, or `state.attention(i)` / `state.gdn(i)`):
 
-- full attention: `layers.{i}.k`, `layers.{i}.v` [num_kv_heads, max_seq_len, head_dim], model dtype,
+- full attention, `AttentionState`: `k`, `v` [num_kv_heads, max_seq_len, head_dim], model dtype,
   rows post k-norm and post-RoPE; rows at and after `seq_len` are ignored (masked);
-- GDN: `layers.{i}.conv` [conv_dim, kernel-1] model dtype, oldest column first, channels q|k|v;
-  `layers.{i}.rec` [num_v_heads, head_k_dim, head_v_dim] fp32.
+- GDN, `GDNState`: `conv` [conv_dim, kernel-1] model dtype, oldest column first, channels q|k|v;
+  `rec` [num_v_heads, head_k_dim, head_v_dim] fp32.
+
+The hand-off format (`export` / `load`, the node's page conversion) is a flat dict that names each
+tensor `layers.{i}.<field>`; this module alone spells those names (`LayerState.named`,
+`LayerState.from_named`).
 
 `position` is `seq_len` as a device tensor (int64 [1]): the decode step reads the write position from
 it and advances it on the device; `seq_len` is the host's copy, kept equal by the engine.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
 import torch
 
 from .config import ModelConfig
 from .errors import StateError
+
+
+def _name(layer: int, part: str) -> str:
+    return f"layers.{layer}.{part}"
+
+
+@dataclass(frozen=True, eq=False)
+class LayerState:
+    """One layer's state tensors (a subclass per layer kind; eq=False: tensors do not compare to a bool)."""
+
+    # Fields with one row per token along dim 1: export trims them to seq_len, reset leaves them.
+    ROWS = ()
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def named(self, index: int) -> dict[str, torch.Tensor]:
+        """This record as entries of the hand-off dict, for model layer `index`."""
+        return {_name(index, p): t for p, t in self.parts().items()}
+
+    @classmethod
+    def from_named(cls, tensors: Mapping[str, torch.Tensor], index: int) -> "LayerState":
+        """Layer `index`'s record out of a hand-off dict (KeyError naming the entry if absent)."""
+        return cls(**{f.name: tensors[_name(index, f.name)] for f in fields(cls)})
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionState(LayerState):
+    k: torch.Tensor
+    v: torch.Tensor
+    ROWS = ("k", "v")
+
+
+@dataclass(frozen=True, eq=False)
+class GDNState(LayerState):
+    conv: torch.Tensor
+    rec: torch.Tensor
 
 
 class DecodeState:
@@ -27,38 +72,63 @@ class DecodeState:
         self.max_seq_len = max_seq_len
         self.dtype = dtype
         self.device = torch.device(device)
-        self.tensors: dict[str, torch.Tensor] = {}
-        for name, (shape, dt) in self.layout().items():
-            self.tensors[name] = torch.zeros(shape, dtype=dt, device=self.device)
+        self.layers: list[LayerState] = [
+            kind(**{p: torch.zeros(shape, dtype=dt, device=self.device) for p, (shape, dt) in parts.items()})
+            for kind, parts in self._layer_layouts()]
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
         self.seq_len = 0
 
-    def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """name -> (shape, dtype) of every state tensor."""
+    def _layer_layouts(self) -> list[tuple[type[LayerState], dict[str, tuple[tuple[int, ...], torch.dtype]]]]:
         c = self.config
-        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for i, kind in enumerate(c.layer_types):
+        out = []
+        for kind in c.layer_types:
             if kind == "full_attention":
-                kv = (c.num_kv_heads, self.max_seq_len, c.head_dim)
-                out[f"layers.{i}.k"] = (kv, self.dtype)
-                out[f"layers.{i}.v"] = (kv, self.dtype)
+                kv = ((c.num_kv_heads, self.max_seq_len, c.head_dim), self.dtype)
+                out.append((AttentionState, {"k": kv, "v": kv}))
             else:
-                out[f"layers.{i}.conv"] = ((c.conv_dim, c.conv_kernel - 1), self.dtype)
-                out[f"layers.{i}.rec"] = ((c.linear_num_value_heads, c.linear_key_head_dim,
-                                           c.linear_value_head_dim), torch.float32)
+                out.append((GDNState, {
+                    "conv": ((c.conv_dim, c.conv_kernel - 1), self.dtype),
+                    "rec": ((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                            torch.float32)}))
         return out
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
+    def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Hand-off name -> (shape, dtype) of every state tensor."""
+        return {_name(i, p): spec for i, (_, parts) in enumerate(self._layer_layouts()) for p, spec in parts.items()}
+
+    def attention(self, i: int) -> AttentionState:
+        return self._layer(i, AttentionState)
+
+    def gdn(self, i: int) -> GDNState:
+        return self._layer(i, GDNState)
+
+    def _layer(self, i: int, kind: type[LayerState]):
+        layer = self.layers[i]
+        if not isinstance(layer, kind):
+            raise StateError(f"layer {i} holds {type(layer).__name__}, not {kind.__name__}")
+        return layer
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every state tensor (live, not copies), in layer order."""
+        return [t for layer in self.layers for t in layer.parts().values()]
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """The live state tensors under their hand-off names (no copy; K/V at full max_seq_len)."""
+        return {k: t for i, layer in enumerate(self.layers) for k, t in layer.named(i).items()}
+
+    def native_dtypes(self) -> dict[str, torch.dtype]:
+        """Element types of the state: {"kv": attention K/V, "conv": GDN conv, "rec": GDN recurrent}."""
+        return {"kv": self.dtype, "conv": self.dtype, "rec": torch.float32}
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
     def reset(self) -> None:
         """Empty the state. KV rows need no clearing: rows at or after seq_len are masked."""
-        for name, t in self.tensors.items():
-            if not name.endswith((".k", ".v")):
-                t.zero_()
+        for layer in self.layers:
+            for p, t in layer.parts().items():
+                if p not in layer.ROWS:
+                    t.zero_()
         self.position.zero_()
         self.seq_len = 0
 
@@ -66,11 +136,14 @@ class DecodeState:
         self.seq_len = n
         self.position.fill_(n)
 
+    def _rows(self) -> set[str]:
+        """Hand-off names of the per-token tensors (trimmed on export, shorter on load)."""
+        return {_name(i, p) for i, layer in enumerate(self.layers) for p in layer.ROWS}
+
     def export(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """(seq_len, copies of the state): K/V trimmed to the seq_len valid rows."""
-        n = self.seq_len
-        return n, {name: (t[:, :n] if name.endswith((".k", ".v")) else t).clone()
-                   for name, t in self.tensors.items()}
+        """(seq_len, copies of the state by hand-off name): K/V trimmed to the seq_len valid rows."""
+        n, rows = self.seq_len, self._rows()
+        return n, {name: (t[:, :n] if name in rows else t).clone() for name, t in self.named().items()}
 
     def load(self, seq_len: int, tensors: dict[str, torch.Tensor]) -> None:
         """Replace the state with `tensors` (as `export` gives them, or K/V with up to max_seq_len rows).
@@ -81,7 +154,7 @@ class DecodeState:
             raise StateError(f"seq_len must be an int in [1, {self.max_seq_len}], got {seq_len!r}")
         if not isinstance(tensors, dict):
             raise StateError(f"state must be a dict of tensors, got {type(tensors).__name__}")
-        layout = self.layout()
+        layout, rows = self.layout(), self._rows()
         problems = []
         missing = sorted(set(layout) - set(tensors))
         unexpected = sorted(set(tensors) - set(layout))
@@ -94,7 +167,7 @@ class DecodeState:
             if not isinstance(t, torch.Tensor):
                 problems.append(f"{name}: not a tensor ({type(t).__name__})")
                 continue
-            if name.endswith((".k", ".v")):
+            if name in rows:
                 ok = t.dim() == 3 and (t.shape[0], t.shape[2]) == (shape[0], shape[2]) and \
                     seq_len <= t.shape[1] <= shape[1]
                 want = f"({shape[0]}, L, {shape[2]}) with {seq_len} <= L <= {shape[1]}"
@@ -106,10 +179,10 @@ class DecodeState:
                 problems.append(f"{name}: dtype {t.dtype}, expected {dt}")
         if problems:
             raise StateError("state does not match the native layout: " + "; ".join(problems))
+        live = self.named()
         for name, t in tensors.items():
-            dst = self.tensors[name]
-            if name.endswith((".k", ".v")):
-                dst[:, :seq_len].copy_(t[:, :seq_len])
+            if name in rows:
+                live[name][:, :seq_len].copy_(t[:, :seq_len])
             else:
-                dst.copy_(t)
+                live[name].copy_(t)
         self.set_seq_len(seq_len)

@@ -19,7 +19,7 @@ the node's receive buffer.
   ``(v_heads, head_v_dim, head_k_dim)``, ``"HKV"`` is ``(v_heads, head_k_dim, head_v_dim)``.
 
 Dtypes are named by the strings of ``DTYPE_SIZES`` (torch's attribute names; the torch mapping
-is ``nexrt_vllm.node.convert.TORCH_DTYPES``). Pure Python, like the rest of ``nexrt_vllm.handoff``.
+is ``nexrt_vllm.engine.dtypes.TORCH_DTYPES``). Pure Python, like the rest of ``nexrt_vllm.handoff``.
 """
 from __future__ import annotations
 

@@ -126,8 +126,8 @@ class HandoffSender:
         self._lock = threading.Lock()  # guards the dicts; one lock per node serialises its REQ socket
         self._node_locks: dict[str, threading.Lock] = {}
 
-    def register(self, addr: int, size: int, kind: str = "host") -> None:
-        self.transport.register(addr, size, kind)
+    def register(self, addr: int, size: int, kind: str = "host", device: int = 0) -> None:
+        self.transport.register(addr, size, kind, device)
 
     def unregister(self, addr: int) -> None:
         self.transport.unregister(addr)

@@ -6,7 +6,8 @@ Memory kinds (``--recv-memory``):
 * ``pinned`` page-locked host memory for a GPU node: the sender writes into host RAM, then the node
   does one async host-to-device copy of the received bytes and converts on the GPU.
 * ``device`` GPU memory registered with the transport directly (needs a backend whose
-  ``memory_kinds`` include ``"device"`` — NIXL with CUDA; the non-CUDA Mooncake wheel refuses it).
+  ``memory_kinds`` include ``"device"``: NIXL with CUDA, Mooncake's CUDA build; the non-CUDA
+  Mooncake wheel refuses it).
 
 Each buffer serves one admission at a time. A buffer whose writer may still be live (the transfer
 timed out or was cancelled before ``done``/``abort``) is quarantined: it is not handed out again
@@ -70,7 +71,7 @@ def allocate(transport: ReceiverTransport, count: int, size: int, memory: str, d
             t = torch.empty(size, dtype=torch.uint8, device=device)
         else:
             t = torch.empty(size, dtype=torch.uint8, pin_memory=(memory == "pinned"))
-        transport.register(t.data_ptr(), size, "device" if memory == "device" else "host")
+        transport.register(t.data_ptr(), size, "device" if memory == "device" else "host", t.device.index or 0)
         out.append(RecvBuffer(i, t, memory))
     return out
 

@@ -10,12 +10,10 @@ from typing import Mapping
 
 import torch
 
+from nexrt_vllm.engine.dtypes import TORCH_DTYPES
+from nexrt_vllm.engine.state import AttentionState, GDNState
 from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
-
-# The torch dtype of every dtype name a layout may carry (the names are torch's own).
-TORCH_DTYPES = {name: getattr(torch, name) for name in L.DTYPE_SIZES}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def native_bytes(cfg, seq_len: int, kv_bytes: int, conv_bytes: int, rec_bytes: int = 4) -> int:
@@ -39,8 +37,8 @@ def unpack_state(buf: torch.Tensor, layout: L.Layout, regions: list[P.Region], s
         raw = buf[reg.offset: reg.offset + reg.nbytes]
         if layer.kind == "attention":
             k, v = _attention_kv(raw, layer, reg)
-            out[f"layers.{layer.index}.k"] = k[:, :seq_len].to(dtypes["kv"]).contiguous()
-            out[f"layers.{layer.index}.v"] = v[:, :seq_len].to(dtypes["kv"]).contiguous()
+            out.update(AttentionState(k=k[:, :seq_len].to(dtypes["kv"]).contiguous(),
+                                      v=v[:, :seq_len].to(dtypes["kv"]).contiguous()).named(layer.index))
         else:
             conv = torch.as_strided(raw[:layer.conv_bytes].view(TORCH_DTYPES[layer.conv_dtype]),
                                     layer.conv_shape, layer.conv_strides)
@@ -50,8 +48,8 @@ def unpack_state(buf: torch.Tensor, layout: L.Layout, regions: list[P.Region], s
                                    layer.rec_shape, layer.rec_strides)
             if layer.rec_layout == "HVK":
                 rec = rec.transpose(1, 2)
-            out[f"layers.{layer.index}.conv"] = conv.to(dtypes["conv"]).contiguous()
-            out[f"layers.{layer.index}.rec"] = rec.to(dtypes["rec"]).contiguous()
+            out.update(GDNState(conv=conv.to(dtypes["conv"]).contiguous(),
+                                rec=rec.to(dtypes["rec"]).contiguous()).named(layer.index))
     return out
 
 

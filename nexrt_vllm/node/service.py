@@ -77,9 +77,7 @@ class DecodeNode:
         # rid -> (generation, done received): finished rids, to refuse duplicates and late messages
         self._tombstones: collections.OrderedDict[str, tuple[int, bool]] = collections.OrderedDict()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nexrt-decode")
-        native = engine.state.layout()  # name -> (shape, dtype)
-        pick = lambda suffix: next((dt for n, (_, dt) in native.items() if n.endswith(suffix)), None)  # noqa: E731
-        self._dtypes = {"kv": pick(".k"), "conv": pick(".conv"), "rec": pick(".rec")}
+        self._dtypes = engine.state.native_dtypes()
 
     # ---- admission (HTTP) -------------------------------------------------------------------
     def admit(self, req: AdmitRequest) -> Admission:

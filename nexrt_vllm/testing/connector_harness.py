@@ -245,15 +245,16 @@ def assert_vllm_greedy(vllm: "VLLMProc", prompt: list[int], full: list[int]) -> 
 
 class RecordingReceiver:
     """A double of the node's control plane made of the node's own pieces (protocol, transport
-    receiver, region plan): accepts every begin into its own slice of one registered buffer and
-    records what arrived. ``unregistered=True`` hands out a buffer the transport never registered,
-    so every page write fails (a transfer error)."""
+    receiver, region plan): accepts every begin into its own slice of one registered buffer (host,
+    or GPU memory with ``device``) and records what arrived. ``unregistered=True`` hands out a
+    buffer the transport never registered, so every page write fails (a transfer error)."""
 
-    def __init__(self, size=64 << 20, unregistered=False):
+    def __init__(self, size=64 << 20, unregistered=False, transport="mooncake", device=None):
         self.unregistered = unregistered
-        self.buf = torch.zeros(size, dtype=torch.uint8)
-        self.rx = make_receiver("mooncake")
-        self.rx.register(self.buf.data_ptr(), size)
+        self.buf = torch.zeros(size, dtype=torch.uint8, device=device)  # device: a GPU receive buffer
+        self.rx = make_receiver(transport)
+        self.rx.register(self.buf.data_ptr(), size, "device" if self.buf.is_cuda else "host",
+                         self.buf.device.index or 0)
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.addr = f"tcp://127.0.0.1:{port}"

@@ -10,22 +10,30 @@ from typing import Mapping
 
 import torch
 
+from nexrt_vllm.engine.dtypes import TORCH_DTYPES
+from nexrt_vllm.engine.state import AttentionState, GDNState
 from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
-from nexrt_vllm.node.convert import TORCH_DTYPES
 
 
 def layout_for(cfg, *, block_size: int = 16, kv_dtype: str = "bfloat16", conv_dtype: str = "bfloat16",
                rec_dtype: str = "float32", conv_layout: str = "SD", rec_layout: str = "HVK",
-               kv_format: str = "packed") -> L.Layout:
-    """The descriptor of vLLM-like contiguous pages for ``cfg`` (sender-side choices as arguments)."""
+               kv_format: str = "packed", kv_interior: str = "HND") -> L.Layout:
+    """The descriptor of vLLM-like pages for ``cfg`` (sender-side choices as arguments).
+    ``kv_interior``: ``"HND"`` heads outside tokens (vLLM's LBHNC, CPU), ``"NHD"`` tokens outside
+    heads (LBNHC, FlashAttention's default on GPUs)."""
     layers: list[L.LayerLayout] = []
     w = cfg.conv_kernel - 1
     h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     for i, kind in enumerate(cfg.layer_types):
         if kind == "full_attention":
             shape = (cfg.num_kv_heads, block_size, 2 * cfg.head_dim)
-            layers.append(L.AttentionLayout(i, kv_dtype, shape, L.contiguous_strides(shape), kv_format=kv_format))
+            strides = L.contiguous_strides(shape)
+            if kv_interior == "NHD":
+                strides = (shape[2], shape[0] * shape[2], 1)
+            elif kv_interior != "HND":
+                raise ValueError(f"kv_interior {kv_interior!r} not HND or NHD")
+            layers.append(L.AttentionLayout(i, kv_dtype, shape, strides, kv_format=kv_format))
         else:
             cshape = (w, cfg.conv_dim) if conv_layout == "SD" else (cfg.conv_dim, w)
             rshape = (h, dv, dk) if rec_layout == "HVK" else (h, dk, dv)
@@ -52,8 +60,9 @@ def pack_state(state: Mapping[str, torch.Tensor], seq_len: int, layout: L.Layout
         if layer.kind == "attention":
             h, bs, d2 = layer.shape
             kv = torch.zeros(h, n_pages * bs, d2, dtype=TORCH_DTYPES[layer.dtype])
-            kv[:, :seq_len, : d2 // 2] = state[f"layers.{i}.k"][:, :seq_len]
-            kv[:, :seq_len, d2 // 2:] = state[f"layers.{i}.v"][:, :seq_len]
+            native = AttentionState.from_named(state, i)
+            kv[:, :seq_len, : d2 // 2] = native.k[:, :seq_len]
+            kv[:, :seq_len, d2 // 2:] = native.v[:, :seq_len]
             paged = kv.reshape(h, n_pages, bs, d2).permute(1, 0, 2, 3)  # (pages, h, bs, 2d)
             d = d2 // 2
             if layer.kv_format == "cpu_vec":  # per head: K^T (d, bs) then V (bs, d), flat
@@ -71,8 +80,8 @@ def pack_state(state: Mapping[str, torch.Tensor], seq_len: int, layout: L.Layout
                 offs.append(off)
             pages[i] = offs
         else:
-            conv = state[f"layers.{i}.conv"]  # [conv_dim, kernel-1]
-            rec = state[f"layers.{i}.rec"]  # [heads, dk, dv]
+            native = GDNState.from_named(state, i)
+            conv, rec = native.conv, native.rec  # [conv_dim, kernel-1], [heads, dk, dv]
             off = blocks.pop() * stride
             _write_strided(cache, off, conv.t() if layer.conv_layout == "SD" else conv, layer.conv_dtype,
                            layer.conv_strides)

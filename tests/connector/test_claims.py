@@ -44,6 +44,8 @@ def test_malformed_claim(bad, msg):
     ({"transfer_timeout_s": "5"}, "transfer_timeout_s"),
     ({"attn_kv_format": "NHD"}, "attn_kv_format"),
     ({"gdn_rec_layout": "KV"}, "gdn_rec_layout"),
+    ({"staging": "sometimes"}, "staging"),
+    ({"staging_mib": 0}, "staging_mib"),
     ({"transprt": "nixl"}, "unknown NexRTConnector option"),
 ])
 def test_bad_config(extra, msg):
@@ -54,6 +56,7 @@ def test_bad_config(extra, msg):
 def test_config_defaults():
     cfg = ConnectorConfig.from_extra(None)
     assert (cfg.transport, cfg.control_timeout_s) == ("mooncake", 5.0)
+    assert (cfg.attn_kv_format, cfg.gdn_rec_layout, cfg.staging) == (None, None, "auto")  # layouts are detected
 
 
 @dataclass

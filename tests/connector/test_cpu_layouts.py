@@ -5,6 +5,7 @@ connector does, and read back by the node's `unpack_state` with the format the c
 import pytest
 import torch
 
+from nexrt_vllm.engine.state import AttentionState
 from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.node.convert import unpack_state
@@ -36,8 +37,9 @@ def test_page_interior_matches_vllm_kernel(isa, head_dim):
         off = regions[0].offset + slot * regions[0].page_bytes
         buf[off: off + regions[0].page_bytes] = cache[b].contiguous().view(torch.uint8).reshape(-1)
     got = unpack_state(buf, layout, regions, seq_len, {"kv": torch.bfloat16})
-    assert torch.equal(got["layers.0.k"], k.transpose(0, 1))
-    assert torch.equal(got["layers.0.v"], v.transpose(0, 1))
+    native = AttentionState.from_named(got, 0)
+    assert torch.equal(native.k, k.transpose(0, 1))
+    assert torch.equal(native.v, v.transpose(0, 1))
 
 
 @pytest.mark.parametrize("fmt", ["packed", "cpu_vec", "cpu_amx"])
@@ -49,8 +51,9 @@ def test_pack_state_is_the_inverse(fmt):
     shape = (heads, bs, 2 * d)
     layout = L.Layout({"num_hidden_layers": 1}, bs, (L.AttentionLayout(0, "bfloat16", shape, (bs * 2 * d, 2 * d, 1),
                                                                       kv_format=fmt),))
-    state = {"layers.0.k": torch.randn(heads, seq_len, d).to(torch.bfloat16),
-             "layers.0.v": torch.randn(heads, seq_len, d).to(torch.bfloat16)}
+    want = AttentionState(k=torch.randn(heads, seq_len, d).to(torch.bfloat16),
+                          v=torch.randn(heads, seq_len, d).to(torch.bfloat16))
+    state = want.named(0)
     cache, pages = pack_state(state, seq_len, layout)
     (reg,) = layout.regions(seq_len)
     buf = torch.zeros(P.align_up(reg.offset + reg.nbytes), dtype=torch.uint8)
@@ -58,4 +61,5 @@ def test_pack_state_is_the_inverse(fmt):
         buf[reg.offset + slot * reg.page_bytes: reg.offset + (slot + 1) * reg.page_bytes] = \
             cache[off: off + reg.page_bytes]
     got = unpack_state(buf, layout, [reg], seq_len, {"kv": torch.bfloat16})
-    assert torch.equal(got["layers.0.k"], state["layers.0.k"]) and torch.equal(got["layers.0.v"], state["layers.0.v"])
+    native = AttentionState.from_named(got, 0)
+    assert torch.equal(native.k, want.k) and torch.equal(native.v, want.v)

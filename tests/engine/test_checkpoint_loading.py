@@ -99,7 +99,7 @@ def test_dtype_cast_and_default(ckpt_factory, capsys):
     path = ckpt_factory("qwen3_5", "bfloat16")
     eng = Engine.from_pretrained(path, max_seq_len=32)  # dtype None -> the checkpoint's (bf16)
     assert "Loading weights" in capsys.readouterr().err  # tqdm progress bar
-    assert eng.model.embed.dtype == torch.bfloat16 and eng.state[f"layers.0.conv"].dtype == torch.bfloat16
+    assert eng.model.embed.dtype == torch.bfloat16 and eng.state.gdn(0).conv.dtype == torch.bfloat16
     for dt in ("float32", torch.float16):
         e = Engine.from_pretrained(path, dtype=dt, max_seq_len=32, progress=False)
         assert all(w.dtype == e.dtype for w in (e.model.embed, e.model.layers[0].mixer.in_proj_qkv))

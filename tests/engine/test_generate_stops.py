@@ -97,11 +97,11 @@ def test_bad_requests_raise_typed_errors(eng, qwen3_5_ckpt):
 def test_decode_step_keeps_buffers_static(eng):
     """What a CUDA graph needs: the step writes in place and advances the device-side position."""
     eng.prefill(PROMPT)
-    ptrs = {n: t.data_ptr() for n, t in eng.state.tensors.items()}
+    ptrs = [t.data_ptr() for t in eng.state.buffers()]
     pos_ptr = eng.state.position.data_ptr()
     for tok in (3, 4, 5):
         eng.decode_step(tok)
-    assert {n: t.data_ptr() for n, t in eng.state.tensors.items()} == ptrs
+    assert [t.data_ptr() for t in eng.state.buffers()] == ptrs
     assert eng.state.position.data_ptr() == pos_ptr
     assert int(eng.state.position) == eng.state.seq_len == len(PROMPT) + 3
-    assert torch.all(eng.state[f"layers.{eng.config.attention_layers[0]}.k"][:, len(PROMPT) + 2] != 0)
+    assert torch.all(eng.state.attention(eng.config.attention_layers[0]).k[:, len(PROMPT) + 2] != 0)

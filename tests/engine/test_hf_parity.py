@@ -89,13 +89,15 @@ def test_prefill_state_matches_transformers_cache(ckpt_factory, arch, shape, dty
         for i, kind in enumerate(eng.config.layer_types):
             layer = cache.layers[i]
             if kind == "full_attention":
-                assert rel(eng.state[f"layers.{i}.k"][:, :len(p)], layer.keys[0]) <= tol
-                assert rel(eng.state[f"layers.{i}.v"][:, :len(p)], layer.values[0]) <= tol
+                kv = eng.state.attention(i)
+                assert rel(kv.k[:, :len(p)], layer.keys[0]) <= tol
+                assert rel(kv.v[:, :len(p)], layer.values[0]) <= tol
             else:
                 # HF keeps `kernel` conv columns, the native layout the last kernel-1.
                 hf_conv, hf_rec = layer.conv_states[0][0], layer.recurrent_states[0][0]
                 assert hf_conv.shape[-1] == eng.config.conv_kernel
-                assert rel(eng.state[f"layers.{i}.conv"], hf_conv[:, 1:]) <= tol
-                assert eng.state[f"layers.{i}.rec"].dtype == torch.float32
-                assert eng.state[f"layers.{i}.rec"].shape == hf_rec.shape  # [v_heads, dk, dv]
-                assert rel(eng.state[f"layers.{i}.rec"], hf_rec) <= tol
+                s = eng.state.gdn(i)
+                assert rel(s.conv, hf_conv[:, 1:]) <= tol
+                assert s.rec.dtype == torch.float32
+                assert s.rec.shape == hf_rec.shape  # [v_heads, dk, dv]
+                assert rel(s.rec, hf_rec) <= tol

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from nexrt_vllm.engine import Engine, Sampler, SamplingParams, StateError
+from nexrt_vllm.engine.state import AttentionState, GDNState
 
 PROMPT = [9, 8, 200, 31, 77, 5, 123, 64, 3, 301, 44]
 
@@ -35,22 +36,35 @@ def test_export_is_a_trimmed_copy(pair):
     src.prefill(PROMPT)
     n, tensors = src.export_state()
     assert n == len(PROMPT)
-    layout = src.state.layout()
-    assert set(tensors) == set(layout)
+    layout, live = src.state.layout(), src.state.named()
+    assert set(tensors) == set(layout) == set(live)
     for name, t in tensors.items():
         shape, dtype = layout[name]
         want = (shape[0], n, shape[2]) if name.endswith((".k", ".v")) else shape
         assert tuple(t.shape) == want and t.dtype == dtype
-        assert t.data_ptr() != src.state[name].data_ptr()
-    conv = next(n_ for n_ in tensors if n_.endswith(".conv"))
-    tensors[conv].add_(1)
-    assert not torch.equal(tensors[conv], src.state[conv])
+        assert t.data_ptr() != live[name].data_ptr()
+    # the names address the typed per-layer records
+    i, j = src.config.gdn_layers[0], src.config.attention_layers[0]
+    gdn, kv = GDNState.from_named(tensors, i), AttentionState.from_named(tensors, j)
+    assert torch.equal(gdn.conv, src.state.gdn(i).conv) and torch.equal(gdn.rec, src.state.gdn(i).rec)
+    assert torch.equal(kv.k, src.state.attention(j).k[:, :n]) and torch.equal(kv.v, src.state.attention(j).v[:, :n])
+    gdn.conv.add_(1)
+    assert not torch.equal(gdn.conv, src.state.gdn(i).conv)
+
+
+def test_layer_accessors_name_the_wrong_kind(pair):
+    src, _ = pair
+    i, j = src.config.gdn_layers[0], src.config.attention_layers[0]
+    with pytest.raises(StateError, match=f"layer {i} holds GDNState, not AttentionState"):
+        src.state.attention(i)
+    with pytest.raises(StateError, match=f"layer {j} holds AttentionState, not GDNState"):
+        src.state.gdn(j)
 
 
 def test_import_takes_full_size_kv_buffers(pair):
     src, dst = pair
     logits = src.prefill(PROMPT)
-    full = {n: t.clone() for n, t in src.state.tensors.items()}  # K/V with max_seq_len rows
+    full = {n: t.clone() for n, t in src.state.named().items()}  # K/V with max_seq_len rows
     dst.import_state(len(PROMPT), full)
     tok = int(logits.argmax())
     assert torch.equal(dst.decode_step(tok), src.decode_step(tok))
@@ -89,11 +103,11 @@ def test_bad_import_is_refused_and_leaves_state_untouched(pair, how, msg):
     src.prefill(PROMPT)
     n, tensors = src.export_state()
     dst.prefill([4, 5, 6, 7])
-    before = {k: v.clone() for k, v in dst.state.tensors.items()}
+    before = [t.clone() for t in dst.state.buffers()]
     with pytest.raises(StateError, match=msg):
         dst.import_state(n, _corrupt(tensors, how))
     assert dst.state.seq_len == 4
-    assert all(torch.equal(before[k], v) for k, v in dst.state.tensors.items())
+    assert all(torch.equal(b, t) for b, t in zip(before, dst.state.buffers()))
 
 
 @pytest.mark.parametrize("seq_len", [0, 65, 3.0, True])

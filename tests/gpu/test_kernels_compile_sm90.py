@@ -21,7 +21,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nexrt_vllm.engine.kernels import attention, gdn, gemv, moe, route, sampling
+from nexrt_vllm.engine.kernels import attention, gdn, gemv, moe, sampling
 
 FP32_PTRS = {"state_ptr", "wts_ptr", "m_ptr", "l_ptr", "acc_ptr", "s_ptr", "pmax_ptr", "cum_ptr", "params_ptr",
              "vals_ptr", "cos_ptr", "sin_ptr"}
@@ -59,14 +59,13 @@ for pdl in (False, True):
         ("gemv_gated_residual", gemv.gemv_kernel, dict(G, PRO=2, EPI=1, GROUP=128, BLOCK_N=8, BLOCK_K=1024), 8),
         ("gemv_lm_head_argmax", gemv.gemv_kernel, dict(G, PRO=1, EPI=4, BLOCK_N=32), 4),
         ("gemv_router_xn", gemv.gemv_kernel, dict(G, PRO=1, EPI=0, STORE_XN=True, BLOCK_N=4, BLOCK_K=1024), 8),
-        ("route", route.route_kernel, dict(E=256, EP=256, TOPK=8, NORM=True), 1),
         ("moe_gate_up", moe.moe_gate_up_kernel, dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=16,
-                                                     BLOCK_K=256, ROUTE=True, E=256, EP=256, NORM=True), 4),
+                                                     BLOCK_K=256, E=256, EP=256, NORM=True), 4),
         ("moe_down", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2,
                                                BLOCK_K=512), 4),
         # the GPU defaults (graph.Tuning): one-warp MoE and GDN programs
         ("moe_gate_up_1warp", moe.moe_gate_up_kernel, dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2,
-                                                           BLOCK_K=256, ROUTE=True, E=256, EP=256, NORM=True), 1),
+                                                           BLOCK_K=256, E=256, EP=256, NORM=True), 1),
         ("moe_down_1warp", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1,
                                                      BLOCK_K=512), 1),
         ("gdn_step_1warp", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16), 1),
@@ -93,7 +92,7 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 36 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 34 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_pdl_emits_the_grid_dependency_pair_and_only_with_pdl(compiled):

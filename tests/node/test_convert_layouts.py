@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+from nexrt_vllm.engine.state import AttentionState, GDNState
 from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.node.convert import unpack_state
@@ -21,12 +22,13 @@ def _state(cfg, seq_len, g):
     out = {}
     for i, kind in enumerate(cfg.layer_types):
         if kind == "full_attention":
-            for n in "kv":
-                out[f"layers.{i}.{n}"] = torch.randn(cfg.num_kv_heads, seq_len, cfg.head_dim, generator=g).bfloat16()
+            k, v = (torch.randn(cfg.num_kv_heads, seq_len, cfg.head_dim, generator=g).bfloat16() for _ in "kv")
+            out.update(AttentionState(k=k, v=v).named(i))
         else:
-            out[f"layers.{i}.conv"] = torch.randn(cfg.conv_dim, cfg.conv_kernel - 1, generator=g).bfloat16()
-            out[f"layers.{i}.rec"] = torch.randn(cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                                 cfg.linear_value_head_dim, generator=g)
+            conv = torch.randn(cfg.conv_dim, cfg.conv_kernel - 1, generator=g).bfloat16()
+            rec = torch.randn(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                              generator=g)
+            out.update(GDNState(conv=conv, rec=rec).named(i))
     return out
 
 
@@ -34,12 +36,14 @@ NATIVE = {"kv": torch.bfloat16, "conv": torch.bfloat16, "rec": torch.float32}
 
 
 @pytest.mark.parametrize("conv,rec,rec_dtype,kv_format,kv_dtype", list(itertools.product(
-    ["SD", "DS"], ["HVK", "HKV"], ["float32", "bfloat16"], ["packed", "cpu_vec"], ["bfloat16", "float32"])))
+    ["SD", "DS"], ["HVK", "HKV"], ["float32", "bfloat16"], ["packed", "packed_nhd", "cpu_vec"],
+    ["bfloat16", "float32"])))
 def test_round_trip_every_layout(cfg, conv, rec, rec_dtype, kv_format, kv_dtype):
     seq_len = 37  # 3 pages of 16, the last one partial
     state = _state(cfg, seq_len, torch.Generator().manual_seed(1))
+    interior = "NHD" if kv_format == "packed_nhd" else "HND"  # NHD: FlashAttention's LBNHC pages
     lay = layout_for(cfg, block_size=16, conv_layout=conv, rec_layout=rec, rec_dtype=rec_dtype,
-                     kv_format=kv_format, kv_dtype=kv_dtype)
+                     kv_format=kv_format.removesuffix("_nhd"), kv_dtype=kv_dtype, kv_interior=interior)
     cache, pages = pack_state(state, seq_len, lay)
     regions = lay.regions(seq_len)
     buf = torch.zeros(regions[-1].offset + regions[-1].nbytes, dtype=torch.uint8)
@@ -78,12 +82,14 @@ def test_hand_built_vllm_pages_convert_to_native(cfg):
     page = torch.cat([conv_sd.reshape(-1).view(torch.uint8), rec_hvk.reshape(-1).view(torch.uint8)])
     buf[rg.offset: rg.offset + rg.nbytes] = page
     got = unpack_state(buf, L.Layout(lay.model, bs, (attn, gdn)), [ra, rg], seq_len, NATIVE)
-    k, v = got[f"layers.{attn.index}.k"], got[f"layers.{attn.index}.v"]
+    native = AttentionState.from_named(got, attn.index)
+    k, v = native.k, native.v
     for t in range(seq_len):
         blk = kv_cache[block_ids[t // bs]]
         assert torch.equal(k[:, t], blk[:, t % bs, :d]) and torch.equal(v[:, t], blk[:, t % bs, d:])
-    assert torch.equal(got[f"layers.{gdn.index}.conv"], conv_sd.t())
-    assert torch.equal(got[f"layers.{gdn.index}.rec"][2, 5, 7], rec_hvk[2, 7, 5])
+    native = GDNState.from_named(got, gdn.index)
+    assert torch.equal(native.conv, conv_sd.t())
+    assert torch.equal(native.rec[2, 5, 7], rec_hvk[2, 7, 5])
 
 
 def test_cpu_vec_page_interior(cfg):
@@ -99,8 +105,9 @@ def test_cpu_vec_page_interior(cfg):
     buf = torch.zeros(reg.offset + reg.nbytes, dtype=torch.uint8)
     buf[reg.offset:] = page.reshape(-1).view(torch.uint8)
     got = unpack_state(buf, L.Layout(lay.model, bs, (attn,)), [reg], seq_len, NATIVE)
-    assert torch.equal(got[f"layers.{attn.index}.k"], kt.transpose(1, 2))
-    assert torch.equal(got[f"layers.{attn.index}.v"], v)
+    native = AttentionState.from_named(got, attn.index)
+    assert torch.equal(native.k, kt.transpose(1, 2))
+    assert torch.equal(native.v, v)
 
 
 def test_layout_of_another_model_is_refused(cfg, qwen3_5_ckpt):

@@ -9,7 +9,7 @@ import importlib.util
 import os
 import sys
 
-MODULES = ("attention", "gdn", "gemv", "moe", "route", "sampling")
+MODULES = ("attention", "gdn", "gemv", "moe", "sampling")
 
 
 def load(interpret: bool = False) -> tuple:

@@ -14,8 +14,7 @@ except ImportError:  # pragma: no cover - depends on the Triton build
 # Programmatic dependent launch (PDL, Hopper): a kernel may be scheduled while its predecessor still
 # runs; it waits (gdc_wait) before touching any memory and at once lets its own successor launch.
 # The process default comes from NEXRT_PDL=1; a `FusedDecoder` applies its `Tuning.pdl` (on by
-# default since round 5, docs/GPU.md) with `launch_options`. L2 prefetching the weights before the
-# wait made the step 10-12 % slower (round 3, removed). Always off in the interpreter.
+# default) with `launch_options`. Always off in the interpreter.
 _PDL_OK = _HAVE_GDC and os.environ.get("TRITON_INTERPRET") != "1"
 LAUNCH = {"PDL": False}  # **kwargs of every decode-kernel launch; mutated in place by launch_options
 

@@ -1,12 +1,13 @@
 """Sparse MoE for one token: only the selected experts' weights are read, each exactly once.
 
 Launch 1 is the router GEMV (`gemv`, RMSNorm prologue, `xn_out`) over [router; shared_expert_gate]
-rows; its program 0 also stores the normed input for the experts. Launch 2 (`route.route`, one
-warp) does the routing: softmax over E in fp32, top-k, renormalise, ids sorted ascending.
-Launch 3 (`moe_gate_up_kernel`, grid (intermediate blocks, 1 + top_k)) writes SiLU(gate)·up for
-its slot's expert; grid column 0 is the shared expert (its act row is the last). Launch 4
-(`moe_down_kernel`) sums the down projections in ascending expert id (the eager order, with its
-bf16 rounding), adds the sigmoid-gated shared expert and the residual.
+rows; its program 0 also stores the normed input for the experts. Launch 2 (`moe_gate_up_kernel`,
+grid (intermediate blocks, 1 + top_k)) routes and writes SiLU(gate)·up for its slot's expert: each
+routed program repeats the top-k selection (softmax over E in fp32, top-k, renormalise, ids
+ascending) from the router logits before its first weight load, which costs less than a launch of
+its own; grid column 0 is the shared expert (its act row is the last). Launch 3 (`moe_down_kernel`)
+sums the down projections in ascending expert id (the eager order, with its bf16 rounding), adds
+the sigmoid-gated shared expert and the residual.
 """
 import triton
 import triton.language as tl
@@ -14,7 +15,29 @@ import triton.language as tl
 from .common import LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 from .common import silu as _silu
-from .route import topk_select
+
+
+@triton.jit
+def topk_select(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr):
+    """(expert index e [EP], selected mask, slot of each selected expert (ascending id), weights in
+    bf16 precision) of one token's top-k routing from its router logits."""
+    e = tl.arange(0, EP)
+    em = e < E
+    lg = tl.load(logits_ptr + e, mask=em, other=float("-inf")).to(tl.float32)
+    p = tl.exp(lg - tl.max(lg, 0))
+    p = p / tl.sum(p, 0)
+    # One max-reduction per pick: key = (bits of p >= 0, order-preserving) << 32 | (EP-1-e), so the
+    # max key is the largest probability and, among equals, the lowest expert id.
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EP - 1 - e).to(tl.int64)
+    key = tl.where(em, key, -1)
+    sel = e < 0
+    for _ in tl.static_range(TOPK):
+        idx = EP - 1 - (tl.max(key, 0) & 0xFFFFFFFF).to(tl.int32)
+        sel = sel | (e == idx)
+        key = tl.where(e == idx, -1, key)
+    wsum = tl.sum(tl.where(sel, p, 0.0), 0) if NORM else 1.0
+    rank = tl.cumsum(sel.to(tl.int32), 0) - 1
+    return e, sel, rank, _bf16(p / wsum)
 
 
 @triton.jit
@@ -22,7 +45,7 @@ def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.conste
     """SiLU(W_gate x)·(W_up x) for `rows` of a [2 n_rows, K] matrix. K is a compile-time constant and
     the loop is unrolled: no K block's loads wait for the previous block's arithmetic, so a
     program's whole slice can be in flight at once (a rolled loop costs one dependent HBM round
-    trip per block: gate_up 16.0 -> 14.0 us per layer at the 35B-A3B shape)."""
+    trip per block)."""
     rmask = rows < n_rows
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
@@ -46,25 +69,21 @@ def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.conste
 def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr, stride_ge,
                        K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ROUTE: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
-                       PDL: tl.constexpr):
+                       E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     pid = tl.program_id(0)
     # Grid column 0 is the shared expert (scheduled first: it needs no routing, so its loads start
     # while the routed programs select their experts); columns 1..TOPK are routed slots 0..TOPK-1.
     slot = tl.program_id(1) - 1
     if slot >= 0:
-        if ROUTE:
-            # Routing folded in (no route launch): each routed program selects its own slot's
-            # expert; the programs with pid 0 publish ids / weights for the down launch.
-            e, sel, rank, w = topk_select(logits_ptr, E, EP, TOPK, NORM)
-            mine = sel & (rank == slot)
-            eid = tl.sum(tl.where(mine, e, 0), 0)
-            if pid == 0:
-                tl.store(ids_ptr + slot, eid)
-                tl.store(wts_ptr + slot, tl.sum(tl.where(mine, w, 0.0), 0))
-        else:
-            eid = tl.load(ids_ptr + slot)
+        # Each routed program selects its own slot's expert; the programs with pid 0 publish ids /
+        # weights for the down launch.
+        e, sel, rank, w = topk_select(logits_ptr, E, EP, TOPK, NORM)
+        mine = sel & (rank == slot)
+        eid = tl.sum(tl.where(mine, e, 0), 0)
+        if pid == 0:
+            tl.store(ids_ptr + slot, eid)
+            tl.store(wts_ptr + slot, tl.sum(tl.where(mine, w, 0.0), 0))
         wbase = gu_ptr + eid.to(tl.int64) * stride_ge
         n_rows = I
     else:
@@ -122,11 +141,10 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
-                route=False, norm_topk=True):
-    """Routed + shared experts for one token, after the router launch (`gemv`, xn_out) and `route.route`
-    have left the normed input xn [H], logits [E+1] (router logits, then the shared-expert gate logit)
-    and ids / wts [top_k]. route=True: no `route.route` launch before; the gate_up launch routes
-    (every routed program from the logits) and writes ids / wts itself.
+                norm_topk=True):
+    """Routed + shared experts for one token, after the router launch (`gemv`, xn_out) has left the
+    normed input xn [H] and logits [E+1] (router logits, then the shared-expert gate logit). The
+    gate_up launch routes and writes ids / wts [top_k] (ascending ids) for the down launch.
     `res` (the residual, [H]) is updated in place. gate_up [E, 2I, H], down [E, H, I],
     shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch."""
     n_exp, two_i, hidden = gate_up.shape
@@ -135,7 +153,7 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     bk = min(block_k or 512, triton.next_power_of_2(hidden))
     moe_gate_up_kernel[(triton.cdiv(imax, block_n), 1 + top_k)](
         xn, gate_up, shared_gate_up, act, ids, logits, wts, gate_up.stride(0), K=hidden, I=inter, IS=inter_s,
-        TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, ROUTE=route, E=n_exp, EP=triton.next_power_of_2(n_exp),
+        TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, E=n_exp, EP=triton.next_power_of_2(n_exp),
         NORM=norm_topk, **LAUNCH, num_warps=num_warps)
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     moe_down_kernel[(triton.cdiv(hidden, down_block_n),)](

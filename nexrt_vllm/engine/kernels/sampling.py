@@ -82,7 +82,7 @@ def finish_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, pos_ptr, step_ptr, ring_ptr, 
 def finish(pmax, pidx, n_partials, tok, pos, step, ring, ring_slots):
     """Reduce the partial argmaxes; advance tok/pos/step; publish step<<32|token in ring slot step-1."""
     # One block covers every partial when it can (the lm_head leaves ~8K): each loop iteration is a
-    # dependent L2 round trip plus two block reductions (8 of them took ~7 us at 1024 per block).
+    # dependent L2 round trip plus two block reductions.
     block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
     finish_kernel[(1,)](pmax, pidx, n_partials, tok, pos, step, ring, ring_slots, BLOCK=block, **LAUNCH,
                         num_warps=8 if block >= 4096 else 4)
