@@ -28,7 +28,7 @@ Pure Python (no torch, no vLLM): the router imports it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -118,14 +118,27 @@ def _tcp_addr(body: str, name: str, v: Any) -> str:
 
 
 def _kwargs(cls, d: dict) -> dict:
-    """The fields of ``cls`` present in ``d``; absent and null ones take the dataclass default."""
-    return {f.name: d[f.name] for f in fields(cls) if d.get(f.name) is not None}
+    """Constructor arguments of ``cls`` from a wire map: every required field (``None`` when absent,
+    which its check refuses), and each optional field that is present and not null (else its default)."""
+    return {f.name: d.get(f.name) for f in fields(cls)
+            if (f.default is MISSING and f.default_factory is MISSING) or d.get(f.name) is not None}
 
 
-def _missing(body: str, d: dict, *names: str) -> None:
-    for n in names:
-        if d.get(n) is None:
-            raise ContractError(body, n, "is required")
+def _plain(v: Any) -> Any:
+    return v.value if isinstance(v, Enum) else list(v) if isinstance(v, tuple) else v
+
+
+class _Flat:
+    """A body whose wire form is its fields, in declaration order (enums as their values)."""
+
+    BODY = ""
+
+    def to_wire(self) -> dict:
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls, d: Any):
+        return cls(**_kwargs(cls, _object(cls.BODY, d)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,7 +146,7 @@ def _missing(body: str, d: dict, *names: str) -> None:
 
 
 @dataclass(frozen=True)
-class AdmitRequest:
+class AdmitRequest(_Flat):
     """``POST /v1/admit``: reserve the node's slot for ``rid`` before any byte moves."""
 
     rid: str
@@ -148,14 +161,9 @@ class AdmitRequest:
     def to_wire(self) -> dict:
         return {"rid": self.rid} if self.prompt_len is None else {"rid": self.rid, "prompt_len": self.prompt_len}
 
-    @classmethod
-    def from_wire(cls, d: Any) -> "AdmitRequest":
-        d = _object(cls.BODY, d)
-        return cls(rid=d.get("rid"), prompt_len=d.get("prompt_len"))
-
 
 @dataclass(frozen=True)
-class AdmitReply:
+class AdmitReply(_Flat):
     """The node's 200 answer to ``/v1/admit``: what the claim needs."""
 
     rid: str
@@ -173,23 +181,13 @@ class AdmitReply:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
             raise ContractError(self.BODY, "admit_timeout_s", f"must be a positive number, got {v!r}")
 
-    def to_wire(self) -> dict:
-        return {"rid": self.rid, "generation": self.generation, "control_addr": self.control_addr,
-                "admit_timeout_s": self.admit_timeout_s}
-
-    @classmethod
-    def from_wire(cls, d: Any) -> "AdmitReply":
-        d = _object(cls.BODY, d)
-        _missing(cls.BODY, d, "rid", "generation", "control_addr", "admit_timeout_s")
-        return cls(**_kwargs(cls, d))
-
 
 # --------------------------------------------------------------------------------------------
 # claim and hand-off report (kv_transfer_params["nexrt"], through vLLM)
 
 
 @dataclass(frozen=True)
-class Claim:
+class Claim(_Flat):
     """``kv_transfer_params["nexrt"]`` of the prefill request: hand this request's state to the
     node admission ``(rid, generation)`` at ``control_addr``."""
 
@@ -207,16 +205,6 @@ class Claim:
         if self.node_url is not None and not isinstance(self.node_url, str):
             raise ContractError(self.BODY, "node_url", "must be a string")
 
-    def to_wire(self) -> dict:
-        return {"rid": self.rid, "generation": self.generation, "control_addr": self.control_addr,
-                "node_url": self.node_url}
-
-    @classmethod
-    def from_wire(cls, d: Any) -> "Claim":
-        d = _object(cls.BODY, d)
-        return cls(rid=d.get("rid"), generation=d.get("generation"), control_addr=d.get("control_addr"),
-                   node_url=d.get("node_url"))
-
     def to_params(self) -> dict:
         """The whole ``kv_transfer_params`` value carrying this claim."""
         return {CLAIM_KEY: self.to_wire()}
@@ -230,7 +218,7 @@ class Claim:
 
 
 @dataclass(frozen=True)
-class HandoffReport:
+class HandoffReport(_Flat):
     """``kv_transfer_params["nexrt"]`` of vLLM's answer: the connector's view of the hand-off when
     vLLM finished the request. ``rid``/``generation``/``seq_len`` are absent for a malformed claim."""
 
@@ -253,6 +241,8 @@ class HandoffReport:
             _nonempty_str(self.BODY, "rid", self.rid)
         _opt_int_at_least(self.BODY, "generation", self.generation, 0, "a non-negative integer")
         _opt_int_at_least(self.BODY, "seq_len", self.seq_len, 0, "a non-negative integer")
+        if self.reason == "":
+            object.__setattr__(self, "reason", None)  # the wire's "no reason"
         if self.reason is not None:
             try:
                 object.__setattr__(self, "reason", Reason(self.reason))
@@ -269,15 +259,6 @@ class HandoffReport:
             out["reason"] = self.reason.value if self.reason is not None else ""
             out["error"] = self.error
         return out
-
-    @classmethod
-    def from_wire(cls, d: Any) -> "HandoffReport":
-        d = _object(cls.BODY, d)
-        _missing(cls.BODY, d, "status")
-        kw = _kwargs(cls, d)
-        if kw.get("reason") == "":
-            del kw["reason"]
-        return cls(**kw)
 
     def to_params(self) -> dict:
         return {CLAIM_KEY: self.to_wire()}
@@ -299,7 +280,7 @@ class HandoffReport:
 
 
 @dataclass(frozen=True)
-class Sampling:
+class Sampling(_Flat):
     """How each token is picked; sent identically to vLLM (first token) and the node (the rest).
 
     temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those filters; a stop token id
@@ -336,10 +317,6 @@ class Sampling:
             raise ContractError(b, "stop_token_ids", f"must be a list of non-negative integers, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", tuple(stops))
 
-    def to_wire(self) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "ignore_eos": self.ignore_eos, "stop_token_ids": list(self.stop_token_ids)}
-
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
 
@@ -375,9 +352,8 @@ class GenerateRequest:
         unknown = sorted(set(d) - {"rid", "generation", "first_token", "max_tokens", *_SAMPLING_FIELDS})
         if unknown:
             raise ContractError(cls.BODY, None, f"has unsupported fields {unknown}")
-        _missing(cls.BODY, d, "rid", "first_token", "max_tokens")
-        return cls(rid=d["rid"], first_token=d["first_token"], max_tokens=d["max_tokens"],
-                   generation=d.get("generation"), sampling=Sampling(**_kwargs(Sampling, d)))
+        return cls(rid=d.get("rid"), first_token=d.get("first_token"), max_tokens=d.get("max_tokens"),
+                   generation=d.get("generation"), sampling=Sampling.from_wire(d))
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,7 +361,7 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
-class CancelRequest:
+class CancelRequest(_Flat):
     """``POST /v1/cancel``: stop ``rid`` at whatever stage it is and free the slot."""
 
     rid: str
@@ -395,16 +371,9 @@ class CancelRequest:
     def __post_init__(self):
         _nonempty_str(self.BODY, "rid", self.rid)
 
-    def to_wire(self) -> dict:
-        return {"rid": self.rid}
-
-    @classmethod
-    def from_wire(cls, d: Any) -> "CancelRequest":
-        return cls(rid=_object(cls.BODY, d).get("rid"))
-
 
 @dataclass(frozen=True)
-class CancelReply:
+class CancelReply(_Flat):
     """The node's 200 answer to ``/v1/cancel``: ``state`` is where the request was."""
 
     rid: str
@@ -422,15 +391,6 @@ class CancelReply:
         except ValueError:
             raise ContractError(self.BODY, "state", f"must be one of {[s.value for s in AdmissionState]}, "
                                                     f"got {self.state!r}") from None
-
-    def to_wire(self) -> dict:
-        return {"rid": self.rid, "cancelled": self.cancelled, "state": self.state.value}
-
-    @classmethod
-    def from_wire(cls, d: Any) -> "CancelReply":
-        d = _object(cls.BODY, d)
-        _missing(cls.BODY, d, "rid", "cancelled", "state")
-        return cls(**_kwargs(cls, d))
 
 
 # --------------------------------------------------------------------------------------------
