@@ -275,12 +275,17 @@ def main(argv=None) -> int:
     stack = Stack(work, a.device)
     t0 = time.monotonic()
     try:
+        # One at a time: vLLM sizes its KV cache from the memory it sees while profiling, which a
+        # neighbour still allocating would falsify.
         ready = asyncio.run(stack.node(model, max_len, a.transport, a.recv_memory))
-        vurl = stack.vllm("vllm", model, max_len, a.transport, share)
-        purl = stack.vllm("vllm_plain", model, max_len, None, share) if a.concurrent_baseline else None
         node = asyncio.run(wait_file(ready, stack.procs, a.start_timeout, "decode node"))
-        asyncio.run(_up(stack, [(vurl, "vLLM + connector")] + ([(purl, "vLLM plain")] if purl else []),
-                        a.start_timeout))
+        summary["node_start_s"] = time.monotonic() - t0
+        vurl = stack.vllm("vllm", model, max_len, a.transport, share)
+        asyncio.run(_up(stack, [(vurl, "vLLM + connector")], a.start_timeout))
+        purl = None
+        if a.concurrent_baseline:
+            purl = stack.vllm("vllm_plain", model, max_len, None, share)
+            asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
         rurl = stack.router(vurl, node["url"], model)
         asyncio.run(_up(stack, [(rurl, "router")], 60))
         summary["startup_s"] = time.monotonic() - t0
