@@ -17,6 +17,9 @@ the node's receive buffer.
 * GDN layer: one page = conv bytes then recurrent ("temporal") bytes. Conv ``"SD"`` is
   ``(kernel-1, conv_dim)``, ``"DS"`` is ``(conv_dim, kernel-1)``; recurrent ``"HVK"`` is
   ``(v_heads, head_v_dim, head_k_dim)``, ``"HKV"`` is ``(v_heads, head_k_dim, head_v_dim)``.
+* ``sharding`` (version 2, optional): the part of a TP = N prefill this layout describes, as the
+  global head ranges it holds (``nexrt_vllm.handoff.sharding``); its pages have that part's head
+  counts, and a part without KV heads (a replica's) lists no attention layer.
 
 Dtypes are named by the strings of ``DTYPE_SIZES`` (torch's attribute names; the torch mapping
 is ``nexrt_vllm.engine.dtypes.TORCH_DTYPES``). Pure Python, like the rest of ``nexrt_vllm.handoff``.
@@ -28,8 +31,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from nexrt_vllm.handoff.protocol import ProtocolError, Reason, Region, align_up
+from nexrt_vllm.handoff.sharding import Sharding
 
-LAYOUT_VERSION = 1
+# Versions: 1 the unsharded descriptor; 2 adds ``sharding`` (a TP part: which heads it holds;
+# done/abort name the part). A node speaking 2 still takes 1 (= 2 without sharding).
+LAYOUT_VERSION = 2
+LAYOUT_VERSIONS = (1, 2)
 
 # Bytes per element of every dtype a layout may name.
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
@@ -115,23 +122,29 @@ class Layout:
     block_size: int  # tokens per attention page
     layers: tuple[LayerLayout, ...]
     version: int = LAYOUT_VERSION
+    sharding: Sharding | None = None  # the heads of a TP part (handoff/sharding.py); None: the whole state
 
     def to_wire(self) -> dict:
-        return {"version": self.version, "model": dict(self.model), "block_size": self.block_size,
-                "layers": [_layer_to_wire(layer) for layer in self.layers]}
+        d = {"version": self.version, "model": dict(self.model), "block_size": self.block_size,
+             "layers": [_layer_to_wire(layer) for layer in self.layers]}
+        if self.sharding is not None:
+            d["sharding"] = self.sharding.to_wire()
+        return d
 
     @classmethod
     def from_wire(cls, d: Any) -> "Layout":
         """Parse and structurally validate a wire layout; raises ProtocolError."""
         if not isinstance(d, dict):
             raise ProtocolError(Reason.BAD_MESSAGE, "layout must be a map")
-        if d.get("version") != LAYOUT_VERSION:
+        version = d.get("version")
+        if version not in LAYOUT_VERSIONS or isinstance(version, bool):
             raise ProtocolError(Reason.LAYOUT_VERSION,
-                                f"layout version {d.get('version')!r} unsupported (node speaks {LAYOUT_VERSION})")
+                                f"layout version {version!r} unsupported (node speaks {list(LAYOUT_VERSIONS)})")
         try:
             block_size = int(d["block_size"])
             model = dict(d["model"])
             layers = tuple(_layer_from_wire(x) for x in d["layers"])
+            sharding = Sharding.from_wire(d["sharding"]) if d.get("sharding") is not None else None
         except ProtocolError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -141,11 +154,14 @@ class Layout:
         idx = [layer.index for layer in layers]
         if len(set(idx)) != len(idx):
             raise ProtocolError(Reason.BAD_MESSAGE, "layout names a layer twice")
-        return cls(model=model, block_size=block_size, layers=layers)
+        if sharding is not None and version < 2:
+            raise ProtocolError(Reason.BAD_MESSAGE, "layout version 1 carries no sharding")
+        return cls(model=model, block_size=block_size, layers=layers, sharding=sharding)
 
-    def regions(self, seq_len: int) -> list["Region"]:
-        """Where each layer's pages go in the receive buffer for a ``seq_len``-token request."""
-        out, off = [], 0
+    def regions(self, seq_len: int, base: int = 0) -> list["Region"]:
+        """Where each layer's pages go in the receive buffer for a ``seq_len``-token request
+        (from offset ``base``: where a TP part's share of the buffer starts)."""
+        out, off = [], align_up(base)
         pages = math.ceil(seq_len / self.block_size)
         for layer in self.layers:
             n = pages if layer.kind == "attention" else 1
@@ -255,5 +271,5 @@ def _layer_from_wire(d: dict) -> LayerLayout:
     raise ProtocolError(Reason.BAD_MESSAGE, f"unknown layer kind {kind!r}")
 
 
-__all__ = ["LAYOUT_VERSION", "DTYPE_SIZES", "CONV_LAYOUTS", "KV_FORMATS", "REC_LAYOUTS", "AttentionLayout",
+__all__ = ["LAYOUT_VERSION", "LAYOUT_VERSIONS", "DTYPE_SIZES", "CONV_LAYOUTS", "KV_FORMATS", "REC_LAYOUTS", "AttentionLayout",
            "GDNLayout", "LayerLayout", "Layout", "span_elems", "contiguous_strides", "model_identity", "check_layout"]

@@ -10,11 +10,16 @@ hello      layout                                             hello_ok{transport
 begin      rid, generation, seq_len, layout                   accept{rid, generation, buffer, regions}
                                                               | reject{reason}
 (writes)   the sender writes pages with the transport into ``buffer`` at the region offsets
-done       rid, generation, seq_len, nbytes                   ack{rid, generation} | error{reason}
-abort      rid, generation, reason                            ack{rid, generation} | error{reason}
+done       rid, generation, seq_len, nbytes, part?            ack{rid, generation} | error{reason}
+abort      rid, generation, reason, part?                     ack{rid, generation} | error{reason}
 =========  =================================================  ==========================================
 
 Refusals carry a machine-readable ``reason`` (one of ``Reason``) and a human ``message``.
+
+A prefill pool at TP = N ships one request as N parts: every part sends its own ``begin`` (its
+layout's ``sharding`` names the part, ``nexrt_vllm.handoff.sharding``), writes its pages and sends
+``done``/``abort`` with ``part`` = its ``tp_rank`` (0 when absent: an unsharded hand-off). The
+node's admission is complete when every part's ``done`` arrived.
 
 The layout descriptor both hello and begin carry is ``nexrt_vllm.handoff.layout``.
 
@@ -22,7 +27,7 @@ This module imports neither torch nor numpy.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from enum import Enum
 
 import msgpack
@@ -143,6 +148,7 @@ class Done:
     seq_len: int
     nbytes: int
     type: str = "done"
+    part: int = 0  # tp_rank of the sender's part (layout sharding); layout version 2
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,7 @@ class Abort:
     generation: int
     reason: str
     type: str = "abort"
+    part: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,7 @@ class Error:
 MESSAGES = {c.type: c for c in (Hello, HelloOk, Refuse, Begin, Accept, Reject, Done, Abort, Ack, Error)}
 _FIELD_TYPES = {"rid": str, "generation": int, "seq_len": int, "nbytes": int, "layout": dict, "reason": str,
                 "message": str, "transport": dict, "node": dict, "buffer": dict, "regions": list,
-                "deadline_s": (int, float)}
+                "deadline_s": (int, float), "part": int}
 
 
 def encode(msg) -> bytes:
@@ -198,6 +205,8 @@ def decode(data: bytes):
     for f in fields(cls):
         if f.name == "type":
             continue
+        if f.name not in d and f.default is not MISSING:
+            continue  # optional field: the dataclass default
         if f.name not in d:
             raise ProtocolError(Reason.BAD_MESSAGE, f"{cls.type}: missing field {f.name!r}")
         v = d[f.name]

@@ -58,6 +58,7 @@ class Transfer:
     seconds: float = 0.0  # time spent in transport writes
     descriptors: int = 0  # transport descriptors issued, after coalescing
     finished: bool = field(default=False)
+    part: int = 0  # this sender's part of a TP prefill (its layout's sharding.tp_rank)
 
     def write(self, writes: Sequence[tuple[int, int, int]]) -> None:
         """Write ``(local_addr, remote_offset, nbytes)`` triples (offsets relative to the buffer)."""
@@ -97,7 +98,8 @@ class Transfer:
         self.write(writes)
 
     def done(self) -> P.Ack:
-        reply = self.sender._request(self.control_addr, P.Done(self.rid, self.generation, self.seq_len, self.nbytes))
+        reply = self.sender._request(self.control_addr, P.Done(self.rid, self.generation, self.seq_len, self.nbytes,
+                                                                part=self.part))
         self.finished = True
         if isinstance(reply, P.Error):
             raise HandoffError(reply.reason, reply.message)
@@ -109,7 +111,7 @@ class Transfer:
             return
         self.finished = True
         try:
-            self.sender._request(self.control_addr, P.Abort(self.rid, self.generation, reason))
+            self.sender._request(self.control_addr, P.Abort(self.rid, self.generation, reason, part=self.part))
         except HandoffError:
             pass
 
@@ -158,7 +160,8 @@ class HandoffSender:
         acc = _expect(reply, P.Accept)
         return Transfer(self, control_addr, peer.transport_peer, rid, acc.generation, seq_len,
                         int(acc.buffer["base"]), int(acc.buffer["size"]),
-                        {r.layer: r for r in acc.region_list()}, float(acc.deadline_s))
+                        {r.layer: r for r in acc.region_list()}, float(acc.deadline_s),
+                        part=layout.sharding.tp_rank if layout.sharding is not None else 0)
 
     def send(self, control_addr: str, layout: L.Layout, rid: str, generation: int, seq_len: int,
              pages: Mapping[int, Sequence[int]]) -> Transfer:

@@ -16,7 +16,7 @@ until that writer's late ``done``/``abort`` arrives or the grace period passes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,7 @@ class RecvBuffer:
     owner: int | None = None  # generation currently allowed to write
     quarantine_gen: int | None = None  # generation whose writer may still be live
     quarantine_until: float = 0.0
+    quarantine_parts: set = field(default_factory=set)  # its parts that may still write (TP prefill)
 
     @property
     def addr(self) -> int:
@@ -49,15 +50,20 @@ class RecvBuffer:
             self.quarantine_gen = None
         return self.quarantine_gen is None
 
-    def release(self, writer_live: bool, grace_s: float) -> None:
+    def release(self, writer_live: bool, grace_s: float, parts=()) -> None:
+        """``parts``: the live writers' part indices (none given: part 0, an unsharded hand-off)."""
         if writer_live:
             self.quarantine_gen, self.quarantine_until = self.owner, time.monotonic() + grace_s
+            self.quarantine_parts = set(parts) or {0}
         self.owner = None
 
-    def writer_finished(self, generation: int) -> None:
-        """A late done/abort from a quarantined writer: the buffer is safe to reuse."""
+    def writer_finished(self, generation: int, part: int = 0) -> None:
+        """A late done/abort from a quarantined writer: once every live part has sent one, the
+        buffer is safe to reuse."""
         if self.quarantine_gen == generation:
-            self.quarantine_gen = None
+            self.quarantine_parts.discard(part)
+            if not self.quarantine_parts:
+                self.quarantine_gen = None
 
 
 def allocate(transport: ReceiverTransport, count: int, size: int, memory: str, device: str) -> list[RecvBuffer]:

@@ -33,7 +33,7 @@ from aiohttp import web
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import (AdmitReply, AdmitRequest, CancelRequest, ContractError, GenerateRequest,
                                           Refusal)
-from nexrt_vllm.handoff.layout import LAYOUT_VERSION
+from nexrt_vllm.handoff.layout import LAYOUT_VERSION, LAYOUT_VERSIONS
 from nexrt_vllm.node.service import DecodeNode, Options
 
 log = logging.getLogger("nexrt.decode")
@@ -122,7 +122,19 @@ class Endpoints:
                          "stop_token_ids": True, "logprobs": False, "penalties": False},
             "device": self.args.device, "graph": self.args.graph, "load_format": self.args.load_format,
             "dtype": str(self.node.engine.dtype).removeprefix("torch."),
+            "layout_versions": list(LAYOUT_VERSIONS), "handoff_parts": True, "tp": self._tp(),
         })
+
+    def _tp(self) -> dict:
+        """The node group: its size, backend and the heads each rank holds (docs/NODE.md)."""
+        from nexrt_vllm.node.reshard import node_shards
+
+        eng, group = self.node.engine, getattr(self.node.engine, "group", None)
+        size = getattr(eng, "tp", 1)
+        dev = self.args.device
+        return {"size": size, "backend": group.backend if group else None,
+                "ranks": [{"rank": r, "device": f"cuda:{r}" if dev.startswith("cuda") and size > 1 else dev,
+                           "shard": sh.to_wire()} for r, sh in enumerate(node_shards(self.node.cfg, size))]}
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.node.metrics.render(), content_type="text/plain", charset="utf-8")
@@ -155,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dummy: random weights from config.json alone (speed runs only, like vLLM's "
                          "--load-format dummy; tokens are meaningless)")
     ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks, one process each (rank r on cuda:r with --device cuda): rank 0 "
+                         "serves HTTP and the control endpoint, the others follow it; eager step (--graph off)")
     ap.add_argument("--graph", choices=("auto", "fused", "eager", "off"), default="auto",
                     help="GPU decode path (docs/GPU.md): one CUDA graph per token, captured at start-up; "
                          "fused = Triton kernels, eager = the eager ops in the graph, off = eager loop; "
@@ -178,11 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _positive(ap, args) -> None:
-    for name in ("max_seq_len", "recv_buffers"):
+    for name in ("max_seq_len", "recv_buffers", "tp"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.graph in ("fused", "eager") and not args.device.startswith("cuda"):
         ap.error(f"--graph {args.graph} needs --device cuda")
+    if args.tp > 1 and args.graph in ("fused", "eager"):
+        ap.error("--tp > 1 runs the eager step: the CUDA graph path is single-device (--graph off or auto)")
+    if args.tp > 1 and args.device not in ("cpu", "cuda"):
+        ap.error(f"--tp > 1 places rank r on cuda:r: give --device cuda or cpu, not {args.device!r}")
     for name in ("admit_timeout", "transfer_timeout", "start_timeout", "write_timeout"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
@@ -201,7 +220,24 @@ async def serve(args) -> None:
     torch.set_num_threads(int(os.environ.get("NEXRT_THREADS", torch.get_num_threads())))
     memory = args.recv_memory = args.recv_memory or ("pinned" if args.device.startswith("cuda") else "host")
     t0 = time.monotonic()
-    if args.load_format == "dummy":
+    group = None
+    if args.tp > 1:
+        from nexrt_vllm.engine.tp import Group
+        log.info("starting %d tensor-parallel ranks", args.tp)
+        from nexrt_vllm.engine import EngineError
+        try:
+            group = Group(args.tp, device=args.device, threads=torch.get_num_threads())
+        except EngineError as e:
+            raise RuntimeError(f"--tp {args.tp}: {e}") from None
+        try:
+            engine = group.engine(args.tp, path=args.model, dtype=args.dtype, max_seq_len=args.max_seq_len,
+                                  load_format=args.load_format)
+        except BaseException as e:
+            group.close()
+            if isinstance(e, EngineError) and not isinstance(e, ValueError):
+                raise RuntimeError(f"--tp {args.tp}: {e}") from None
+            raise
+    elif args.load_format == "dummy":
         from nexrt_vllm.engine.config import ModelConfig
         engine = Engine.from_config(ModelConfig.from_pretrained(args.model), device=args.device, dtype=args.dtype,
                                     max_seq_len=args.max_seq_len)
@@ -212,7 +248,8 @@ async def serve(args) -> None:
     log.info("weights loaded (%s) in %.1fs", args.load_format, time.monotonic() - t0)
     # GPU graph path: compiled and captured once here, before the node serves (not per request).
     if args.graph == "auto":
-        args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 else "off"
+        args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 \
+            and args.tp == 1 else "off"
     if args.graph != "off":
         from nexrt_vllm.engine import EngineError
         log.info("compiling kernels and capturing the %s decode graph (greedy + sampling; the first start "
@@ -261,7 +298,10 @@ async def serve(args) -> None:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://{args.host}:{port}"
+    stop = asyncio.Event()
     tasks = [asyncio.create_task(svc.control_loop(sock)), asyncio.create_task(node.reaper())]
+    if group is not None:
+        tasks.append(asyncio.create_task(_watch(group, stop)))
     log.info("nexrt-decode serving %s on %s (control %s, transport %s, %d x %.1f MiB %s buffers)",
              node.model_name, url, node.control_addr, args.transport, len(buffers), size / (1 << 20), memory)
     if args.ready_file:
@@ -269,7 +309,6 @@ async def serve(args) -> None:
         with open(tmp, "w") as f:
             json.dump({"url": url, "control_addr": node.control_addr, "pid": os.getpid()}, f)
         os.replace(tmp, args.ready_file)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -283,6 +322,21 @@ async def serve(args) -> None:
         ctx.term()
         node.close()
         transport.close()
+        if group is not None:
+            group.close()
+    if group is not None and group.broken:
+        raise RuntimeError(f"tensor-parallel group failed: {group.broken}")
+
+
+async def _watch(group, stop: asyncio.Event) -> None:
+    """A follower rank that dies leaves the group unusable: stop serving (exit status 1)."""
+    while not stop.is_set():
+        await asyncio.sleep(0.5)
+        dead = group.dead()
+        if dead:
+            group.broken = f"rank(s) {dead} exited"
+            log.error("tensor-parallel %s; stopping", group.broken)
+            stop.set()
 
 
 def main(argv=None) -> int:
@@ -292,7 +346,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         asyncio.run(serve(args))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"nexrt-decode: {e}", file=sys.stderr)
         return 1
     return 0

@@ -27,7 +27,7 @@ from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import AdmissionState, AdmitRequest, CancelReply, GenerateRequest, Refusal
 from nexrt_vllm.node.buffers import RecvBuffer, stage
-from nexrt_vllm.node.convert import unpack_state
+from nexrt_vllm.node.parts import PartSet, check_part, load_parts
 from nexrt_vllm.node.metrics import NodeMetrics
 
 log = logging.getLogger("nexrt.node")
@@ -52,10 +52,8 @@ class Admission:
     state: AdmissionState
     deadline: float
     buffer: RecvBuffer | None = None
-    layout: L.Layout | None = None
-    regions: list[P.Region] = field(default_factory=list)
+    parts: PartSet | None = None  # the hand-off's parts (one unless the prefill runs TP > 1)
     seq_len: int = 0
-    expected_bytes: int = 0
     t_accept: float = 0.0
     transfer_s: float = 0.0
     started: bool = False  # /v1/generate claimed it
@@ -137,7 +135,7 @@ class DecodeNode:
 
     def _layout(self, wire: dict) -> L.Layout:
         layout = L.Layout.from_wire(wire)
-        L.check_layout(layout, self.cfg)
+        check_part(layout, self.cfg)
         return layout
 
     def _on_hello(self, msg: P.Hello):
@@ -158,33 +156,50 @@ class DecodeNode:
             return reject(P.Reason.UNKNOWN_RID, f"rid {msg.rid!r} was not admitted")
         if msg.generation != adm.generation:
             return reject(P.Reason.STALE_GENERATION, f"generation {msg.generation}, admission is {adm.generation}")
-        if adm.state is not AdmissionState.RESERVED:
+        more = adm.state is AdmissionState.RECEIVING and adm.parts.n > 1  # a further part of a TP prefill
+        if adm.state is not AdmissionState.RESERVED and not more:
             return reject(P.Reason.DUPLICATE, f"rid {msg.rid!r} already began ({adm.state.value})")
         try:
             layout = self._layout(msg.layout)
         except P.ProtocolError as e:
             self._end(adm, "rejected", e.reason, e.message)
             return reject(e.reason, e.message)
+        if more:
+            return self._begin_part(adm, msg, layout)
         if msg.seq_len < 1 or msg.seq_len + 1 > self.opts.max_seq_len:
             text = f"seq_len {msg.seq_len} (+1 for the first token) exceeds max_seq_len {self.opts.max_seq_len}"
             self._end(adm, "rejected", P.Reason.TOO_LONG, text)
             return reject(P.Reason.TOO_LONG, text)
-        regions = layout.regions(msg.seq_len)
-        total = regions[-1].offset + regions[-1].nbytes if regions else 0
         now = time.monotonic()
         buf = next((b for b in self.buffers if b.available(now)), None)
-        if buf is None or total > buf.size:
-            text = (f"state needs {total} bytes, receive buffer holds {self.buffers[0].size}" if buf is not None
-                    else "no receive buffer free")
-            reason = P.Reason.TOO_LONG if buf is not None else P.Reason.BUSY
-            self._end(adm, "rejected", reason, text)
-            return reject(reason, text)
+        if buf is None:
+            self._end(adm, "rejected", P.Reason.BUSY, "no receive buffer free")
+            return reject(P.Reason.BUSY, "no receive buffer free")
+        parts = PartSet(1 if layout.sharding is None else layout.sharding.tp_size, msg.seq_len)
+        try:
+            part = parts.plan(layout, msg.seq_len, buf.size)
+        except P.ProtocolError as e:
+            self._end(adm, "rejected", e.reason, e.message)
+            return reject(e.reason, e.message)
         buf.owner = adm.generation
-        adm.buffer, adm.layout, adm.regions, adm.seq_len = buf, layout, regions, msg.seq_len
-        adm.expected_bytes = sum(r.nbytes for r in regions)
+        adm.buffer, adm.parts, adm.seq_len = buf, parts, msg.seq_len
         adm.state, adm.t_accept, adm.deadline = AdmissionState.RECEIVING, now, now + self.opts.transfer_timeout
-        return P.Accept(adm.rid, adm.generation, {"base": buf.addr, "size": buf.size}, P.region_dicts(regions),
-                        self.opts.transfer_timeout)
+        return self._accept(adm, part)
+
+    def _begin_part(self, adm: Admission, msg: P.Begin, layout: L.Layout):
+        """A further part of a TP = N prefill: its own regions in the same buffer, same deadline."""
+        try:
+            part = adm.parts.plan(layout, msg.seq_len, adm.buffer.size)
+            adm.parts.check_cover(self.cfg)
+        except P.ProtocolError as e:
+            if e.reason is not P.Reason.DUPLICATE:  # a repeated begin leaves the others' transfer alone
+                self._end(adm, "rejected", e.reason, e.message)
+            return P.Reject(msg.rid, e.reason.value, e.message)
+        return self._accept(adm, part)
+
+    def _accept(self, adm: Admission, part) -> P.Accept:
+        return P.Accept(adm.rid, adm.generation, {"base": adm.buffer.addr, "size": adm.buffer.size},
+                        P.region_dicts(part.regions), max(0.0, adm.deadline - time.monotonic()))
 
     def _on_done(self, msg: P.Done):
         adm = self.current
@@ -194,13 +209,21 @@ class DecodeNode:
             if adm.state is AdmissionState.RESERVED:
                 return P.Error(msg.rid, P.Reason.BAD_MESSAGE.value, "done before begin")
             return P.Error(msg.rid, P.Reason.DUPLICATE_DONE.value, "done already received")
-        if msg.seq_len != adm.seq_len or msg.nbytes != adm.expected_bytes:
-            text = (f"done says seq_len={msg.seq_len} nbytes={msg.nbytes}, begin implies "
-                    f"seq_len={adm.seq_len} nbytes={adm.expected_bytes}")
+        part = adm.parts.parts.get(msg.part)
+        if part is None:
+            return P.Error(msg.rid, P.Reason.BAD_MESSAGE.value, f"done for part {msg.part} before its begin")
+        if part.done:
+            return P.Error(msg.rid, P.Reason.DUPLICATE_DONE.value, f"done of part {msg.part} already received")
+        if msg.seq_len != adm.seq_len or msg.nbytes != part.expected_bytes:
+            text = (f"done of part {msg.part} says seq_len={msg.seq_len} nbytes={msg.nbytes}, begin implies "
+                    f"seq_len={adm.seq_len} nbytes={part.expected_bytes}")
             self._end(adm, "failed", P.Reason.SIZE_MISMATCH, text)
             return P.Error(msg.rid, P.Reason.SIZE_MISMATCH.value, text)
-        adm.transfer_s = time.monotonic() - adm.t_accept
+        part.done = True
         self.metrics.transfer_bytes.inc(msg.nbytes)
+        if not adm.parts.complete:
+            return P.Ack(adm.rid, adm.generation)  # READY when every part is done
+        adm.transfer_s = time.monotonic() - adm.t_accept
         self.metrics.transfer_seconds.observe(adm.transfer_s)
         adm.state, adm.deadline = AdmissionState.READY, time.monotonic() + self.opts.start_timeout
         if adm.started:
@@ -215,13 +238,16 @@ class DecodeNode:
             return self._late(msg, "abort")
         if adm.state not in (AdmissionState.RESERVED, AdmissionState.RECEIVING):
             return P.Error(msg.rid, P.Reason.BAD_MESSAGE.value, f"cannot abort in state {adm.state.value}")
-        self._end(adm, "aborted", P.Reason.TRANSFER_FAILED, f"sender aborted: {msg.reason}", writer_live=False)
+        if adm.parts is not None and msg.part in adm.parts.parts:
+            adm.parts.parts[msg.part].aborted = True
+        where = f" (part {msg.part} of {adm.parts.n})" if adm.parts is not None and adm.parts.n > 1 else ""
+        self._end(adm, "aborted", P.Reason.TRANSFER_FAILED, f"sender aborted{where}: {msg.reason}")
         return P.Ack(msg.rid, msg.generation)
 
     def _late(self, msg, what: str):
         """done/abort for an admission that is gone: frees a quarantined buffer, says why."""
         for b in self.buffers:
-            b.writer_finished(msg.generation)
+            b.writer_finished(msg.generation, msg.part)
         gen, done = self._tombstones.get(msg.rid, (None, False))
         if gen == msg.generation:
             if what == "done" and done:
@@ -234,13 +260,14 @@ class DecodeNode:
     # ---- ending an admission --------------------------------------------------------------------
     def _end(self, adm: Admission, outcome: str, reason: P.Reason | str, message: str,
              writer_live: bool | None = None) -> None:
-        """Release the slot (once). ``writer_live`` defaults to: accepted but no done yet."""
+        """Release the slot (once). ``writer_live`` defaults to: a part accepted without done/abort yet."""
         if self.current is not adm:
             return
+        live = adm.parts.live() if adm.parts is not None and adm.state is AdmissionState.RECEIVING else set()
         if writer_live is None:
-            writer_live = adm.state is AdmissionState.RECEIVING
+            writer_live = bool(live)
         if adm.buffer is not None and adm.buffer.owner == adm.generation:
-            adm.buffer.release(writer_live, self.opts.quarantine_s)
+            adm.buffer.release(writer_live, self.opts.quarantine_s, live)
         self.current = None
         self._tombstones[adm.rid] = (adm.generation, adm.state in (AdmissionState.READY, AdmissionState.DECODING))
         while len(self._tombstones) > TOMBSTONES:
@@ -259,6 +286,8 @@ class DecodeNode:
             if adm is not None and adm.state is not AdmissionState.DECODING and time.monotonic() > adm.deadline:
                 what = {AdmissionState.RESERVED: "begin", AdmissionState.RECEIVING: "done",
                         AdmissionState.READY: "generate"}[adm.state]
+                if adm.state is AdmissionState.RECEIVING and adm.parts.n > 1:
+                    what = f"done of part(s) {adm.parts.missing()} of {adm.parts.n}"
                 self._end(adm, "timeout", P.Reason.TIMEOUT, f"no {what} before the {adm.state.value} deadline")
 
     # ---- decode (HTTP) ----------------------------------------------------------------------------
@@ -336,13 +365,11 @@ class DecodeNode:
         """Worker thread: convert the received pages, import them, stream tokens."""
         try:
             t = time.perf_counter()
-            nbytes = adm.regions[-1].offset + adm.regions[-1].nbytes
-            raw = stage(adm.buffer, nbytes, self.device)
-            state = unpack_state(raw, adm.layout, adm.regions, adm.seq_len, self._dtypes)
+            raw = stage(adm.buffer, adm.parts.end, self.device)
+            load_parts(self.engine, raw, adm.parts, self._dtypes)
             if self.device.startswith("cuda"):
                 torch.cuda.synchronize()  # the pinned buffer is reusable only after its copy landed
-            self.engine.import_state(adm.seq_len, state)
-            del state, raw
+            del raw
             self.metrics.convert_seconds.observe(time.perf_counter() - t)
             put(("converted", None))
             last = time.perf_counter()
