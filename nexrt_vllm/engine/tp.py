@@ -397,7 +397,7 @@ class TPEngine(Engine):
             raise StateError(f"{len(shards)} shards for TP = {self.tp}")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 < seq_len <= self.max_seq_len:
             raise StateError(f"seq_len must be an int in [1, {self.max_seq_len}], got {seq_len!r}")
-        want = _wire_layout(self.state, seq_len)
+        want, rows = _wire_layout(self.state, seq_len)
         trimmed = []
         for r, shard in enumerate(shards):
             problems = [f"missing {sorted(set(want) - set(shard))}"] if set(want) - set(shard) else []
@@ -406,7 +406,7 @@ class TPEngine(Engine):
             t = {}
             for name in sorted(set(want) & set(shard)):
                 x, (shape, dt) = shard[name], want[name]
-                if name.endswith((".k", ".v")) and isinstance(x, torch.Tensor) and x.dim() == 3:
+                if name in rows and isinstance(x, torch.Tensor) and x.dim() == 3:
                     x = x[:, :seq_len]
                 if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dt:
                     problems.append(f"{name}: {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
@@ -425,7 +425,7 @@ class TPEngine(Engine):
         """(seq_len, every rank's state copy, K/V trimmed to seq_len rows)."""
         n, own = super().export_state()
         self.group.send(self._followers, "export")
-        want = _wire_layout(self.state, n)
+        want, _ = _wire_layout(self.state, n)
         shards = [own]
         for r in self._followers:
             got = {}
@@ -440,14 +440,18 @@ class TPEngine(Engine):
         return rank_sharding(self.config, self.tp, rank)
 
 
-def _wire_layout(state, seq_len: int) -> dict:
-    """name -> (shape, dtype) of a state with K/V trimmed to seq_len rows."""
-    out = {}
-    for name, (shape, dt) in state.layout().items():
-        if name.endswith((".k", ".v")):
-            shape = (shape[0], seq_len, shape[2])
-        out[name] = (tuple(shape), dt)
-    return out
+def _wire_layout(state, seq_len: int) -> tuple[dict, set]:
+    """(hand-off name -> (shape, dtype) with the per-token tensors (K/V) trimmed to seq_len rows,
+    the names of those per-token tensors)."""
+    out, rows = {}, set()
+    for i, layer in enumerate(state.layers):
+        for (name, t), part in zip(layer.named(i).items(), layer.parts()):
+            if part in layer.ROWS:
+                rows.add(name)
+                out[name] = ((t.shape[0], seq_len, *t.shape[2:]), t.dtype)
+            else:
+                out[name] = (tuple(t.shape), t.dtype)
+    return out, rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,7 +497,7 @@ def _follower_main(rank, world, port, backend, device, timeout, threads, command
             elif op == "state":
                 seq_len = cmd[1]
                 tensors = {}
-                for name, (shape, dt) in sorted(_wire_layout(engine.state, seq_len).items()):
+                for name, (shape, dt) in sorted(_wire_layout(engine.state, seq_len)[0].items()):
                     tensors[name] = torch.empty(shape, dtype=dt, device=dev)
                     dist.recv(tensors[name], src=0)
                 engine.import_state(seq_len, tensors)

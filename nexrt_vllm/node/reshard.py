@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from nexrt_vllm.engine.state import AttentionState, GDNState
 from nexrt_vllm.handoff.sharding import Range, Sharding, vllm_sharding
 
 State = Mapping[str, torch.Tensor]
@@ -68,24 +69,26 @@ def _conv_segments(cfg, s: Sharding, conv: torch.Tensor) -> tuple[torch.Tensor, 
     return conv[:q], conv[q: 2 * q], conv[2 * q:]
 
 
-def _check(cfg, s: Sharding, state: State, where: str) -> None:
-    """Every tensor a part must hold, with the shape its head ranges imply."""
+def _records(cfg, s: Sharding, state: State, where: str) -> dict:
+    """layer index -> the part's AttentionState / GDNState, shapes checked against its head ranges."""
     dk, dv, hd = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.head_dim
+    out = {}
     for i, kind in enumerate(cfg.layer_types):
-        if kind == "full_attention":
-            if s.kv_heads is None:
-                continue
-            want = {"k": (_n(s.kv_heads), None, hd), "v": (_n(s.kv_heads), None, hd)}
-        else:
-            want = {"conv": (2 * _n(s.k_heads) * dk + _n(s.v_heads) * dv, cfg.conv_kernel - 1),
-                    "rec": (_n(s.v_heads), dk, dv)}
-        for part, shape in want.items():
-            name = f"layers.{i}.{part}"
-            t = state.get(name)
-            if t is None:
-                raise ValueError(f"{where} lacks {name}")
+        if kind == "full_attention" and s.kv_heads is None:
+            continue
+        cls = AttentionState if kind == "full_attention" else GDNState
+        try:
+            rec = cls.from_named(state, i)
+        except KeyError as e:
+            raise ValueError(f"{where} lacks {e.args[0]}") from None
+        want = ({"k": (_n(s.kv_heads), None, hd), "v": (_n(s.kv_heads), None, hd)} if cls is AttentionState else
+                {"conv": (2 * _n(s.k_heads) * dk + _n(s.v_heads) * dv, cfg.conv_kernel - 1),
+                 "rec": (_n(s.v_heads), dk, dv)})
+        for (name, t), (part, shape) in zip(rec.named(i).items(), want.items()):
             if t.dim() != len(shape) or any(w is not None and g != w for g, w in zip(t.shape, shape)):
                 raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, its heads imply {shape}")
+        out[i] = rec
+    return out
 
 
 def reshard(cfg, parts: Sequence[tuple[Sharding, State]], targets: Sequence[Sharding]) -> list[dict[str, torch.Tensor]]:
@@ -93,27 +96,27 @@ def reshard(cfg, parts: Sequence[tuple[Sharding, State]], targets: Sequence[Shar
 
     `cfg`: the model's (global) ModelConfig. Returns one dict per target with the native names;
     attention entries only for targets with KV heads, K/V with the parts' row count."""
-    for s, state in parts:
-        _check(cfg, s, state, f"part {s.tp_rank} of {s.tp_size}")
+    recs = [(s, _records(cfg, s, st, f"part {s.tp_rank} of {s.tp_size}")) for s, st in parts]
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     out: list[dict[str, torch.Tensor]] = [{} for _ in targets]
     for i, kind in enumerate(cfg.layer_types):
         if kind == "full_attention":
-            for part in ("k", "v"):
-                name = f"layers.{i}.{part}"
-                src = [(s.kv_heads, st[name]) for s, st in parts if s.kv_heads is not None]
-                for t, dst in zip(targets, out):
-                    if t.kv_heads is not None:
-                        dst[name] = _gather(src, t.kv_heads, 1, f"{name} KV heads")
+            src = [(s, r[i]) for s, r in recs if s.kv_heads is not None]
+            for t, dst in zip(targets, out):
+                if t.kv_heads is not None:
+                    dst.update(AttentionState(
+                        k=_gather([(s.kv_heads, a.k) for s, a in src], t.kv_heads, 1, f"layer {i} K heads"),
+                        v=_gather([(s.kv_heads, a.v) for s, a in src], t.kv_heads, 1, f"layer {i} V heads"),
+                    ).named(i))
             continue
-        conv, rec = f"layers.{i}.conv", f"layers.{i}.rec"
-        segs = [(s, _conv_segments(cfg, s, st[conv])) for s, st in parts]
+        segs = [(s, _conv_segments(cfg, s, r[i].conv), r[i].rec) for s, r in recs]
         for t, dst in zip(targets, out):
-            q = _gather([(s.k_heads, g[0]) for s, g in segs], t.k_heads, dk, f"{conv} q segment")
-            k = _gather([(s.k_heads, g[1]) for s, g in segs], t.k_heads, dk, f"{conv} k segment")
-            v = _gather([(s.v_heads, g[2]) for s, g in segs], t.v_heads, dv, f"{conv} v segment")
-            dst[conv] = torch.cat((q, k, v), 0)
-            dst[rec] = _gather([(s.v_heads, st[rec]) for s, st in parts], t.v_heads, 1, f"{rec} value heads")
+            what = f"layer {i} conv"
+            q = _gather([(s.k_heads, g[0]) for s, g, _ in segs], t.k_heads, dk, f"{what} q segment")
+            k = _gather([(s.k_heads, g[1]) for s, g, _ in segs], t.k_heads, dk, f"{what} k segment")
+            v = _gather([(s.v_heads, g[2]) for s, g, _ in segs], t.v_heads, dv, f"{what} v segment")
+            rec = _gather([(s.v_heads, r) for s, _, r in segs], t.v_heads, 1, f"layer {i} recurrent value heads")
+            dst.update(GDNState(conv=torch.cat((q, k, v), 0), rec=rec).named(i))
     return out
 
 
