@@ -35,9 +35,10 @@ class NexRTConnector(KVConnectorBase_V1, SupportsHMA):
         if not ktc.is_kv_producer:
             raise ConnectorConfigError("NexRTConnector only sends: use kv_role 'kv_producer' (or 'kv_both')")
         pc = vllm_config.parallel_config
-        if pc.tensor_parallel_size * pc.pipeline_parallel_size > 1:
-            # Each rank would ship its own shard as a separate hand-off; the node takes one sender.
-            raise ConnectorConfigError("NexRTConnector supports tensor/pipeline parallel size 1 only")
+        if pc.pipeline_parallel_size > 1:
+            # Under TP every rank's worker ships its shard as one part of the hand-off; PP stages
+            # would each hold some layers of every head: not a shape the node's parts describe.
+            raise ConnectorConfigError("NexRTConnector supports pipeline parallel size 1 only")
         self._cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
         self._scheduler = None
         self._worker = None

@@ -22,6 +22,12 @@ and the platform, for those characterised (docs/CONNECTOR.md, "Page layouts"):
 
 Anything else (another backend or platform, a quantized KV cache, a layout that puts heads
 outside blocks, extra GDN states) is a ``LayoutError`` at vLLM's start, naming what was met.
+
+Under tensor parallelism (TP = N) every rank's cache holds its shard (vLLM's split, see
+``nexrt_vllm.handoff.sharding``): its KV heads, and its GDN key/value heads with the conv
+channels q|k|v each split by heads. The rank's layout then carries that ``sharding``, and a rank
+whose KV head is a replica of another rank's (TP > KV heads) ships no attention layers (the first
+replica does): the node takes the N rank layouts as the N parts of one hand-off.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import torch
 from nexrt_vllm.connector.config import ConnectorConfigError
 from nexrt_vllm.engine.dtypes import TORCH_DTYPES
 from nexrt_vllm.handoff import layout as L
+from nexrt_vllm.handoff.sharding import vllm_sharding
 
 logger = logging.getLogger("vllm.nexrt_connector")
 
@@ -168,9 +175,9 @@ def attention_layer(name: str, group: int, t: torch.Tensor, spec, backend: str, 
 
 
 def gdn_layer(name: str, group: int, t: torch.Tensor, spec, hf, platform: str, *,
-              override: str | None = None) -> PagedLayer:
+              override: str | None = None, tp: int = 1) -> PagedLayer:
     """``t``: vLLM's ``[blocks, 1, 1, page]`` byte view; ``spec``: the group's MambaSpec; ``hf``: the
-    model's text config (linear_* sizes)."""
+    model's text config (linear_* sizes); ``tp``: the TP size (a rank holds 1/tp of the heads)."""
     shapes, dtypes = [tuple(s) for s in spec.shapes], tuple(spec.dtypes)
     if len(shapes) != 2:
         raise LayoutError(f"{name}: {len(shapes)} GDN states {shapes}; NexRT hands off (conv, recurrent) only "
@@ -181,7 +188,7 @@ def gdn_layer(name: str, group: int, t: torch.Tensor, spec, hf, platform: str, *
     if t.dim() != 4 or tuple(t.shape[1:3]) != (1, 1) or t.element_size() != 1:
         raise LayoutError(f"{name}: GDN cache {tuple(t.shape)} {t.dtype} is not vLLM's (blocks, 1, 1, page) bytes")
     kd, vd = hf.linear_key_head_dim, hf.linear_value_head_dim
-    hk, hv = hf.linear_num_key_heads, hf.linear_num_value_heads
+    hk, hv = hf.linear_num_key_heads // tp, hf.linear_num_value_heads // tp
     conv_dim, width = 2 * hk * kd + hv * vd, hf.linear_conv_kernel_dim - 1
     conv_shape, rec_shape = shapes
     if conv_shape == (width, conv_dim):
@@ -206,16 +213,29 @@ def gdn_layer(name: str, group: int, t: torch.Tensor, spec, hf, platform: str, *
     return PagedLayer(name, group, t.data_ptr(), t.stride(0), 1, layout)
 
 
+def tp_rank_and_size(vllm_config) -> tuple[int, int]:
+    """This worker's (tensor-parallel rank, size)."""
+    size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
+    if size == 1:
+        return 0, 1
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), size
+
+
 def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, attn_kv_format: str | None = None,
            gdn_rec_layout: str | None = None, platform: str | None = None,
-           backend_of=None) -> Detected:
+           backend_of=None, tp: tuple[int, int] | None = None) -> Detected:
     """Every layer's layout from vLLM's tensors, specs and config. ``backend_of(name) -> (backend name,
-    ISA or None)`` defaults to reading the attention layer in vLLM's forward context."""
+    ISA or None)`` defaults to reading the attention layer in vLLM's forward context; ``tp`` =
+    (rank, size) to this worker's (``tp_rank_and_size``)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
+    rank, size = tp if tp is not None else tp_rank_and_size(vllm_config)
     platform = platform or platform_name()
     backend_of = backend_of or (lambda name: _backend_of(vllm_config, name))
     hf = vllm_config.model_config.hf_text_config
+    sharding, held = _sharding(hf, rank, size) if size > 1 else (None, None)
     group_of = {}
     for g, grp in enumerate(kv_cache_config.kv_cache_groups):
         for name in grp.layer_names:
@@ -230,7 +250,7 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
         st = t.untyped_storage()
         storages.setdefault(st.data_ptr(), st)
         if isinstance(spec, MambaSpec):
-            gdn.append(gdn_layer(name, g, t, spec, hf, platform, override=gdn_rec_layout))
+            gdn.append(gdn_layer(name, g, t, spec, hf, platform, override=gdn_rec_layout, tp=size))
         elif isinstance(spec, AttentionSpec):
             backend, isa = backend_of(name)
             backends.add(backend if isa is None else f"{backend}/{isa}")
@@ -244,10 +264,14 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
         raise LayoutError(f"attention layers use different page sizes {sorted(tokens)} (tokens)")
     attn.sort(key=lambda x: x.index)
     gdn.sort(key=lambda x: x.index)
-    model = {"num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size}
-    layout = L.Layout(model=model, block_size=tokens.pop(),
-                      layers=tuple(sorted((x.layout for x in attn + gdn), key=lambda lay: lay.index)))
     a0 = attn[0].layout
+    if held is not None and held[1] - held[0] != a0.kv_heads:
+        raise LayoutError(f"TP rank {rank} of {size}: attention cache holds {a0.kv_heads} KV heads, vLLM's split "
+                          f"of {hf.num_key_value_heads} gives {held[1] - held[0]}")
+    shipped = attn if sharding is None or sharding.kv_heads is not None else []  # a replica ships no KV
+    model = {"num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size}
+    layout = L.Layout(model=model, block_size=tokens.pop(), sharding=sharding,
+                      layers=tuple(sorted((x.layout for x in shipped + gdn), key=lambda lay: lay.index)))
     kv_layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
     summary = (f"attention {'+'.join(sorted(backends))} ({len(attn)} layers, KV cache layout {kv_layout}, "
                f"{a0.kv_format} page {a0.shape} strides {a0.strides} {a0.dtype}, {attn[0].sub} kernel block(s) "
@@ -256,7 +280,20 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
         g0 = gdn[0].layout
         summary += (f"; GDN {len(gdn)} layers: conv {g0.conv_layout} {g0.conv_dtype}, recurrent {g0.rec_layout} "
                     f"{g0.rec_dtype}, page stride {gdn[0].stride} B")
-    return Detected(attn, gdn, layout, storages, summary)
+    if sharding is not None:
+        summary += (f"; TP rank {rank} of {size}: KV heads {sharding.kv_heads or 'none shipped (a replica)'}, "
+                    f"GDN key heads {sharding.k_heads}, value heads {sharding.v_heads}")
+    return Detected(shipped, gdn, layout, storages, summary)
+
+
+def _sharding(hf, rank: int, size: int):
+    """(the part this rank ships, the KV heads it holds): vLLM's split."""
+    counts = (hf.num_key_value_heads, hf.linear_num_key_heads, hf.linear_num_value_heads)
+    try:
+        return (vllm_sharding(*counts, size, rank),
+                vllm_sharding(*counts, size, rank, shipped=False).kv_heads)
+    except ValueError as e:
+        raise LayoutError(f"tensor parallel size {size}: {e}") from None
 
 
 def _backend_of(vllm_config, name: str) -> tuple[str, str | None]:

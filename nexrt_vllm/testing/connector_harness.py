@@ -118,9 +118,10 @@ def _child(cfg: dict) -> None:
 class VLLMProc:
     """Parent side: start the child, send commands, read answers with deadlines, kill on close."""
 
-    def __init__(self, cfg: dict, log_path: str, start_timeout: float = 300):
+    def __init__(self, cfg: dict, log_path: str, start_timeout: float = 300, env: dict | None = None):
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
-                   TOKENIZERS_PARALLELISM="false", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
+                   TOKENIZERS_PARALLELISM="false", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"),
+                   **(env or {}))
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)

@@ -128,13 +128,13 @@ def test_scheduler_never_scheduled_and_malformed_release_at_once():
     assert not sched.has_pending_push_work()
 
 
-@pytest.mark.parametrize("producer, tp, msg", [(False, 1, "kv_producer"), (True, 2, "parallel size 1")])
-def test_connector_refuses_unsupported_setups(producer, tp, msg):
+@pytest.mark.parametrize("producer, pp, msg", [(False, 1, "kv_producer"), (True, 2, "pipeline parallel size 1")])
+def test_connector_refuses_unsupported_setups(producer, pp, msg):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from nexrt_vllm.connector import NexRTConnector
 
     cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_producer=producer, kv_connector_extra_config={}),
-                          parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+                          parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=pp))
     with pytest.raises(ConnectorConfigError, match=msg):
         NexRTConnector(cfg, KVConnectorRole.SCHEDULER, None)
