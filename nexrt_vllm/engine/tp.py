@@ -436,9 +436,6 @@ class TPEngine(Engine):
             shards.append(got)
         return n, shards
 
-    def sharding(self, rank: int) -> Sharding:
-        return rank_sharding(self.config, self.tp, rank)
-
 
 def _wire_layout(state, seq_len: int) -> tuple[dict, set]:
     """(hand-off name -> (shape, dtype) with the per-token tensors (K/V) trimmed to seq_len rows,
@@ -464,15 +461,15 @@ def _follower_main(rank, world, port, backend, device, timeout, threads, command
     logging.basicConfig(level=os.environ.get("NEXRT_TP_LOG", "WARNING"),
                         format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
     parent = mp.parent_process()
+    dev = _device(device, rank)
     try:
+        if dev.startswith("cuda"):
+            torch.cuda.set_device(dev)  # before NCCL sees this rank
         replies.put(("up", rank, None))
         subgroups = _init(rank, world, port, backend, timeout)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which fails its start with it
         replies.put(("error", rank, f"{type(e).__name__}: {e}"))
         return
-    dev = _device(device, rank)
-    if dev.startswith("cuda"):
-        torch.cuda.set_device(dev)
     engine = None
     while True:
         try:
