@@ -13,6 +13,7 @@ import torch
 from nexrt_vllm.connector.layouts import LayoutError, detect
 from nexrt_vllm.engine import Engine
 from nexrt_vllm.engine.tp import local_config
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.node.parts import PartSet, check_part, load_parts
 from nexrt_vllm.node.reshard import node_shards, prefill_parts, split_state
@@ -129,8 +130,8 @@ def test_part_conv_must_match_its_heads(model):
     cfg, n, state = model
     (_, _, found), _ = _rank_parts(cfg, n, state, 2)[:2]
     lay = found.layout
-    wrong = P.Layout(lay.model, lay.block_size, tuple(
-        x if x.kind != "gdn" else P.GDNLayout(x.index, x.conv_layout, x.conv_dtype, (x.conv_shape[0], cfg.conv_dim),
+    wrong = L.Layout(lay.model, lay.block_size, tuple(
+        x if x.kind != "gdn" else L.GDNLayout(x.index, x.conv_layout, x.conv_dtype, (x.conv_shape[0], cfg.conv_dim),
                                                (cfg.conv_dim, 1), x.rec_layout, x.rec_dtype, x.rec_shape,
                                                x.rec_strides)
         for x in lay.layers), sharding=lay.sharding)
