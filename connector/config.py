@@ -75,6 +75,14 @@ class Claim:
     node_url: str | None = None
 
 
+PROBE = {"probe": True}  # kv_transfer_params.nexrt of a configuration probe (docs/CONNECTOR.md)
+
+
+def is_probe(params: Any) -> bool:
+    """A router's configuration probe: answered with the connector's configuration, never handed off."""
+    return isinstance(params, dict) and params.get(CLAIM_KEY) == PROBE
+
+
 def parse_claim(params: Any) -> Claim | None:
     """The request's claim, ``None`` if it is not ours; raises ClaimError if ours but malformed."""
     if not isinstance(params, dict) or CLAIM_KEY not in params:

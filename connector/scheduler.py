@@ -12,7 +12,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from nexrt_vllm.connector.config import CLAIM_KEY, Claim, ClaimError, parse_claim
+from nexrt_vllm.connector.config import CLAIM_KEY, Claim, ClaimError, is_probe, parse_claim
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
 
 logger = init_logger("vllm.nexrt_connector")  # under "vllm": inherits vLLM's log handler and level
@@ -29,13 +29,16 @@ class _Tracked:
 
 
 class NexRTScheduler:
-    def __init__(self, kv_cache_manager_getter):
+    def __init__(self, kv_cache_manager_getter, info: dict | None = None):
         self._kv_cache_manager = kv_cache_manager_getter
+        self._info = info or {}  # the connector's configuration, the answer to a probe
         self._reqs: dict[str, _Tracked] = {}
         self._aborts: list[str] = []
 
     # -- claim ---------------------------------------------------------------------------------
     def on_new_request(self, request) -> None:
+        if is_probe(request.kv_transfer_params):
+            return  # answered in request_finished; nothing is claimed or sent
         try:
             claim = parse_claim(request.kv_transfer_params)
         except ClaimError as e:
@@ -88,6 +91,8 @@ class NexRTScheduler:
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
         t = self._reqs.get(request.request_id)
         if t is None:
+            if is_probe(request.kv_transfer_params):
+                return False, {CLAIM_KEY: {"status": "probe", "connector": self._info}}
             return False, None
         if t.claim is None:
             del self._reqs[request.request_id]

@@ -27,6 +27,7 @@ import torch
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.node.buffers import RecvBuffer, stage
 from nexrt_vllm.node.convert import check_layout, unpack_state
+from nexrt_vllm.node.faults import Faults
 from nexrt_vllm.node.metrics import NodeMetrics
 
 log = logging.getLogger("nexrt.node")
@@ -57,6 +58,7 @@ class Options:
     start_timeout: float = 30.0  # done -> generate
     quarantine_s: float = 30.0  # grace for a writer that may outlive its admission
     tick: float = 0.05
+    faults: Faults = field(default_factory=Faults)  # test-only (nexrt_vllm/node/faults.py)
 
 
 @dataclass
@@ -178,6 +180,10 @@ class Node:
             return reject(P.Reason.STALE_GENERATION, f"generation {msg.generation}, admission is {adm.generation}")
         if adm.state is not State.RESERVED:
             return reject(P.Reason.DUPLICATE, f"rid {msg.rid!r} already began ({adm.state.value})")
+        if self.opts.faults.refuse():
+            text = "refusing hand-offs (test fault NEXRT_TEST_FAULTS=refuse_begin)"
+            self._end(adm, "rejected", P.Reason.BUSY, text)
+            return reject(P.Reason.BUSY, text)
         try:
             layout = self._layout(msg.layout)
         except P.ProtocolError as e:

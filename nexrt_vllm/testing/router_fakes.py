@@ -10,6 +10,7 @@ The real peers are exercised by tests/router/test_fullpath.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -80,12 +81,16 @@ class Model:
         return self.tok.encode(text).ids
 
     def continuation(self, prompt_ids: list[int], n: int, ignore_eos: bool = False) -> list[int]:
-        out, h = [], sum(prompt_ids) % len(self.words)
+        """Each token a function of the whole context before it, so continuing prompt + k
+        generated tokens gives the rest of the same continuation (as a real model does)."""
+        out, ctx = [], list(prompt_ids)
         for i in range(n):
             if self.eos_at == i and not ignore_eos:
                 out.append(self.eos)
                 break
-            out.append(self.words[(h + 7 * i) % len(self.words)])
+            t = self.words[(sum(ctx) + 7 * len(ctx)) % len(self.words)]
+            out.append(t)
+            ctx.append(t)
         return out
 
 
@@ -101,9 +106,14 @@ class FakeVLLM:
         self.handoff: dict[str, list[int]] = {}   # rid -> prompt ids ("the KV" the node gets)
         self.requests: list[dict] = []
         self.delay = 0.0
+        self.stream_delay = 0.0                    # seconds before each streamed token
         self.handoff_status: dict | None = None   # connector's kv_transfer_params.nexrt reply
         self.aborted = 0                           # requests whose client went away mid-prefill
         self.active = 0
+        # What the connector's configuration probe answers (None: vLLM without the connector).
+        self.connector: dict | None = {"transport": "mooncake", "model": {"name": name}}
+        self.probes = 0
+        self.standard: list[dict] = []             # streamed requests without a claim
         self.app = web.Application()
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/completions", self.complete)
@@ -116,7 +126,17 @@ class FakeVLLM:
 
     async def complete(self, request):
         body = await request.json()
-        self.requests.append(body)
+        if (body.get("kv_transfer_params") or {}).get("nexrt") == {"probe": True}:
+            self.probes += 1
+            ktp = {"nexrt": {"status": "probe", "connector": self.connector}} if self.connector else None
+            return web.json_response({"choices": [{"index": 0, "text": "", "token_ids": [0],
+                                                   "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+                                      "kv_transfer_params": ktp})
+        if body.get("stream"):
+            self.standard.append(body)
+        else:
+            self.requests.append(body)
         if body.get("model") != self.name:
             return web.json_response({"error": {"message": f"The model `{body.get('model')}` "
                                                 "does not exist.", "code": 404}}, status=404)
@@ -132,6 +152,8 @@ class FakeVLLM:
             self.active -= 1
         n = body.get("max_tokens") or 16
         toks = self.model.continuation(ids, n, body.get("ignore_eos", False))
+        if body.get("stream"):
+            return await self._stream(request, body, chat, ids, toks)
         nexrt = (body.get("kv_transfer_params") or {}).get("nexrt")
         if nexrt:
             self.handoff[nexrt["rid"]] = ids
@@ -151,6 +173,36 @@ class FakeVLLM:
                       "total_tokens": len(ids) + len(toks)}})
 
 
+    async def _stream(self, request, body, chat, ids, toks):
+        """vLLM's SSE with return_token_ids: prompt ids in the first chunk, one token per chunk."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(obj):
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        head = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.name}
+        if chat:
+            await send({**head, "prompt_token_ids": ids, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        stop = toks[-1] == self.model.eos and not body.get("ignore_eos")
+        for i, t in enumerate(toks):
+            await asyncio.sleep(self.stream_delay)
+            last = i == len(toks) - 1
+            fin = ("stop" if stop else "length") if last else None
+            text = self.model.tok.decode([t])
+            choice = {"index": 0, "token_ids": [t], "finish_reason": fin}
+            choice.update({"delta": {"content": text}} if chat else {"text": text})
+            if not chat and i == 0:
+                choice["prompt_token_ids"] = ids
+            await send({**head, "choices": [choice]})
+        await send({**head, "choices": [], "usage": {"prompt_tokens": len(ids),
+                                                     "completion_tokens": len(toks)}})
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
 class FakeNode:
     """A NexRT decode node (one request at a time), with knobs for failure tests."""
 
@@ -167,6 +219,8 @@ class FakeNode:
         self.cancels: list[str] = []
         self.generated: list[str] = []         # rids decoded to the end
         self.emit_times: list[float] = []      # time.monotonic() of each streamed token
+        self.caps_extra: dict = {}             # more /capabilities fields (transport, dtype, ...)
+        self.refuse: dict | None = None        # answer /v1/generate with this 4xx error body
         self.app = self.new_app()
 
     def new_app(self) -> web.Application:
@@ -183,7 +237,8 @@ class FakeNode:
         return web.json_response({"status": "ok", "busy": self.rid is not None})
 
     async def caps(self, request):
-        return web.json_response({"model": "tiny", "max_seq_len": self.max_seq_len})
+        return web.json_response({"model": "tiny", "max_seq_len": self.max_seq_len,
+                                  **self.caps_extra})
 
     async def admit(self, request):
         body = await request.json()
@@ -208,6 +263,9 @@ class FakeNode:
         rid = req["rid"]
         if rid != self.rid or req["generation"] != self.generation:
             return web.json_response({"error": {"type": "unknown_rid"}}, status=404)
+        if self.refuse is not None:
+            self.rid = None
+            return web.json_response({"error": self.refuse}, status=409)
         ids = self.vllm.handoff.pop(rid)
         assert self.model.continuation(ids, 1, req["ignore_eos"])[0] == req["first_token"]
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
