@@ -122,7 +122,7 @@ class Service:
     async def capabilities(self, request: web.Request) -> web.Response:
         cfg, peer = self.node.cfg, self.node.transport.peer_info()
         return web.json_response({
-            "model": self.node.model_name, **model_identity(cfg), "dtype": str(self.node.engine.dtype).removeprefix("torch."),
+            "model": self.node.model_name, **model_identity(cfg),
             "eos_token_ids": list(cfg.eos_token_ids), "max_seq_len": self.node.opts.max_seq_len,
             "max_batch": 1, "protocol_version": P.PROTOCOL_VERSION, "layout_version": P.LAYOUT_VERSION,
             "control_addr": self.node.control_addr,

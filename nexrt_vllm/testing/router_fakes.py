@@ -107,6 +107,7 @@ class FakeVLLM:
         self.requests: list[dict] = []
         self.delay = 0.0
         self.stream_delay = 0.0                    # seconds before each streamed token
+        self.prefill_error: int | None = None      # answer prefill legs with this HTTP status
         self.handoff_status: dict | None = None   # connector's kv_transfer_params.nexrt reply
         self.aborted = 0                           # requests whose client went away mid-prefill
         self.active = 0
@@ -137,6 +138,9 @@ class FakeVLLM:
             self.standard.append(body)
         else:
             self.requests.append(body)
+            if self.prefill_error:
+                return web.json_response({"error": {"message": "engine dead", "code": self.prefill_error}},
+                                         status=self.prefill_error)
         if body.get("model") != self.name:
             return web.json_response({"error": {"message": f"The model `{body.get('model')}` "
                                                 "does not exist.", "code": 404}}, status=404)
