@@ -618,9 +618,11 @@ class Router:
     async def _standard(self, rq: _Request, f: Fallback) -> web.StreamResponse:
         gen, params = rq.gen, rq.params
         t0 = time.monotonic()
+        # known_s: since the request arrived; decide_s: from learning the failure to asking the
+        # standard path; *_at: wall clock, for comparison with other processes' events.
         rq.timing["degraded"] = {"reason": f.reason.value, "detail": f.detail,
-                                 "known_at": f.known_at, "fallback_at": time.time(),
-                                 "decide_s": t0 - f.known}
+                                 "known_s": f.known - rq.t_recv, "decide_s": t0 - f.known,
+                                 "known_at": f.known_at, "fallback_at": time.time()}
         self.metrics.degraded.labels(f.reason.value).inc()
         log.info("interactive request continues on the standard path (%s: %s)", f.reason.value,
                  f.detail)
