@@ -81,10 +81,11 @@ def plan(args, prompts: list[str], refs: dict) -> list[dict]:
             stop = refs["stops"][r["kind"], p] if rng.random() < args.stops else None
             r.update(prompt=p, n=n, stop=stop)
             if rng.random() < args.disconnects:
-                # Where the client goes away: while queued / in prefill (time), or in decode.
-                r["cut"] = rng.choice(("early", "mid", "chunks"))
+                # Where the client goes away: while queued or in prefill ("early"), around the
+                # hand-off ("mid"), in decode (after some streamed chunks, or "late" in time).
+                r["cut"] = rng.choice(("early", "mid", "chunks" if r["stream"] else "late"))
                 r["cut_s"] = {"early": rng.uniform(0.0, 0.05), "mid": rng.uniform(0.05, 0.6),
-                              "chunks": None}[r["cut"]]
+                              "late": rng.uniform(0.3, 1.5), "chunks": None}[r["cut"]]
                 r["cut_chunks"] = rng.randint(1, 6)
         out.append(r)
     return out
@@ -106,41 +107,53 @@ def body_of(stack, prompts, r) -> dict:
     return b
 
 
+async def _vllm_only(session, stack, prompts, kind, p, n, stop) -> dict:
+    b = {"model": stack.ckpt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    if stop:
+        b["stop"] = [stop]
+    if kind == "chat":
+        b["messages"] = [{"role": "user", "content": prompts[p]}]
+        path = "/v1/chat/completions"
+    else:
+        b["prompt"] = prompts[p]
+        path = "/v1/completions"
+    async with session.post(stack.vllm_url + path, json=b) as r:
+        data = await r.json()
+    assert r.status == 200 and "nexrt" not in (data.get("kv_transfer_params") or {}), data
+    c = data["choices"][0]
+    pids = data.get("prompt_token_ids") or c.get("prompt_token_ids")
+    return {"ids": c["token_ids"], "text": c["message"]["content"] if kind == "chat" else c["text"],
+            "finish": c["finish_reason"], "prompt_ids": pids}
+
+
 async def references(session, stack, prompts, args) -> dict:
-    """vLLM-only greedy (direct to vLLM, no claim) for every (kind, prompt, max_tokens, stop) the
-    plan can ask; stop strings are words the continuation reaches after a few tokens."""
-    refs = {"stops": {}}
-
-    async def ask(kind, p, n, stop):
-        b = {"model": stack.ckpt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-             "return_token_ids": True}
-        if stop:
-            b["stop"] = [stop]
-        if kind == "chat":
-            b["messages"] = [{"role": "user", "content": prompts[p]}]
-            path = "/v1/chat/completions"
-        else:
-            b["prompt"] = prompts[p]
-            path = "/v1/completions"
-        async with session.post(stack.vllm_url + path, json=b) as r:
-            data = await r.json()
-        assert r.status == 200 and "nexrt" not in (data.get("kv_transfer_params") or {}), data
-        c = data["choices"][0]
-        text = c["message"]["content"] if kind == "chat" else c["text"]
-        return {"ids": c["token_ids"], "text": text, "finish": c["finish_reason"]}
-
-    lo, hi = args.max_tokens
+    """vLLM-only greedy (direct to vLLM, no claim), longest length, per (kind, prompt); a stop
+    string per (kind, prompt): a word the continuation reaches after a few tokens."""
+    refs = {"stops": {}, "full": {}}
     for kind in ("chat", "completion"):
         for p in range(len(prompts)):
-            full = await ask(kind, p, hi, None)
+            full = await _vllm_only(session, stack, prompts, kind, p, args.max_tokens[1], None)
+            refs["full"][kind, p] = full
             words = full["text"].split()
             refs["stops"][kind, p] = " " + words[min(3, len(words) - 1)]
-    for kind in ("chat", "completion"):
-        for p in range(len(prompts)):
-            for n in range(lo, hi + 1):
-                for stop in (None, refs["stops"][kind, p]):
-                    refs[kind, p, n, stop] = await ask(kind, p, n, stop)
     return refs
+
+
+async def complete_references(session, stack, prompts, refs, todo) -> None:
+    """refs[kind, prompt, n, stop] for every request planned: without a stop string, greedy's
+    first n tokens of the longest run (and their text); with one, vLLM's own answer."""
+    for r in todo:
+        if "malformed" in r:
+            continue
+        key = (r["kind"], r["prompt"], r["n"], r["stop"])
+        if key in refs:
+            continue
+        if r["stop"] is None:
+            full = refs["full"][r["kind"], r["prompt"]]
+            ids = full["ids"][:r["n"]]
+            refs[key] = {"ids": ids, "text": text_of(stack.ckpt, full["prompt_ids"], ids), "finish": "length"}
+        else:
+            refs[key] = await _vllm_only(session, stack, prompts, *key)
 
 
 # -- one request --------------------------------------------------------------------------------
@@ -331,9 +344,14 @@ async def drive(args, stack, router_url, log) -> dict:
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         t = time.monotonic()
         refs = await references(session, stack, prompts, args)
-        log(f"vLLM-only references: {len(refs) - 1} in {time.monotonic() - t:.0f}s")
-        start_state = idle_state(stack, router_url, live_nodes=[0, 1])
         todo = plan(args, prompts, refs)
+        await complete_references(session, stack, prompts, refs, todo)
+        # Every derived reference is checked against vLLM itself for a sample.
+        for key in [k for k in refs if isinstance(k, tuple) and len(k) == 4 and k[3] is None][:8]:
+            got = await _vllm_only(session, stack, prompts, *key)
+            assert (got["ids"], got["text"]) == (refs[key]["ids"], refs[key]["text"]), (key, got, refs[key])
+        log(f"vLLM-only references: {len(refs) - 2} in {time.monotonic() - t:.0f}s")
+        start_state = idle_state(stack, router_url, live_nodes=[0, 1])
         progress = {"started": 0, "done": 0}
         results: list[dict] = []
         queue = list(reversed(todo))

@@ -90,6 +90,7 @@ class Lease:
         self.rid = rid
         self.admitted = False
         self.done = False          # the node sent its final line (nothing to cancel)
+        self.served = False        # ... and it was a normal finish (a service-time sample)
         self.t0 = time.monotonic()
 
 
@@ -433,7 +434,7 @@ class Router:
         if lease.node is None:
             return
         node, lease.node = lease.node, None
-        if lease.done:
+        if lease.served:
             self.pool.record_service_time(node, time.monotonic() - lease.t0)
         if lease.admitted and not lease.done and node.healthy:
             # Runs outside the (possibly cancelled) handler; the slot is released only once the
@@ -578,6 +579,7 @@ class Router:
                             raise _DecodeFailed(f"decode node ended the request with '{fr}': "
                                                 f"{msg.get('error') or 'no detail'}")
                         gen.finish = fr
+                        lease.served = True
         except NodeError as e:
             self._node_failed(node, str(e))
             return await self._node_lost(gen, Reason.NODE_FAILED, f"decode node {node.url} failed: {e}")
