@@ -520,21 +520,25 @@ class Router:
         limits = [x for x in (vllm_limit, node_limit) if x]
         limit = min(limits) if limits else None
         max_tokens = params.max_tokens
-        if limit is not None:
-            if max_tokens is None:
-                max_tokens = max(1, limit - prompt_len)
-            elif prompt_len + max_tokens > limit:
-                err = APIError(400, f"this tier's maximum context length is {limit} tokens; the "
-                                    f"prompt has {prompt_len} and max_tokens is {max_tokens}",
-                               param="max_tokens")
-                if vllm_limit and prompt_len + max_tokens > vllm_limit:
-                    raise err
-                pending = pending or Fallback(
-                    Reason.TOO_LONG, f"prompt {prompt_len} + max_tokens {max_tokens} tokens exceed "
-                                     f"the node's max_seq_len {node_limit}", err)
-        elif max_tokens is None:
+        if limit is None and max_tokens is None:
             raise APIError(400, "max_tokens is required (the context limit is unknown)",
                            param="max_tokens")
+        if limit is not None and prompt_len + (max_tokens or 1) > limit:
+            err = APIError(400, f"this tier's maximum context length is {limit} tokens; the "
+                                f"prompt has {prompt_len} and max_tokens is {max_tokens}",
+                           param="max_tokens")
+            if vllm_limit and prompt_len + (max_tokens or 1) > vllm_limit:
+                raise err
+            # Beyond the node's context, within vLLM's: vLLM alone can serve it.
+            if max_tokens is None:
+                if not vllm_limit:
+                    raise err
+                max_tokens = vllm_limit - prompt_len
+            pending = pending or Fallback(
+                Reason.TOO_LONG, f"prompt {prompt_len} + max_tokens {max_tokens} tokens exceed "
+                                 f"the node's max_seq_len {node_limit}", err)
+        elif max_tokens is None:
+            max_tokens = limit - prompt_len
         first = pre["first_token"]
         if pending is not None and (pre["finish_reason"] == "stop" or max_tokens == 1):
             pending = None          # the first token ends the request: no decode needed at all

@@ -5,6 +5,7 @@ client continues on the standard path (one ordinary response, the model's own co
 node text was streamed, fail closed; `--fallback error` gives the errors; `--when-busy`;
 misconfigured nodes ejected with the mismatch named; Retry-After from the queue."""
 import json
+import math
 import threading
 import time
 
@@ -339,7 +340,7 @@ def test_retry_after_of_a_full_queue_follows_the_queue(tok_dir):
         node.token_delay = 0.1
         for _ in range(2):                           # measured service time: ~1 s (10 tokens)
             assert post(s).status_code == 200
-        per = s.router.pool.nodes[0].service_times[-1]
+        per = sum(s.router.pool.nodes[0].service_times) / 2
         assert 0.8 < per < 2.0
         results, threads = [], []
         for i in range(3):                           # one on the node, two queued
@@ -347,10 +348,29 @@ def test_retry_after_of_a_full_queue_follows_the_queue(tok_dir):
             threads[-1].start()
             wait(lambda: s.health()["slots_busy"] + s.health()["queue_depth"] == i + 1)
         r = post(s)
-        # Position 3 (two queued ahead) at ~1 s per request on one node.
-        assert r.status_code == 429 and int(r.headers["Retry-After"]) == int(-(-3 * per // 1))
+        # Position 3 (two queued ahead) at the measured mean service time, on one node.
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) == math.ceil(3 * per)
         for t in threads:
             t.join(30)
         assert [x.status_code for x in results] == [200] * 3
+    finally:
+        s.close()
+
+
+def test_prompt_beyond_the_node_context_without_max_tokens(tok_dir):
+    """No max_tokens and a prompt the node cannot even hold: vLLM's context decides the length."""
+    s = Stack(tok_dir, n_nodes=1)
+    try:
+        s.vllm.max_model_len = 24
+        s.nodes[0].max_seq_len = 4
+        time.sleep(0.5)
+        prompt = "a b c d e f"
+        r = requests.post(s.url + "/v1/completions", headers=HDR, timeout=10, json={
+            "model": "tiny", "prompt": prompt, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        ids = s.model.tok.encode(prompt).ids
+        assert r.headers["x-nexrt-degraded"] == "too_long"
+        assert r.json()["choices"][0]["token_ids"] == s.model.continuation(ids, 24 - len(ids))
+        assert s.idle()
     finally:
         s.close()
