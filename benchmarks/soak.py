@@ -273,19 +273,21 @@ def classify(res, r, refs) -> dict:
 
 # -- faults ---------------------------------------------------------------------------------------
 async def faults(stack, args, progress: dict, log) -> list[dict]:
-    events = []
-    for node, frac in enumerate(args.kill_at):
+    """Each node is SIGKILLed once, at its fraction of the run, and started again (same URL)
+    after --restart-after seconds, while the requests go on."""
+    async def one(node, frac):
         while progress["started"] < frac * args.requests:
             await asyncio.sleep(0.05)
-        t = stack.kill_node(node)
-        events.append({"node": node, "killed_at_request": progress["started"], "killed": t})
+        ev = {"node": node, "killed_at_request": progress["started"], "killed": stack.kill_node(node)}
         log(f"killed node {node} at request {progress['started']}")
         await asyncio.sleep(args.restart_after)
         stack.start_node(node)
         await asyncio.to_thread(stack.wait_node, node)
-        events[-1]["restarted"] = time.time()
-        log(f"node {node} is back")
-    return events
+        ev.update(restarted=time.time(), back_at_request=progress["started"])
+        log(f"node {node} is back (request {progress['started']})")
+        return ev
+
+    return list(await asyncio.gather(*(one(n, f) for n, f in enumerate(args.kill_at))))
 
 
 def pct(xs, q):
@@ -309,11 +311,13 @@ def latency_table(results) -> dict:
         ttft = [x["t_first"] for x in streams]
         tpot = [(x["t_last"] - x["t_first"]) / (x["tokens"] - 1) for x in streams if x["tokens"] > 1]
         e2e = [x["t_end"] for x in xs]
+        queue = [x["timing"]["queue_s"] for x in xs if (x.get("timing") or {}).get("queue_s") is not None]
         ms = lambda v: None if v is None else round(v * 1e3, 2)  # noqa: E731
         out[name] = {"requests": len(xs), "streamed": len(streams),
                      "ttft_ms_p50": ms(pct(ttft, 50)), "ttft_ms_p99": ms(pct(ttft, 99)),
                      "tpot_ms_p50": ms(pct(tpot, 50)), "tpot_ms_p99": ms(pct(tpot, 99)),
-                     "e2e_ms_p50": ms(pct(e2e, 50)), "e2e_ms_p99": ms(pct(e2e, 99))}
+                     "e2e_ms_p50": ms(pct(e2e, 50)), "e2e_ms_p99": ms(pct(e2e, 99)),
+                     "queue_ms_p50": ms(pct(queue, 50)), "queue_ms_p99": ms(pct(queue, 99))}
     return out
 
 
