@@ -238,6 +238,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ix-client", default=None,
                     help="dir with InferenceX's utils/bench_serving/*.py: also run its own client (cross-check)")
     ap.add_argument("--ix-scenarios", nargs="*", default=None, help="scenarios for --ix-client (default: all)")
+    ap.add_argument("--ix-num-prompts", type=int, default=None, help="prompts per --ix-client run (default --num-prompts)")
+    ap.add_argument("--paths", nargs="+", choices=("nexrt", "vllm"), default=["nexrt", "vllm"],
+                    help="which paths to measure (a run cut short can be completed by another with the rest)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--start-timeout", type=float, default=420)
     a = ap.parse_args(argv)
@@ -249,7 +252,7 @@ def main(argv=None) -> int:
         a.recv_memory = "host"
 
     os.makedirs(a.out, exist_ok=True)
-    label = a.shape + (f"_l{a.layers}" if a.layers else "")
+    label = a.shape + (f"_l{a.layers}" if a.layers else "") + ("" if len(a.paths) == 2 else "_" + a.paths[0])
     work = tempfile.mkdtemp(prefix="gpu-e2e-")
     name = NAMES.get(a.shape, "tiny-qwen3-next")
     model = os.path.join(work, name + (f"-{a.layers}L" if a.layers else ""))
@@ -274,41 +277,51 @@ def main(argv=None) -> int:
 
     stack = Stack(work, a.device)
     t0 = time.monotonic()
+    ix = (a.ix_scenarios if a.ix_scenarios is not None else a.scenarios) if a.ix_client else ()
+    ix_n = a.ix_num_prompts or a.num_prompts
+    purl = None
     try:
-        ready = asyncio.run(stack.node(model, max_len, a.transport, a.recv_memory))
-        vurl = stack.vllm("vllm", model, max_len, a.transport, share)
-        purl = stack.vllm("vllm_plain", model, max_len, None, share) if a.concurrent_baseline else None
-        node = asyncio.run(wait_file(ready, stack.procs, a.start_timeout, "decode node"))
-        asyncio.run(_up(stack, [(vurl, "vLLM + connector")] + ([(purl, "vLLM plain")] if purl else []),
-                        a.start_timeout))
-        rurl = stack.router(vurl, node["url"], model)
-        asyncio.run(_up(stack, [(rurl, "router")], 60))
-        summary["startup_s"] = time.monotonic() - t0
-        log(f"stack up in {summary['startup_s']:.0f}s")
-        for sc in a.scenarios:
-            before = scrape(node["url"])
-            summary["nexrt"][sc] = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir,
-                                              [], a.transport, hw)
-            summary["node"][sc] = node_delta(before, scrape(node["url"]))
-            log(sc, "nexrt", summary["nexrt"][sc], summary["node"][sc])
-            save()
-        for sc in (a.ix_scenarios if a.ix_scenarios is not None else a.scenarios) if a.ix_client else ():
-            summary.setdefault("inferencex_client", {}).setdefault("nexrt", {})[sc] = ix_client(
-                a.ix_client, rurl, model, sc, a.num_prompts, os.path.join(res_dir, "ix"), "nexrt")
-            save()
-        if purl is None:
-            stack.procs.stop()
-            stack = Stack(work, a.device)
-            purl = stack.vllm("vllm_plain", model, max_len, None, share)
-            asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
-        for sc in a.scenarios:
-            summary["vllm"][sc] = inferencex(purl, "vllm", "model", model, sc, a.num_prompts, res_dir, [], "", hw)
-            log(sc, "vllm", summary["vllm"][sc])
-            save()
-        for sc in (a.ix_scenarios if a.ix_scenarios is not None else a.scenarios) if a.ix_client else ():
-            summary.setdefault("inferencex_client", {}).setdefault("vllm", {})[sc] = ix_client(
-                a.ix_client, purl, model, sc, a.num_prompts, os.path.join(res_dir, "ix"), "vllm")
-            save()
+        if "nexrt" in a.paths:
+            # One at a time: vLLM sizes its KV cache from the memory it sees while profiling, which a
+            # neighbour still allocating would falsify.
+            ready = asyncio.run(stack.node(model, max_len, a.transport, a.recv_memory))
+            node = asyncio.run(wait_file(ready, stack.procs, a.start_timeout, "decode node"))
+            summary["node_start_s"] = time.monotonic() - t0
+            vurl = stack.vllm("vllm", model, max_len, a.transport, share)
+            asyncio.run(_up(stack, [(vurl, "vLLM + connector")], a.start_timeout))
+            if a.concurrent_baseline and "vllm" in a.paths:
+                purl = stack.vllm("vllm_plain", model, max_len, None, share)
+                asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
+            rurl = stack.router(vurl, node["url"], model)
+            asyncio.run(_up(stack, [(rurl, "router")], 60))
+            summary["startup_s"] = time.monotonic() - t0
+            log(f"stack up in {summary['startup_s']:.0f}s")
+            for sc in a.scenarios:
+                before = scrape(node["url"])
+                summary["nexrt"][sc] = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir,
+                                                  [], a.transport, hw)
+                summary["node"][sc] = node_delta(before, scrape(node["url"]))
+                log(sc, "nexrt", summary["nexrt"][sc], summary["node"][sc])
+                save()
+            for sc in ix:
+                summary.setdefault("inferencex_client", {}).setdefault("nexrt", {})[sc] = ix_client(
+                    a.ix_client, rurl, model, sc, ix_n, os.path.join(res_dir, "ix"), "nexrt")
+                save()
+        if "vllm" in a.paths:
+            if purl is None:
+                stack.procs.stop()
+                stack = Stack(work, a.device)
+                purl = stack.vllm("vllm_plain", model, max_len, None, share)
+                asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
+            for sc in a.scenarios:
+                summary["vllm"][sc] = inferencex(purl, "vllm", "model", model, sc, a.num_prompts, res_dir, [], "",
+                                                 hw)
+                log(sc, "vllm", summary["vllm"][sc])
+                save()
+            for sc in ix:
+                summary.setdefault("inferencex_client", {}).setdefault("vllm", {})[sc] = ix_client(
+                    a.ix_client, purl, model, sc, ix_n, os.path.join(res_dir, "ix"), "vllm")
+                save()
     except Exception as e:  # noqa: BLE001 - keep what was measured
         summary["error"] = f"{type(e).__name__}: {e}"
         for name, _, logf in stack.procs.procs:

@@ -146,7 +146,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def other_readings(layout):
     """The same bytes read with the other attention interior and the other recurrent orientation."""
-    from nexrt_vllm.handoff import protocol as P
+    from nexrt_vllm.handoff import layout as L
 
     layers = []
     for lay in layout.layers:
@@ -158,7 +158,7 @@ def other_readings(layout):
             h, a, b = lay.rec_shape
             layers.append(dataclasses.replace(lay, rec_layout="HKV" if lay.rec_layout == "HVK" else "HVK",
                                               rec_shape=(h, b, a)))
-    return P.Layout(layout.model, layout.block_size, tuple(layers))
+    return L.Layout(layout.model, layout.block_size, tuple(layers))
 
 
 def rel(a, b) -> float:
@@ -169,6 +169,7 @@ def rel(a, b) -> float:
 def run_variant(args, variant: str, refs: dict, prompts: dict) -> dict:
     import torch
 
+    from nexrt_vllm.handoff.contracts import Claim
     from nexrt_vllm.node.convert import unpack_state
     from nexrt_vllm.testing.connector_harness import RecordingReceiver
 
@@ -183,9 +184,9 @@ def run_variant(args, variant: str, refs: dict, prompts: dict) -> dict:
     out["start_s"] = round(time.monotonic() - t0, 1)
     try:
         for rid, ids in prompts.items():
-            claim = {"nexrt": {"rid": f"{variant}-{rid}", "generation": 1, "control_addr": rx.addr}}
+            claim = Claim(f"{variant}-{rid}", 1, rx.addr)
             r = post(url + "/v1/completions", {"model": args.model, "prompt": ids, "max_tokens": 1,
-                                                "temperature": 0.0, "kv_transfer_params": claim})
+                                                "temperature": 0.0, "kv_transfer_params": claim.to_params()})
             out.setdefault("first_tokens", {})[rid] = r["choices"][0].get("token_ids") or r["choices"][0]["text"]
         deadline = time.monotonic() + 60
         want = {f"{variant}-{rid}" for rid in prompts}

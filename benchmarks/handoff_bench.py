@@ -64,7 +64,7 @@ def bench_transport(model: str, transport: str, seq_lens: list[int], reps: int, 
                     source: str = "host", kv_interior: str = "HND", node_args: tuple[str, ...] = ()) -> list[dict]:
     from nexrt_vllm.engine import ModelConfig
     from nexrt_vllm.handoff.sender import HandoffSender
-    from nexrt_vllm.node.convert import layout_for, pack_state
+    from nexrt_vllm.testing.senders import layout_for, pack_state
 
     cfg = ModelConfig.from_pretrained(model)
     node = NodeProcess(model, transport, "--recv-buffers", "1", *node_args, max_seq_len=max(seq_lens) + 1,

@@ -24,20 +24,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from nexrt_vllm.connector.config import ConfigError, ConnectorConfig
+from nexrt_vllm.connector.config import ConnectorConfig, ConnectorConfigError
 from nexrt_vllm.connector.metadata import NexRTMetadata
 
 
 def probe_info(cfg: ConnectorConfig, vllm_config) -> dict:
     """What a configuration probe is told: the connector's transport and versions, and the model
     vLLM serves (identity fields as the node's /capabilities names them, compute dtype)."""
+    from nexrt_vllm.handoff import layout as L
     from nexrt_vllm.handoff import protocol as P
 
     mc = vllm_config.model_config
     hf = mc.hf_text_config
     archs = getattr(mc.hf_config, "architectures", None) or [None]
     return {"transport": cfg.transport, "protocol_version": P.PROTOCOL_VERSION,
-            "layout_version": P.LAYOUT_VERSION,
+            "layout_version": L.LAYOUT_VERSION,
             "model": {"name": mc.model, "architecture": archs[0],
                       "num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size,
                       "vocab_size": hf.vocab_size},
@@ -50,11 +51,11 @@ class NexRTConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         if not ktc.is_kv_producer:
-            raise ConfigError("NexRTConnector only sends: use kv_role 'kv_producer' (or 'kv_both')")
+            raise ConnectorConfigError("NexRTConnector only sends: use kv_role 'kv_producer' (or 'kv_both')")
         pc = vllm_config.parallel_config
         if pc.tensor_parallel_size * pc.pipeline_parallel_size > 1:
             # Each rank would ship its own shard as a separate hand-off; the node takes one sender.
-            raise ConfigError("NexRTConnector supports tensor/pipeline parallel size 1 only")
+            raise ConnectorConfigError("NexRTConnector supports tensor/pipeline parallel size 1 only")
         self._cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
         self._scheduler = None
         self._worker = None

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nexrt_vllm.connector.config import ConfigError
-from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.connector.config import ConnectorConfigError
+from nexrt_vllm.engine.dtypes import TORCH_DTYPES
+from nexrt_vllm.handoff import layout as L
 
 logger = logging.getLogger("vllm.nexrt_connector")
 
@@ -40,14 +41,14 @@ logger = logging.getLogger("vllm.nexrt_connector")
 PACKED_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER")
 CPU_ISA_FORMATS = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}
 REC_BY_PLATFORM = {"cuda": "HVK", "cpu": "HKV"}
-KV_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+KV_DTYPES = {TORCH_DTYPES[n]: n for n in ("bfloat16", "float16", "float32")}  # the dtypes the node takes
 STATE_DTYPES = KV_DTYPES
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _warned: set[tuple[str, str]] = set()
 
 
-class LayoutError(ConfigError):
+class LayoutError(ConnectorConfigError):
     """vLLM allocated pages NexRT cannot read (raised at vLLM start, before any request)."""
 
 
@@ -64,7 +65,7 @@ class PagedLayer:
     base: int  # address of block 0
     stride: int  # bytes between consecutive (kernel) blocks
     sub: int
-    layout: P.AttentionLayout | P.GDNLayout
+    layout: L.AttentionLayout | L.GDNLayout
 
     @property
     def index(self) -> int:
@@ -78,7 +79,7 @@ class PagedLayer:
 class Detected:
     attention: list[PagedLayer]
     gdn: list[PagedLayer]
-    layout: P.Layout
+    layout: L.Layout
     storages: dict[int, torch.UntypedStorage]  # data_ptr -> storage, each once
     summary: str  # for the start-up log line
 
@@ -153,7 +154,7 @@ def attention_layer(name: str, group: int, t: torch.Tensor, spec, backend: str, 
         raise LayoutError(f"{where}: {n}-token pages do not divide the {spec.block_size}-token block")
     strides = tuple(t.stride()[1:])
     dense = h * n * c
-    if strides[2] != 1 or P.span_elems((h, n, c), strides) != dense or t.stride(0) < dense:
+    if strides[2] != 1 or L.span_elems((h, n, c), strides) != dense or t.stride(0) < dense:
         raise LayoutError(f"{where}: page strides {tuple(t.stride())} for shape {tuple(t.shape)} do not make each "
                           "block's (heads, tokens, K|V) one dense run (a KV cache layout with heads or layers "
                           "outside the block); NexRT ships whole pages: set VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC")
@@ -161,7 +162,7 @@ def attention_layer(name: str, group: int, t: torch.Tensor, spec, backend: str, 
     fmt = _choose(name, attention_format(backend, isa), override, met, "attn_kv_format")
     if fmt in ("cpu_vec", "cpu_amx") and strides != (n * c, c, 1):
         raise LayoutError(f"{where}: {fmt} pages must be head-major and contiguous, got strides {strides}")
-    layout = P.AttentionLayout(index=layer_index(name), dtype=KV_DTYPES[t.dtype], shape=(h, n, c), strides=strides,
+    layout = L.AttentionLayout(index=layer_index(name), dtype=KV_DTYPES[t.dtype], shape=(h, n, c), strides=strides,
                                kv_format=fmt)
     return PagedLayer(name, group, t.data_ptr(), t.stride(0) * t.element_size(), spec.block_size // n, layout)
 
@@ -196,9 +197,9 @@ def gdn_layer(name: str, group: int, t: torch.Tensor, spec, hf, platform: str, *
     rec_layout = _choose(name, REC_BY_PLATFORM.get(platform), override, f"the GDN kernels of platform {platform!r}",
                          "gdn_rec_layout")
     rshape = (hv, vd, kd) if rec_layout == "HVK" else (hv, kd, vd)  # the same bytes, as the kernels index them
-    layout = P.GDNLayout(index=layer_index(name), conv_layout=conv_layout, conv_dtype=STATE_DTYPES[dtypes[0]],
-                         conv_shape=conv_shape, conv_strides=_contiguous(conv_shape), rec_layout=rec_layout,
-                         rec_dtype=STATE_DTYPES[dtypes[1]], rec_shape=rshape, rec_strides=_contiguous(rshape))
+    layout = L.GDNLayout(index=layer_index(name), conv_layout=conv_layout, conv_dtype=STATE_DTYPES[dtypes[0]],
+                         conv_shape=conv_shape, conv_strides=L.contiguous_strides(conv_shape), rec_layout=rec_layout,
+                         rec_dtype=STATE_DTYPES[dtypes[1]], rec_shape=rshape, rec_strides=L.contiguous_strides(rshape))
     if layout.page_bytes > t.shape[-1] or t.stride(0) < t.shape[-1]:
         raise LayoutError(f"{name}: GDN state ({layout.page_bytes} B) larger than its page ({t.shape[-1]} B, "
                           f"block stride {t.stride(0)} B)")
@@ -244,7 +245,7 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
     attn.sort(key=lambda x: x.index)
     gdn.sort(key=lambda x: x.index)
     model = {"num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size}
-    layout = P.Layout(model=model, block_size=tokens.pop(),
+    layout = L.Layout(model=model, block_size=tokens.pop(),
                       layers=tuple(sorted((x.layout for x in attn + gdn), key=lambda lay: lay.index)))
     a0 = attn[0].layout
     kv_layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
@@ -273,11 +274,3 @@ def _backend_of(vllm_config, name: str) -> tuple[str, str | None]:
         cache = vllm_config.cache_config
         isa = _get_attn_isa(vllm_config.model_config.dtype, cache.block_size, layer.head_size, cache.cache_dtype)
     return bname, isa
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))

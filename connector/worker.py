@@ -27,10 +27,12 @@ from typing import Callable
 import torch
 from vllm.logger import init_logger
 
-from nexrt_vllm.handoff import protocol as P
-from nexrt_vllm.connector.config import ConfigError, ConnectorConfig
+from nexrt_vllm.connector.config import ConnectorConfig, ConnectorConfigError
 from nexrt_vllm.connector.layouts import PagedLayer, detect
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
+from nexrt_vllm.handoff import layout as L
+from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff.contracts import HandoffStatus
 from nexrt_vllm.handoff.sender import HandoffError, HandoffSender, Transfer
 
 logger = init_logger("vllm.nexrt_connector")  # under "vllm": inherits vLLM's log handler and level
@@ -39,7 +41,7 @@ logger = init_logger("vllm.nexrt_connector")  # under "vllm": inherits vLLM's lo
 class _Job:
     """One claimed request's hand-off. Tasks run in order on the job's own thread."""
 
-    def __init__(self, step: ReqStep, sender: HandoffSender, layout: P.Layout, on_end: Callable[["_Job"], None],
+    def __init__(self, step: ReqStep, sender: HandoffSender, layout: L.Layout, on_end: Callable[["_Job"], None],
                  stager=None):
         self.req_id, self.claim, self.seq_len = step.req_id, step.claim, step.prompt_len
         self._sender, self._layout, self._on_end, self._stager = sender, layout, on_end, stager
@@ -102,9 +104,9 @@ class _Job:
             self.transfer = self._sender.begin(self.claim.control_addr, self._layout, self.claim.rid,
                                                self.claim.generation, self.seq_len)
         except HandoffError as e:
-            self._end(Outcome("failed", e.reason.value, e.message))
+            self._end(Outcome(HandoffStatus.FAILED, e.reason, e.message))
         except Exception as e:  # noqa: BLE001 - any sender bug must still end the job and free blocks
-            self._end(Outcome("failed", P.Reason.TRANSFER_FAILED.value, repr(e)))
+            self._end(Outcome(HandoffStatus.FAILED, P.Reason.TRANSFER_FAILED, repr(e)))
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._tasks or self.outcome is not None)
@@ -118,12 +120,12 @@ class _Job:
             try:
                 fn()
             except HandoffError as e:
-                self._end(Outcome("failed", e.reason.value, e.message))
+                self._end(Outcome(HandoffStatus.FAILED, e.reason, e.message))
             except Exception as e:  # noqa: BLE001
                 logger.exception("hand-off of %s failed", self.req_id)
                 if self.transfer is not None:
                     self.transfer.abort(f"sender error: {e!r}")
-                self._end(Outcome("failed", P.Reason.TRANSFER_FAILED.value, repr(e)))
+                self._end(Outcome(HandoffStatus.FAILED, P.Reason.TRANSFER_FAILED, repr(e)))
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
@@ -151,12 +153,12 @@ class _Job:
                     "done acked %.1f ms after it", self.claim.rid, self.seq_len, t.nbytes / 2**20,
                     100.0 * self._bytes_at_prefill_end / max(t.nbytes, 1),
                     1e3 * (time.perf_counter() - self._prefill_end))
-        self._end(Outcome("sent"))
+        self._end(Outcome(HandoffStatus.SENT))
 
     def _abort(self, reason: str) -> None:
         if self.transfer is not None:
             self.transfer.abort(reason)
-        self._end(Outcome("aborted", P.Reason.CANCELLED.value, reason))
+        self._end(Outcome(HandoffStatus.ABORTED, P.Reason.CANCELLED, reason))
 
     def _end(self, outcome: Outcome) -> None:
         with self._cv:
@@ -173,7 +175,7 @@ class NexRTWorker:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._sender: HandoffSender | None = None
-        self._layout: P.Layout | None = None
+        self._layout: L.Layout | None = None
         self._attn: list[PagedLayer] = []
         self._gdn: list[PagedLayer] = []
         self._attn_by_name: dict[str, PagedLayer] = {}
@@ -201,7 +203,7 @@ class NexRTWorker:
         staged = self._cuda and (self._cfg.staging == "always"
                                  or (self._cfg.staging == "auto" and "device" not in kinds))
         if self._cuda and not staged and "device" not in kinds:
-            raise ConfigError(f"transport {self._cfg.transport} cannot read GPU memory (this build registers "
+            raise ConnectorConfigError(f"transport {self._cfg.transport} cannot read GPU memory (this build registers "
                               f"{kinds}) and staging is 'never'")
         if staged:
             from nexrt_vllm.connector.staging import PinnedStager

@@ -16,7 +16,9 @@ import os
 
 import aiohttp
 
-PROBE_CLAIM = {"nexrt": {"probe": True}}
+from nexrt_vllm.handoff.contracts import CLAIM_KEY, PROBE, ContractError, ProbeReply
+
+PROBE_CLAIM = {CLAIM_KEY: PROBE}
 _IDENTITY = ("num_hidden_layers", "hidden_size", "vocab_size")
 ABSENT = {"absent": True}       # vLLM answered without kv_transfer_params: no connector
 
@@ -40,10 +42,11 @@ async def probe(session: aiohttp.ClientSession, vllm_url: str, timeout: float) -
     ktp = data.get("kv_transfer_params") if isinstance(data, dict) else None
     if not ktp:
         return "absent", ABSENT
-    nexrt = ktp.get("nexrt") if isinstance(ktp, dict) else None
-    if isinstance(nexrt, dict) and nexrt.get("status") == "probe" and isinstance(nexrt.get("connector"), dict):
-        return "ok", nexrt["connector"]
-    return "unsupported", None
+    try:
+        reply = ProbeReply.from_params(ktp)
+    except ContractError:
+        reply = None
+    return ("ok", reply.connector) if reply is not None else ("unsupported", None)
 
 
 def mismatches(connector: dict | None, caps: dict) -> list[str]:

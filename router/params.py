@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nexrt_vllm.handoff.contracts import Claim, ContractError, Sampling
+
 from .errors import APIError
 
 # field -> predicate that is True when the value is the no-op default the tier can accept.
@@ -59,19 +61,12 @@ class GenParams:
     include_usage: bool
     max_tokens: int | None         # None: up to the context limit
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = False
+    sampling: Sampling = field(default_factory=Sampling)   # sent identically to both legs
     return_token_ids: bool = False  # non-streaming only: completion token ids in the choice
 
-    def sampling(self) -> dict:
-        """Sampling fields sent identically to both legs."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "seed": self.seed, "ignore_eos": self.ignore_eos,
-                "stop_token_ids": list(self.stop_token_ids)}
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.sampling.stop_token_ids
 
 
 def _bad(msg: str, param: str | None = None) -> APIError:
@@ -174,6 +169,12 @@ def parse(body, kind: str, max_model_len: int | None) -> GenParams:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+    try:
+        # the node's contract is stricter in corners (finite numbers, seed range): refuse here
+        sampling = Sampling(temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
+                            ignore_eos=ignore_eos, stop_token_ids=tuple(stop_ids))
+    except ContractError as e:
+        raise _bad(f"'{e.field}' {e.problem}", e.field) from None
 
     return_ids = body.get("return_token_ids", False)
     if return_ids not in (None, False, True):
@@ -183,22 +184,21 @@ def parse(body, kind: str, max_model_len: int | None) -> GenParams:
                             "interactive tier", param="return_token_ids")
 
     return GenParams(kind=kind, model=model, stream=stream, include_usage=include_usage,
-                     max_tokens=max_tokens, stop=stop, stop_token_ids=stop_ids,
-                     temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
-                     ignore_eos=ignore_eos, return_token_ids=bool(return_ids))
+                     max_tokens=max_tokens, stop=stop, sampling=sampling,
+                     return_token_ids=bool(return_ids))
 
 
-def prefill_body(body: dict, params: GenParams, model: str, kv_params: dict) -> dict:
+def prefill_body(body: dict, params: GenParams, model: str, claim: Claim) -> dict:
     """The client's body rewritten for the vLLM leg: one token, non-streaming, token ids back."""
     out = {k: v for k, v in body.items() if k not in _ROUTER_FIELDS}
-    out.update(params.sampling())
+    out.update(params.sampling.to_wire())
     out.update(model=model, max_tokens=1, stream=False, return_token_ids=True,
-               kv_transfer_params={"nexrt": kv_params})
+               kv_transfer_params=claim.to_params())
     return out
 
 
 def _standard_common(params: GenParams, max_tokens: int | None) -> dict:
-    out = params.sampling()
+    out = params.sampling.to_wire()
     out.update(stream=True, stream_options={"include_usage": True}, return_token_ids=True)
     if max_tokens is not None:
         out["max_tokens"] = max_tokens

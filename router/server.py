@@ -25,6 +25,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from nexrt_vllm.handoff.contracts import AdmitReply, Claim, GenerateRequest
+
 from . import config_check
 from . import params as P
 from . import standard
@@ -454,7 +456,7 @@ class Router:
         finally:
             self.pool.release(node)
 
-    async def _admit(self, rq: _Request, lease: Lease) -> dict:
+    async def _admit(self, rq: _Request, lease: Lease) -> AdmitReply:
         """Admission with fail-over: a node that fails here is ejected and another one tried."""
         busy_until = None
         while True:
@@ -489,13 +491,12 @@ class Router:
         params, info = rq.params, rq.info
         adm = await self._admit(rq, lease)
         node = lease.node
-        kv = {"rid": lease.rid, "generation": adm.get("generation"),
-              "control_addr": adm.get("control_addr"), "node_url": node.url}
+        claim = Claim(lease.rid, adm.generation, adm.control_addr, node.url)
         path = "/v1/chat/completions" if params.kind == "chat" else "/v1/completions"
         t_prefill = time.monotonic()
         try:
             pre = await vllm_prefill(self.session, self.vllm_url + path,
-                                     P.prefill_body(rq.body, params, rq.model, kv),
+                                     P.prefill_body(rq.body, params, rq.model, claim),
                                      self.args.prefill_timeout)
         except APIError as e:
             if e.status >= 500:
@@ -510,9 +511,9 @@ class Router:
         # client at once, the rest comes from the standard path.
         pending = None
         h = pre["handoff"]
-        if h.get("status") in ("failed", "aborted"):
+        if h is not None and h.status.failed:
             self._reprobe()
-            detail = f"{h.get('reason')}: {h.get('error') or h.get('status')}"
+            detail = f"{h.reason.value if h.reason else None}: {h.error or h.status.value}"
             pending = Fallback(Reason.HANDOFF, f"connector: {detail}",
                                APIError(502, f"KV hand-off to the decode node failed: {detail}"))
         prompt_len = pre["prompt_tokens"]
@@ -562,12 +563,11 @@ class Router:
                 return failed
         return await self._finish(rq)
 
-    async def _decode(self, rq: _Request, lease: Lease, adm: dict) -> web.StreamResponse | None:
+    async def _decode(self, rq: _Request, lease: Lease, adm: AdmitReply) -> web.StreamResponse | None:
         """The node's part. Returns the fail-closed response of a stream that already carries
         node text; raises Fallback when the node failed before that."""
         gen, node = rq.gen, lease.node
-        req = {"rid": lease.rid, "generation": adm.get("generation"), "first_token": gen.ids[0],
-               "max_tokens": gen.max_tokens, **rq.params.sampling()}
+        req = GenerateRequest(lease.rid, gen.ids[0], gen.max_tokens, adm.generation, rq.params.sampling)
         t_dec = time.monotonic()
         try:
             async with contextlib.aclosing(self.nodes.generate(node.url, req)) as lines:

@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 import msgpack
 import zmq
 
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.transport import SenderTransport, TransferError, TransferInFlight, coalesce, make_sender
 
@@ -131,7 +132,7 @@ class HandoffSender:
     def unregister(self, addr: int) -> None:
         self.transport.unregister(addr)
 
-    def hello(self, control_addr: str, layout: P.Layout) -> _Peer:
+    def hello(self, control_addr: str, layout: L.Layout) -> _Peer:
         """Version/layout check with the node; cached per (node, layout)."""
         wire = layout.to_wire()
         key = msgpack.packb(wire)
@@ -149,7 +150,7 @@ class HandoffSender:
         peer = self._peers[control_addr] = _Peer(tpeer, reply.node, key)
         return peer
 
-    def begin(self, control_addr: str, layout: P.Layout, rid: str, generation: int, seq_len: int) -> Transfer:
+    def begin(self, control_addr: str, layout: L.Layout, rid: str, generation: int, seq_len: int) -> Transfer:
         try:
             peer = self.hello(control_addr, layout)
         except HandoffError as e:
@@ -169,7 +170,7 @@ class HandoffSender:
                         int(acc.buffer["base"]), int(acc.buffer["size"]),
                         {r.layer: r for r in acc.region_list()}, float(acc.deadline_s))
 
-    def send(self, control_addr: str, layout: P.Layout, rid: str, generation: int, seq_len: int,
+    def send(self, control_addr: str, layout: L.Layout, rid: str, generation: int, seq_len: int,
              pages: Mapping[int, Sequence[int]]) -> Transfer:
         t = self.begin(control_addr, layout, rid, generation, seq_len)
         try:

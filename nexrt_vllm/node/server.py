@@ -24,76 +24,71 @@ import os
 import signal
 import sys
 import time
+from dataclasses import asdict
 
 import zmq
 import zmq.asyncio
 from aiohttp import web
 
 from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff.contracts import (AdmitReply, AdmitRequest, CancelRequest, ContractError, GenerateRequest,
+                                          Refusal)
+from nexrt_vllm.handoff.layout import LAYOUT_VERSION, model_identity
 from nexrt_vllm.node import faults as F
-from nexrt_vllm.node.convert import model_identity
-from nexrt_vllm.node.node import Node, NodeError, Options
+from nexrt_vllm.node.service import DecodeNode, Options
 
 log = logging.getLogger("nexrt.decode")
 
-_GEN_FIELDS = {"rid", "generation", "first_token", "max_tokens", "temperature", "top_p", "top_k", "seed",
-               "ignore_eos", "stop_token_ids"}
+
+def _error(e: Refusal) -> web.Response:
+    headers = {"Retry-After": "1"} if e.status == 409 else None  # 409s are transient
+    return web.json_response(e.to_wire(), status=e.status, headers=headers)
 
 
-def _error(status: int, kind: str, message: str) -> web.Response:
-    headers = {"Retry-After": "1"} if status == 409 else None
-    return web.json_response({"error": {"type": kind, "message": message}}, status=status, headers=headers)
-
-
-async def _body(request: web.Request) -> dict:
+async def _body(request: web.Request, contract):
+    """The request body decoded by its contract; a malformed one is a bad_message refusal."""
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise NodeError(400, P.Reason.BAD_MESSAGE, "body must be JSON") from None
-    if not isinstance(body, dict):
-        raise NodeError(400, P.Reason.BAD_MESSAGE, "body must be a JSON object")
-    return body
+        raise Refusal(P.Reason.BAD_MESSAGE, "body must be JSON") from None
+    try:
+        return contract.from_wire(body)
+    except ContractError as e:
+        raise Refusal(P.Reason.BAD_MESSAGE, str(e)) from None
 
 
-class Service:
-    def __init__(self, node: Node, args):
+class Endpoints:
+    """The node's HTTP handlers and its ZMQ control loop, over one DecodeNode."""
+
+    def __init__(self, node: DecodeNode, args):
         self.node, self.args = node, args
 
     # ---- HTTP -------------------------------------------------------------------------------------
     async def admit(self, request: web.Request) -> web.Response:
         try:
-            body = await _body(request)
-            adm = self.node.admit(body.get("rid"), body.get("prompt_len"))
-        except NodeError as e:
-            return _error(e.status, e.reason, e.message)
-        return web.json_response({"rid": adm.rid, "generation": adm.generation,
-                                  "control_addr": self.node.control_addr,
-                                  "admit_timeout_s": self.node.opts.admit_timeout})
+            adm = self.node.admit(await _body(request, AdmitRequest))
+        except Refusal as e:
+            return _error(e)
+        return web.json_response(AdmitReply(adm.rid, adm.generation, self.node.control_addr,
+                                            self.node.opts.admit_timeout).to_wire())
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         from nexrt_vllm.engine import SamplingParams, SamplingParamsError
 
         try:
-            body = await _body(request)
-            unknown = sorted(set(body) - _GEN_FIELDS)
-            if unknown:
-                raise NodeError(400, P.Reason.BAD_MESSAGE, f"unsupported fields: {unknown}")
-            if "max_tokens" not in body:
-                raise NodeError(400, P.Reason.BAD_MESSAGE, "max_tokens is required")
-            kw = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
-                                       "stop_token_ids") if body.get(k) is not None}
+            req: GenerateRequest = await _body(request, GenerateRequest)
             try:
-                sp = SamplingParams(**kw)
+                sp = SamplingParams(max_tokens=req.max_tokens, **asdict(req.sampling))
             except SamplingParamsError as e:
-                raise NodeError(400, P.Reason.BAD_MESSAGE, str(e)) from None
-            adm = self.node.claim(body.get("rid"), body.get("generation"), body.get("first_token"))
-        except NodeError as e:
-            return _error(e.status, e.reason, e.message)
+                raise Refusal(P.Reason.BAD_MESSAGE, str(e)) from None
+            adm = self.node.claim(req)
+        except Refusal as e:
+            return _error(e)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
         try:
             await resp.prepare(request)
             stall = self.node.opts.faults.stall_first_token_s
-            async with contextlib.aclosing(self.node.generate(adm, sp, body["first_token"])) as lines:
+            async with contextlib.aclosing(self.node.generate(adm, sp, req.first_token)) as lines:
                 async for line in lines:
                     if stall and "token" in line:
                         await asyncio.sleep(stall)  # test fault: a slow first token
@@ -111,10 +106,9 @@ class Service:
 
     async def cancel(self, request: web.Request) -> web.Response:
         try:
-            body = await _body(request)
-            return web.json_response(self.node.cancel(body.get("rid")))
-        except NodeError as e:
-            return _error(e.status, e.reason, e.message)
+            return web.json_response(self.node.cancel((await _body(request, CancelRequest)).rid).to_wire())
+        except Refusal as e:
+            return _error(e)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response(self.node.health())
@@ -124,7 +118,7 @@ class Service:
         return web.json_response({
             "model": self.node.model_name, **model_identity(cfg),
             "eos_token_ids": list(cfg.eos_token_ids), "max_seq_len": self.node.opts.max_seq_len,
-            "max_batch": 1, "protocol_version": P.PROTOCOL_VERSION, "layout_version": P.LAYOUT_VERSION,
+            "max_batch": 1, "protocol_version": P.PROTOCOL_VERSION, "layout_version": LAYOUT_VERSION,
             "control_addr": self.node.control_addr,
             "transport": {"backend": peer["backend"], "recv_memory": self.args.recv_memory,
                           "recv_buffers": len(self.node.buffers), "recv_buffer_bytes": self.node.buffers[0].size,
@@ -258,10 +252,10 @@ async def serve(args) -> None:
     opts = Options(max_seq_len=args.max_seq_len, admit_timeout=args.admit_timeout,
                    transfer_timeout=args.transfer_timeout, start_timeout=args.start_timeout,
                    quarantine_s=args.quarantine, faults=faults)
-    node = Node(engine, cfg, transport, buffers, opts, device=args.device,
+    node = DecodeNode(engine, cfg, transport, buffers, opts, device=args.device,
                 control_addr=f"tcp://{args.host}:{cport}", model_name=os.path.basename(os.path.abspath(args.model)))
     node.metrics.graph.labels(mode=args.graph, device=args.device).set(1)
-    svc = Service(node, args)
+    svc = Endpoints(node, args)
     app = web.Application(client_max_size=1 << 20)
     app.router.add_post("/v1/admit", svc.admit)
     app.router.add_post("/v1/generate", svc.generate)

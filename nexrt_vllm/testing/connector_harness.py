@@ -29,7 +29,9 @@ import time
 import torch
 import zmq
 
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff.contracts import AdmitReply, AdmitRequest, Claim, GenerateRequest, Sampling
 from nexrt_vllm.handoff.transport import make_receiver
 
 MARK = "@@"
@@ -270,7 +272,7 @@ class RecordingReceiver:
             if m.type == "hello":
                 reply = P.HelloOk(self.rx.peer_info(), {})
             elif m.type == "begin":
-                layout = P.Layout.from_wire(m.layout)
+                layout = L.Layout.from_wire(m.layout)
                 regions = layout.regions(m.seq_len)
                 size = P.align_up(max(r.offset + r.nbytes for r in regions))
                 self.begun[m.rid] = (self._next, size, layout, regions, m.seq_len)
@@ -331,18 +333,16 @@ class NodeProc:
 
     def admit(self, rid: str, prompt_len: int) -> dict:
         """Admit ``rid``; returns the ``kv_transfer_params`` the router would send vLLM."""
-        status, body = self.post("/v1/admit", {"rid": rid, "prompt_len": prompt_len})
+        status, body = self.post("/v1/admit", AdmitRequest(rid, prompt_len).to_wire())
         assert status == 200, (status, body)
-        a = json.loads(body)
-        return {"nexrt": {"rid": a["rid"], "generation": a["generation"], "control_addr": a["control_addr"],
-                          "node_url": self.url}}
+        a = AdmitReply.from_wire(json.loads(body))
+        return Claim(a.rid, a.generation, a.control_addr, self.url).to_params()
 
     def generate(self, claim: dict, first_token: int, max_tokens: int) -> tuple[int, list[int], dict]:
-        """-> (HTTP status, streamed tokens, final line)."""
-        c = claim["nexrt"]
-        status, body = self.post("/v1/generate", {"rid": c["rid"], "generation": c["generation"],
-                                                  "first_token": first_token, "max_tokens": max_tokens,
-                                                  "temperature": 0.0, "ignore_eos": True})
+        """Greedy, EOS ignored -> (HTTP status, streamed tokens, final line)."""
+        c = Claim.from_params(claim)
+        req = GenerateRequest(c.rid, first_token, max_tokens, c.generation, Sampling(ignore_eos=True))
+        status, body = self.post("/v1/generate", req.to_wire())
         if status != 200:
             return status, [], json.loads(body)
         lines = [json.loads(x) for x in body.splitlines() if x.strip()]

@@ -18,6 +18,9 @@ import time
 from aiohttp import web
 from tokenizers import Tokenizer
 
+from nexrt_vllm.handoff.contracts import (AdmissionState, AdmitReply, AdmitRequest, CancelReply, CancelRequest,
+                                          Claim, GenerateRequest, HandoffReport, ProbeReply, Refusal, is_probe)
+from nexrt_vllm.handoff.protocol import Reason
 from nexrt_vllm.testing import make_tokenizer
 
 
@@ -108,7 +111,7 @@ class FakeVLLM:
         self.delay = 0.0
         self.stream_delay = 0.0                    # seconds before each streamed token
         self.prefill_error: int | None = None      # answer prefill legs with this HTTP status
-        self.handoff_status: dict | None = None   # connector's kv_transfer_params.nexrt reply
+        self.handoff_status: HandoffReport | None = None   # the connector's report in the reply
         self.aborted = 0                           # requests whose client went away mid-prefill
         self.active = 0
         # What the connector's configuration probe answers (None: vLLM without the connector).
@@ -127,9 +130,9 @@ class FakeVLLM:
 
     async def complete(self, request):
         body = await request.json()
-        if (body.get("kv_transfer_params") or {}).get("nexrt") == {"probe": True}:
+        if is_probe(body.get("kv_transfer_params")):
             self.probes += 1
-            ktp = {"nexrt": {"status": "probe", "connector": self.connector}} if self.connector else None
+            ktp = ProbeReply(self.connector).to_params() if self.connector else None
             return web.json_response({"choices": [{"index": 0, "text": "", "token_ids": [0],
                                                    "finish_reason": "length"}],
                                       "usage": {"prompt_tokens": 1, "completion_tokens": 1},
@@ -158,9 +161,9 @@ class FakeVLLM:
         toks = self.model.continuation(ids, n, body.get("ignore_eos", False))
         if body.get("stream"):
             return await self._stream(request, body, chat, ids, toks)
-        nexrt = (body.get("kv_transfer_params") or {}).get("nexrt")
-        if nexrt:
-            self.handoff[nexrt["rid"]] = ids
+        claim = Claim.from_params(body.get("kv_transfer_params"))
+        if claim is not None:
+            self.handoff[claim.rid] = ids
         stop = toks[-1] == self.model.eos and not body.get("ignore_eos")
         text = self.model.tok.decode(toks)
         choice = {"index": 0, "finish_reason": "stop" if stop else "length",
@@ -172,7 +175,7 @@ class FakeVLLM:
             "id": "x", "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.name, "choices": [choice],
             "prompt_token_ids": ids if chat else None,
-            "kv_transfer_params": {"nexrt": self.handoff_status} if self.handoff_status else None,
+            "kv_transfer_params": self.handoff_status.to_params() if self.handoff_status else None,
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
                       "total_tokens": len(ids) + len(toks)}})
 
@@ -224,7 +227,7 @@ class FakeNode:
         self.generated: list[str] = []         # rids decoded to the end
         self.emit_times: list[float] = []      # time.monotonic() of each streamed token
         self.caps_extra: dict = {}             # more /capabilities fields (transport, dtype, ...)
-        self.refuse: dict | None = None        # answer /v1/generate with this 4xx error body
+        self.refuse: tuple | None = None       # (Reason, message): refuse /v1/generate with it
         self.app = self.new_app()
 
     def new_app(self) -> web.Application:
@@ -244,37 +247,41 @@ class FakeNode:
         return web.json_response({"model": "tiny", "max_seq_len": self.max_seq_len,
                                   **self.caps_extra})
 
+    @staticmethod
+    def _refuse(reason: Reason, message: str) -> web.Response:
+        r = Refusal(reason, message)
+        return web.json_response(r.to_wire(), status=r.status)
+
     async def admit(self, request):
-        body = await request.json()
+        adm = AdmitRequest.from_wire(await request.json())
         if self.rid is not None:
-            return web.json_response({"error": {"type": "busy"}}, status=409)
+            return self._refuse(Reason.BUSY, f"node is busy with {self.rid!r}")
         self.admits += 1
         self.generation += 1
-        self.rid = body["rid"]
-        return web.json_response({"rid": self.rid, "generation": self.generation,
-                                  "control_addr": "tcp://127.0.0.1:1"})
+        self.rid = adm.rid
+        return web.json_response(AdmitReply(self.rid, self.generation, "tcp://127.0.0.1:1", 30.0).to_wire())
 
     async def cancel(self, request):
-        body = await request.json()
-        if body["rid"] != self.rid:
-            return web.json_response({"error": {"type": "unknown_rid"}}, status=404)
-        self.cancels.append(body["rid"])
+        rid = CancelRequest.from_wire(await request.json()).rid
+        if rid != self.rid:
+            return self._refuse(Reason.UNKNOWN_RID, f"rid {rid!r} is not in flight")
+        self.cancels.append(rid)
         self.rid = None
-        return web.json_response({"rid": body["rid"], "cancelled": True})
+        return web.json_response(CancelReply(rid, True, AdmissionState.DECODING).to_wire())
 
     async def generate(self, request):
-        req = await request.json()
-        rid = req["rid"]
-        if rid != self.rid or req["generation"] != self.generation:
-            return web.json_response({"error": {"type": "unknown_rid"}}, status=404)
+        req = GenerateRequest.from_wire(await request.json())
+        rid, ignore_eos, stop_ids = req.rid, req.sampling.ignore_eos, req.sampling.stop_token_ids
+        if rid != self.rid or req.generation != self.generation:
+            return self._refuse(Reason.UNKNOWN_RID, f"rid {rid!r} is not admitted")
         if self.refuse is not None:
             self.rid = None
-            return web.json_response({"error": self.refuse}, status=409)
+            return self._refuse(*self.refuse)
         ids = self.vllm.handoff.pop(rid)
-        assert self.model.continuation(ids, 1, req["ignore_eos"])[0] == req["first_token"]
+        assert self.model.continuation(ids, 1, ignore_eos)[0] == req.first_token
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
-        toks = self.model.continuation(ids, req["max_tokens"], req["ignore_eos"])[1:]
+        toks = self.model.continuation(ids, req.max_tokens, ignore_eos)[1:]
         sent: list[int] = []
         try:
             for i, t in enumerate(toks):
@@ -288,14 +295,14 @@ class FakeNode:
                 self.emit_times.append(time.monotonic())
                 await resp.write(b'{"token": %d}\n' % t)
                 sent.append(t)
-                if t in req["stop_token_ids"]:
+                if t in stop_ids:
                     break
             if self.finish_error:
                 await resp.write(b'{"finish_reason": "error", "error": "%s"}\n'
                                  % self.finish_error.encode())
             else:
                 stop = bool(sent) and (sent[-1] == self.model.eos
-                                       or sent[-1] in req["stop_token_ids"])
+                                       or sent[-1] in stop_ids)
                 await resp.write(b'{"finish_reason": "%s", "timing": {}}\n'
                                  % (b"stop" if stop else b"length"))
                 self.generated.append(rid)

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from nexrt_vllm.connector.layouts import LayoutError, detect
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
-from nexrt_vllm.node.convert import check_layout, unpack_state
+from nexrt_vllm.node.convert import unpack_state
 
 torch.set_num_threads(1)
 
@@ -218,7 +219,7 @@ def test_gpu_pages_read_back_as_the_engine_state(models, arch, kv_layout, backen
     cache.write(state, seq_len, blocks)
     found = detect(cache.tensors, cache.kv_cache_config, cache.vllm_config, platform="cuda",
                    backend_of=lambda name: (backend, None))
-    check_layout(found.layout, cfg)  # the node accepts it as its model's state
+    L.check_layout(found.layout, cfg)  # the node accepts it as its model's state
     kinds = {(lay.kind, getattr(lay, "kv_format", None), getattr(lay, "rec_layout", None),
               getattr(lay, "conv_layout", None)) for lay in found.layout.layers}
     assert kinds == {("attention", "packed", None, None), ("gdn", None, "HVK", conv)}
@@ -237,7 +238,7 @@ def test_gpu_pages_read_back_as_the_engine_state(models, arch, kv_layout, backen
     # The other readings of the same bytes are far off: the other interior order, the CPU
     # orientation of the recurrent state, and manager-block pages where kernel blocks were split.
     other = tuple((n * c, c, 1) if kv_layout == "LBNHC" else (c, h * c, 1))
-    wrong = P.Layout(found.layout.model, found.layout.block_size, tuple(
+    wrong = L.Layout(found.layout.model, found.layout.block_size, tuple(
         dataclasses.replace(lay, strides=other) if lay.kind == "attention"
         else dataclasses.replace(lay, rec_layout="HKV", rec_shape=(lay.rec_shape[0], lay.rec_shape[2], lay.rec_shape[1]))
         for lay in found.layout.layers))

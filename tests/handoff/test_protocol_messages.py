@@ -2,15 +2,16 @@
 import msgpack
 import pytest
 
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 
 
 def _layout(**over):
-    return P.Layout(
+    return L.Layout(
         model={"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 100},
         block_size=16,
-        layers=(P.GDNLayout(0, "SD", "bfloat16", (3, 96), (96, 1), "HVK", "float32", (4, 8, 16), (128, 16, 1)),
-                P.AttentionLayout(3, "bfloat16", (2, 16, 64), (1024, 64, 1))),
+        layers=(L.GDNLayout(0, "SD", "bfloat16", (3, 96), (96, 1), "HVK", "float32", (4, 8, 16), (128, 16, 1)),
+                L.AttentionLayout(3, "bfloat16", (2, 16, 64), (1024, 64, 1))),
         **over)
 
 
@@ -23,7 +24,7 @@ def test_every_message_round_trips():
             P.Error("r1", "duplicate_done", "m")]
     for m in msgs:
         assert P.decode(P.encode(m)) == m
-    assert P.Layout.from_wire(lay) == _layout()
+    assert L.Layout.from_wire(lay) == _layout()
 
 
 def test_regions_are_aligned_and_sized():
@@ -65,5 +66,5 @@ def test_bad_layouts_are_typed_refusals(mutate, reason):
     d = _layout().to_wire()
     mutate(d)
     with pytest.raises(P.ProtocolError) as ei:
-        P.Layout.from_wire(d)
+        L.Layout.from_wire(d)
     assert ei.value.reason is reason

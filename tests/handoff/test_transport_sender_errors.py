@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import zmq
 
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.sender import HandoffError, HandoffSender
 from nexrt_vllm.handoff.transport import make_receiver
 
-LAYOUT = P.Layout(model={"num_hidden_layers": 1}, block_size=4,
-                  layers=(P.AttentionLayout(0, "bfloat16", (1, 4, 8), (32, 8, 1)),))  # 64-byte pages
+LAYOUT = L.Layout(model={"num_hidden_layers": 1}, block_size=4,
+                  layers=(L.AttentionLayout(0, "bfloat16", (1, 4, 8), (32, 8, 1)),))  # 64-byte pages
 
 
 class ScriptedNode:

@@ -12,6 +12,8 @@ import time
 import pytest
 import requests
 
+from nexrt_vllm.handoff.contracts import HandoffReport, HandoffStatus
+from nexrt_vllm.handoff.protocol import Reason
 from nexrt_vllm.router.pool import NodePool
 from nexrt_vllm.testing.router_fakes import Stack, tokenizer_dir, wait
 
@@ -116,8 +118,8 @@ def test_no_healthy_node_uses_the_standard_path(tok_dir, kind, stream):
 def test_connector_reported_failure_continues_after_the_first_token(tok_dir):
     s = Stack(tok_dir, n_nodes=1)
     try:
-        s.vllm.handoff_status = {"status": "failed", "reason": "transfer_failed",
-                                 "error": "not a mooncake peer"}
+        s.vllm.handoff_status = HandoffReport(HandoffStatus.FAILED, "r", 1, 3, Reason.TRANSFER_FAILED,
+                                              "not a mooncake peer")
         for stream in (False, True):
             r = post(s, "completion", stream)
             d = check_served(s, r, "completion", stream, "handoff")
@@ -136,7 +138,7 @@ def test_connector_reported_failure_continues_after_the_first_token(tok_dir):
 def test_node_refusal_is_not_a_dead_node(tok_dir):
     s = Stack(tok_dir, n_nodes=1)
     try:
-        s.nodes[0].refuse = {"type": "stale_generation", "message": "generation 3, admission is 4"}
+        s.nodes[0].refuse = (Reason.STALE_GENERATION, "generation 3, admission is 4")
         for kind, stream in (("completion", True), ("chat", False)):
             r = post(s, kind, stream)
             d = check_served(s, r, kind, stream, "handoff", header=False)
@@ -215,12 +217,12 @@ def test_when_busy_standard_and_429(tok_dir):
 def test_fallback_error_gives_the_errors_at_once(tok_dir):
     s = Stack(tok_dir, n_nodes=1, router_args=("--fallback", "error", "--health-interval", "0.1"))
     try:
-        s.vllm.handoff_status = {"status": "failed", "reason": "busy", "error": "refused"}
+        s.vllm.handoff_status = HandoffReport(HandoffStatus.FAILED, reason=Reason.BUSY, error="refused")
         t0 = time.monotonic()
         r = post(s, stream=True)
         assert r.status_code == 502 and "hand-off" in r.json()["error"]["message"]
         s.vllm.handoff_status = None
-        s.nodes[0].refuse = {"type": "unknown_rid", "message": "rid was not admitted"}
+        s.nodes[0].refuse = (Reason.UNKNOWN_RID, "rid was not admitted")
         r = post(s, stream=False)
         assert r.status_code == 502 and "refused to decode" in r.json()["error"]["message"]
         s.nodes[0].refuse = None

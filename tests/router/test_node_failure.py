@@ -9,6 +9,8 @@ import time
 import pytest
 import requests
 
+from nexrt_vllm.handoff.contracts import HandoffReport, HandoffStatus
+from nexrt_vllm.handoff.protocol import Reason
 from nexrt_vllm.testing.router_fakes import Stack, tokenizer_dir, wait
 
 
@@ -123,7 +125,8 @@ def test_connector_reported_handoff_failure(tok_dir):
     # wait for the node's transfer timeout), the node reservation is cancelled.
     s = Stack(tok_dir, n_nodes=1, router_args=("--fallback", "error"))
     try:
-        s.vllm.handoff_status = {"status": "failed", "reason": "refused", "error": "too_long"}
+        s.vllm.handoff_status = HandoffReport(HandoffStatus.FAILED, reason=Reason.TOO_LONG,
+                                              error="seq_len 5000 exceeds max_seq_len 4096")
         for stream in (False, True):
             r = complete(s.url, stream=stream)
             assert r.status_code == 502 and "hand-off" in r.json()["error"]["message"]

@@ -36,6 +36,8 @@ CASES = [
     ("completions", {**CMPL, "top_p": 0}, 400, "top_p"),
     ("completions", {**CMPL, "top_k": -5}, 400, "top_k"),
     ("completions", {**CMPL, "seed": "x"}, 400, "seed"),
+    ("completions", {**CMPL, "seed": -1}, 400, "seed"),             # the node's range: [0, 2**63)
+    ("completions", {**CMPL, "seed": 2**63}, 400, "seed"),
     ("completions", {**CMPL, "stream": "yes"}, 400, "stream"),
     ("completions", {**CMPL, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completions", {**CMPL, "stop": 3}, 400, "stop"),

@@ -14,40 +14,26 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import enum
 import logging
 import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import torch
 
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff.contracts import AdmissionState, AdmitRequest, CancelReply, GenerateRequest, Refusal
 from nexrt_vllm.node.buffers import RecvBuffer, stage
-from nexrt_vllm.node.convert import check_layout, unpack_state
+from nexrt_vllm.node.convert import unpack_state
 from nexrt_vllm.node.faults import Faults
 from nexrt_vllm.node.metrics import NodeMetrics
 
 log = logging.getLogger("nexrt.node")
 
 TOMBSTONES = 4096  # finished rids remembered to refuse duplicates (vLLM may reschedule a request)
-
-
-class State(str, enum.Enum):
-    RESERVED = "reserved"
-    RECEIVING = "receiving"
-    READY = "ready"
-    DECODING = "decoding"
-
-
-class NodeError(Exception):
-    """A refusal with an HTTP status and a wire reason."""
-
-    def __init__(self, status: int, reason: P.Reason | str, message: str):
-        super().__init__(message)
-        self.status, self.reason, self.message = status, P.Reason(reason).value, message
 
 
 @dataclass
@@ -65,10 +51,10 @@ class Options:
 class Admission:
     rid: str
     generation: int
-    state: State
+    state: AdmissionState
     deadline: float
     buffer: RecvBuffer | None = None
-    layout: P.Layout | None = None
+    layout: L.Layout | None = None
     regions: list[P.Region] = field(default_factory=list)
     seq_len: int = 0
     expected_bytes: int = 0
@@ -81,7 +67,7 @@ class Admission:
     ready: asyncio.Future | None = None
 
 
-class Node:
+class DecodeNode:
     def __init__(self, engine, cfg, transport, buffers: list[RecvBuffer], opts: Options, *, device: str,
                  control_addr: str, model_name: str, metrics: NodeMetrics | None = None):
         self.engine, self.cfg, self.transport, self.buffers, self.opts = engine, cfg, transport, buffers, opts
@@ -96,48 +82,44 @@ class Node:
         self._dtypes = engine.state.native_dtypes()
 
     # ---- admission (HTTP) -------------------------------------------------------------------
-    def admit(self, rid: Any, prompt_len: Any = None) -> Admission:
-        if not isinstance(rid, str) or not rid:
-            raise self._refuse(400, P.Reason.BAD_MESSAGE, "rid must be a non-empty string")
-        if prompt_len is not None and (not isinstance(prompt_len, int) or isinstance(prompt_len, bool)
-                                       or prompt_len < 1):
-            raise self._refuse(400, P.Reason.BAD_MESSAGE, "prompt_len must be a positive integer")
+    def admit(self, req: AdmitRequest) -> Admission:
+        rid, prompt_len = req.rid, req.prompt_len
         if (self.current and self.current.rid == rid) or rid in self._tombstones:
-            raise self._refuse(409, P.Reason.DUPLICATE, f"rid {rid!r} was already admitted")
+            raise self._refuse(P.Reason.DUPLICATE, f"rid {rid!r} was already admitted")
         if prompt_len is not None and prompt_len + 1 > self.opts.max_seq_len:
-            raise self._refuse(413, P.Reason.TOO_LONG,
+            raise self._refuse(P.Reason.TOO_LONG,
                                f"prompt_len {prompt_len} + 1 exceeds max_seq_len {self.opts.max_seq_len}")
         if self._decoding is not None:
             if self._decoding.stop.is_set():
-                raise self._refuse(409, P.Reason.CANCELLING, "previous request is still stopping")
-            raise self._refuse(409, P.Reason.BUSY, f"node is decoding {self._decoding.rid!r}")
+                raise self._refuse(P.Reason.CANCELLING, "previous request is still stopping")
+            raise self._refuse(P.Reason.BUSY, f"node is decoding {self._decoding.rid!r}")
         if self.current is not None:
-            raise self._refuse(409, P.Reason.BUSY, f"node is busy with {self.current.rid!r}")
+            raise self._refuse(P.Reason.BUSY, f"node is busy with {self.current.rid!r}")
         now = time.monotonic()
         if not any(b.available(now) for b in self.buffers):
-            raise self._refuse(409, P.Reason.BUSY, "every receive buffer waits for a stale writer")
+            raise self._refuse(P.Reason.BUSY, "every receive buffer waits for a stale writer")
         self._generation += 1
-        adm = Admission(rid, self._generation, State.RESERVED, now + self.opts.admit_timeout,
+        adm = Admission(rid, self._generation, AdmissionState.RESERVED, now + self.opts.admit_timeout,
                         ready=asyncio.get_running_loop().create_future())
         self.current = adm
         self.metrics.admissions.inc()
         self._update_busy()
         return adm
 
-    def cancel(self, rid: Any) -> dict:
+    def cancel(self, rid: str) -> CancelReply:
         adm = self.current if self.current and self.current.rid == rid else None
         if adm is None and self._decoding is not None and self._decoding.rid == rid:
             adm = self._decoding
         if adm is None:
-            if isinstance(rid, str) and rid in self._tombstones:
-                return {"rid": rid, "cancelled": False, "state": "finished"}
-            raise self._refuse(404, P.Reason.UNKNOWN_RID, f"rid {rid!r} is not in flight")
-        prior = adm.state.value
+            if rid in self._tombstones:
+                return CancelReply(rid, False, AdmissionState.FINISHED)
+            raise self._refuse(P.Reason.UNKNOWN_RID, f"rid {rid!r} is not in flight")
+        prior = adm.state
         adm.cancelled = True
         adm.stop.set()
-        if adm.state is not State.DECODING:
+        if adm.state is not AdmissionState.DECODING:
             self._end(adm, "cancelled", P.Reason.CANCELLED, "cancelled by client")
-        return {"rid": rid, "cancelled": True, "state": prior}
+        return CancelReply(rid, True, prior)
 
     # ---- control endpoint (ZMQ) ---------------------------------------------------------------
     def handle(self, data: bytes) -> bytes:
@@ -155,9 +137,9 @@ class Node:
             self.metrics.refusals.labels(reply.reason).inc()
         return P.encode(reply)
 
-    def _layout(self, wire: dict) -> P.Layout:
-        layout = P.Layout.from_wire(wire)
-        check_layout(layout, self.cfg)
+    def _layout(self, wire: dict) -> L.Layout:
+        layout = L.Layout.from_wire(wire)
+        L.check_layout(layout, self.cfg)
         return layout
 
     def _on_hello(self, msg: P.Hello):
@@ -178,7 +160,7 @@ class Node:
             return reject(P.Reason.UNKNOWN_RID, f"rid {msg.rid!r} was not admitted")
         if msg.generation != adm.generation:
             return reject(P.Reason.STALE_GENERATION, f"generation {msg.generation}, admission is {adm.generation}")
-        if adm.state is not State.RESERVED:
+        if adm.state is not AdmissionState.RESERVED:
             return reject(P.Reason.DUPLICATE, f"rid {msg.rid!r} already began ({adm.state.value})")
         if self.opts.faults.refuse():
             text = "refusing hand-offs (test fault NEXRT_TEST_FAULTS=refuse_begin)"
@@ -206,7 +188,7 @@ class Node:
         buf.owner = adm.generation
         adm.buffer, adm.layout, adm.regions, adm.seq_len = buf, layout, regions, msg.seq_len
         adm.expected_bytes = sum(r.nbytes for r in regions)
-        adm.state, adm.t_accept, adm.deadline = State.RECEIVING, now, now + self.opts.transfer_timeout
+        adm.state, adm.t_accept, adm.deadline = AdmissionState.RECEIVING, now, now + self.opts.transfer_timeout
         return P.Accept(adm.rid, adm.generation, {"base": buf.addr, "size": buf.size}, P.region_dicts(regions),
                         self.opts.transfer_timeout)
 
@@ -214,8 +196,8 @@ class Node:
         adm = self.current
         if adm is None or adm.rid != msg.rid or adm.generation != msg.generation:
             return self._late(msg, "done")
-        if adm.state is not State.RECEIVING:
-            if adm.state is State.RESERVED:
+        if adm.state is not AdmissionState.RECEIVING:
+            if adm.state is AdmissionState.RESERVED:
                 return P.Error(msg.rid, P.Reason.BAD_MESSAGE.value, "done before begin")
             return P.Error(msg.rid, P.Reason.DUPLICATE_DONE.value, "done already received")
         if msg.seq_len != adm.seq_len or msg.nbytes != adm.expected_bytes:
@@ -226,7 +208,7 @@ class Node:
         adm.transfer_s = time.monotonic() - adm.t_accept
         self.metrics.transfer_bytes.inc(msg.nbytes)
         self.metrics.transfer_seconds.observe(adm.transfer_s)
-        adm.state, adm.deadline = State.READY, time.monotonic() + self.opts.start_timeout
+        adm.state, adm.deadline = AdmissionState.READY, time.monotonic() + self.opts.start_timeout
         if adm.started:
             adm.deadline = math.inf  # the waiting generate takes over
         if not adm.ready.done():
@@ -237,7 +219,7 @@ class Node:
         adm = self.current
         if adm is None or adm.rid != msg.rid or adm.generation != msg.generation:
             return self._late(msg, "abort")
-        if adm.state not in (State.RESERVED, State.RECEIVING):
+        if adm.state not in (AdmissionState.RESERVED, AdmissionState.RECEIVING):
             return P.Error(msg.rid, P.Reason.BAD_MESSAGE.value, f"cannot abort in state {adm.state.value}")
         self._end(adm, "aborted", P.Reason.TRANSFER_FAILED, f"sender aborted: {msg.reason}", writer_live=False)
         return P.Ack(msg.rid, msg.generation)
@@ -262,11 +244,11 @@ class Node:
         if self.current is not adm:
             return
         if writer_live is None:
-            writer_live = adm.state is State.RECEIVING
+            writer_live = adm.state is AdmissionState.RECEIVING
         if adm.buffer is not None and adm.buffer.owner == adm.generation:
             adm.buffer.release(writer_live, self.opts.quarantine_s)
         self.current = None
-        self._tombstones[adm.rid] = (adm.generation, adm.state in (State.READY, State.DECODING))
+        self._tombstones[adm.rid] = (adm.generation, adm.state in (AdmissionState.READY, AdmissionState.DECODING))
         while len(self._tombstones) > TOMBSTONES:
             self._tombstones.popitem(last=False)
         self.metrics.finished.labels(outcome).inc()
@@ -280,26 +262,26 @@ class Node:
         while True:
             await asyncio.sleep(self.opts.tick)
             adm = self.current
-            if adm is not None and adm.state is not State.DECODING and time.monotonic() > adm.deadline:
-                what = {State.RESERVED: "begin", State.RECEIVING: "done", State.READY: "generate"}[adm.state]
+            if adm is not None and adm.state is not AdmissionState.DECODING and time.monotonic() > adm.deadline:
+                what = {AdmissionState.RESERVED: "begin", AdmissionState.RECEIVING: "done",
+                        AdmissionState.READY: "generate"}[adm.state]
                 self._end(adm, "timeout", P.Reason.TIMEOUT, f"no {what} before the {adm.state.value} deadline")
 
     # ---- decode (HTTP) ----------------------------------------------------------------------------
-    def claim(self, rid: Any, generation: Any, first_token: Any) -> Admission:
+    def claim(self, req: GenerateRequest) -> Admission:
         """Validate a generate request before any response byte is sent (errors become 4xx)."""
-        adm = self.current
+        adm, rid = self.current, req.rid
         if adm is None or adm.rid != rid:
-            raise self._refuse(404, P.Reason.UNKNOWN_RID, f"rid {rid!r} is not admitted")
-        if generation is not None and generation != adm.generation:
-            raise self._refuse(409, P.Reason.STALE_GENERATION,
-                               f"generation {generation!r}, admission is {adm.generation}")
+            raise self._refuse(P.Reason.UNKNOWN_RID, f"rid {rid!r} is not admitted")
+        if req.generation is not None and req.generation != adm.generation:
+            raise self._refuse(P.Reason.STALE_GENERATION,
+                               f"generation {req.generation!r}, admission is {adm.generation}")
         if adm.started:
-            raise self._refuse(409, P.Reason.DUPLICATE, f"rid {rid!r} already started")
-        if isinstance(first_token, bool) or not isinstance(first_token, int) \
-                or not 0 <= first_token < self.cfg.vocab_size:
-            raise self._refuse(400, P.Reason.BAD_MESSAGE, f"first_token outside [0, {self.cfg.vocab_size})")
+            raise self._refuse(P.Reason.DUPLICATE, f"rid {rid!r} already started")
+        if not req.first_token < self.cfg.vocab_size:
+            raise self._refuse(P.Reason.BAD_MESSAGE, f"first_token outside [0, {self.cfg.vocab_size})")
         adm.started = True
-        if adm.state is State.READY:
+        if adm.state is AdmissionState.READY:
             adm.deadline = math.inf
         return adm
 
@@ -319,7 +301,7 @@ class Node:
             elif self.current is not adm:
                 final = {"finish_reason": "cancelled"}
             else:
-                adm.state = State.DECODING
+                adm.state = AdmissionState.DECODING
                 self._decoding = adm
                 loop = asyncio.get_running_loop()
                 q: asyncio.Queue = asyncio.Queue()
@@ -399,9 +381,9 @@ class Node:
     def _update_busy(self) -> None:
         self.metrics.busy.set(1 if self.current or self._decoding else 0)
 
-    def _refuse(self, status: int, reason, message: str) -> NodeError:
-        err = NodeError(status, reason, message)
-        self.metrics.refusals.labels(err.reason).inc()
+    def _refuse(self, reason: P.Reason, message: str) -> Refusal:
+        err = Refusal(reason, message)
+        self.metrics.refusals.labels(err.reason.value).inc()
         return err
 
     def close(self) -> None:
