@@ -366,6 +366,8 @@ class Router:
                 await resp.write_eof()
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the client went away") from None   # not vLLM's fault
             raise APIError(502, f"upstream {base} failed: {type(e).__name__}: {e}") from None
 
     # -- interactive class -------------------------------------------------------------------
