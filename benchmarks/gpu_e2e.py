@@ -210,6 +210,8 @@ class Stack:
         self.procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(port),
                                     "--vllm-url", vllm_url, "--decode-url", node_url, "--tokenizer", tokenizer,
                                     "--default-class", "interactive",
+                                    # measure the fast path: a failed hand-off must show, not degrade
+                                    "--fallback", "error",
                                     "--queue-size", "4", "--queue-timeout", "120", "--log-level", "WARNING"])
         return f"http://127.0.0.1:{port}"
 

@@ -66,7 +66,9 @@ def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int,
         rport = _free_port()
         procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(rport),
                                "--vllm-url", vurl, "--decode-url", node["url"], "--tokenizer", ckpt,
-                               "--default-class", "interactive", "--log-level", "WARNING"])
+                               # parity of the fast path: never let the standard path answer
+                               "--default-class", "interactive", "--fallback", "error",
+                               "--log-level", "WARNING"])
         rurl = f"http://127.0.0.1:{rport}"
         asyncio.run(wait_http(rurl + "/health", procs, 60, "router"))
         with open(os.path.join(work, "vllm.log"), errors="replace") as f:

@@ -151,7 +151,8 @@ def main(argv=None) -> int:
         port = free_port()
         router = subprocess.Popen([sys.executable, "-m", "nexrt_vllm.router.server", "--port",
                                    str(port), "--vllm-url", urls["vllm"], "--decode-url",
-                                   urls["node"], "--tokenizer", tmp, "--log-level", "WARNING"])
+                                   urls["node"], "--tokenizer", tmp, "--fallback", "error",
+                                   "--log-level", "WARNING"])
         url = f"http://127.0.0.1:{port}"
         asyncio.run(_wait(url))
         res = asyncio.run(measure(urls, url, args.requests, args.tokens))

@@ -28,6 +28,24 @@ from nexrt_vllm.connector.config import ConnectorConfig, ConnectorConfigError
 from nexrt_vllm.connector.metadata import NexRTMetadata
 
 
+def probe_info(cfg: ConnectorConfig, vllm_config) -> dict:
+    """What a configuration probe is told: the connector's transport and versions, and the model
+    vLLM serves (identity fields as the node's /capabilities names them, compute dtype)."""
+    from nexrt_vllm.handoff import layout as L
+    from nexrt_vllm.handoff import protocol as P
+
+    mc = vllm_config.model_config
+    hf = mc.hf_text_config
+    archs = getattr(mc.hf_config, "architectures", None) or [None]
+    return {"transport": cfg.transport, "protocol_version": P.PROTOCOL_VERSION,
+            "layout_version": L.LAYOUT_VERSION,
+            "model": {"name": mc.model, "architecture": archs[0],
+                      "num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size,
+                      "vocab_size": hf.vocab_size},
+            "dtype": str(mc.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype)}
+
+
 class NexRTConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -45,7 +63,7 @@ class NexRTConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from nexrt_vllm.connector.scheduler import NexRTScheduler
 
-            self._scheduler = NexRTScheduler(lambda: self._kv_cache_manager)
+            self._scheduler = NexRTScheduler(lambda: self._kv_cache_manager, probe_info(self._cfg, vllm_config))
         else:
             from nexrt_vllm.connector.worker import NexRTWorker
 

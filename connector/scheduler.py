@@ -13,7 +13,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
-from nexrt_vllm.handoff.contracts import Claim, ContractError, HandoffReport, HandoffStatus
+from nexrt_vllm.handoff.contracts import Claim, ContractError, HandoffReport, HandoffStatus, ProbeReply, is_probe
 from nexrt_vllm.handoff.protocol import Reason
 
 logger = init_logger("vllm.nexrt_connector")  # under "vllm": inherits vLLM's log handler and level
@@ -30,13 +30,16 @@ class _Tracked:
 
 
 class NexRTScheduler:
-    def __init__(self, kv_cache_manager_getter):
+    def __init__(self, kv_cache_manager_getter, info: dict | None = None):
         self._kv_cache_manager = kv_cache_manager_getter
+        self._info = info or {}  # the connector's configuration, the answer to a probe
         self._reqs: dict[str, _Tracked] = {}
         self._aborts: list[str] = []
 
     # -- claim ---------------------------------------------------------------------------------
     def on_new_request(self, request) -> None:
+        if is_probe(request.kv_transfer_params):
+            return  # answered in request_finished; nothing is claimed or sent
         try:
             claim = Claim.from_params(request.kv_transfer_params)
         except ContractError as e:
@@ -90,6 +93,8 @@ class NexRTScheduler:
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
         t = self._reqs.get(request.request_id)
         if t is None:
+            if is_probe(request.kv_transfer_params):
+                return False, ProbeReply(self._info).to_params()
             return False, None
         if t.claim is None:
             del self._reqs[request.request_id]

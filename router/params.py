@@ -195,3 +195,30 @@ def prefill_body(body: dict, params: GenParams, model: str, claim: Claim) -> dic
     out.update(model=model, max_tokens=1, stream=False, return_token_ids=True,
                kv_transfer_params=claim.to_params())
     return out
+
+
+def _standard_common(params: GenParams, max_tokens: int | None) -> dict:
+    out = params.sampling.to_wire()
+    out.update(stream=True, stream_options={"include_usage": True}, return_token_ids=True)
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+    if params.stop:
+        out["stop"] = list(params.stop)  # vLLM stops early; the router's own cut stays authoritative
+    return out
+
+
+def standard_body(body: dict, params: GenParams, model: str) -> dict:
+    """The client's request for the standard path (nothing prefilled yet): the same prompt, the
+    sampling the fast path would have used, streamed with token ids so the router renders it."""
+    out = {k: v for k, v in body.items() if k not in _ROUTER_FIELDS}
+    out.update(_standard_common(params, params.max_tokens), model=model)
+    return out
+
+
+def continuation_body(params: GenParams, model: str, token_ids: list[int], max_tokens: int) -> dict:
+    """The standard path continuing a request whose first tokens exist (vLLM's first token, maybe
+    some of the node's): prompt ids + those tokens as a token prompt; vLLM's prefix cache makes
+    the re-prefill cheap and the continuation is what vLLM alone would have generated next."""
+    out = _standard_common(params, max_tokens)
+    out.update(model=model, prompt=list(token_ids))
+    return out

@@ -22,6 +22,15 @@ class NodeBusy(Exception):
     """The node refused admission (409): it holds a request this router does not own."""
 
 
+class NodeRefused(Exception):
+    """The node answered a generate with a typed 4xx refusal (unknown_rid, stale_generation, ...):
+    it is alive and says the admission cannot be decoded. Not a reason to eject it."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
 class NodeClient:
     def __init__(self, session: aiohttp.ClientSession, admit_timeout: float, read_timeout: float):
         self.session = session
@@ -56,6 +65,9 @@ class NodeClient:
                                          timeout=self.stream_timeout) as r:
                 if r.status != 200:
                     text = await r.text()
+                    refusal = _refusal(r.status, text)
+                    if refusal is not None:
+                        raise refusal
                     raise NodeError(f"generate answered {r.status}: {text[:500]}")
                 while True:
                     line = await r.content.readline()
@@ -109,6 +121,15 @@ class NodeClient:
             if r.status != 200:
                 raise NodeError(f"/capabilities answered {r.status}")
             return await r.json(content_type=None)
+
+
+def _refusal(status: int, text: str) -> NodeRefused | None:
+    """The node's typed 4xx refusal (contracts.Refusal), or None for anything else."""
+    try:
+        r = Refusal.from_wire(status, json.loads(text))
+    except (ValueError, ContractError):
+        return None
+    return NodeRefused(r.status, r.reason.value, r.message)
 
 
 async def vllm_prefill(session: aiohttp.ClientSession, url: str, body: dict,

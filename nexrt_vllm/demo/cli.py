@@ -189,6 +189,10 @@ def _report(res: dict, out) -> None:
     if t.get("decode_s"):
         lines.append(f"node    decode               {t['decode_s'] * 1e3:8.1f} ms   "
                      f"({dec_tokens / t['decode_s']:.1f} tok/s, {dec_tokens} tokens)")
+    if t.get("degraded"):
+        d = t["degraded"]
+        lines.append(f"NOTE    the fast tier could not serve this reply ({d['reason']}: {d['detail']}); "
+                     f"vLLM's standard path did ({t.get('standard_s', 0) * 1e3:.1f} ms)")
     lines.append("-" * 64)
     out.write("\n".join(lines) + "\n")
 

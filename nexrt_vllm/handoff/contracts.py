@@ -11,6 +11,8 @@ Claim               ``kv_transfer_params["nexrt"]`` of the      router -> connec
                     prefill request
 HandoffReport       ``kv_transfer_params["nexrt"]`` of vLLM's   connector -> router
                     answer (``HandoffStatus``)
+PROBE / ProbeReply  the same two places, for a configuration    router -> connector -> router
+                    probe (no claim, no hand-off)
 GenerateRequest     ``POST /v1/generate`` (``Sampling`` inside) router -> node
 CancelRequest       ``POST /v1/cancel``                         router -> node
 CancelReply         its 200 answer (``AdmissionState``)         node -> router
@@ -276,6 +278,47 @@ class HandoffReport(_Flat):
 
 
 # --------------------------------------------------------------------------------------------
+# configuration probe (router -> connector through vLLM, and back)
+
+PROBE = {"probe": True}  # kv_transfer_params["nexrt"] of a probe: answered, never claimed
+
+
+def is_probe(params: Any) -> bool:
+    """A router's configuration probe (exactly ``{"nexrt": {"probe": true}}``)."""
+    return isinstance(params, dict) and params.get(CLAIM_KEY) == PROBE
+
+
+@dataclass(frozen=True)
+class ProbeReply(_Flat):
+    """``kv_transfer_params["nexrt"]`` of vLLM's answer to a probe: the connector's configuration
+    (``transport``, ``protocol_version``, ``layout_version``, ``model`` {name, architecture,
+    num_hidden_layers, hidden_size, vocab_size}, ``dtype``, ``kv_cache_dtype``), compared by the
+    router with each node's ``/capabilities``."""
+
+    connector: dict
+    status: str = "probe"
+
+    BODY = f"kv_transfer_params.{CLAIM_KEY}"
+
+    def __post_init__(self):
+        if self.status != "probe":
+            raise ContractError(self.BODY, "status", f"must be 'probe', got {self.status!r}")
+        if not isinstance(self.connector, dict):
+            raise ContractError(self.BODY, "connector", "must be an object")
+
+    def to_params(self) -> dict:
+        return {CLAIM_KEY: self.to_wire()}
+
+    @classmethod
+    def from_params(cls, params: Any) -> "ProbeReply | None":
+        """The probe's answer; ``None`` when the reply is no probe answer (an older connector)."""
+        nexrt = params.get(CLAIM_KEY) if isinstance(params, dict) else None
+        if not isinstance(nexrt, dict) or nexrt.get("status") != "probe":
+            return None
+        return cls.from_wire(nexrt)
+
+
+# --------------------------------------------------------------------------------------------
 # decode
 
 
@@ -435,6 +478,6 @@ class Refusal(Exception):
         return f"Refusal({self.status} {self.reason.value}: {self.message})"
 
 
-__all__ = ["CLAIM_KEY", "REFUSAL_STATUS", "AdmissionState", "AdmitReply", "AdmitRequest", "CancelReply",
+__all__ = ["CLAIM_KEY", "PROBE", "REFUSAL_STATUS", "AdmissionState", "AdmitReply", "AdmitRequest", "CancelReply",
            "CancelRequest", "Claim", "ContractError", "GenerateRequest", "HandoffReport", "HandoffStatus",
-           "Refusal", "Sampling"]
+           "ProbeReply", "Refusal", "Sampling", "is_probe"]

@@ -153,7 +153,17 @@ class HandoffSender:
         return peer
 
     def begin(self, control_addr: str, layout: L.Layout, rid: str, generation: int, seq_len: int) -> Transfer:
-        peer = self.hello(control_addr, layout)
+        try:
+            peer = self.hello(control_addr, layout)
+        except HandoffError as e:
+            if e.reason is not P.Reason.TIMEOUT:
+                # The node answers but this sender cannot serve it (refused layout, foreign
+                # transport): say so, so that the admission ends now, not at its begin deadline.
+                try:
+                    self._request(control_addr, P.Abort(rid, generation, f"{e.reason.value}: {e.message}"))
+                except HandoffError:
+                    pass
+            raise
         reply = self._request(control_addr, P.Begin(rid, generation, seq_len, layout.to_wire()))
         if isinstance(reply, P.Reject):
             raise HandoffError(reply.reason, reply.message)

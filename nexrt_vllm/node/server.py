@@ -33,7 +33,8 @@ from aiohttp import web
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import (AdmitReply, AdmitRequest, CancelRequest, ContractError, GenerateRequest,
                                           Refusal)
-from nexrt_vllm.handoff.layout import LAYOUT_VERSION, LAYOUT_VERSIONS
+from nexrt_vllm.handoff.layout import LAYOUT_VERSION, LAYOUT_VERSIONS, model_identity
+from nexrt_vllm.node import faults as F
 from nexrt_vllm.node.service import DecodeNode, Options
 
 log = logging.getLogger("nexrt.decode")
@@ -86,8 +87,12 @@ class Endpoints:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
         try:
             await resp.prepare(request)
+            stall = self.node.opts.faults.stall_first_token_s
             async with contextlib.aclosing(self.node.generate(adm, sp, req.first_token)) as lines:
                 async for line in lines:
+                    if stall and "token" in line:
+                        await asyncio.sleep(stall)  # test fault: a slow first token
+                        stall = 0.0
                     # a client that stops reading counts as gone (its socket buffer fills up)
                     await asyncio.wait_for(resp.write(json.dumps(line).encode() + b"\n"), self.args.write_timeout)
         except asyncio.TimeoutError:
@@ -111,7 +116,7 @@ class Endpoints:
     async def capabilities(self, request: web.Request) -> web.Response:
         cfg, peer = self.node.cfg, self.node.transport.peer_info()
         return web.json_response({
-            "model": self.node.model_name, "architecture": cfg.architecture, "vocab_size": cfg.vocab_size,
+            "model": self.node.model_name, **model_identity(cfg),
             "eos_token_ids": list(cfg.eos_token_ids), "max_seq_len": self.node.opts.max_seq_len,
             "max_batch": 1, "protocol_version": P.PROTOCOL_VERSION, "layout_version": LAYOUT_VERSION,
             "control_addr": self.node.control_addr,
@@ -278,9 +283,12 @@ async def serve(args) -> None:
         cport = args.control_port
     else:
         cport = sock.bind_to_random_port(f"tcp://{args.host}")
+    faults = F.from_env()
+    if faults:
+        log.warning("TEST FAULTS ACTIVE (%s=%s): %s", F.ENV, os.environ.get(F.ENV), faults)
     opts = Options(max_seq_len=args.max_seq_len, admit_timeout=args.admit_timeout,
                    transfer_timeout=args.transfer_timeout, start_timeout=args.start_timeout,
-                   quarantine_s=args.quarantine)
+                   quarantine_s=args.quarantine, faults=faults)
     node = DecodeNode(engine, cfg, transport, buffers, opts, device=args.device,
                 control_addr=f"tcp://{args.host}:{cport}", model_name=os.path.basename(os.path.abspath(args.model)))
     node.metrics.graph.labels(mode=args.graph, device=args.device).set(1)

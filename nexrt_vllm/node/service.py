@@ -28,6 +28,7 @@ from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import AdmissionState, AdmitRequest, CancelReply, GenerateRequest, Refusal
 from nexrt_vllm.node.buffers import RecvBuffer, stage
 from nexrt_vllm.node.parts import PartSet, check_part, load_parts
+from nexrt_vllm.node.faults import Faults
 from nexrt_vllm.node.metrics import NodeMetrics
 
 log = logging.getLogger("nexrt.node")
@@ -43,6 +44,7 @@ class Options:
     start_timeout: float = 30.0  # done -> generate
     quarantine_s: float = 30.0  # grace for a writer that may outlive its admission
     tick: float = 0.05
+    faults: Faults = field(default_factory=Faults)  # test-only (nexrt_vllm/node/faults.py)
 
 
 @dataclass
@@ -159,6 +161,10 @@ class DecodeNode:
         more = adm.state is AdmissionState.RECEIVING and adm.parts.n > 1  # a further part of a TP prefill
         if adm.state is not AdmissionState.RESERVED and not more:
             return reject(P.Reason.DUPLICATE, f"rid {msg.rid!r} already began ({adm.state.value})")
+        if self.opts.faults.refuse():
+            text = "refusing hand-offs (test fault NEXRT_TEST_FAULTS=refuse_begin)"
+            self._end(adm, "rejected", P.Reason.BUSY, text)
+            return reject(P.Reason.BUSY, text)
         try:
             layout = self._layout(msg.layout)
         except P.ProtocolError as e:

@@ -138,3 +138,15 @@ def test_connector_refuses_unsupported_setups(producer, pp, msg):
                           parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=pp))
     with pytest.raises(ConnectorConfigError, match=msg):
         NexRTConnector(cfg, KVConnectorRole.SCHEDULER, None)
+
+
+def test_probe_is_answered_with_the_configuration_and_never_claimed():
+    info = {"transport": "nixl", "dtype": "bfloat16", "model": {"num_hidden_layers": 4}}
+    sched = NexRTScheduler(lambda: None, info)
+    probe = Req("p", {"nexrt": {"probe": True}})
+    sched.on_new_request(probe)
+    assert _step(sched, probe).steps == [] and not sched.has_pending_push_work()
+    assert sched.request_finished(probe) == (False, {"nexrt": {"status": "probe", "connector": info}})
+    # Only exactly {"probe": true} is a probe; anything else under "nexrt" is a (malformed) claim.
+    sched.on_new_request(Req("q", {"nexrt": {"probe": True, "rid": "x"}}))
+    assert sched.request_finished(Req("q", None))[1]["nexrt"]["reason"] == "bad_message"

@@ -176,3 +176,18 @@ def test_malformed_refusal(status, wire, field):
 
 def test_handoff_status_failed_means_no_state_reaches_the_node():
     assert [s.value for s in HandoffStatus if s.failed] == ["failed", "aborted"]
+
+
+def test_probe_and_its_reply():
+    from nexrt_vllm.handoff.contracts import PROBE, ContractError, ProbeReply, is_probe
+
+    assert is_probe({CLAIM_KEY: PROBE}) and not is_probe({CLAIM_KEY: {**PROBE, "rid": "x"}}) and not is_probe(None)
+    info = {"transport": "nixl", "dtype": "bfloat16", "model": {"num_hidden_layers": 4}}
+    params = json.loads(json.dumps(ProbeReply(info).to_params()))
+    assert params == {CLAIM_KEY: {"connector": info, "status": "probe"}}
+    assert ProbeReply.from_params(params).connector == info
+    # An ordinary hand-off report, or none, is no probe answer (an older connector).
+    assert ProbeReply.from_params({CLAIM_KEY: {"status": "failed", "reason": "bad_message"}}) is None
+    assert ProbeReply.from_params(None) is None
+    with pytest.raises(ContractError, match="connector"):
+        ProbeReply.from_params({CLAIM_KEY: {"status": "probe", "connector": "nixl"}})
