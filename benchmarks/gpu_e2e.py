@@ -13,6 +13,9 @@ real Qwen3.5 `tokenizer.json` (docs/BENCHMARKS.md says how to make it offline), 
 detokenization cost what they do in production. `--layers N` cuts the shape to N layers (labelled in
 the output) where two copies of the model do not fit beside each other.
 
+`gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png` joins runs that measured different
+`--paths` of one shape into one summary with the ratios, and draws the overlay.
+
 Writes OUT/gpu_e2e_<label>.json (summary: TPOT / TTFT / interactivity / E2EL medians of both paths,
 ratios, the node's step-time and hand-off metrics per scenario, the engine's own step time from
 decode_bench at the same contexts) and OUT/gpu_e2e_<label>_raw.tar.gz (InferenceX raw + agg files).
@@ -185,6 +188,57 @@ def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: s
             "contexts": {r["context"]: {"step_ms_median": r["step_ms_median"], "mbu": r["mbu"]} for r in rows}}
 
 
+def add_ratios(summary: dict, scenarios) -> None:
+    """NexRT vs vLLM-only medians, and NexRT's TPOT over the engine's own step at the scenario's ISL."""
+    for sc in scenarios:
+        n, v = summary["nexrt"].get(sc), summary["vllm"].get(sc)
+        if n and v and n.get("median_tpot_ms") and v.get("median_tpot_ms"):
+            r = {"interactivity_x": v["median_tpot_ms"] / n["median_tpot_ms"],
+                 "ttft_delta_ms": n["median_ttft_ms"] - v["median_ttft_ms"],
+                 "e2el_x": v["median_e2el_ms"] / n["median_e2el_ms"]}
+            eng = (summary.get("engine") or {}).get("contexts", {})
+            ctx = scenario(sc)[0]
+            step = eng.get(ctx) or eng.get(str(ctx))
+            if step:
+                r["tpot_over_engine_step"] = n["median_tpot_ms"] / step["step_ms_median"]
+            summary.setdefault("ratios", {})[sc] = r
+
+
+def merge(paths: list[str], out: str, png: str | None) -> int:
+    """One summary from runs of the same shape that measured different --paths (same GPU, one lease)."""
+    runs = [json.load(open(p)) for p in paths]
+    m = {**runs[0], "command": [r["command"] for r in runs], "merged_from": [os.path.basename(p) for p in paths]}
+    for key in ("nexrt", "vllm", "node"):
+        m[key] = {k: v for r in runs for k, v in r.get(key, {}).items()}
+    for key in ("engine", "inferencex_client"):
+        vals = [r[key] for r in runs if r.get(key)]
+        m[key] = vals[-1] if key == "engine" and vals else {k: v for d in vals for k, v in d.items()}
+    m.pop("error", None)
+    m.pop("ratios", None)
+    add_ratios(m, sorted(set(m["nexrt"]) | set(m["vllm"])))
+    with open(out, "w") as f:
+        json.dump(m, f, indent=1)
+    if png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for path, mark in (("nexrt", "o"), ("vllm", "s")):
+            pts = [(1e3 / r["median_tpot_ms"], r["output_throughput"], sc) for sc, r in sorted(m[path].items())]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=mark, label=path, s=50)
+            for x, y, sc in pts:
+                ax.annotate(sc, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.set_xlabel("interactivity (tok/s/user, 1000 / median TPOT)")
+        ax.set_ylabel("output throughput per GPU (tok/s)")
+        ax.set_title(f"{m['shape']} on {m.get('hw', '?')}, conc 1 (InferenceX rules)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+    log("merged", json.dumps(m.get("ratios")))
+    return 0
+
+
 class Stack:
     def __init__(self, workdir: str, device: str):
         self.procs = Procs(workdir)
@@ -222,6 +276,14 @@ async def _up(stack: Stack, urls: list[tuple[str, str]], timeout: float) -> None
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "merge":
+        mp = argparse.ArgumentParser(prog="gpu_e2e.py merge", description=merge.__doc__)
+        mp.add_argument("runs", nargs="+")
+        mp.add_argument("--json", required=True)
+        mp.add_argument("--png", default=None)
+        ma = mp.parse_args(argv[1:])
+        return merge(ma.runs, ma.json, ma.png)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(ARCH), default="2b")
     ap.add_argument("--layers", type=int, default=None, help="cut the shape to N layers (labelled)")
@@ -276,6 +338,10 @@ def main(argv=None) -> int:
     def save():
         with open(out_json, "w") as f:
             json.dump(summary, f, indent=1)
+        # the raw + agg files so far: a run cut short keeps what it measured
+        with tarfile.open(os.path.join(a.out, f"gpu_e2e_{label}_raw.tar.gz"), "w:gz") as t:
+            if os.path.isdir(res_dir):
+                t.add(res_dir, arcname=f"gpu_e2e_{label}")
 
     stack = Stack(work, a.device)
     t0 = time.monotonic()
@@ -336,22 +402,8 @@ def main(argv=None) -> int:
     if not a.skip_engine_bench and a.device == "cuda" and "error" not in summary:
         ctxs = sorted({scenario(s)[0] for s in a.scenarios})
         summary["engine"] = engine_step(a.shape, ctxs, a.layers, os.path.join(work, "decode_bench.json"))
-    for sc in a.scenarios:
-        n, v = summary["nexrt"].get(sc), summary["vllm"].get(sc)
-        if n and v and n.get("median_tpot_ms") and v.get("median_tpot_ms"):
-            r = {"interactivity_x": v["median_tpot_ms"] / n["median_tpot_ms"],
-                 "ttft_delta_ms": n["median_ttft_ms"] - v["median_ttft_ms"],
-                 "e2el_x": v["median_e2el_ms"] / n["median_e2el_ms"]}
-            ctx = scenario(sc)[0]
-            eng = (summary.get("engine") or {}).get("contexts", {})
-            step = eng.get(ctx) or eng.get(str(ctx))
-            if step:
-                r["tpot_over_engine_step"] = n["median_tpot_ms"] / step["step_ms_median"]
-            summary.setdefault("ratios", {})[sc] = r
+    add_ratios(summary, a.scenarios)
     save()
-    with tarfile.open(os.path.join(a.out, f"gpu_e2e_{label}_raw.tar.gz"), "w:gz") as t:
-        if os.path.isdir(res_dir):
-            t.add(res_dir, arcname=f"gpu_e2e_{label}")
     log("summary", json.dumps({k: summary.get(k) for k in ("ratios", "error")}))
     return 1 if "error" in summary else 0
 
