@@ -130,11 +130,9 @@ def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: 
     if headers:
         cmd += ["--header", *headers]
     log("run", " ".join(cmd[2:]))
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    sys.stdout.write(p.stdout[-3000:])
-    if p.returncode:
-        sys.stdout.write(p.stderr[-3000:])
-        raise RuntimeError(f"inferencex {label} {sc} failed ({p.returncode})")
+    err = _run(cmd, ROOT, 1800, 3000)
+    if err:
+        raise RuntimeError(f"inferencex {label} {sc}: {err}")
     with open(os.path.join(result_dir, label, f"{label}_isl{isl}_osl{osl}_conc1.json")) as f:
         raw = json.load(f)
     keep = ("completed", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -142,6 +140,16 @@ def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: 
     out = {k: raw.get(k) for k in keep}
     out["median_interactivity_tok_s"] = 1e3 / raw["median_tpot_ms"] if raw.get("median_tpot_ms") else None
     return out
+
+
+def _run(cmd: list[str], cwd: str, timeout: float, tail: int = 2000) -> str | None:
+    """Run a child benchmark, echo the end of its output; None if it succeeded, else its error."""
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    sys.stdout.write(p.stdout[-tail:])
+    if p.returncode == 0:
+        return None
+    sys.stdout.write(p.stderr[-3000:])
+    return f"{os.path.basename(cmd[1])} exited {p.returncode}: {p.stderr[-500:]}"
 
 
 def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, out_dir: str, label: str) -> dict:
@@ -157,11 +165,9 @@ def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, o
            "--result-dir", out_dir, "--result-filename", name + ".json"]
     os.makedirs(out_dir, exist_ok=True)
     log("run InferenceX client", " ".join(cmd[2:]))
-    p = subprocess.run(cmd, cwd=client_dir, capture_output=True, text=True, timeout=1800)
-    sys.stdout.write(p.stdout[-2000:])
-    if p.returncode:
-        sys.stdout.write(p.stderr[-3000:])
-        return {"error": f"benchmark_serving.py exited {p.returncode}: {p.stderr[-500:]}"}
+    err = _run(cmd, client_dir, 1800)
+    if err:
+        return {"error": err}
     with open(os.path.join(out_dir, name + ".json")) as f:
         raw = json.load(f)
     return {k: raw.get(k) for k in ("completed", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms",
@@ -176,11 +182,9 @@ def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: s
            ",".join(map(str, contexts)), "--steps", "200", "--parity-steps", "0", "--eager-steps", "2",
            "--json", out_json]
     log("run", " ".join(cmd[1:]))
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    sys.stdout.write(p.stdout[-1500:])
-    if p.returncode:
-        sys.stdout.write(p.stderr[-3000:])
-        return {"error": f"decode_bench exited {p.returncode}"}
+    err = _run(cmd, ROOT, 900, 1500)
+    if err:
+        return {"error": err}
     with open(out_json) as f:
         res = json.load(f)
     rows = res["shapes"][0]["contexts"] if res.get("shapes") else []
