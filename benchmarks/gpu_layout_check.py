@@ -41,6 +41,9 @@ import time
 import urllib.error
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nexrt_vllm.demo.cli import tail_log  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -84,7 +87,7 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float, log_path: str)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{tail(log_path)}")
+            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{tail_log(log_path, 40)}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -92,15 +95,7 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float, log_path: str)
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(1)
-    raise TimeoutError(f"vLLM not healthy after {timeout}s:\n{tail(log_path)}")
-
-
-def tail(path: str, n: int = 40) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
+    raise TimeoutError(f"vLLM not healthy after {timeout}s:\n{tail_log(log_path, 40)}")
 
 
 def start_vllm(args, variant: str, log_path: str):

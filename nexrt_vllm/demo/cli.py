@@ -44,7 +44,7 @@ class Procs:
         for name, p, log in self.procs:
             if p.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {p.returncode}; last lines of {log}:\n"
-                                   + _tail(log))
+                                   + tail_log(log))
 
     def stop(self, timeout: float = 20.0) -> None:
         for _, p, _ in reversed(self.procs):
@@ -64,7 +64,8 @@ class Procs:
                 pass
 
 
-def _tail(path: str, n: int = 30) -> str:
+def tail_log(path: str, n: int = 30) -> str:
+    """The last n lines of a log file (for error messages)."""
     try:
         with open(path, errors="replace") as f:
             return "".join(f.readlines()[-n:])
@@ -252,7 +253,7 @@ def demo(args) -> int:
     except (RuntimeError, TimeoutError, OSError) as e:
         print(f"\n[demo] failed: {e}", file=sys.stderr)
         for name, _, log in procs.procs:
-            print(f"--- {name} ({log}) ---\n{_tail(log, 15)}", file=sys.stderr)
+            print(f"--- {name} ({log}) ---\n{tail_log(log, 15)}", file=sys.stderr)
         return 1
     finally:
         print("[demo] shutting down", file=sys.stderr, flush=True)

@@ -3,7 +3,7 @@ the node re-shards the one part into its two ranks' shards, and vLLM's first tok
 tokens equal vLLM-only greedy generation (trained checkpoint, docs/CONNECTOR.md "Parity")."""
 import pytest
 
-from nexrt_vllm.testing.connector_harness import (TRAINED, NodeProc, VLLMProc, assert_vllm_greedy, continue_on_node,
+from nexrt_vllm.testing.connector_harness import (NodeProc, VLLMProc, assert_vllm_greedy, continue_on_node,
                                                   hand_off, nexrt_kv_config, periodic_prompt)
 
 pytestmark = pytest.mark.timeout(600)
@@ -11,23 +11,18 @@ MAX_TOKENS = 33
 
 
 @pytest.fixture(scope="module")
-def ckpt(ckpt_factory):
-    return ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
-
-
-@pytest.fixture(scope="module")
-def node(ckpt, tmp_path_factory):
+def node(trained_ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("node_tp2")
-    n = NodeProc(ckpt, "mooncake", str(d / "node.log"), str(d), start_timeout=240,
+    n = NodeProc(trained_ckpt, "mooncake", str(d / "node.log"), str(d), start_timeout=240,
                  extra_args=("--dtype", "float32", "--tp", "2"))
     yield n
     n.close()
 
 
 @pytest.fixture(scope="module")
-def vllm(ckpt, tmp_path_factory):
+def vllm(trained_ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm_tp2")
-    v = VLLMProc({"model": ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": nexrt_kv_config("mooncake")},
+    v = VLLMProc({"model": trained_ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": nexrt_kv_config("mooncake")},
                  str(d / "vllm.log"))
     yield v
     v.close()

