@@ -34,9 +34,7 @@ _UNSUPPORTED = {
     "guided_regex": lambda v: v is None,
     "guided_choice": lambda v: v is None,
     "guided_grammar": lambda v: v is None,
-    "tools": lambda v: not v,
     "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
     "echo": lambda v: not v,
     "suffix": lambda v: v is None,
     "bad_words": lambda v: not v,
@@ -51,6 +49,14 @@ _ROUTER_FIELDS = ("stream", "stream_options", "max_tokens", "max_completion_toke
                   "return_token_ids", "kv_transfer_params")
 
 MAX_STOP_STRINGS = 16
+
+# Chat's tools, tool_choice, parallel_tool_calls, chat_template_kwargs, reasoning_effort and
+# include_reasoning go unchanged to the prefill leg (vLLM renders them with the chat template);
+# the router parses the output (router/chat_parser.py).
+_AUTO_TOOLS_MSG = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                   "to be set")
+_CONSTRAINED = ("needs constrained decoding, which the interactive tier does not do yet (send "
+                "the request as class 'standard' instead)")
 
 
 @dataclass
@@ -81,8 +87,40 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def parse(body, kind: str, max_model_len: int | None) -> GenParams:
-    """Validate a chat/completions body for the interactive tier; raise APIError on refusal."""
+def _check_tools(body: dict, auto_tools: bool) -> None:
+    """vLLM's own 400s for tool fields, and a refusal where vLLM would constrain decoding."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools == []:
+        raise _bad("`tools` must not be an empty array. Either provide at least one tool or omit "
+                   "the field entirely.", "tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise _bad("'tools' must be a list of tool objects", "tools")
+    if choice is None and tools:
+        choice = "auto"
+    if choice is None or choice == "none":
+        return
+    if tools is None:
+        raise _bad("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        raise _bad(f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", "
+                   f"\"auto\" or \"required\" are supported.", "tool_choice")
+    if choice == "auto" and not auto_tools:
+        raise _bad(_AUTO_TOOLS_MSG, "tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        what = "'required'" if choice == "required" else "a named function"
+        raise APIError(400, f"tool_choice {what} {_CONSTRAINED}", param="tool_choice")
+    if any(isinstance(t.get("function"), dict) and t["function"].get("strict") for t in tools):
+        raise APIError(400, f"a tool with \"strict\": true {_CONSTRAINED}", param="tools")
+    if body.get("parallel_tool_calls") is False:
+        raise APIError(400, f"'parallel_tool_calls': false with tools {_CONSTRAINED}",
+                       param="parallel_tool_calls")
+
+
+def parse(body, kind: str, max_model_len: int | None, auto_tools: bool = False) -> GenParams:
+    """Validate a chat/completions body for the interactive tier; raise APIError on refusal.
+
+    `auto_tools`: the router parses tool calls (--enable-auto-tool-choice --tool-call-parser)."""
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     if kind == "chat":
@@ -103,6 +141,13 @@ def parse(body, kind: str, max_model_len: int | None) -> GenParams:
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
 
+    if kind == "chat":
+        _check_tools(body, auto_tools)
+    else:
+        for name in ("tools", "tool_choice"):
+            if body.get(name) not in (None, "none", []):
+                raise APIError(501, f"'{name}'={body[name]!r} is not supported on the interactive "
+                                    f"tier (send the request as class 'standard' instead)", param=name)
     for name, ok in _UNSUPPORTED.items():
         if name in body and not ok(body[name]):
             raise APIError(501, f"'{name}'={body[name]!r} is not supported on the interactive "

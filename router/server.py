@@ -30,6 +30,9 @@ from nexrt_vllm.handoff.contracts import AdmitReply, Claim, GenerateRequest
 from . import config_check
 from . import params as P
 from . import standard
+from .chat_parser import ChatOptions, ChatParser
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSERS
 from .errors import APIError
 from .fallback import Fallback, Reason
 from .pool import NodePool, NoHealthyNode, QueueFull, QueueTimeout
@@ -100,9 +103,15 @@ class _Gen:
     """The response being produced for one interactive request, whichever leg produces it."""
 
     def __init__(self, out: "_Output", tokenizer, params: P.GenParams, prompt_ids: list[int],
-                 prompt_len: int, max_tokens: int | None):
+                 prompt_len: int, max_tokens: int | None, parser: ChatParser | None = None,
+                 special_ids: frozenset[int] = frozenset()):
         self.out = out
-        self.detok = Detokenizer(tokenizer, prompt_ids)
+        self.parser = out.parser = parser
+        self.detok = Detokenizer(tokenizer, prompt_ids, skip_special_tokens=(
+            parser is None or parser.skip_special_tokens))
+        self.special_ids = special_ids
+        self.texts: list[str] = []          # per-token text (the parsed path's token counts)
+        self._held: tuple[str, bool, bool] | None = None   # (text, special, from_node)
         self.stopper = StopStrings(params.stop)
         self.stop_ids = set(params.stop_token_ids)
         self.prompt_ids = list(prompt_ids)
@@ -118,6 +127,8 @@ class _Gen:
         True once a stop string completed."""
         self.ids.append(tok)
         self.node_tokens += from_node
+        if self.parser is not None:
+            return await self._push_parsed(tok, render, from_node)
         if render and tok not in self.stop_ids:
             text = self.stopper.push(self.detok.step(tok))
             if text:
@@ -126,6 +137,54 @@ class _Gen:
             if self.stopper.stopped:
                 self.finish = "stop"
         return self.finish == "stop"
+
+    async def _push_parsed(self, tok: int, render: bool, from_node: bool) -> bool:
+        """The parser gets each token's text (after stop strings) with `finished` set on the last
+        one. Whether a token is the last is known on arrival, except for a special token (EOS
+        ends the node's stream with nothing after it): that one waits for the next message."""
+        text = ""
+        if render and tok not in self.stop_ids:
+            text = self.stopper.push(self.detok.step(tok))
+            if self.stopper.stopped:
+                self.finish = "stop"
+        self.texts.append(text)
+        await self._release()
+        final = (self.finish == "stop" or not render or tok in self.stop_ids
+                 or (self.max_tokens is not None and len(self.ids) >= self.max_tokens))
+        if final or tok in self.special_ids:
+            self._held = (text, tok in self.special_ids, from_node)
+        else:
+            await self._emit(text, False, 1, from_node)
+        return self.finish == "stop"
+
+    async def _release(self) -> None:
+        if self._held is not None:
+            (text, _special, from_node), self._held = self._held, None
+            await self._emit(text, False, 1, from_node)
+
+    async def _emit(self, text: str, finished: bool, count: int, from_node: bool) -> None:
+        if not self.out.streams:
+            await self.out.text(text)
+            return
+        d = self.parser.feed(text, finished=finished, token_count=count,
+                             prompt_ids=self.prompt_ids)
+        if d is not None:
+            await self.out.delta(d)
+            self.node_text_sent |= from_node
+
+    async def close_text(self) -> None:
+        """End of generation: what stop strings held back, and the parser's final feed."""
+        tail = self.stopper.flush()
+        if self.parser is None:
+            await self.out.text(tail)
+            return
+        text, count, from_node = tail, 0, False
+        if self._held is not None:
+            (held, special, from_node), self._held = self._held, None
+            count = 1
+            # A special token that ended the stream with "stop" is EOS: vLLM shows no text for it.
+            text = ("" if special and self.finish == "stop" else held) + tail
+        await self._emit(text, True, count, from_node)
 
 
 class _Request:
@@ -152,6 +211,8 @@ class Router:
             _load_tokenizer(args.tokenizer) if args.tokenizer else None)
         self.models: dict[str, dict] = {}
         self._models_at = 0.0
+        self._special: tuple[str, ...] | None = None       # the tokenizer's special tokens
+        self._special_ids: frozenset[int] = frozenset()
         self._tasks: set[asyncio.Task] = set()
         self.session: aiohttp.ClientSession | None = None
         self.proxy_session: aiohttp.ClientSession | None = None
@@ -379,7 +440,9 @@ class Router:
             raise APIError(400, f"request body is not valid JSON: {e}") from None
         model, info = await self._resolve_model(body.get("model") if isinstance(body, dict)
                                                 else None)
-        params = P.parse(body, kind, info.get("max_model_len"))
+        params = P.parse(body, kind, info.get("max_model_len"),
+                         auto_tools=bool(self.args.enable_auto_tool_choice
+                                         and self.args.tool_call_parser))
         rq = _Request(request, kind, body, params, model, info)
         try:
             return await self._fast(rq)
@@ -552,7 +615,8 @@ class Router:
                                      pending.reason if pending else None)
         await gen.out.start()
         if pre["finish_reason"] == "stop":
-            gen.ids.append(first)  # vLLM stopped on the first token (EOS / stop id): not rendered
+            # vLLM stopped on the first token (EOS / stop id): counted, not rendered
+            await gen.push(first, render=False)
             gen.finish = "stop"
         elif not await gen.push(first) and max_tokens == 1:
             gen.finish = "length"
@@ -611,14 +675,32 @@ class Router:
                  degraded: Reason | None) -> _Gen:
         headers = {DEGRADED_HEADER: degraded.value} if degraded is not None else {}
         out = (_SSE if rq.params.stream else _JSON)(rq.request, rq.params, rq.model, headers)
-        return _Gen(out, self.tokenizer, rq.params, prompt_ids, prompt_len, max_tokens)
+        return _Gen(out, self.tokenizer, rq.params, prompt_ids, prompt_len, max_tokens,
+                    self._chat_parser(rq), self._special_ids)
+
+    def _chat_parser(self, rq: _Request) -> ChatParser | None:
+        """vLLM's composed output parser for a chat request (None: the text is the content)."""
+        a = self.args
+        tool_parser = a.tool_call_parser if a.enable_auto_tool_choice else None
+        if rq.kind != "chat" or (a.reasoning_parser is None and tool_parser is None):
+            return None
+        if self._special is None:
+            added = self.tokenizer.get_added_tokens_decoder()
+            self._special = tuple(t.content for t in added.values() if t.special)
+            self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        return ChatParser(ChatOptions.from_request(rq.body, a.default_chat_template_kwargs),
+                          reasoning_parser=a.reasoning_parser, tool_parser=tool_parser,
+                          drop_tokens=self._special, token_id=self.tokenizer.token_to_id)
 
     async def _finish(self, rq: _Request) -> web.StreamResponse:
         gen = rq.gen
-        await gen.out.text(gen.stopper.flush())
+        await gen.close_text()
         self.metrics.tokens.inc(len(gen.ids))
         usage = {"prompt_tokens": gen.prompt_len, "completion_tokens": len(gen.ids),
                  "total_tokens": gen.prompt_len + len(gen.ids)}
+        if gen.parser is not None and gen.parser.reasoning is not None:
+            gen.out.usage_details = lambda: {"reasoning_tokens": gen.parser.count_reasoning_tokens(
+                gen.ids, gen.texts)}
         rq.timing["total_s"] = time.monotonic() - rq.t_recv
         return await gen.out.finish(gen.finish, usage, rq.timing, gen.ids)
 
@@ -693,6 +775,13 @@ class _Output:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.started = False
+        self.parser: ChatParser | None = None
+        self.usage_details = None     # () -> usage's completion_tokens_details (reasoning parser)
+
+    def _usage(self, usage: dict) -> dict:
+        if self.usage_details is not None:
+            usage = {**usage, "completion_tokens_details": self.usage_details()}
+        return usage
 
 
 class _JSON(_Output):
@@ -713,7 +802,17 @@ class _JSON(_Output):
     async def finish(self, reason: str, usage: dict, timing: dict,
                      ids: list[int]) -> web.Response:
         text = "".join(self.parts)
-        if self.chat:
+        if self.chat and self.parser is not None:
+            reasoning, content, calls = self.parser.parse(text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+                    "name": c["name"], "arguments": c["arguments"]}} for c in calls]
+                reason = "tool_calls"
+            message["reasoning"] = reasoning
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+            usage = self._usage(usage)
+        elif self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": reason}
         else:
@@ -757,6 +856,10 @@ class _SSE(_Output):
         if delta:
             await self._chunk(self._choice(delta, None))
 
+    async def delta(self, delta: dict) -> None:
+        """A parsed chat delta (content / reasoning / tool_calls), as vLLM's DeltaMessage."""
+        await self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+
     async def fail(self, status: int, message: str) -> web.StreamResponse:
         # Fail closed: an explicit error event, then the terminator; never a silent truncation.
         await self._send(APIError(status, message).body())
@@ -769,6 +872,10 @@ class _SSE(_Output):
         # A degraded stream says so even without a usage chunk (its headers may predate it).
         extra = ({"nexrt_timing": timing} if "degraded" in timing and not self.params.include_usage
                  else {})
+        if self.parser is not None:
+            usage = self._usage(usage)
+            if reason == "stop" and self.parser.tools_streamed:
+                reason = "tool_calls"
         await self._chunk(self._choice("", reason), **extra)
         if self.params.include_usage:
             await self._chunk(None, usage=usage, nexrt_timing=timing)
@@ -820,8 +927,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--health-timeout", type=float, default=2.0)
     ap.add_argument("--probe-timeout", type=float, default=10.0,
                     help="seconds for the configuration probe of vLLM's connector")
+    ap.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                    help="parse tool calls out of chat output as vLLM's parser of this name does")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="serve tool_choice 'auto' (needs --tool-call-parser), as vLLM's flag")
+    ap.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                    help="split reasoning out of chat output into 'reasoning', as vLLM's flag")
+    ap.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                    help="JSON object: vLLM's --default-chat-template-kwargs (the parsers read "
+                         "enable_thinking from it); give vLLM the same value")
     ap.add_argument("--log-level", default="INFO")
     return ap
+
+
+def _json_object(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return v
 
 
 def make_app(args: argparse.Namespace) -> web.Application:
@@ -831,6 +957,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
         raise SystemExit("--when-busy standard needs --fallback standard")
     if args.retry_after_max < 1:
         raise SystemExit("--retry-after-max must be >= 1")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice requires --tool-call-parser")
     router = Router(args)
     app = web.Application(client_max_size=64 << 20)
     app[ROUTER_KEY] = router

@@ -71,6 +71,9 @@ class Model:
         self.eos = vocab["<|im_end|>"]
         self.words = sorted(i for t, i in vocab.items() if t.startswith("▁") and len(t) > 2)
         self.eos_at: int | None = None    # position (0 = first token) at which EOS is produced
+        # A scripted output: every request's continuation is these ids (from the first token on,
+        # whatever the prompt); end it with EOS to stop there.
+        self.script: list[int] | None = None
 
     def prompt_ids(self, body: dict) -> list[int]:
         if "messages" in body:
@@ -86,6 +89,8 @@ class Model:
     def continuation(self, prompt_ids: list[int], n: int, ignore_eos: bool = False) -> list[int]:
         """Each token a function of the whole context before it, so continuing prompt + k
         generated tokens gives the rest of the same continuation (as a real model does)."""
+        if self.script is not None:
+            return list(self.script[:n])
         out, ctx = [], list(prompt_ids)
         for i in range(n):
             if self.eos_at == i and not ignore_eos:

@@ -56,8 +56,9 @@ CASES = [
     ("completions", {**CMPL, "min_p": 0.1}, 501, "min_p"),
     ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 501,
      "response_format"),
+    # Without --enable-auto-tool-choice: vLLM's own 400.
     ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     501, "tools"),
+     400, "--enable-auto-tool-choice"),
     ("completions", {**CMPL, "prompt": ["a", "b"]}, 501, "batched prompts"),
     ("completions", {**CMPL, "echo": True}, 501, "echo"),
 ]
