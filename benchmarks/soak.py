@@ -10,7 +10,8 @@ hand-off, decode), ~2 % malformed bodies; both nodes are SIGKILLed and restarted
 during the run. Every request has a deadline. At the end it checks, and writes to JSON:
 
 - 0 router slots busy, 0 node slots busy, vLLM running/waiting requests 0 and KV usage back to
-  its value at the start (vLLM's /metrics);
+  its value at the start (vLLM's /metrics), and no node reservation that aged out at its
+  deadline instead of being cancelled (the nodes' logs);
 - every request either completed with exactly vLLM-only greedy generation's text (and token ids,
   when not streamed) — the checkpoint is connector_harness.TRAINED, greedy tokens are confident —
   or ended with a clean 4xx / a fail-closed stream (error event + [DONE]); none hung;
@@ -433,6 +434,11 @@ def main(argv=None) -> int:
             reason = x.get("degraded") or ((x.get("timing") or {}).get("degraded") or {}).get("reason")
             if reason:
                 degraded_resp[reason] = degraded_resp.get(reason, 0) + 1
+        # A reservation the router lost track of ages out on its node ("ended: timeout"); with
+        # every cancel delivered there are none (the nodes' logs span their restarts).
+        aged_out = sum(open(os.path.join(workdir, f), errors="replace").read().count("ended: timeout")
+                       for f in os.listdir(workdir) if f.startswith("node") and f.endswith(".log"))
+        end_state["node_reservations_aged_out"] = aged_out
         checks = {
             "router_slots_busy_0": end_state["router_inflight"] == 0,
             "node_slots_busy_0": end_state["node_busy_slots"] == 0,
@@ -442,6 +448,7 @@ def main(argv=None) -> int:
             "no_hang": not any(x.get("hang") for x in results),
             "all_answered": len(results) == args.requests,
             "both_nodes_killed_and_back": len(run["events"]) == 2 and all("restarted" in e for e in run["events"]),
+            "no_reservation_aged_out": aged_out == 0,
         }
         report = {
             "command": "python -m benchmarks.soak " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),

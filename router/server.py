@@ -521,15 +521,22 @@ class Router:
         finally:
             self.pool.release(node)
 
+    async def _forget(self, url: str, rid: str) -> None:
+        with contextlib.suppress(NodeError):
+            await self.nodes.cancel(url, rid)
+
     async def _admit(self, rq: _Request, lease: Lease) -> AdmitReply:
         """Admission with fail-over: a node that fails here is ejected and another one tried."""
         busy_until = None
         while True:
+            # Admitted from the moment the request leaves: if this handler is cancelled (the
+            # client left) or times out while the node has already reserved the slot, the lease's
+            # cleanup must cancel that reservation (the node answers 404 if there was none).
+            lease.admitted = True
             try:
-                adm = await self.nodes.admit(lease.node.url, lease.rid)
-                lease.admitted = True
-                return adm
+                return await self.nodes.admit(lease.node.url, lease.rid)
             except NodeBusy as e:
+                lease.admitted = False
                 # Busy although the router holds no request there: a cancelled request may be
                 # finishing on the node. Retry briefly; after that, take it out of rotation
                 # until a health check sees it again.
@@ -541,7 +548,10 @@ class Router:
                 self.pool.mark_down(lease.node, f"refused admission ({e}) for "
                                                 f"{self.args.admit_timeout:g}s")
             except NodeError as e:
+                lease.admitted = False
                 self._node_failed(lease.node, str(e))
+                # It may have reserved the slot before the error (a slow answer): free it.
+                self._spawn(self._forget(lease.node.url, lease.rid))
             busy_until = None
             node, lease.node = lease.node, None
             self.pool.release(node)

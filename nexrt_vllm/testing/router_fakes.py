@@ -232,6 +232,7 @@ class FakeNode:
         self.generated: list[str] = []         # rids decoded to the end
         self.emit_times: list[float] = []      # time.monotonic() of each streamed token
         self.caps_extra: dict = {}             # more /capabilities fields (transport, dtype, ...)
+        self.admit_delay = 0.0                 # seconds between reserving and answering /v1/admit
         self.refuse: tuple | None = None       # (Reason, message): refuse /v1/generate with it
         self.app = self.new_app()
 
@@ -264,6 +265,7 @@ class FakeNode:
         self.admits += 1
         self.generation += 1
         self.rid = adm.rid
+        await asyncio.sleep(self.admit_delay)  # reserved, but the answer is not out yet
         return web.json_response(AdmitReply(self.rid, self.generation, "tcp://127.0.0.1:1", 30.0).to_wire())
 
     async def cancel(self, request):
