@@ -27,7 +27,6 @@ import json
 import os
 import random
 import shlex
-import statistics
 import sys
 import tempfile
 import time
