@@ -25,6 +25,17 @@ _CORPUS = [
 ]
 
 
+def qwen3_coder_call(name: str, **params) -> str:
+    """One tool call in Qwen3-Coder / Qwen3.5 markup (`<function=...><parameter=...>`)."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def hermes_call(name: str, args) -> str:
+    """One tool call in Hermes / Qwen3 markup (JSON inside `<tool_call>`)."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n</tool_call>"
+
+
 def parser_tokenizer(markers_special: bool = False):
     """A `transformers` fast tokenizer; `markers_special` marks the think/tool tokens special."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -171,3 +182,21 @@ class Pair:
     def stream(self, deltas, prompt_ids):
         """(router, vLLM): per-delta JSON and the reasoning-token count."""
         return router_stream(self.router(), deltas, prompt_ids), self.vllm.stream(deltas, prompt_ids)
+
+    def assert_token_stream_same(self, text: str, prompt_ids: list[int], where: str = "") -> None:
+        """One delta per token: the deltas and the reasoning-token counts (streamed and not) equal vLLM's."""
+        deltas = per_token_deltas(self.tok, prompt_ids, text)
+        (mine_d, mine_n), (ref_d, ref_n) = self.stream(deltas, prompt_ids)
+        assert mine_d == ref_d, f"per-token stream of {[d for d, _ in deltas]}{where}"
+        assert mine_n == ref_n, "reasoning tokens, streaming"
+        ids = [i for _, tids in deltas for i in tids]
+        router = self.router()
+        router.parse(text)
+        assert (router.count_reasoning_tokens(ids, [d for d, _ in deltas])
+                == self.vllm.count_after_parse(text, ids)), "reasoning tokens, non-streaming"
+
+    def assert_split_streams_same(self, text: str, prompt_ids: list[int]) -> None:
+        """The text cut at every position, and char by char: the deltas equal vLLM's."""
+        for chunks in text_splits(text):
+            (mine_d, _), (ref_d, _) = self.stream(chunks, prompt_ids)
+            assert mine_d == ref_d, f"stream of {[c for c, _ in chunks]}"

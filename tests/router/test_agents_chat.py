@@ -13,7 +13,8 @@ import requests
 from nexrt_vllm.router.chat_parser import ChatOptions
 from nexrt_vllm.router.server import build_parser
 from nexrt_vllm.testing.router_fakes import Stack
-from nexrt_vllm.testing.vllm_parsers import VllmChat, normalize_ids, parser_tokenizer, per_token_deltas
+from nexrt_vllm.testing.vllm_parsers import (VllmChat, hermes_call, normalize_ids, parser_tokenizer, per_token_deltas,
+                                             qwen3_coder_call)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast", "parameters": {
@@ -24,27 +25,18 @@ SEARCH = {"type": "function", "function": {
 TOOLS = [WEATHER, SEARCH]
 
 
-def _xml(name, **params):
-    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
-def _json(name, args):
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n</tool_call>"
-
-
 TEXTS = {
     "qwen3_coder": {
-        "think_then_call": "<think>\nNeed the weather.\n</think>\n\n" + _xml("get_weather", city="Paris", days=3),
-        "two_calls": "<think>\nBoth.\n</think>\n\nI'll check both.\n" + _xml("get_weather", city="Paris")
-                     + "\n" + _xml("search", query='café "q" 東京 😀'),
+        "think_then_call": "<think>\nNeed the weather.\n</think>\n\n" + qwen3_coder_call("get_weather", city="Paris", days=3),
+        "two_calls": "<think>\nBoth.\n</think>\n\nI'll check both.\n" + qwen3_coder_call("get_weather", city="Paris")
+                     + "\n" + qwen3_coder_call("search", query='café "q" 東京 😀'),
         "think_then_text": "<think>\nNo tool needed.\n</think>\n\nIt is sunny in Paris.",
         "unclosed_think": "<think>\nStill thinking about the weather",
     },
     "hermes": {
-        "think_then_call": "<think>\nweather\n</think>\n\n" + _json("get_weather", {"city": "Paris", "days": 3}),
-        "two_calls": "<think>\nBoth.\n</think>\n\nSure!\n" + _json("get_weather", {"city": "Paris"})
-                     + "\n" + _json("search", {"query": 'café "q" \\ 東京'}),
+        "think_then_call": "<think>\nweather\n</think>\n\n" + hermes_call("get_weather", {"city": "Paris", "days": 3}),
+        "two_calls": "<think>\nBoth.\n</think>\n\nSure!\n" + hermes_call("get_weather", {"city": "Paris"})
+                     + "\n" + hermes_call("search", {"query": 'café "q" \\ 東京'}),
         "think_then_text": "<think>\nNo tool needed.\n</think>\n\nIt is sunny in Paris.",
         "bad_json": "<think>\nx\n</think>\n\n" + '<tool_call>\n{"name": "search", "arguments": {"query": }\n</tool_call>',
     },

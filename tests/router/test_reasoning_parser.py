@@ -8,7 +8,7 @@ import pytest
 
 from nexrt_vllm.router.chat_parser import ChatOptions
 from nexrt_vllm.router.reasoning import Qwen3ReasoningParser, get_reasoning_parser
-from nexrt_vllm.testing.vllm_parsers import Pair, parser_tokenizer, per_token_deltas, text_splits
+from nexrt_vllm.testing.vllm_parsers import Pair, parser_tokenizer
 
 TURN = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 PROMPTS = {
@@ -53,21 +53,9 @@ def test_same_as_vllm(tok, name, opt):
     mine, ref = pair.parse(text)
     assert mine == ref, "non-streaming"
     for prompt in PROMPTS.values():
-        prompt_ids = _ids(tok, prompt)
-        deltas = per_token_deltas(tok, prompt_ids, text)
-        (mine_d, mine_n), (ref_d, ref_n) = pair.stream(deltas, prompt_ids)
-        assert mine_d == ref_d, f"per-token stream of {[d for d, _ in deltas]} after {prompt!r}"
-        assert mine_n == ref_n, "reasoning tokens, streaming"
-        ids = [t for _, ts in deltas for t in ts]
-        router = pair.router()
-        router.parse(text)
-        assert (router.count_reasoning_tokens(ids, [d for d, _ in deltas])
-                == pair.vllm.count_after_parse(text, ids)), "reasoning tokens, non-streaming"
+        pair.assert_token_stream_same(text, _ids(tok, prompt), f" after {prompt!r}")
     if opt == "default":
-        prompt_ids = _ids(tok, PROMPTS["qwen3"])
-        for chunks in text_splits(text):
-            (mine_d, _), (ref_d, _) = pair.stream(chunks, prompt_ids)
-            assert mine_d == ref_d, f"stream of {[c for c, _ in chunks]}"
+        pair.assert_split_streams_same(text, _ids(tok, PROMPTS["qwen3"]))
 
 
 @pytest.mark.parametrize("thinking", [True, False])

@@ -12,7 +12,7 @@ import pytest
 
 from nexrt_vllm.router.chat_parser import ChatOptions
 from nexrt_vllm.router.tool_parsers import get_tool_parser
-from nexrt_vllm.testing.vllm_parsers import Pair, parser_tokenizer, per_token_deltas, text_splits
+from nexrt_vllm.testing.vllm_parsers import Pair, hermes_call, parser_tokenizer, per_token_deltas, qwen3_coder_call
 
 PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
@@ -29,29 +29,20 @@ SEARCH = {"type": "function", "function": {
 TOOLS = [WEATHER, SEARCH]
 
 
-def _xml(name, **params):
-    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
-def _json(name, args):
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n</tool_call>"
-
-
 QWEN3_CODER = {
     "plain": "Hello! How can I help you today?",
-    "think_then_call": "<think>\nNeed the weather.\n</think>\n\n" + _xml("get_weather", city="Paris", days=3),
-    "think_opened_in_prompt": "Need the weather.\n</think>\n\nChecking.\n" + _xml("get_weather", city="Paris"),
-    "schema_types": _xml("get_weather", city='San Francisco, "CA"', days=7, temp=-2.5, metric="true",
+    "think_then_call": "<think>\nNeed the weather.\n</think>\n\n" + qwen3_coder_call("get_weather", city="Paris", days=3),
+    "think_opened_in_prompt": "Need the weather.\n</think>\n\nChecking.\n" + qwen3_coder_call("get_weather", city="Paris"),
+    "schema_types": qwen3_coder_call("get_weather", city='San Francisco, "CA"', days=7, temp=-2.5, metric="true",
                          note="null", tags='["a", "b"]', where='{"lat": 48.85}', unit="c", count=12,
                          extra="not in the schema"),
-    "schema_types_unparsable": _xml("get_weather", city=123, days="three", temp="inf", metric="yes",
+    "schema_types_unparsable": qwen3_coder_call("get_weather", city=123, days="three", temp="inf", metric="yes",
                                     where="{not json", count="many"),
-    "two_calls_with_content": "I'll check both.\n" + _xml("get_weather", city="Paris") + "\n"
-                              + _xml("search", query="best café in Zürich 😀"),
-    "multiline_value": _xml("search", query="line one\nline two: a > b and c < d\n"),
-    "escapes_unicode": _xml("search", query='He said "hi" in C:\\dir\\file — ünïcödé 東京\ttab'),
-    "content_after_call": _xml("search", query="x") + "\nDone, waiting for results.",
+    "two_calls_with_content": "I'll check both.\n" + qwen3_coder_call("get_weather", city="Paris") + "\n"
+                              + qwen3_coder_call("search", query="best café in Zürich 😀"),
+    "multiline_value": qwen3_coder_call("search", query="line one\nline two: a > b and c < d\n"),
+    "escapes_unicode": qwen3_coder_call("search", query='He said "hi" in C:\\dir\\file — ünïcödé 東京\ttab'),
+    "content_after_call": qwen3_coder_call("search", query="x") + "\nDone, waiting for results.",
     "function_without_tool_call": "<function=search>\n<parameter=query>\nx\n</parameter>\n</function>",
     "missing_function_end": "<tool_call>\n<function=search>\n<parameter=query>\nx\n</parameter>\n</tool_call>",
     "truncated_in_value": "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
@@ -60,30 +51,30 @@ QWEN3_CODER = {
     "no_function_in_call": "<tool_call>\nnot a function call\n</tool_call> after",
     "no_params": "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>",
     "unclosed_param": "<tool_call>\n<function=search>\n<parameter=query>\nx\n<parameter=page>\n2\n</function>\n</tool_call>",
-    "json_body_in_xml_parser": _json("search", {"query": "x"}),
-    "call_without_think_end": "<think>\nI need data\n" + _xml("search", query="q"),
+    "json_body_in_xml_parser": hermes_call("search", {"query": "x"}),
+    "call_without_think_end": "<think>\nI need data\n" + qwen3_coder_call("search", query="q"),
     "markup_in_reasoning": "<think>\nMaybe <function=search> helps, or <parameter=x>?\n</think>\nNo tool needed.",
     "double_think_end": "<think>a</think>b</think>c",
     "special_token_in_text": "Hello<|endoftext|> world",
-    "whitespace_before_call": "\n\n" + _xml("search", query="x"),
+    "whitespace_before_call": "\n\n" + qwen3_coder_call("search", query="x"),
     "angles_in_content": "if a<b and c>d then <tool_ maybe",
 }
 
 HERMES = {
     "plain": "Just text with < and > signs.",
-    "call": _json("get_weather", {"city": "Paris", "days": 3}),
-    "think_then_call": "<think>\nweather\n</think>\n\n" + _json("get_weather", {"city": "Paris"}),
-    "two_calls_with_content": "Sure!\n" + _json("get_weather", {"city": "Paris"}) + "\n"
-                              + _json("search", {"query": 'café "q" \\ 東京 😀'}),
+    "call": hermes_call("get_weather", {"city": "Paris", "days": 3}),
+    "think_then_call": "<think>\nweather\n</think>\n\n" + hermes_call("get_weather", {"city": "Paris"}),
+    "two_calls_with_content": "Sure!\n" + hermes_call("get_weather", {"city": "Paris"}) + "\n"
+                              + hermes_call("search", {"query": 'café "q" \\ 東京 😀'}),
     "ascii_escapes": '<tool_call>\n{"name": "search", "arguments": {"query": "caf\\u00e9 \\"x\\""}}\n</tool_call>',
-    "nested_args": _json("get_weather", {"city": "Paris", "where": {"lat": 48.85, "tags": [1, 2]}}),
+    "nested_args": hermes_call("get_weather", {"city": "Paris", "where": {"lat": 48.85, "tags": [1, 2]}}),
     "bad_json": '<tool_call>\n{"name": "search", "arguments": {"query": }\n</tool_call>',
     "no_arguments": '<tool_call>\n{"name": "search"}\n</tool_call>',
     "name_not_string": '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>',
     "arguments_as_string": '<tool_call>\n{"name": "search", "arguments": "{\\"query\\": 1}"}\n</tool_call>',
     "truncated": '<tool_call>\n{"name": "search", "arguments": {"query": "par',
     "unclosed_but_complete": '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}',
-    "content_after_call": _json("search", {"query": "x"}) + "\nDone.",
+    "content_after_call": hermes_call("search", {"query": "x"}) + "\nDone.",
     "partial_opener_at_end": "Text that ends with <tool_",
     "empty_call": "<tool_call></tool_call>",
 }
@@ -122,18 +113,9 @@ def _check(tok, prompt_ids, opts, r, t, text, splits=True):
     pair = Pair(tok, opts, r, t)
     mine, ref = pair.parse(text)
     assert mine == ref, "non-streaming"
-    deltas = per_token_deltas(tok, prompt_ids, text)
-    (mine_d, mine_n), (ref_d, ref_n) = pair.stream(deltas, prompt_ids)
-    assert mine_d == ref_d, f"per-token stream of {[d for d, _ in deltas]}"
-    assert mine_n == ref_n, "reasoning tokens, streaming"
-    ids = [i for _, tids in deltas for i in tids]
-    router = pair.router()
-    router.parse(text)
-    assert router.count_reasoning_tokens(ids, [d for d, _ in deltas]) == pair.vllm.count_after_parse(text, ids)
+    pair.assert_token_stream_same(text, prompt_ids)
     if splits:
-        for chunks in text_splits(text):
-            (mine_d, _), (ref_d, _) = pair.stream(chunks, prompt_ids)
-            assert mine_d == ref_d, f"stream of {[c for c, _ in chunks]}"
+        pair.assert_split_streams_same(text, prompt_ids)
 
 
 @pytest.mark.parametrize("r,t,text", CASES)
