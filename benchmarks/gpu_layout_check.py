@@ -43,6 +43,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nexrt_vllm.demo.cli import tail_log  # noqa: E402
+from nexrt_vllm.handoff.transport import TRANSPORTS  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -231,7 +232,7 @@ def main() -> int:
                          "(qwen3_next, qwen3_5, qwen3_5_moe) there first")
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--variants", default="fa3,hnd_ds_fp32,triton,staged")
-    ap.add_argument("--transport", default="mooncake", choices=("mooncake", "nixl"))
+    ap.add_argument("--transport", default="mooncake", choices=TRANSPORTS)
     ap.add_argument("--recv-memory", default="host", choices=("host", "device"))
     ap.add_argument("--lengths", default="12,300,1500", help="prompt lengths (one over --max-num-batched-tokens)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)

@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from nexrt_vllm.demo.cli import Procs, _free_port, vllm_argv, wait_file, wait_http  # noqa: E402
+from nexrt_vllm.handoff.transport import TRANSPORTS  # noqa: E402
 from nexrt_vllm.testing.connector_harness import periodic_prompt  # noqa: E402
 
 LENGTHS = (7, 300, 1500)
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoints", required=True, help="dir of <family>/ trained tiny checkpoints")
     ap.add_argument("--families", nargs="+", default=["qwen3_next", "qwen3_5"])
-    ap.add_argument("--transports", nargs="+", default=["mooncake", "nixl"], choices=("mooncake", "nixl"))
+    ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     ap.add_argument("--tokens", type=int, default=33, help="tokens per request (vLLM's first + the node's)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--json", required=True)

@@ -14,6 +14,8 @@ import sys
 import tempfile
 import time
 
+from nexrt_vllm.handoff.transport import TRANSPORTS
+
 DEMO_PROMPT = "Tell me a story about a fast decoder."
 
 
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--prompt", default=DEMO_PROMPT)
     d.add_argument("--max-tokens", type=int, default=48)
     d.add_argument("--max-model-len", type=int, default=2048)
-    d.add_argument("--transport", choices=("auto", "mooncake", "nixl"), default="auto",
+    d.add_argument("--transport", choices=("auto", *TRANSPORTS), default="auto",
                    help="auto: nixl on a GPU (device memory to device memory), mooncake on CPU")
     d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where vLLM and the decode node run (auto: cuda when a GPU is visible)")

@@ -34,6 +34,7 @@ from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import (AdmitReply, AdmitRequest, CancelRequest, ContractError, GenerateRequest,
                                           Refusal)
 from nexrt_vllm.handoff.layout import LAYOUT_VERSION, LAYOUT_VERSIONS, model_identity
+from nexrt_vllm.handoff.transport import TRANSPORTS
 from nexrt_vllm.node import faults as F
 from nexrt_vllm.node.service import DecodeNode, Options
 
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1", help="address for HTTP and the control endpoint")
     ap.add_argument("--port", type=int, default=8200, help="HTTP port (0 = pick a free one)")
     ap.add_argument("--control-port", type=int, default=0, help="ZMQ control port (0 = pick a free one)")
-    ap.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
+    ap.add_argument("--transport", choices=TRANSPORTS, default="mooncake")
     ap.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     ap.add_argument("--dtype", default=None, help="engine dtype (default: the checkpoint's)")
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
