@@ -8,7 +8,7 @@ from setuptools import find_packages, setup
 
 
 pkgs = [p for p in find_packages(include=["nexrt_vllm", "nexrt_vllm.*"])]
-pkgs += ["nexrt_vllm.connector", "nexrt_vllm.router"]
+pkgs += ["nexrt_vllm.connector", "nexrt_vllm.router", "nexrt_vllm.router.parsing"]
 
 setup(
     name="nexrt-vllm",

@@ -13,6 +13,9 @@ real Qwen3.5 `tokenizer.json` (docs/BENCHMARKS.md says how to make it offline), 
 detokenization cost what they do in production. `--layers N` cuts the shape to N layers (labelled in
 the output) where two copies of the model do not fit beside each other.
 
+`gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png` joins runs that measured different
+`--paths` of one shape into one summary with the ratios, and draws the overlay.
+
 Writes OUT/gpu_e2e_<label>.json (summary: TPOT / TTFT / interactivity / E2EL medians of both paths,
 ratios, the node's step-time and hand-off metrics per scenario, the engine's own step time from
 decode_bench at the same contexts) and OUT/gpu_e2e_<label>_raw.tar.gz (InferenceX raw + agg files).
@@ -127,11 +130,9 @@ def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: 
     if headers:
         cmd += ["--header", *headers]
     log("run", " ".join(cmd[2:]))
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    sys.stdout.write(p.stdout[-3000:])
-    if p.returncode:
-        sys.stdout.write(p.stderr[-3000:])
-        raise RuntimeError(f"inferencex {label} {sc} failed ({p.returncode})")
+    err = _run(cmd, ROOT, 1800, 3000)
+    if err:
+        raise RuntimeError(f"inferencex {label} {sc}: {err}")
     with open(os.path.join(result_dir, label, f"{label}_isl{isl}_osl{osl}_conc1.json")) as f:
         raw = json.load(f)
     keep = ("completed", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -139,6 +140,16 @@ def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: 
     out = {k: raw.get(k) for k in keep}
     out["median_interactivity_tok_s"] = 1e3 / raw["median_tpot_ms"] if raw.get("median_tpot_ms") else None
     return out
+
+
+def _run(cmd: list[str], cwd: str, timeout: float, tail: int = 2000) -> str | None:
+    """Run a child benchmark, echo the end of its output; None if it succeeded, else its error."""
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    sys.stdout.write(p.stdout[-tail:])
+    if p.returncode == 0:
+        return None
+    sys.stdout.write(p.stderr[-3000:])
+    return f"{os.path.basename(cmd[1])} exited {p.returncode}: {p.stderr[-500:]}"
 
 
 def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, out_dir: str, label: str) -> dict:
@@ -154,11 +165,9 @@ def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, o
            "--result-dir", out_dir, "--result-filename", name + ".json"]
     os.makedirs(out_dir, exist_ok=True)
     log("run InferenceX client", " ".join(cmd[2:]))
-    p = subprocess.run(cmd, cwd=client_dir, capture_output=True, text=True, timeout=1800)
-    sys.stdout.write(p.stdout[-2000:])
-    if p.returncode:
-        sys.stdout.write(p.stderr[-3000:])
-        return {"error": f"benchmark_serving.py exited {p.returncode}: {p.stderr[-500:]}"}
+    err = _run(cmd, client_dir, 1800)
+    if err:
+        return {"error": err}
     with open(os.path.join(out_dir, name + ".json")) as f:
         raw = json.load(f)
     return {k: raw.get(k) for k in ("completed", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms",
@@ -173,16 +182,65 @@ def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: s
            ",".join(map(str, contexts)), "--steps", "200", "--parity-steps", "0", "--eager-steps", "2",
            "--json", out_json]
     log("run", " ".join(cmd[1:]))
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    sys.stdout.write(p.stdout[-1500:])
-    if p.returncode:
-        sys.stdout.write(p.stderr[-3000:])
-        return {"error": f"decode_bench exited {p.returncode}"}
+    err = _run(cmd, ROOT, 900, 1500)
+    if err:
+        return {"error": err}
     with open(out_json) as f:
         res = json.load(f)
     rows = res["shapes"][0]["contexts"] if res.get("shapes") else []
     return {"copy_bw_Bps": res.get("copy_bw_Bps"),
             "contexts": {r["context"]: {"step_ms_median": r["step_ms_median"], "mbu": r["mbu"]} for r in rows}}
+
+
+def add_ratios(summary: dict, scenarios) -> None:
+    """NexRT vs vLLM-only medians, and NexRT's TPOT over the engine's own step at the scenario's ISL."""
+    for sc in scenarios:
+        n, v = summary["nexrt"].get(sc), summary["vllm"].get(sc)
+        if n and v and n.get("median_tpot_ms") and v.get("median_tpot_ms"):
+            r = {"interactivity_x": v["median_tpot_ms"] / n["median_tpot_ms"],
+                 "ttft_delta_ms": n["median_ttft_ms"] - v["median_ttft_ms"],
+                 "e2el_x": v["median_e2el_ms"] / n["median_e2el_ms"]}
+            eng = (summary.get("engine") or {}).get("contexts", {})
+            ctx = scenario(sc)[0]
+            step = eng.get(ctx) or eng.get(str(ctx))
+            if step:
+                r["tpot_over_engine_step"] = n["median_tpot_ms"] / step["step_ms_median"]
+            summary.setdefault("ratios", {})[sc] = r
+
+
+def merge(paths: list[str], out: str, png: str | None) -> int:
+    """One summary from runs of the same shape that measured different --paths (same GPU, one lease)."""
+    runs = [json.load(open(p)) for p in paths]
+    m = {**runs[0], "command": [r["command"] for r in runs], "merged_from": [os.path.basename(p) for p in paths]}
+    for key in ("nexrt", "vllm", "node"):
+        m[key] = {k: v for r in runs for k, v in r.get(key, {}).items()}
+    for key in ("engine", "inferencex_client"):
+        vals = [r[key] for r in runs if r.get(key)]
+        m[key] = vals[-1] if key == "engine" and vals else {k: v for d in vals for k, v in d.items()}
+    m.pop("error", None)
+    m.pop("ratios", None)
+    add_ratios(m, sorted(set(m["nexrt"]) | set(m["vllm"])))
+    with open(out, "w") as f:
+        json.dump(m, f, indent=1)
+    if png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for path, mark in (("nexrt", "o"), ("vllm", "s")):
+            pts = [(1e3 / r["median_tpot_ms"], r["output_throughput"], sc) for sc, r in sorted(m[path].items())]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=mark, label=path, s=50)
+            for x, y, sc in pts:
+                ax.annotate(sc, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.set_xlabel("interactivity (tok/s/user, 1000 / median TPOT)")
+        ax.set_ylabel("output throughput per GPU (tok/s)")
+        ax.set_title(f"{m['shape']} on {m.get('hw', '?')}, conc 1 (InferenceX rules)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+    log("merged", json.dumps(m.get("ratios")))
+    return 0
 
 
 class Stack:
@@ -210,6 +268,8 @@ class Stack:
         self.procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(port),
                                     "--vllm-url", vllm_url, "--decode-url", node_url, "--tokenizer", tokenizer,
                                     "--default-class", "interactive",
+                                    # measure the fast path: a failed hand-off must show, not degrade
+                                    "--fallback", "error",
                                     "--queue-size", "4", "--queue-timeout", "120", "--log-level", "WARNING"])
         return f"http://127.0.0.1:{port}"
 
@@ -220,6 +280,14 @@ async def _up(stack: Stack, urls: list[tuple[str, str]], timeout: float) -> None
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "merge":
+        mp = argparse.ArgumentParser(prog="gpu_e2e.py merge", description=merge.__doc__)
+        mp.add_argument("runs", nargs="+")
+        mp.add_argument("--json", required=True)
+        mp.add_argument("--png", default=None)
+        ma = mp.parse_args(argv[1:])
+        return merge(ma.runs, ma.json, ma.png)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(ARCH), default="2b")
     ap.add_argument("--layers", type=int, default=None, help="cut the shape to N layers (labelled)")
@@ -238,6 +306,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ix-client", default=None,
                     help="dir with InferenceX's utils/bench_serving/*.py: also run its own client (cross-check)")
     ap.add_argument("--ix-scenarios", nargs="*", default=None, help="scenarios for --ix-client (default: all)")
+    ap.add_argument("--ix-num-prompts", type=int, default=None, help="prompts per --ix-client run (default --num-prompts)")
+    ap.add_argument("--paths", nargs="+", choices=("nexrt", "vllm"), default=["nexrt", "vllm"],
+                    help="which paths to measure (a run cut short can be completed by another with the rest)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--start-timeout", type=float, default=420)
     a = ap.parse_args(argv)
@@ -249,7 +320,7 @@ def main(argv=None) -> int:
         a.recv_memory = "host"
 
     os.makedirs(a.out, exist_ok=True)
-    label = a.shape + (f"_l{a.layers}" if a.layers else "")
+    label = a.shape + (f"_l{a.layers}" if a.layers else "") + ("" if len(a.paths) == 2 else "_" + a.paths[0])
     work = tempfile.mkdtemp(prefix="gpu-e2e-")
     name = NAMES.get(a.shape, "tiny-qwen3-next")
     model = os.path.join(work, name + (f"-{a.layers}L" if a.layers else ""))
@@ -271,44 +342,58 @@ def main(argv=None) -> int:
     def save():
         with open(out_json, "w") as f:
             json.dump(summary, f, indent=1)
+        # the raw + agg files so far: a run cut short keeps what it measured
+        with tarfile.open(os.path.join(a.out, f"gpu_e2e_{label}_raw.tar.gz"), "w:gz") as t:
+            if os.path.isdir(res_dir):
+                t.add(res_dir, arcname=f"gpu_e2e_{label}")
 
     stack = Stack(work, a.device)
     t0 = time.monotonic()
+    ix = (a.ix_scenarios if a.ix_scenarios is not None else a.scenarios) if a.ix_client else ()
+    ix_n = a.ix_num_prompts or a.num_prompts
+    purl = None
     try:
-        ready = asyncio.run(stack.node(model, max_len, a.transport, a.recv_memory))
-        vurl = stack.vllm("vllm", model, max_len, a.transport, share)
-        purl = stack.vllm("vllm_plain", model, max_len, None, share) if a.concurrent_baseline else None
-        node = asyncio.run(wait_file(ready, stack.procs, a.start_timeout, "decode node"))
-        asyncio.run(_up(stack, [(vurl, "vLLM + connector")] + ([(purl, "vLLM plain")] if purl else []),
-                        a.start_timeout))
-        rurl = stack.router(vurl, node["url"], model)
-        asyncio.run(_up(stack, [(rurl, "router")], 60))
-        summary["startup_s"] = time.monotonic() - t0
-        log(f"stack up in {summary['startup_s']:.0f}s")
-        for sc in a.scenarios:
-            before = scrape(node["url"])
-            summary["nexrt"][sc] = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir,
-                                              [], a.transport, hw)
-            summary["node"][sc] = node_delta(before, scrape(node["url"]))
-            log(sc, "nexrt", summary["nexrt"][sc], summary["node"][sc])
-            save()
-        for sc in (a.ix_scenarios if a.ix_scenarios is not None else a.scenarios) if a.ix_client else ():
-            summary.setdefault("inferencex_client", {}).setdefault("nexrt", {})[sc] = ix_client(
-                a.ix_client, rurl, model, sc, a.num_prompts, os.path.join(res_dir, "ix"), "nexrt")
-            save()
-        if purl is None:
-            stack.procs.stop()
-            stack = Stack(work, a.device)
-            purl = stack.vllm("vllm_plain", model, max_len, None, share)
-            asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
-        for sc in a.scenarios:
-            summary["vllm"][sc] = inferencex(purl, "vllm", "model", model, sc, a.num_prompts, res_dir, [], "", hw)
-            log(sc, "vllm", summary["vllm"][sc])
-            save()
-        for sc in (a.ix_scenarios if a.ix_scenarios is not None else a.scenarios) if a.ix_client else ():
-            summary.setdefault("inferencex_client", {}).setdefault("vllm", {})[sc] = ix_client(
-                a.ix_client, purl, model, sc, a.num_prompts, os.path.join(res_dir, "ix"), "vllm")
-            save()
+        if "nexrt" in a.paths:
+            # One at a time: vLLM sizes its KV cache from the memory it sees while profiling, which a
+            # neighbour still allocating would falsify.
+            ready = asyncio.run(stack.node(model, max_len, a.transport, a.recv_memory))
+            node = asyncio.run(wait_file(ready, stack.procs, a.start_timeout, "decode node"))
+            summary["node_start_s"] = time.monotonic() - t0
+            vurl = stack.vllm("vllm", model, max_len, a.transport, share)
+            asyncio.run(_up(stack, [(vurl, "vLLM + connector")], a.start_timeout))
+            if a.concurrent_baseline and "vllm" in a.paths:
+                purl = stack.vllm("vllm_plain", model, max_len, None, share)
+                asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
+            rurl = stack.router(vurl, node["url"], model)
+            asyncio.run(_up(stack, [(rurl, "router")], 60))
+            summary["startup_s"] = time.monotonic() - t0
+            log(f"stack up in {summary['startup_s']:.0f}s")
+            for sc in a.scenarios:
+                before = scrape(node["url"])
+                summary["nexrt"][sc] = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir,
+                                                  [], a.transport, hw)
+                summary["node"][sc] = node_delta(before, scrape(node["url"]))
+                log(sc, "nexrt", summary["nexrt"][sc], summary["node"][sc])
+                save()
+            for sc in ix:
+                summary.setdefault("inferencex_client", {}).setdefault("nexrt", {})[sc] = ix_client(
+                    a.ix_client, rurl, model, sc, ix_n, os.path.join(res_dir, "ix"), "nexrt")
+                save()
+        if "vllm" in a.paths:
+            if purl is None:
+                stack.procs.stop()
+                stack = Stack(work, a.device)
+                purl = stack.vllm("vllm_plain", model, max_len, None, share)
+                asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
+            for sc in a.scenarios:
+                summary["vllm"][sc] = inferencex(purl, "vllm", "model", model, sc, a.num_prompts, res_dir, [], "",
+                                                 hw)
+                log(sc, "vllm", summary["vllm"][sc])
+                save()
+            for sc in ix:
+                summary.setdefault("inferencex_client", {}).setdefault("vllm", {})[sc] = ix_client(
+                    a.ix_client, purl, model, sc, ix_n, os.path.join(res_dir, "ix"), "vllm")
+                save()
     except Exception as e:  # noqa: BLE001 - keep what was measured
         summary["error"] = f"{type(e).__name__}: {e}"
         for name, _, logf in stack.procs.procs:
@@ -321,22 +406,8 @@ def main(argv=None) -> int:
     if not a.skip_engine_bench and a.device == "cuda" and "error" not in summary:
         ctxs = sorted({scenario(s)[0] for s in a.scenarios})
         summary["engine"] = engine_step(a.shape, ctxs, a.layers, os.path.join(work, "decode_bench.json"))
-    for sc in a.scenarios:
-        n, v = summary["nexrt"].get(sc), summary["vllm"].get(sc)
-        if n and v and n.get("median_tpot_ms") and v.get("median_tpot_ms"):
-            r = {"interactivity_x": v["median_tpot_ms"] / n["median_tpot_ms"],
-                 "ttft_delta_ms": n["median_ttft_ms"] - v["median_ttft_ms"],
-                 "e2el_x": v["median_e2el_ms"] / n["median_e2el_ms"]}
-            ctx = scenario(sc)[0]
-            eng = (summary.get("engine") or {}).get("contexts", {})
-            step = eng.get(ctx) or eng.get(str(ctx))
-            if step:
-                r["tpot_over_engine_step"] = n["median_tpot_ms"] / step["step_ms_median"]
-            summary.setdefault("ratios", {})[sc] = r
+    add_ratios(summary, a.scenarios)
     save()
-    with tarfile.open(os.path.join(a.out, f"gpu_e2e_{label}_raw.tar.gz"), "w:gz") as t:
-        if os.path.isdir(res_dir):
-            t.add(res_dir, arcname=f"gpu_e2e_{label}")
     log("summary", json.dumps({k: summary.get(k) for k in ("ratios", "error")}))
     return 1 if "error" in summary else 0
 

@@ -73,7 +73,7 @@ def graft(tiny: dict[str, torch.Tensor], tcfg, rcfg, dtype=torch.bfloat16, devic
     """Tensors (canonical names, `weights.expected_shapes(rcfg)`) of the real config `rcfg` computing
     the tiny model `tiny` (canonical tensors of `tcfg`) up to bf16 rounding and the small random
     contributions described in the module docstring."""
-    from nexrt_vllm.engine.weights import expected_shapes, random_weights
+    from nexrt_vllm.engine.weights import random_weights
 
     Ht, Hr = tcfg.hidden_size, rcfg.hidden_size
     _check(tcfg.family == rcfg.family and tcfg.family.startswith("qwen3_5"), f"families {tcfg.family} -> {rcfg.family}: Qwen3.5 only")

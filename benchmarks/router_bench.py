@@ -58,6 +58,8 @@ def pct(xs: list[float]) -> dict:
 async def measure(urls: dict, router: str, n_req: int, n_tok: int) -> dict:
     import aiohttp
 
+    from nexrt_vllm.handoff.contracts import AdmitReply, AdmitRequest, Claim, GenerateRequest, Sampling
+
     body = {"model": "tiny", "max_tokens": n_tok, "ignore_eos": True, "temperature": 0}
     ttft_router, ttft_direct, tok_router, tok_direct = [], [], [], []
     async with aiohttp.ClientSession() as s:
@@ -89,17 +91,16 @@ async def measure(urls: dict, router: str, n_req: int, n_tok: int) -> dict:
             tok_router += [a - e for a, e in zip(arrivals[1:], em)]
             # Direct node stream (admit + generate against the fake node, no router).
             rid = f"bench-{i}"
-            async with s.post(urls["node"] + "/v1/admit", json={"rid": rid}) as r:
-                adm = await r.json()
+            async with s.post(urls["node"] + "/v1/admit", json=AdmitRequest(rid).to_wire()) as r:
+                adm = AdmitReply.from_wire(await r.json())
+            claim = Claim(rid, adm.generation, adm.control_addr)
             async with s.post(urls["vllm"] + "/v1/completions", json={
                     **body, "prompt": prompt, "max_tokens": 1, "return_token_ids": True,
-                    "kv_transfer_params": {"nexrt": {"rid": rid}}}) as r:
+                    "kv_transfer_params": claim.to_params()}) as r:
                 first = (await r.json())["choices"][0]["token_ids"][0]
             arrivals = []
-            async with s.post(urls["node"] + "/v1/generate", json={
-                    "rid": rid, "generation": adm["generation"], "first_token": first,
-                    "max_tokens": n_tok, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-                    "seed": None, "ignore_eos": True, "stop_token_ids": []}) as r:
+            req = GenerateRequest(rid, first, n_tok, adm.generation, Sampling(ignore_eos=True))
+            async with s.post(urls["node"] + "/v1/generate", json=req.to_wire()) as r:
                 async for line in r.content:
                     if line.startswith(b'{"token"'):
                         arrivals.append(time.monotonic())
@@ -150,7 +151,8 @@ def main(argv=None) -> int:
         port = free_port()
         router = subprocess.Popen([sys.executable, "-m", "nexrt_vllm.router.server", "--port",
                                    str(port), "--vllm-url", urls["vllm"], "--decode-url",
-                                   urls["node"], "--tokenizer", tmp, "--log-level", "WARNING"])
+                                   urls["node"], "--tokenizer", tmp, "--fallback", "error",
+                                   "--log-level", "WARNING"])
         url = f"http://127.0.0.1:{port}"
         asyncio.run(_wait(url))
         res = asyncio.run(measure(urls, url, args.requests, args.tokens))

@@ -24,8 +24,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from nexrt_vllm.connector.config import ConfigError, ConnectorConfig
+from nexrt_vllm.connector.config import ConnectorConfig, ConnectorConfigError
 from nexrt_vllm.connector.metadata import NexRTMetadata
+
+
+def probe_info(cfg: ConnectorConfig, vllm_config) -> dict:
+    """What a configuration probe is told: the connector's transport and versions, and the model
+    vLLM serves (identity fields as the node's /capabilities names them, compute dtype)."""
+    from nexrt_vllm.handoff import layout as L
+    from nexrt_vllm.handoff import protocol as P
+
+    mc = vllm_config.model_config
+    hf = mc.hf_text_config
+    archs = getattr(mc.hf_config, "architectures", None) or [None]
+    return {"transport": cfg.transport, "protocol_version": P.PROTOCOL_VERSION,
+            "layout_version": L.LAYOUT_VERSION,
+            "model": {"name": mc.model, "architecture": archs[0],
+                      "num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size,
+                      "vocab_size": hf.vocab_size},
+            "dtype": str(mc.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype)}
 
 
 class NexRTConnector(KVConnectorBase_V1, SupportsHMA):
@@ -33,18 +51,19 @@ class NexRTConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         if not ktc.is_kv_producer:
-            raise ConfigError("NexRTConnector only sends: use kv_role 'kv_producer' (or 'kv_both')")
+            raise ConnectorConfigError("NexRTConnector only sends: use kv_role 'kv_producer' (or 'kv_both')")
         pc = vllm_config.parallel_config
-        if pc.tensor_parallel_size * pc.pipeline_parallel_size > 1:
-            # Each rank would ship its own shard as a separate hand-off; the node takes one sender.
-            raise ConfigError("NexRTConnector supports tensor/pipeline parallel size 1 only")
+        if pc.pipeline_parallel_size > 1:
+            # Under TP every rank's worker ships its shard as one part of the hand-off; PP stages
+            # would each hold some layers of every head: not a shape the node's parts describe.
+            raise ConnectorConfigError("NexRTConnector supports pipeline parallel size 1 only")
         self._cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from nexrt_vllm.connector.scheduler import NexRTScheduler
 
-            self._scheduler = NexRTScheduler(lambda: self._kv_cache_manager)
+            self._scheduler = NexRTScheduler(lambda: self._kv_cache_manager, probe_info(self._cfg, vllm_config))
         else:
             from nexrt_vllm.connector.worker import NexRTWorker
 

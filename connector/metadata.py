@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from nexrt_vllm.connector.config import Claim
+from nexrt_vllm.handoff.contracts import Claim, HandoffStatus
+from nexrt_vllm.handoff.protocol import Reason
 
 
 @dataclass
@@ -33,9 +34,15 @@ class NexRTMetadata(KVConnectorMetadata):
 
 @dataclass
 class Outcome:
-    status: str  # "sent" | "failed" | "aborted"
-    reason: str = ""  # protocol.Reason value on failure
+    """How a hand-off ended (sent, failed or aborted), as a worker saw it."""
+
+    status: HandoffStatus
+    reason: Reason | None = None  # why, when not sent
     error: str = ""
+
+    def __post_init__(self):
+        self.status = HandoffStatus(self.status)
+        self.reason = Reason(self.reason) if self.reason else None
 
 
 @dataclass
@@ -49,6 +56,6 @@ class NexRTWorkerMetadata(KVConnectorWorkerMetadata):
         merged = dict(self.outcomes)
         for rid, o in other.outcomes.items():
             # With several workers (TP) one failed rank fails the hand-off.
-            if rid not in merged or o.status != "sent":
+            if rid not in merged or o.status != HandoffStatus.SENT:
                 merged[rid] = o
         return NexRTWorkerMetadata(merged)

@@ -12,8 +12,9 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from nexrt_vllm.connector.config import CLAIM_KEY, Claim, ClaimError, parse_claim
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
+from nexrt_vllm.handoff.contracts import Claim, ContractError, HandoffReport, HandoffStatus, ProbeReply, is_probe
+from nexrt_vllm.handoff.protocol import Reason
 
 logger = init_logger("vllm.nexrt_connector")  # under "vllm": inherits vLLM's log handler and level
 
@@ -29,16 +30,19 @@ class _Tracked:
 
 
 class NexRTScheduler:
-    def __init__(self, kv_cache_manager_getter):
+    def __init__(self, kv_cache_manager_getter, info: dict | None = None):
         self._kv_cache_manager = kv_cache_manager_getter
+        self._info = info or {}  # the connector's configuration, the answer to a probe
         self._reqs: dict[str, _Tracked] = {}
         self._aborts: list[str] = []
 
     # -- claim ---------------------------------------------------------------------------------
     def on_new_request(self, request) -> None:
+        if is_probe(request.kv_transfer_params):
+            return  # answered in request_finished; nothing is claimed or sent
         try:
-            claim = parse_claim(request.kv_transfer_params)
-        except ClaimError as e:
+            claim = Claim.from_params(request.kv_transfer_params)
+        except ContractError as e:
             logger.error("request %s: %s; it is prefilled but not handed off", request.request_id, e)
             self._reqs[request.request_id] = _Tracked(request, None, error=str(e))
             return
@@ -76,9 +80,10 @@ class NexRTScheduler:
                 t = self._reqs.get(req_id)
                 if t is not None:
                     t.outcome = o
-                    if o.status != "sent":
+                    if o.status != HandoffStatus.SENT:
                         logger.warning("hand-off of request %s (rid %s) %s: %s %s", req_id,
-                                       t.claim.rid if t.claim else "?", o.status, o.reason, o.error)
+                                       t.claim.rid if t.claim else "?", o.status.value,
+                                       o.reason.value if o.reason else "", o.error)
         for req_id in output.finished_sending or ():
             t = self._reqs.get(req_id)
             if t is not None and t.finished:
@@ -88,29 +93,32 @@ class NexRTScheduler:
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
         t = self._reqs.get(request.request_id)
         if t is None:
+            if is_probe(request.kv_transfer_params):
+                return False, ProbeReply(self._info).to_params()
             return False, None
         if t.claim is None:
             del self._reqs[request.request_id]
-            return False, {CLAIM_KEY: {"status": "failed", "reason": "bad_message", "error": t.error}}
+            return False, HandoffReport(HandoffStatus.FAILED, reason=Reason.BAD_MESSAGE, error=t.error).to_params()
         c = t.claim
         info: dict[str, Any] = {"rid": c.rid, "generation": c.generation, "seq_len": request.num_prompt_tokens}
         if not t.in_worker:
             # Never scheduled (e.g. aborted while waiting): no block was ever read.
             del self._reqs[request.request_id]
-            return False, {CLAIM_KEY: {**info, "status": "failed", "reason": "cancelled",
-                                       "error": "request finished before its prefill ran"}}
+            return False, HandoffReport(HandoffStatus.FAILED, **info, reason=Reason.CANCELLED,
+                                        error="request finished before its prefill ran").to_params()
         if request.num_computed_tokens < request.num_prompt_tokens:
             # Aborted mid-prefill: tell the worker to stop and release; blocks held until it has.
             self._aborts.append(request.request_id)
         t.finished = True
         o = t.outcome
         if o is None:
-            out = {**info, "status": "sending" if request.request_id not in self._aborts else "aborted"}
+            aborted = request.request_id in self._aborts
+            report = HandoffReport(HandoffStatus.ABORTED if aborted else HandoffStatus.SENDING, **info)
+        elif o.status == HandoffStatus.SENT:
+            report = HandoffReport(o.status, **info)
         else:
-            out = {**info, "status": o.status}
-            if o.status != "sent":
-                out.update(reason=o.reason, error=o.error)
-        return True, {CLAIM_KEY: out}
+            report = HandoffReport(o.status, **info, reason=o.reason, error=o.error)
+        return True, report.to_params()
 
     def has_pending_push_work(self) -> bool:
         # Keeps the engine stepping so get_finished can release held blocks once sends end.

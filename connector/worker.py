@@ -1,21 +1,24 @@
 """Worker-side half of NexRTConnector (runs in each vLLM worker process).
 
-Pages are written straight from vLLM's KV-cache memory (registered once with the transfer engine)
-into the node's receive buffer: there is no staging buffer, so requests cannot overwrite each
-other. Each claimed request gets a ``_Job`` with its own thread that runs, in order: hello+begin
-(admission check on the node), the page writes queued by the forward pass, and done/abort.
+Pages are written straight from vLLM's KV-cache memory (registered once with the transfer engine,
+as device memory on a GPU) into the node's receive buffer; only a transport that cannot read GPU
+memory sends through a pinned host pool (``staging``), in ranges no two requests share. The page
+layouts are read from what vLLM allocated (``layouts``). Each claimed request gets a ``_Job`` with
+its own thread that runs, in order: hello+begin (admission check on the node), the page writes
+queued by the forward pass, and done/abort.
 
 Overlap with prefill: an attention layer's *complete* pages (and, in the step that completes the
 prefill, its tail page) are queued the moment vLLM calls ``save_kv_layer`` for it (the layer has
 written its cache), so they travel while later layers and later chunks compute; the GDN state
 pages (GDN layers never call ``save_kv_layer``) are queued in ``wait_for_save`` of the step that
 completes the prefill.
+On a GPU those hooks run when the kernels were queued, not run: each batch of pages carries a CUDA
+event recorded there, and nothing reads the pages before it completed.
 Safety: a job is drained before vLLM can overwrite blocks it still reads (preemption frees the
 blocks; a decode step after the prefill would advance the GDN state).
 """
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import deque
@@ -24,38 +27,24 @@ from typing import Callable
 import torch
 from vllm.logger import init_logger
 
-from nexrt_vllm.handoff import protocol as P
-from nexrt_vllm.connector.config import ConfigError, ConnectorConfig
+from nexrt_vllm.connector.config import ConnectorConfig, ConnectorConfigError
+from nexrt_vllm.connector.layouts import PagedLayer, detect
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
+from nexrt_vllm.handoff import layout as L
+from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff.contracts import HandoffStatus
 from nexrt_vllm.handoff.sender import HandoffError, HandoffSender, Transfer
 
 logger = init_logger("vllm.nexrt_connector")  # under "vllm": inherits vLLM's log handler and level
-
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
-           torch.int8: "int8", torch.uint8: "uint8"}
-
-
-class _Layer:
-    """One registered layer: where block ``b``'s page starts and how the node must read it."""
-
-    def __init__(self, name: str, group: int, base: int, page_stride: int, layout):
-        self.name, self.group, self.base, self.page_stride, self.layout = name, group, base, page_stride, layout
-
-    @property
-    def index(self) -> int:
-        return self.layout.index
-
-    def page_addr(self, block_id: int) -> int:
-        return self.base + block_id * self.page_stride
 
 
 class _Job:
     """One claimed request's hand-off. Tasks run in order on the job's own thread."""
 
-    def __init__(self, step: ReqStep, sender: HandoffSender, layout: P.Layout, on_end: Callable[["_Job"], None]):
+    def __init__(self, step: ReqStep, sender: HandoffSender, layout: L.Layout, on_end: Callable[["_Job"], None],
+                 stager=None):
         self.req_id, self.claim, self.seq_len = step.req_id, step.claim, step.prompt_len
-        self._sender, self._layout, self._on_end = sender, layout, on_end
+        self._sender, self._layout, self._on_end, self._stager = sender, layout, on_end, stager
         self._tasks: deque = deque()
         self._cv = threading.Condition()
         self._busy = False
@@ -69,10 +58,11 @@ class _Job:
         self._thread.start()
 
     # -- called from vLLM's thread -------------------------------------------------------------
-    def write(self, pages: list[tuple[int, int, int]]) -> None:
-        """Queue ``(layer index, page slot, local address)`` writes."""
+    def write(self, pages: list[tuple[int, int, int]], ready=None) -> None:
+        """Queue ``(layer index, page slot, local address)`` writes of pages final once the CUDA
+        event ``ready`` completed (None: final now)."""
         if pages:
-            self._submit(lambda: self._write(pages))
+            self._submit(lambda: self._write(pages, ready))
 
     def finish(self) -> None:
         """Queue done after the last pages (called when the step completing the prefill ends)."""
@@ -114,9 +104,9 @@ class _Job:
             self.transfer = self._sender.begin(self.claim.control_addr, self._layout, self.claim.rid,
                                                self.claim.generation, self.seq_len)
         except HandoffError as e:
-            self._end(Outcome("failed", e.reason.value, e.message))
+            self._end(Outcome(HandoffStatus.FAILED, e.reason, e.message))
         except Exception as e:  # noqa: BLE001 - any sender bug must still end the job and free blocks
-            self._end(Outcome("failed", P.Reason.TRANSFER_FAILED.value, repr(e)))
+            self._end(Outcome(HandoffStatus.FAILED, P.Reason.TRANSFER_FAILED, repr(e)))
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._tasks or self.outcome is not None)
@@ -130,17 +120,17 @@ class _Job:
             try:
                 fn()
             except HandoffError as e:
-                self._end(Outcome("failed", e.reason.value, e.message))
+                self._end(Outcome(HandoffStatus.FAILED, e.reason, e.message))
             except Exception as e:  # noqa: BLE001
                 logger.exception("hand-off of %s failed", self.req_id)
                 if self.transfer is not None:
                     self.transfer.abort(f"sender error: {e!r}")
-                self._end(Outcome("failed", P.Reason.TRANSFER_FAILED.value, repr(e)))
+                self._end(Outcome(HandoffStatus.FAILED, P.Reason.TRANSFER_FAILED, repr(e)))
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
 
-    def _write(self, pages: list[tuple[int, int, int]]) -> None:
+    def _write(self, pages: list[tuple[int, int, int]], ready) -> None:
         writes = []
         for layer, slot, addr in pages:
             reg = self.transfer.regions.get(layer)
@@ -148,6 +138,11 @@ class _Job:
                 self.transfer.abort("sender layout mismatch")
                 raise HandoffError(P.Reason.LAYOUT_MISMATCH, f"node has no slot {slot} for layer {layer}")
             writes.append((addr, reg.offset + slot * reg.page_bytes, reg.page_bytes))
+        if self._stager is not None:
+            self._stager.write(self.transfer, writes, ready)
+            return
+        if ready is not None:
+            ready.synchronize()  # the transport reads GPU memory: the cache writes must have run
         self.transfer.write(writes)
 
     def _done(self) -> None:
@@ -158,12 +153,12 @@ class _Job:
                     "done acked %.1f ms after it", self.claim.rid, self.seq_len, t.nbytes / 2**20,
                     100.0 * self._bytes_at_prefill_end / max(t.nbytes, 1),
                     1e3 * (time.perf_counter() - self._prefill_end))
-        self._end(Outcome("sent"))
+        self._end(Outcome(HandoffStatus.SENT))
 
     def _abort(self, reason: str) -> None:
         if self.transfer is not None:
             self.transfer.abort(reason)
-        self._end(Outcome("aborted", P.Reason.CANCELLED.value, reason))
+        self._end(Outcome(HandoffStatus.ABORTED, P.Reason.CANCELLED, reason))
 
     def _end(self, outcome: Outcome) -> None:
         with self._cv:
@@ -180,10 +175,12 @@ class NexRTWorker:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._sender: HandoffSender | None = None
-        self._layout: P.Layout | None = None
-        self._attn: list[_Layer] = []
-        self._gdn: list[_Layer] = []
-        self._attn_by_name: dict[str, _Layer] = {}
+        self._layout: L.Layout | None = None
+        self._attn: list[PagedLayer] = []
+        self._gdn: list[PagedLayer] = []
+        self._attn_by_name: dict[str, PagedLayer] = {}
+        self._stager = None
+        self._cuda = False  # the KV cache is GPU memory: page batches carry CUDA events
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
         self._ended: dict[str, Outcome] = {}  # terminal outcomes not yet reported to the scheduler
@@ -193,99 +190,32 @@ class NexRTWorker:
 
     # -- registration --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
-
-        group_of = {}
-        for g, grp in enumerate(self._kv_cache_config.kv_cache_groups):
-            for name in grp.layer_names:
-                group_of[name] = (g, grp.kv_cache_spec)
-        storages: dict[int, int] = {}
-        attn_block_size = None
-        for name, t in kv_caches.items():
-            if name not in group_of:
-                raise ConfigError(f"KV cache {name!r} belongs to no KV-cache group")
-            g, spec = group_of[name]
-            m = _LAYER_RE.search(name)
-            if m is None:
-                raise ConfigError(f"cannot read a layer index from KV cache name {name!r}")
-            idx = int(m.group(1))
-            st = t.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
-            if isinstance(spec, MambaSpec):
-                self._gdn.append(_Layer(name, g, t.data_ptr(), t.stride(0) * t.element_size(),
-                                        self._gdn_layout(idx, t, spec)))
-            elif isinstance(spec, AttentionSpec):
-                if t.dim() != 4 or t.shape[2] != spec.block_size:
-                    raise ConfigError(f"{name}: attention cache {tuple(t.shape)} is not "
-                                      f"(num_blocks, kv_heads, block_size={spec.block_size}, 2*head_dim)")
-                attn_block_size = spec.block_size
-                layout = P.AttentionLayout(index=idx, dtype=_dtype(t.dtype), shape=tuple(t.shape[1:]),
-                                           strides=tuple(t.stride()[1:]), kv_format=self._kv_format(name))
-                layer = _Layer(name, g, t.data_ptr(), t.stride(0) * t.element_size(), layout)
-                self._attn.append(layer)
-                self._attn_by_name[name] = layer
-            else:
-                raise ConfigError(f"{name}: KV-cache spec {type(spec).__name__} is not supported")
-        if attn_block_size is None:
-            raise ConfigError("model has no full-attention layer; nothing defines the page size")
-        self._attn.sort(key=lambda layer: layer.index)
-        self._gdn.sort(key=lambda layer: layer.index)
-        hf = self._vllm_config.model_config.hf_text_config
-        model = {"num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size,
-                 "vocab_size": hf.vocab_size}
-        self._layout = P.Layout(model=model, block_size=attn_block_size,
-                                layers=tuple(sorted((x.layout for x in self._attn + self._gdn),
-                                                    key=lambda lay: lay.index)))
+        found = detect(kv_caches, self._kv_cache_config, self._vllm_config,
+                       attn_kv_format=self._cfg.attn_kv_format, gdn_rec_layout=self._cfg.gdn_rec_layout)
+        self._attn, self._gdn, self._layout = found.attention, found.gdn, found.layout
+        self._attn_by_name = {layer.name: layer for layer in self._attn}
         self._sender = HandoffSender(self._cfg.transport, host=self._cfg.host,
                                      control_timeout=self._cfg.control_timeout_s,
                                      transfer_timeout=self._cfg.transfer_timeout_s)
-        # All layers alias one storage on vLLM 0.32; register each distinct storage once.
-        for addr, size in storages.items():
-            self._sender.register(addr, size)
-        logger.info("NexRTConnector worker: %d attention + %d GDN layers, block_size %d, transport %s",
-                    len(self._attn), len(self._gdn), attn_block_size, self._cfg.transport)
+        devices = {st.device.type for st in found.storages.values()}
+        self._cuda = "cuda" in devices
+        kinds = self._sender.transport.memory_kinds
+        staged = self._cuda and (self._cfg.staging == "always"
+                                 or (self._cfg.staging == "auto" and "device" not in kinds))
+        if self._cuda and not staged and "device" not in kinds:
+            raise ConnectorConfigError(f"transport {self._cfg.transport} cannot read GPU memory (this build registers "
+                              f"{kinds}) and staging is 'never'")
+        if staged:
+            from nexrt_vllm.connector.staging import PinnedStager
 
-    def _kv_format(self, name: str) -> str:
-        if self._cfg.attn_kv_format is not None:
-            return self._cfg.attn_kv_format
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            raise ConfigError("attention page interior not characterised on this platform; set "
-                              "kv_connector_extra_config.attn_kv_format (docs/CONNECTOR.md)")
-        layer = self._vllm_config.compilation_config.static_forward_context[name]
-        isa = getattr(layer, "isa", None)
-        if isa is None:
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-            cache = self._vllm_config.cache_config
-            isa = _get_attn_isa(self._vllm_config.model_config.dtype, cache.block_size, layer.head_size,
-                                cache.cache_dtype)
-        if isa in ("vec", "vec16"):
-            return "cpu_vec"
-        if isa == "amx":
-            return "cpu_amx"
-        raise ConfigError(f"vLLM-CPU attention ISA {isa!r} stores pages in a layout NexRT does not convert "
-                          "(supported: vec, vec16, amx)")
-
-    def _gdn_layout(self, idx: int, t: torch.Tensor, spec) -> P.GDNLayout:
-        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
-        from vllm.platforms import current_platform
-
-        (conv_shape, rec_shape), (conv_dt, rec_dt) = spec.shapes, spec.dtypes
-        rec_layout = self._cfg.gdn_rec_layout
-        if rec_layout is None:
-            if not current_platform.is_cpu():
-                raise ConfigError("GDN recurrent orientation not characterised on this platform; set "
-                                  "kv_connector_extra_config.gdn_rec_layout (docs/CONNECTOR.md)")
-            rec_layout = "HKV"  # measured against transformers (docs/CONNECTOR.md)
-        layout = P.GDNLayout(index=idx, conv_layout=get_conv_state_layout(), conv_dtype=_dtype(conv_dt),
-                             conv_shape=tuple(conv_shape), conv_strides=_contiguous(conv_shape),
-                             rec_layout=rec_layout, rec_dtype=_dtype(rec_dt), rec_shape=tuple(rec_shape),
-                             rec_strides=_contiguous(rec_shape))
-        if layout.page_bytes > t.shape[-1]:
-            raise ConfigError(f"layer {idx}: GDN state ({layout.page_bytes} B) larger than its page ({t.shape[-1]} B)")
-        return layout
+            self._stager = PinnedStager(list(found.storages.values()), self._sender, self._cfg.staging_mib << 20,
+                                        self._cfg.transfer_timeout_s)
+        else:  # vLLM's layers are views of one allocation: each distinct storage is registered once
+            for addr, st in found.storages.items():
+                self._sender.register(addr, st.nbytes(), "device" if st.device.type == "cuda" else "host",
+                                      st.device.index or 0)
+        source = ("pinned staging pool" if staged else "device memory") if self._cuda else "host memory"
+        logger.info("NexRTConnector worker: %s; transport %s from %s", found.summary, self._cfg.transport, source)
 
     # -- per step ------------------------------------------------------------------------------
     def on_metadata(self, meta: NexRTMetadata) -> None:
@@ -316,7 +246,7 @@ class NexRTWorker:
         for s in meta.steps:
             job = self._jobs.get(s.req_id)
             if job is None:
-                self._jobs[s.req_id] = _Job(s, self._sender, self._layout, self._job_ended)
+                self._jobs[s.req_id] = _Job(s, self._sender, self._layout, self._job_ended, self._stager)
             elif job.final_queued and not job.ended and not s.completes_prefill:
                 # Decode step after the hand-off was queued: the GDN state is about to advance.
                 job.drain(self._cfg.drain_timeout_s)
@@ -327,6 +257,7 @@ class NexRTWorker:
         layer = self._attn_by_name.get(layer_name)
         if layer is None:
             return
+        ready = None
         for s in self._steps.values():
             job = self._jobs.get(s.req_id)
             if job is None or job.ended or job.final_queued:
@@ -335,28 +266,41 @@ class NexRTWorker:
             # step that completes the prefill so is the tail page.
             bs = self._layout.block_size
             upto = -(-s.prompt_len // bs) if s.completes_prefill else s.end // bs
-            self._queue_attention(job, s, layer, upto)
+            if ready is None:
+                ready = self._ready()
+            self._queue_attention(job, s, layer, upto, ready)
 
     def wait_for_save(self) -> None:
         if not self._steps:
             return
+        ready = None
         for s in self._steps.values():
             job = self._jobs.get(s.req_id)
             if job is None or job.ended or job.final_queued or not s.completes_prefill:
                 continue
+            if ready is None:
+                ready = self._ready()  # after every kernel of this forward, GDN state updates included
             n_pages = -(-s.prompt_len // self._layout.block_size)
             for layer in self._attn:  # any layer that did not call save_kv_layer
-                self._queue_attention(job, s, layer, n_pages)
-            job.write([(g.index, 0, g.page_addr(_state_block(s.block_ids[g.group]))) for g in self._gdn])
+                self._queue_attention(job, s, layer, n_pages, ready)
+            job.write([(g.index, 0, g.page_addr([_state_block(s.block_ids[g.group])], 0)) for g in self._gdn], ready)
             job.finish()
         self._steps = {}
 
-    def _queue_attention(self, job: _Job, s: ReqStep, layer: _Layer, upto: int) -> None:
+    def _ready(self):
+        """A CUDA event after the work vLLM has queued so far (None for a host KV cache)."""
+        if not self._cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def _queue_attention(self, job: _Job, s: ReqStep, layer: PagedLayer, upto: int, ready) -> None:
         first = job.queued_pages.get(layer.index, 0)
         if upto <= first:
             return
         blocks = s.block_ids[layer.group]
-        job.write([(layer.index, i, layer.page_addr(blocks[i])) for i in range(first, upto)])
+        job.write([(layer.index, i, layer.page_addr(blocks, i)) for i in range(first, upto)], ready)
         job.queued_pages[layer.index] = upto
 
     def _job_ended(self, job: _Job) -> None:
@@ -394,17 +338,3 @@ def _state_block(blocks: list[int]) -> int:
     # Without prefix caching a GDN group holds one block per request; in "align" mode the list is
     # position-indexed with null (0) placeholders and the running state is the last entry.
     return blocks[-1]
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
-
-
-def _dtype(dt: torch.dtype) -> str:
-    if dt not in _DTYPES:
-        raise ConfigError(f"KV-cache dtype {dt} not supported by the hand-off")
-    return _DTYPES[dt]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nexrt_vllm.handoff.contracts import Claim, ContractError, Sampling
+
 from .errors import APIError
 
 # field -> predicate that is True when the value is the no-op default the tier can accept.
@@ -32,9 +34,7 @@ _UNSUPPORTED = {
     "guided_regex": lambda v: v is None,
     "guided_choice": lambda v: v is None,
     "guided_grammar": lambda v: v is None,
-    "tools": lambda v: not v,
     "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
     "echo": lambda v: not v,
     "suffix": lambda v: v is None,
     "bad_words": lambda v: not v,
@@ -50,6 +50,14 @@ _ROUTER_FIELDS = ("stream", "stream_options", "max_tokens", "max_completion_toke
 
 MAX_STOP_STRINGS = 16
 
+# Chat's tools, tool_choice, parallel_tool_calls, chat_template_kwargs, reasoning_effort and
+# include_reasoning go unchanged to the prefill leg (vLLM renders them with the chat template);
+# the router parses the output (router/chat_parser.py).
+_AUTO_TOOLS_MSG = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                   "to be set")
+_CONSTRAINED = ("needs constrained decoding, which the interactive tier does not do yet (send "
+                "the request as class 'standard' instead)")
+
 
 @dataclass
 class GenParams:
@@ -59,19 +67,12 @@ class GenParams:
     include_usage: bool
     max_tokens: int | None         # None: up to the context limit
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = False
+    sampling: Sampling = field(default_factory=Sampling)   # sent identically to both legs
     return_token_ids: bool = False  # non-streaming only: completion token ids in the choice
 
-    def sampling(self) -> dict:
-        """Sampling fields sent identically to both legs."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "seed": self.seed, "ignore_eos": self.ignore_eos,
-                "stop_token_ids": list(self.stop_token_ids)}
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.sampling.stop_token_ids
 
 
 def _bad(msg: str, param: str | None = None) -> APIError:
@@ -86,8 +87,40 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def parse(body, kind: str, max_model_len: int | None) -> GenParams:
-    """Validate a chat/completions body for the interactive tier; raise APIError on refusal."""
+def _check_tools(body: dict, auto_tools: bool) -> None:
+    """vLLM's own 400s for tool fields, and a refusal where vLLM would constrain decoding."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools == []:
+        raise _bad("`tools` must not be an empty array. Either provide at least one tool or omit "
+                   "the field entirely.", "tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise _bad("'tools' must be a list of tool objects", "tools")
+    if choice is None and tools:
+        choice = "auto"
+    if choice is None or choice == "none":
+        return
+    if tools is None:
+        raise _bad("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        raise _bad(f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", "
+                   f"\"auto\" or \"required\" are supported.", "tool_choice")
+    if choice == "auto" and not auto_tools:
+        raise _bad(_AUTO_TOOLS_MSG, "tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        what = "'required'" if choice == "required" else "a named function"
+        raise APIError(400, f"tool_choice {what} {_CONSTRAINED}", param="tool_choice")
+    if any(isinstance(t.get("function"), dict) and t["function"].get("strict") for t in tools):
+        raise APIError(400, f"a tool with \"strict\": true {_CONSTRAINED}", param="tools")
+    if body.get("parallel_tool_calls") is False:
+        raise APIError(400, f"'parallel_tool_calls': false with tools {_CONSTRAINED}",
+                       param="parallel_tool_calls")
+
+
+def parse(body, kind: str, max_model_len: int | None, auto_tools: bool = False) -> GenParams:
+    """Validate a chat/completions body for the interactive tier; raise APIError on refusal.
+
+    `auto_tools`: the router parses tool calls (--enable-auto-tool-choice --tool-call-parser)."""
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     if kind == "chat":
@@ -108,6 +141,13 @@ def parse(body, kind: str, max_model_len: int | None) -> GenParams:
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
 
+    if kind == "chat":
+        _check_tools(body, auto_tools)
+    else:
+        for name in ("tools", "tool_choice"):
+            if body.get(name) not in (None, "none", []):
+                raise APIError(501, f"'{name}'={body[name]!r} is not supported on the interactive "
+                                    f"tier (send the request as class 'standard' instead)", param=name)
     for name, ok in _UNSUPPORTED.items():
         if name in body and not ok(body[name]):
             raise APIError(501, f"'{name}'={body[name]!r} is not supported on the interactive "
@@ -174,6 +214,12 @@ def parse(body, kind: str, max_model_len: int | None) -> GenParams:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+    try:
+        # the node's contract is stricter in corners (finite numbers, seed range): refuse here
+        sampling = Sampling(temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
+                            ignore_eos=ignore_eos, stop_token_ids=tuple(stop_ids))
+    except ContractError as e:
+        raise _bad(f"'{e.field}' {e.problem}", e.field) from None
 
     return_ids = body.get("return_token_ids", False)
     if return_ids not in (None, False, True):
@@ -183,15 +229,41 @@ def parse(body, kind: str, max_model_len: int | None) -> GenParams:
                             "interactive tier", param="return_token_ids")
 
     return GenParams(kind=kind, model=model, stream=stream, include_usage=include_usage,
-                     max_tokens=max_tokens, stop=stop, stop_token_ids=stop_ids,
-                     temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
-                     ignore_eos=ignore_eos, return_token_ids=bool(return_ids))
+                     max_tokens=max_tokens, stop=stop, sampling=sampling,
+                     return_token_ids=bool(return_ids))
 
 
-def prefill_body(body: dict, params: GenParams, model: str, kv_params: dict) -> dict:
+def prefill_body(body: dict, params: GenParams, model: str, claim: Claim) -> dict:
     """The client's body rewritten for the vLLM leg: one token, non-streaming, token ids back."""
     out = {k: v for k, v in body.items() if k not in _ROUTER_FIELDS}
-    out.update(params.sampling())
+    out.update(params.sampling.to_wire())
     out.update(model=model, max_tokens=1, stream=False, return_token_ids=True,
-               kv_transfer_params={"nexrt": kv_params})
+               kv_transfer_params=claim.to_params())
+    return out
+
+
+def _standard_common(params: GenParams, max_tokens: int | None) -> dict:
+    out = params.sampling.to_wire()
+    out.update(stream=True, stream_options={"include_usage": True}, return_token_ids=True)
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+    if params.stop:
+        out["stop"] = list(params.stop)  # vLLM stops early; the router's own cut stays authoritative
+    return out
+
+
+def standard_body(body: dict, params: GenParams, model: str) -> dict:
+    """The client's request for the standard path (nothing prefilled yet): the same prompt, the
+    sampling the fast path would have used, streamed with token ids so the router renders it."""
+    out = {k: v for k, v in body.items() if k not in _ROUTER_FIELDS}
+    out.update(_standard_common(params, params.max_tokens), model=model)
+    return out
+
+
+def continuation_body(params: GenParams, model: str, token_ids: list[int], max_tokens: int) -> dict:
+    """The standard path continuing a request whose first tokens exist (vLLM's first token, maybe
+    some of the node's): prompt ids + those tokens as a token prompt; vLLM's prefix cache makes
+    the re-prefill cheap and the continuation is what vLLM alone would have generated next."""
+    out = _standard_common(params, max_tokens)
+    out.update(model=model, prompt=list(token_ids))
     return out

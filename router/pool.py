@@ -10,6 +10,7 @@ import asyncio
 import collections
 import logging
 import math
+import statistics
 import time
 
 log = logging.getLogger("nexrt.router.pool")
@@ -27,6 +28,10 @@ class NoHealthyNode(Exception):
     pass
 
 
+SERVICE_WINDOW = 32        # service times per node that make up its "recent mean"
+DEFAULT_SERVICE_S = 1.0    # assumed before any request has finished
+
+
 class Node:
     def __init__(self, url: str):
         self.url = url.rstrip("/")
@@ -35,21 +40,24 @@ class Node:
         self.caps: dict = {}
         self.failures = 0
         self.down_reason = "not checked yet"
+        self.service_times: collections.deque[float] = collections.deque(maxlen=SERVICE_WINDOW)
+        self.mismatch: list[str] = []  # what /capabilities contradicts in vLLM's configuration
 
     def __repr__(self) -> str:
         return f"Node({self.url}, healthy={self.healthy}, busy={self.busy})"
 
 
 class NodePool:
-    def __init__(self, urls: list[str], queue_size: int, queue_timeout: float):
+    def __init__(self, urls: list[str], queue_size: int, queue_timeout: float,
+                 retry_after_max: float = 60.0):
         if not urls:
             raise ValueError("at least one decode node URL is required")
         self.nodes = [Node(u) for u in urls]
         self.queue_size = queue_size
         self.queue_timeout = queue_timeout
+        self.retry_after_max = retry_after_max
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._next = 0                # round-robin start, so idle nodes share the load
-        self._service_ewma: float | None = None
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -64,15 +72,28 @@ class NodePool:
     def healthy_count(self) -> int:
         return sum(n.healthy for n in self.nodes)
 
-    def retry_after(self) -> int:
-        """Seconds a rejected client should wait: queue ahead of it × mean service time."""
-        per = self._service_ewma or 1.0
-        ahead = self.queue_depth + 1
-        return max(1, min(60, math.ceil(per * ahead / max(1, self.healthy_count))))
+    def expected_wait(self, position: int) -> float:
+        """Seconds until the request at queue `position` (1 = next to be served) gets a node:
+        `position` completions at the tier's service rate, the sum over healthy nodes of
+        1 / (that node's recent mean service time). A node without finished requests counts
+        with the mean of the others (DEFAULT_SERVICE_S when none has finished any)."""
+        nodes = [n for n in self.nodes if n.healthy] or self.nodes
+        known = [statistics.fmean(n.service_times) for n in nodes if n.service_times]
+        fallback = statistics.fmean(known) if known else DEFAULT_SERVICE_S
+        rate = sum(1.0 / max(1e-3, statistics.fmean(n.service_times) if n.service_times
+                             else fallback) for n in nodes)
+        return position / rate
 
-    def record_service_time(self, seconds: float) -> None:
-        self._service_ewma = seconds if self._service_ewma is None else \
-            0.8 * self._service_ewma + 0.2 * seconds
+    def retry_after(self, position: int | None = None) -> int:
+        """Retry-After seconds for a refused request: the expected wait of the position it would
+        have taken (the end of the queue by default), bounded to [1, retry_after_max]."""
+        if position is None:
+            position = self.queue_depth + 1
+        wait = self.expected_wait(max(1, position))
+        return int(max(1, min(self.retry_after_max, math.ceil(wait))))
+
+    def record_service_time(self, node: Node, seconds: float) -> None:
+        node.service_times.append(seconds)
 
     # -- acquire / release -------------------------------------------------------------------
     def _take_free(self) -> Node | None:
@@ -84,6 +105,10 @@ class NodePool:
                 node.busy = True
                 return node
         return None
+
+    def try_acquire(self) -> Node | None:
+        """A free healthy node now, or None (never queues; waiters keep their turn)."""
+        return None if self.queue_depth else self._take_free()
 
     async def acquire(self, deadline: float | None = None) -> Node:
         """A free healthy node, waiting FIFO until `deadline` (monotonic) if all are busy."""

@@ -4,7 +4,9 @@ Interactive request path (docs/ARCHITECTURE.md §2): acquire a decode node (1 in
 bounded FIFO otherwise) → node admits rid → vLLM prefill with max_tokens=1 and
 kv_transfer_params.nexrt → the first token is streamed to the client at once → the node decodes the
 rest from the handed-off state → incremental detokenization, stop strings, OpenAI SSE/JSON.
-Standard requests are proxied unchanged to the standard pool.
+Whatever the fast tier cannot take or finish before its node's text reaches the client continues
+on the standard path (`--fallback standard`, router/fallback.py). Standard requests are proxied
+unchanged to the standard pool.
 """
 from __future__ import annotations
 
@@ -23,18 +25,28 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from nexrt_vllm.handoff.contracts import AdmitReply, Claim, GenerateRequest
+
+from . import config_check
 from . import params as P
+from . import standard
+from .chat_parser import ChatOptions, ChatParser
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSERS
 from .errors import APIError
+from .fallback import Fallback, Reason
 from .pool import NodePool, NoHealthyNode, QueueFull, QueueTimeout
 from .textstream import Detokenizer, StopStrings
-from .upstream import NodeBusy, NodeClient, NodeError, vllm_prefill
+from .upstream import NodeBusy, NodeClient, NodeError, NodeRefused, vllm_prefill
 
 log = logging.getLogger("nexrt.router")
 
 CLASS_HEADER = "X-NexRT-Class"
+DEGRADED_HEADER = "x-nexrt-degraded"
 ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router")
 _HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                 "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
+REPROBE_MIN_S = 5.0     # at most one connector probe per this many seconds after a failure
 
 
 class Metrics:
@@ -42,8 +54,17 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("nexrt_router_requests", "Requests by class and outcome",
                                 ["cls", "outcome"], registry=r)
-        self.rejected = Counter("nexrt_router_rejected", "Interactive requests refused before "
-                                "prefill, by reason", ["reason"], registry=r)
+        self.rejected = Counter("nexrt_router_rejected", "Interactive requests refused with 429 "
+                                "(queue full, queue timeout, busy), by reason", ["reason"], registry=r)
+        self.fast_failures = Counter("nexrt_router_fast_path_failures", "Interactive requests the "
+                                     "fast tier could not serve or finish, by reason (served on the "
+                                     "standard path, or refused with --fallback error)", ["reason"],
+                                     registry=r)
+        self.degraded = Counter("nexrt_router_degraded", "Interactive requests continued on the "
+                                "standard path, by reason", ["reason"], registry=r)
+        for reason in Reason:
+            self.fast_failures.labels(reason.value)
+            self.degraded.labels(reason.value)
         self.node_failures = Counter("nexrt_router_node_failures", "Decode-node failures seen by "
                                      "the router", ["node"], registry=r)
         self.tokens = Counter("nexrt_router_generated_tokens", "Completion tokens streamed on the "
@@ -61,6 +82,9 @@ class Metrics:
               registry=r).set_function(lambda: pool.healthy_count)
         Gauge("nexrt_router_nodes", "Configured decode nodes",
               registry=r).set_function(lambda: len(pool.nodes))
+        Gauge("nexrt_router_nodes_misconfigured", "Decode nodes ejected because their "
+              "/capabilities contradict vLLM's configuration",
+              registry=r).set_function(lambda: sum(bool(n.mismatch) for n in pool.nodes))
 
 
 class Lease:
@@ -71,7 +95,108 @@ class Lease:
         self.rid = rid
         self.admitted = False
         self.done = False          # the node sent its final line (nothing to cancel)
+        self.served = False        # ... and it was a normal finish (a service-time sample)
         self.t0 = time.monotonic()
+
+
+class _Gen:
+    """The response being produced for one interactive request, whichever leg produces it."""
+
+    def __init__(self, out: "_Output", tokenizer, params: P.GenParams, prompt_ids: list[int],
+                 prompt_len: int, max_tokens: int | None, parser: ChatParser | None = None,
+                 special_ids: frozenset[int] = frozenset()):
+        self.out = out
+        self.parser = out.parser = parser
+        self.detok = Detokenizer(tokenizer, prompt_ids, skip_special_tokens=(
+            parser is None or parser.skip_special_tokens))
+        self.special_ids = special_ids
+        self.texts: list[str] = []          # per-token text (the parsed path's token counts)
+        self._held: tuple[str, bool, bool] | None = None   # (text, special, from_node)
+        self.stopper = StopStrings(params.stop)
+        self.stop_ids = set(params.stop_token_ids)
+        self.prompt_ids = list(prompt_ids)
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.ids: list[int] = []
+        self.finish: str | None = None
+        self.node_tokens = 0
+        self.node_text_sent = False   # a stream already carries text the node produced
+
+    async def push(self, tok: int, *, render: bool = True, from_node: bool = False) -> bool:
+        """Append one token and send its text (stop ids and hidden tokens render nothing);
+        True once a stop string completed."""
+        self.ids.append(tok)
+        self.node_tokens += from_node
+        if self.parser is not None:
+            return await self._push_parsed(tok, render, from_node)
+        if render and tok not in self.stop_ids:
+            text = self.stopper.push(self.detok.step(tok))
+            if text:
+                await self.out.text(text)
+                self.node_text_sent |= from_node and self.out.streams
+            if self.stopper.stopped:
+                self.finish = "stop"
+        return self.finish == "stop"
+
+    async def _push_parsed(self, tok: int, render: bool, from_node: bool) -> bool:
+        """The parser gets each token's text (after stop strings) with `finished` set on the last
+        one. Whether a token is the last is known on arrival, except for a special token (EOS
+        ends the node's stream with nothing after it): that one waits for the next message."""
+        text = ""
+        if render and tok not in self.stop_ids:
+            text = self.stopper.push(self.detok.step(tok))
+            if self.stopper.stopped:
+                self.finish = "stop"
+        self.texts.append(text)
+        await self._release()
+        final = (self.finish == "stop" or not render or tok in self.stop_ids
+                 or (self.max_tokens is not None and len(self.ids) >= self.max_tokens))
+        if final or tok in self.special_ids:
+            self._held = (text, tok in self.special_ids, from_node)
+        else:
+            await self._emit(text, False, 1, from_node)
+        return self.finish == "stop"
+
+    async def _release(self) -> None:
+        if self._held is not None:
+            (text, _special, from_node), self._held = self._held, None
+            await self._emit(text, False, 1, from_node)
+
+    async def _emit(self, text: str, finished: bool, count: int, from_node: bool) -> None:
+        if not self.out.streams:
+            await self.out.text(text)
+            return
+        d = self.parser.feed(text, finished=finished, token_count=count,
+                             prompt_ids=self.prompt_ids)
+        if d is not None:
+            await self.out.delta(d)
+            self.node_text_sent |= from_node
+
+    async def close_text(self) -> None:
+        """End of generation: what stop strings held back, and the parser's final feed."""
+        tail = self.stopper.flush()
+        if self.parser is None:
+            await self.out.text(tail)
+            return
+        text, count, from_node = tail, 0, False
+        if self._held is not None:
+            (held, special, from_node), self._held = self._held, None
+            count = 1
+            # A special token that ended the stream with "stop" is EOS: vLLM shows no text for it.
+            text = ("" if special and self.finish == "stop" else held) + tail
+        await self._emit(text, True, count, from_node)
+
+
+class _Request:
+    """One interactive request as received, plus what the router learned along the way."""
+
+    def __init__(self, request: web.Request, kind: str, body: dict, params: P.GenParams,
+                 model: str, info: dict):
+        self.request, self.kind, self.body, self.params = request, kind, body, params
+        self.model, self.info = model, info
+        self.t_recv = time.monotonic()
+        self.timing: dict = {}
+        self.gen: _Gen | None = None
 
 
 class Router:
@@ -79,16 +204,25 @@ class Router:
         self.args = args
         self.vllm_url = args.vllm_url.rstrip("/")
         self.standard_url = (args.standard_url or args.vllm_url).rstrip("/")
-        self.pool = NodePool(args.decode_url, args.queue_size, args.queue_timeout)
+        self.pool = NodePool(args.decode_url, args.queue_size, args.queue_timeout,
+                             args.retry_after_max)
         self.metrics = Metrics(self)
         self.tokenizer: tokenizers.Tokenizer | None = (
             _load_tokenizer(args.tokenizer) if args.tokenizer else None)
         self.models: dict[str, dict] = {}
         self._models_at = 0.0
+        self._special: tuple[str, ...] | None = None       # the tokenizer's special tokens
+        self._special_ids: frozenset[int] = frozenset()
         self._tasks: set[asyncio.Task] = set()
         self.session: aiohttp.ClientSession | None = None
         self.proxy_session: aiohttp.ClientSession | None = None
         self.nodes: NodeClient | None = None
+        # vLLM's connector as its configuration probe reported it (router/config_check.py).
+        self.connector: dict | None = None
+        self.connector_state = "not probed"
+        self._probe_wanted = True
+        self._probe_after = 0.0
+        self._probe_task: asyncio.Task | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, app: web.Application) -> None:
@@ -98,6 +232,8 @@ class Router:
         self.proxy_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                                    auto_decompress=False)
         self.nodes = NodeClient(self.session, self.args.admit_timeout, self.args.node_timeout)
+        # Learn vLLM's side first, so a misconfigured node is never taken into rotation.
+        await self._probe_connector()
         await self._health_round()
         self._spawn(self._health_loop())
 
@@ -114,14 +250,35 @@ class Router:
         t.add_done_callback(self._tasks.discard)
         return t
 
-    # -- health ------------------------------------------------------------------------------
+    # -- health and configuration --------------------------------------------------------------
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.args.health_interval)
+            if self._probe_wanted and time.monotonic() >= self._probe_after and (
+                    self._probe_task is None or self._probe_task.done()):
+                self._probe_task = self._spawn(self._probe_connector(recheck=True))
             await self._health_round()
 
     async def _health_round(self) -> None:
         await asyncio.gather(*(self._check(n) for n in self.pool.nodes))
+
+    def _reprobe(self) -> None:
+        """A hand-off failed or vLLM was unreachable: its configuration may have changed."""
+        self._probe_wanted = True
+
+    async def _probe_connector(self, recheck: bool = False) -> None:
+        self._probe_wanted = False
+        self._probe_after = time.monotonic() + REPROBE_MIN_S
+        state, info = await config_check.probe(self.session, self.vllm_url, self.args.probe_timeout)
+        if state == "unreachable":
+            self._probe_wanted = True      # vLLM not up (yet): ask again at the next round
+            self._probe_after = 0.0
+            return
+        if (state, info) != (self.connector_state, self.connector):
+            log.info("vLLM %s: connector %s %s", self.vllm_url, state, info or "")
+        self.connector_state, self.connector = state, info
+        if recheck:
+            await self._health_round()
 
     async def _check(self, node) -> None:
         try:
@@ -135,7 +292,23 @@ class Router:
         except (aiohttp.ClientError, NodeError, ValueError) as e:
             self.pool.mark_down(node, f"health check failed: {e}")
             return
-        self.pool.mark_up(node, caps if isinstance(caps, dict) else {})
+        caps = caps if isinstance(caps, dict) else {}
+        mismatch = config_check.mismatches(self.connector, caps)
+        if mismatch != node.mismatch:
+            if mismatch:
+                log.error("decode node %s does not match vLLM %s, ejected: %s", node.url,
+                          self.vllm_url, "; ".join(mismatch))
+            else:
+                log.info("decode node %s now matches vLLM's configuration", node.url)
+            node.mismatch = mismatch
+        if mismatch:
+            self.pool.mark_down(node, "misconfigured: " + "; ".join(mismatch))
+            return
+        if not node.healthy and config_check.name_differs(self.connector, caps):
+            log.warning("decode node %s serves %r, vLLM %r (same shapes; is it the same "
+                        "checkpoint?)", node.url, caps.get("model"),
+                        (self.connector or {}).get("model", {}).get("name"))
+        self.pool.mark_up(node, caps)
 
     def _node_failed(self, node, reason: str) -> None:
         self.metrics.node_failures.labels(node.url).inc()
@@ -221,11 +394,15 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         p = self.pool
-        body = {"status": "ok" if p.healthy_count else "unavailable",
-                "slots_busy": p.busy_count, "queue_depth": p.queue_depth,
+        ok = bool(p.healthy_count)
+        # With --fallback standard the router still answers everything (on the standard path).
+        status = "ok" if ok else ("degraded" if self.args.fallback == "standard" else "unavailable")
+        body = {"status": status, "slots_busy": p.busy_count, "queue_depth": p.queue_depth,
+                "fallback": self.args.fallback, "when_busy": self.args.when_busy,
+                "connector": {"state": self.connector_state, "config": self.connector},
                 "nodes": [{"url": n.url, "healthy": n.healthy, "busy": n.busy,
-                           "reason": n.down_reason} for n in p.nodes]}
-        return web.json_response(body, status=200 if p.healthy_count else 503)
+                           "reason": n.down_reason, "mismatch": n.mismatch} for n in p.nodes]}
+        return web.json_response(body, status=200 if status != "unavailable" else 503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         resp = web.Response(body=generate_latest(self.metrics.registry))
@@ -250,6 +427,8 @@ class Router:
                 await resp.write_eof()
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the client went away") from None   # not vLLM's fault
             raise APIError(502, f"upstream {base} failed: {type(e).__name__}: {e}") from None
 
     # -- interactive class -------------------------------------------------------------------
@@ -261,33 +440,69 @@ class Router:
             raise APIError(400, f"request body is not valid JSON: {e}") from None
         model, info = await self._resolve_model(body.get("model") if isinstance(body, dict)
                                                 else None)
-        params = P.parse(body, kind, info.get("max_model_len"))
-        t_recv = time.monotonic()
+        params = P.parse(body, kind, info.get("max_model_len"),
+                         auto_tools=bool(self.args.enable_auto_tool_choice
+                                         and self.args.tool_call_parser))
+        rq = _Request(request, kind, body, params, model, info)
         try:
-            node = await self.pool.acquire(t_recv + self.args.queue_timeout)
+            return await self._fast(rq)
+        except Fallback as f:
+            self.metrics.fast_failures.labels(f.reason.value).inc()
+            if self.args.fallback == "error":
+                if rq.gen is not None and rq.gen.out.started:
+                    return await rq.gen.out.fail(f.error.status, f.error.message)
+                raise f.error from None
+            return await self._standard(rq, f)
+
+    async def _fast(self, rq: _Request) -> web.StreamResponse:
+        node = await self._acquire(rq)
+        self.metrics.queue_wait.observe(time.monotonic() - rq.t_recv)
+        lease = Lease(node, f"nexrt-{uuid.uuid4().hex}")
+        try:
+            return await self._serve(rq, lease)
+        finally:
+            self._end_lease(lease)
+
+    async def _acquire(self, rq: _Request):
+        """A node for this request, per --when-busy; Fallback when the tier cannot take it."""
+        pool = self.pool
+        if not pool.healthy_count:
+            raise self._no_node()
+        if self.args.when_busy != "queue":
+            node = pool.try_acquire()
+            if node is not None:
+                return node
+            if self.args.when_busy == "standard":
+                raise Fallback(Reason.BUSY, f"all {pool.healthy_count} healthy decode nodes busy",
+                               APIError(429, "all decode nodes are busy; retry later"))
+            self.metrics.rejected.labels("busy").inc()
+            raise APIError(429, "all decode nodes are busy; retry later",
+                           headers={"Retry-After": str(pool.retry_after(1))})
+        try:
+            return await pool.acquire(rq.t_recv + self.args.queue_timeout)
         except QueueFull:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, "all decode nodes are busy and the queue is full; retry later",
-                           headers={"Retry-After": str(self.pool.retry_after())}) from None
+                           headers={"Retry-After": str(pool.retry_after())}) from None
         except QueueTimeout:
             self.metrics.rejected.labels("queue_timeout").inc()
             raise APIError(429, f"no decode node became free within "
                                 f"{self.args.queue_timeout:g}s; retry later",
-                           headers={"Retry-After": str(self.pool.retry_after())}) from None
+                           headers={"Retry-After": str(pool.retry_after())}) from None
         except NoHealthyNode:
-            self.metrics.rejected.labels("no_node").inc()
-            raise APIError(503, "no healthy decode node is available") from None
-        self.metrics.queue_wait.observe(time.monotonic() - t_recv)
-        lease = Lease(node, f"nexrt-{uuid.uuid4().hex}")
-        try:
-            return await self._serve(request, body, params, model, info, lease, t_recv)
-        finally:
-            self._end_lease(lease)
+            raise self._no_node() from None
+
+    def _no_node(self) -> Fallback:
+        why = "; ".join(f"{n.url}: {n.down_reason}" for n in self.pool.nodes)
+        return Fallback(Reason.NO_NODE, f"no decode node in rotation ({why})",
+                        APIError(503, "no healthy decode node is available"))
 
     def _end_lease(self, lease: Lease) -> None:
         if lease.node is None:
             return
         node, lease.node = lease.node, None
+        if lease.served:
+            self.pool.record_service_time(node, time.monotonic() - lease.t0)
         if lease.admitted and not lease.done and node.healthy:
             # Runs outside the (possibly cancelled) handler; the slot is released only once the
             # node has acknowledged the cancel, so it is never handed out while still busy.
@@ -295,7 +510,6 @@ class Router:
         else:
             # Finished, never admitted, or the node was ejected as unreachable (its own
             # admission/start timeouts free its slot; it rejoins only via a health check).
-            self.pool.record_service_time(time.monotonic() - lease.t0)
             self.pool.release(node)
 
     async def _cancel_and_release(self, node, rid: str) -> None:
@@ -307,15 +521,22 @@ class Router:
         finally:
             self.pool.release(node)
 
-    async def _admit(self, lease: Lease, deadline: float) -> dict:
+    async def _forget(self, url: str, rid: str) -> None:
+        with contextlib.suppress(NodeError):
+            await self.nodes.cancel(url, rid)
+
+    async def _admit(self, rq: _Request, lease: Lease) -> AdmitReply:
         """Admission with fail-over: a node that fails here is ejected and another one tried."""
         busy_until = None
         while True:
+            # Admitted from the moment the request leaves: if this handler is cancelled (the
+            # client left) or times out while the node has already reserved the slot, the lease's
+            # cleanup must cancel that reservation (the node answers 404 if there was none).
+            lease.admitted = True
             try:
-                adm = await self.nodes.admit(lease.node.url, lease.rid)
-                lease.admitted = True
-                return adm
+                return await self.nodes.admit(lease.node.url, lease.rid)
             except NodeBusy as e:
+                lease.admitted = False
                 # Busy although the router holds no request there: a cancelled request may be
                 # finishing on the node. Retry briefly; after that, take it out of rotation
                 # until a health check sees it again.
@@ -327,103 +548,222 @@ class Router:
                 self.pool.mark_down(lease.node, f"refused admission ({e}) for "
                                                 f"{self.args.admit_timeout:g}s")
             except NodeError as e:
+                lease.admitted = False
                 self._node_failed(lease.node, str(e))
+                # It may have reserved the slot before the error (a slow answer): free it.
+                self._spawn(self._forget(lease.node.url, lease.rid))
             busy_until = None
             node, lease.node = lease.node, None
             self.pool.release(node)
             try:
-                lease.node = await self.pool.acquire(deadline)
-            except (QueueFull, QueueTimeout, NoHealthyNode):
-                raise APIError(503, "no healthy decode node could admit the request") from None
+                lease.node = await self._acquire(rq)
+            except (Fallback, APIError) as e:
+                raise Fallback(Reason.ADMISSION, f"no node admitted the request ({e})",
+                               APIError(503, "no healthy decode node could admit the request")
+                               ) from None
 
-    async def _serve(self, request, body, params: P.GenParams, model, info, lease: Lease,
-                     t_recv: float) -> web.StreamResponse:
-        adm = await self._admit(lease, t_recv + self.args.queue_timeout)
+    async def _serve(self, rq: _Request, lease: Lease) -> web.StreamResponse:
+        params, info = rq.params, rq.info
+        adm = await self._admit(rq, lease)
         node = lease.node
-        kv = {"rid": lease.rid, "generation": adm.get("generation"),
-              "control_addr": adm.get("control_addr"), "node_url": node.url}
+        claim = Claim(lease.rid, adm.generation, adm.control_addr, node.url)
         path = "/v1/chat/completions" if params.kind == "chat" else "/v1/completions"
         t_prefill = time.monotonic()
-        pre = await vllm_prefill(self.session, self.vllm_url + path,
-                                 P.prefill_body(body, params, model, kv), self.args.prefill_timeout)
+        try:
+            pre = await vllm_prefill(self.session, self.vllm_url + path,
+                                     P.prefill_body(rq.body, params, rq.model, claim),
+                                     self.args.prefill_timeout)
+        except APIError as e:
+            if e.status >= 500:
+                self._reprobe()
+                if self.standard_url != self.vllm_url:
+                    raise Fallback(Reason.PREFILL, e.message, e) from None
+            raise
         t_first = time.monotonic()
-        if pre["handoff"].get("status") in ("failed", "aborted"):
-            # The connector already knows the node will get no state: fail now, not at the
-            # node's transfer timeout.
-            h = pre["handoff"]
-            raise APIError(502, f"KV hand-off to the decode node failed: {h.get('reason')}: "
-                                f"{h.get('error') or h.get('status')}")
+        rq.timing.update(queue_s=t_prefill - rq.t_recv, prefill_s=t_first - t_prefill)
+
+        # Failures known before anything is sent: the first token (vLLM's own) still goes to the
+        # client at once, the rest comes from the standard path.
+        pending = None
+        h = pre["handoff"]
+        if h is not None and h.status.failed:
+            self._reprobe()
+            detail = f"{h.reason.value if h.reason else None}: {h.error or h.status.value}"
+            pending = Fallback(Reason.HANDOFF, f"connector: {detail}",
+                               APIError(502, f"KV hand-off to the decode node failed: {detail}"))
         prompt_len = pre["prompt_tokens"]
-        limits = [x for x in (info.get("max_model_len"), node.caps.get("max_seq_len")) if x]
+        vllm_limit, node_limit = info.get("max_model_len"), node.caps.get("max_seq_len")
+        limits = [x for x in (vllm_limit, node_limit) if x]
         limit = min(limits) if limits else None
         max_tokens = params.max_tokens
-        if limit is not None:
-            if max_tokens is None:
-                max_tokens = max(1, limit - prompt_len)
-            elif prompt_len + max_tokens > limit:
-                raise APIError(400, f"this tier's maximum context length is {limit} tokens; the "
-                                    f"prompt has {prompt_len} and max_tokens is {max_tokens}",
-                               param="max_tokens")
-        elif max_tokens is None:
+        if limit is None and max_tokens is None:
             raise APIError(400, "max_tokens is required (the context limit is unknown)",
                            param="max_tokens")
-
-        out = (_SSE if params.stream else _JSON)(request, params, model)
-        detok = Detokenizer(self.tokenizer, pre["prompt_token_ids"])
-        stopper = StopStrings(params.stop)
-        stop_ids = set(params.stop_token_ids)
-        out_ids = [pre["first_token"]]
-        finish = None
-        timing = {"queue_s": t_prefill - t_recv, "prefill_s": t_first - t_prefill}
+        if limit is not None and prompt_len + (max_tokens or 1) > limit:
+            err = APIError(400, f"this tier's maximum context length is {limit} tokens; the "
+                                f"prompt has {prompt_len} and max_tokens is {max_tokens}",
+                           param="max_tokens")
+            if vllm_limit and prompt_len + (max_tokens or 1) > vllm_limit:
+                raise err
+            # Beyond the node's context, within vLLM's: vLLM alone can serve it.
+            if max_tokens is None:
+                if not vllm_limit:
+                    raise err
+                max_tokens = vllm_limit - prompt_len
+            pending = pending or Fallback(
+                Reason.TOO_LONG, f"prompt {prompt_len} + max_tokens {max_tokens} tokens exceed "
+                                 f"the node's max_seq_len {node_limit}", err)
+        elif max_tokens is None:
+            max_tokens = limit - prompt_len
         first = pre["first_token"]
-        await out.start()
-        if pre["finish_reason"] == "stop":
-            finish = "stop"        # vLLM stopped on the first token (EOS / stop id): not rendered
-        else:
-            await out.text(stopper.push(detok.step(first)) if first not in stop_ids else "")
-            if stopper.stopped:
-                finish = "stop"
-            elif max_tokens == 1:
-                finish = "length"
-        self.metrics.ttft.observe(time.monotonic() - t_recv)
+        if pending is not None and (pre["finish_reason"] == "stop" or max_tokens == 1):
+            pending = None          # the first token ends the request: no decode needed at all
+        if pending is not None and self.args.fallback == "error":
+            raise pending
 
-        if finish is None:
-            req = {"rid": lease.rid, "generation": adm.get("generation"), "first_token": first,
-                   "max_tokens": max_tokens, **params.sampling()}
-            t_dec = time.monotonic()
-            try:
-                async with contextlib.aclosing(self.nodes.generate(node.url, req)) as lines:
-                    async for msg in lines:
-                        if "token" in msg:
-                            tok = int(msg["token"])
-                            out_ids.append(tok)
-                            if tok in stop_ids:
-                                continue       # the node ends with finish "stop" next
-                            await out.text(stopper.push(detok.step(tok)))
-                            if stopper.stopped:
-                                finish = "stop"
-                                break          # lease not done: the node gets a cancel
-                        else:
-                            lease.done = True
-                            timing["node"] = msg.get("timing")
-                            fr = msg["finish_reason"]
-                            if fr in ("stop", "length"):
-                                finish = fr
-                            else:
-                                raise _DecodeFailed(f"decode node ended the request with "
-                                                    f"'{fr}': {msg.get('error') or 'no detail'}")
-            except NodeError as e:
-                self._node_failed(node, str(e))
-                return await out.fail(502, f"decode node {node.url} failed: {e}")
-            except _DecodeFailed as e:
-                return await out.fail(502, str(e))
-            timing["decode_s"] = time.monotonic() - t_dec
-        await out.text(stopper.flush())
-        self.metrics.tokens.inc(len(out_ids))
-        usage = {"prompt_tokens": prompt_len, "completion_tokens": len(out_ids),
-                 "total_tokens": prompt_len + len(out_ids)}
-        timing["total_s"] = time.monotonic() - t_recv
-        return await out.finish(finish, usage, timing, out_ids)
+        gen = rq.gen = self._new_gen(rq, pre["prompt_token_ids"], prompt_len, max_tokens,
+                                     pending.reason if pending else None)
+        await gen.out.start()
+        if pre["finish_reason"] == "stop":
+            # vLLM stopped on the first token (EOS / stop id): counted, not rendered
+            await gen.push(first, render=False)
+            gen.finish = "stop"
+        elif not await gen.push(first) and max_tokens == 1:
+            gen.finish = "length"
+        self.metrics.ttft.observe(time.monotonic() - rq.t_recv)
+        if pending is not None:
+            raise pending
+        if gen.finish is None:
+            failed = await self._decode(rq, lease, adm)
+            if failed is not None:
+                return failed
+        return await self._finish(rq)
+
+    async def _decode(self, rq: _Request, lease: Lease, adm: AdmitReply) -> web.StreamResponse | None:
+        """The node's part. Returns the fail-closed response of a stream that already carries
+        node text; raises Fallback when the node failed before that."""
+        gen, node = rq.gen, lease.node
+        req = GenerateRequest(lease.rid, gen.ids[0], gen.max_tokens, adm.generation, rq.params.sampling)
+        t_dec = time.monotonic()
+        try:
+            async with contextlib.aclosing(self.nodes.generate(node.url, req)) as lines:
+                async for msg in lines:
+                    if "token" in msg:
+                        if await gen.push(int(msg["token"]), from_node=True):
+                            break                # stop string: the node gets a cancel
+                    else:
+                        lease.done = True
+                        rq.timing["node"] = msg.get("timing")
+                        fr = msg["finish_reason"]
+                        if fr not in ("stop", "length"):
+                            raise _DecodeFailed(f"decode node ended the request with '{fr}': "
+                                                f"{msg.get('error') or 'no detail'}")
+                        gen.finish = fr
+                        lease.served = True
+        except NodeError as e:
+            self._node_failed(node, str(e))
+            return await self._node_lost(gen, Reason.NODE_FAILED, f"decode node {node.url} failed: {e}")
+        except NodeRefused as e:
+            self._reprobe()
+            return await self._node_lost(gen, Reason.HANDOFF,
+                                         f"decode node {node.url} refused to decode: {e}")
+        except _DecodeFailed as e:
+            reason = Reason.HANDOFF if gen.node_tokens == 0 else Reason.NODE_FAILED
+            if reason is Reason.HANDOFF:
+                self._reprobe()
+            return await self._node_lost(gen, reason, str(e))
+        rq.timing["decode_s"] = time.monotonic() - t_dec
+        return None
+
+    async def _node_lost(self, gen: _Gen, reason: Reason, message: str) -> web.StreamResponse:
+        if gen.node_text_sent:
+            # The client already has text from the node: fail closed, never splice two sources.
+            return await gen.out.fail(502, message)
+        raise Fallback(reason, message, APIError(502, message))
+
+    def _new_gen(self, rq: _Request, prompt_ids, prompt_len: int, max_tokens: int | None,
+                 degraded: Reason | None) -> _Gen:
+        headers = {DEGRADED_HEADER: degraded.value} if degraded is not None else {}
+        out = (_SSE if rq.params.stream else _JSON)(rq.request, rq.params, rq.model, headers)
+        return _Gen(out, self.tokenizer, rq.params, prompt_ids, prompt_len, max_tokens,
+                    self._chat_parser(rq), self._special_ids)
+
+    def _chat_parser(self, rq: _Request) -> ChatParser | None:
+        """vLLM's composed output parser for a chat request (None: the text is the content)."""
+        a = self.args
+        tool_parser = a.tool_call_parser if a.enable_auto_tool_choice else None
+        if rq.kind != "chat" or (a.reasoning_parser is None and tool_parser is None):
+            return None
+        if self._special is None:
+            added = self.tokenizer.get_added_tokens_decoder()
+            self._special = tuple(t.content for t in added.values() if t.special)
+            self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        return ChatParser(ChatOptions.from_request(rq.body, a.default_chat_template_kwargs),
+                          reasoning_parser=a.reasoning_parser, tool_parser=tool_parser,
+                          drop_tokens=self._special, token_id=self.tokenizer.token_to_id)
+
+    async def _finish(self, rq: _Request) -> web.StreamResponse:
+        gen = rq.gen
+        await gen.close_text()
+        self.metrics.tokens.inc(len(gen.ids))
+        usage = {"prompt_tokens": gen.prompt_len, "completion_tokens": len(gen.ids),
+                 "total_tokens": gen.prompt_len + len(gen.ids)}
+        if gen.parser is not None and gen.parser.reasoning is not None:
+            gen.out.usage_details = lambda: {"reasoning_tokens": gen.parser.count_reasoning_tokens(
+                gen.ids, gen.texts)}
+        rq.timing["total_s"] = time.monotonic() - rq.t_recv
+        return await gen.out.finish(gen.finish, usage, rq.timing, gen.ids)
+
+    # -- the standard path for what the fast tier could not serve ----------------------------
+    async def _standard(self, rq: _Request, f: Fallback) -> web.StreamResponse:
+        gen, params = rq.gen, rq.params
+        t0 = time.monotonic()
+        # known_s: since the request arrived; decide_s: from learning the failure to asking the
+        # standard path; *_at: wall clock, for comparison with other processes' events.
+        rq.timing["degraded"] = {"reason": f.reason.value, "detail": f.detail,
+                                 "known_s": f.known - rq.t_recv, "decide_s": t0 - f.known,
+                                 "known_at": f.known_at, "fallback_at": time.time()}
+        self.metrics.degraded.labels(f.reason.value).inc()
+        log.info("interactive request continues on the standard path (%s: %s)", f.reason.value,
+                 f.detail)
+        if gen is None:
+            # Nothing prefilled: the client's own request, rendered by the router.
+            path = "/v1/chat/completions" if params.kind == "chat" else "/v1/completions"
+            body = P.standard_body(rq.body, params, rq.model)
+        else:
+            remaining = gen.max_tokens - len(gen.ids)
+            if gen.finish is not None or remaining < 1:
+                gen.finish = gen.finish or "length"
+                return await self._finish(rq)
+            path = "/v1/completions"
+            body = P.continuation_body(params, rq.model, gen.prompt_ids + gen.ids, remaining)
+        try:
+            async with contextlib.aclosing(standard.stream(
+                    self.session, self.standard_url + path, body, self.args.admit_timeout,
+                    self.args.prefill_timeout)) as chunks:
+                async for c in chunks:
+                    if gen is None:
+                        pids = c.prompt_token_ids or []
+                        gen = rq.gen = self._new_gen(rq, pids, len(pids), params.max_tokens,
+                                                     f.reason)
+                        await gen.out.start()
+                        self.metrics.ttft.observe(time.monotonic() - rq.t_recv)
+                    for i, tok in enumerate(c.token_ids):
+                        # vLLM ends on EOS / a stop id with that token last: counted, not shown.
+                        hidden = (i == len(c.token_ids) - 1 and c.finish_reason == "stop"
+                                  and not isinstance(c.stop_reason, str))
+                        if await gen.push(tok, render=not hidden):
+                            break
+                    if gen.finish is None and c.finish_reason:
+                        gen.finish = "length" if c.finish_reason == "length" else "stop"
+                    if gen.finish is not None:
+                        break
+        except standard.StandardError as e:
+            if gen is None or not gen.out.started:
+                raise APIError(e.status, f"the standard path failed: {e.message}") from None
+            return await gen.out.fail(502, f"the standard path failed: {e.message}")
+        rq.timing["standard_s"] = time.monotonic() - t0
+        return await self._finish(rq)
 
 
 class _DecodeFailed(Exception):
@@ -433,13 +773,25 @@ class _DecodeFailed(Exception):
 class _Output:
     """Renders one response in the OpenAI envelope (one id/created for all chunks)."""
 
-    def __init__(self, request: web.Request, params: P.GenParams, model: str):
+    streams = False               # True: what text() sends reaches the client at once
+
+    def __init__(self, request: web.Request, params: P.GenParams, model: str,
+                 headers: dict[str, str] | None = None):
         self.request = request
         self.params = params
         self.model = model
+        self.headers = dict(headers or {})
         self.chat = params.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.started = False
+        self.parser: ChatParser | None = None
+        self.usage_details = None     # () -> usage's completion_tokens_details (reasoning parser)
+
+    def _usage(self, usage: dict) -> dict:
+        if self.usage_details is not None:
+            usage = {**usage, "completion_tokens_details": self.usage_details()}
+        return usage
 
 
 class _JSON(_Output):
@@ -448,7 +800,7 @@ class _JSON(_Output):
         self.parts: list[str] = []
 
     async def start(self) -> None:
-        pass
+        self.started = True
 
     async def text(self, delta: str) -> None:
         if delta:
@@ -460,7 +812,17 @@ class _JSON(_Output):
     async def finish(self, reason: str, usage: dict, timing: dict,
                      ids: list[int]) -> web.Response:
         text = "".join(self.parts)
-        if self.chat:
+        if self.chat and self.parser is not None:
+            reasoning, content, calls = self.parser.parse(text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+                    "name": c["name"], "arguments": c["arguments"]}} for c in calls]
+                reason = "tool_calls"
+            message["reasoning"] = reasoning
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+            usage = self._usage(usage)
+        elif self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": reason}
         else:
@@ -470,14 +832,17 @@ class _JSON(_Output):
         return web.json_response({
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created, "model": self.model, "choices": [choice], "usage": usage,
-            "nexrt_timing": timing})
+            "nexrt_timing": timing}, headers=self.headers)
 
 
 class _SSE(_Output):
+    streams = True
+
     async def start(self) -> None:
         self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                "Cache-Control": "no-cache"})
+                                                "Cache-Control": "no-cache", **self.headers})
         await self.resp.prepare(self.request)
+        self.started = True
         if self.chat:
             await self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None})
@@ -501,6 +866,10 @@ class _SSE(_Output):
         if delta:
             await self._chunk(self._choice(delta, None))
 
+    async def delta(self, delta: dict) -> None:
+        """A parsed chat delta (content / reasoning / tool_calls), as vLLM's DeltaMessage."""
+        await self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+
     async def fail(self, status: int, message: str) -> web.StreamResponse:
         # Fail closed: an explicit error event, then the terminator; never a silent truncation.
         await self._send(APIError(status, message).body())
@@ -510,7 +879,14 @@ class _SSE(_Output):
 
     async def finish(self, reason: str, usage: dict, timing: dict,
                      ids: list[int]) -> web.StreamResponse:
-        await self._chunk(self._choice("", reason))
+        # A degraded stream says so even without a usage chunk (its headers may predate it).
+        extra = ({"nexrt_timing": timing} if "degraded" in timing and not self.params.include_usage
+                 else {})
+        if self.parser is not None:
+            usage = self._usage(usage)
+            if reason == "stop" and self.parser.tools_streamed:
+                reason = "tool_calls"
+        await self._chunk(self._choice("", reason), **extra)
         if self.params.include_usage:
             await self._chunk(None, usage=usage, nexrt_timing=timing)
         await self.resp.write(b"data: [DONE]\n\n")
@@ -548,15 +924,51 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds for node admit/cancel calls and connects")
     ap.add_argument("--node-timeout", type=float, default=60.0,
                     help="max seconds between two lines of a node's decode stream")
+    ap.add_argument("--fallback", choices=("standard", "error"), default="standard",
+                    help="what an interactive request gets when the fast tier cannot take or finish "
+                         "it before its node's text reaches the client: the standard path (vLLM "
+                         "decodes it) or today's error")
+    ap.add_argument("--when-busy", choices=("queue", "429", "standard"), default="queue",
+                    help="all nodes busy: wait in the queue (429 when full / timed out), answer 429 "
+                         "at once, or serve it on the standard path (needs --fallback standard)")
+    ap.add_argument("--retry-after-max", type=float, default=60.0,
+                    help="upper bound of a 429's Retry-After (expected wait from the queue)")
     ap.add_argument("--health-interval", type=float, default=2.0)
     ap.add_argument("--health-timeout", type=float, default=2.0)
+    ap.add_argument("--probe-timeout", type=float, default=10.0,
+                    help="seconds for the configuration probe of vLLM's connector")
+    ap.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                    help="parse tool calls out of chat output as vLLM's parser of this name does")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="serve tool_choice 'auto' (needs --tool-call-parser), as vLLM's flag")
+    ap.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                    help="split reasoning out of chat output into 'reasoning', as vLLM's flag")
+    ap.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                    help="JSON object: vLLM's --default-chat-template-kwargs (the parsers read "
+                         "enable_thinking from it); give vLLM the same value")
     ap.add_argument("--log-level", default="INFO")
     return ap
+
+
+def _json_object(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return v
 
 
 def make_app(args: argparse.Namespace) -> web.Application:
     if args.queue_size < 0 or args.queue_timeout <= 0:
         raise SystemExit("--queue-size must be >= 0 and --queue-timeout > 0")
+    if args.when_busy == "standard" and args.fallback != "standard":
+        raise SystemExit("--when-busy standard needs --fallback standard")
+    if args.retry_after_max < 1:
+        raise SystemExit("--retry-after-max must be >= 1")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice requires --tool-call-parser")
     router = Router(args)
     app = web.Application(client_max_size=64 << 20)
     app[ROUTER_KEY] = router

@@ -15,9 +15,12 @@ from tokenizers.decoders import DecodeStream
 class Detokenizer:
     """Token id → text delta, one id at a time."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, prompt_ids: list[int] | None = None):
+    def __init__(self, tokenizer: tokenizers.Tokenizer, prompt_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True):
+        """`skip_special_tokens=False`: output parsers need marker tokens in the text (as vLLM)."""
         self._tok = tokenizer
-        self._stream = DecodeStream(ids=list(prompt_ids or ()), skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(ids=list(prompt_ids or ()), skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         try:
@@ -27,7 +30,7 @@ class Detokenizer:
             # restart it without context rather than failing the whole stream.
             if "Invalid prefix" not in str(e):
                 raise
-            self._stream = DecodeStream(skip_special_tokens=True)
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
             return self._stream.step(self._tok, token_id) or ""
 
 

@@ -8,6 +8,9 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
+from nexrt_vllm.handoff.contracts import (AdmitReply, AdmitRequest, CancelRequest, ContractError, GenerateRequest,
+                                          HandoffReport, Refusal)
+
 from .errors import APIError
 
 
@@ -19,6 +22,15 @@ class NodeBusy(Exception):
     """The node refused admission (409): it holds a request this router does not own."""
 
 
+class NodeRefused(Exception):
+    """The node answered a generate with a typed 4xx refusal (unknown_rid, stale_generation, ...):
+    it is alive and says the admission cannot be decoded. Not a reason to eject it."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
 class NodeClient:
     def __init__(self, session: aiohttp.ClientSession, admit_timeout: float, read_timeout: float):
         self.session = session
@@ -27,27 +39,35 @@ class NodeClient:
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=admit_timeout,
                                                     sock_read=read_timeout)
 
-    async def admit(self, url: str, rid: str) -> dict:
+    async def admit(self, url: str, rid: str) -> AdmitReply:
         try:
-            async with self.session.post(f"{url}/v1/admit", json={"rid": rid},
+            async with self.session.post(f"{url}/v1/admit", json=AdmitRequest(rid).to_wire(),
                                          timeout=self.admit_timeout) as r:
                 body = await r.json(content_type=None)
                 if r.status == 200:
-                    return body
-                err = (body or {}).get("error", {}) if isinstance(body, dict) else {}
+                    return AdmitReply.from_wire(body)
+                try:
+                    refusal = Refusal.from_wire(r.status, body)
+                except ContractError:
+                    refusal = None
                 if r.status == 409:
-                    raise NodeBusy(err.get("type") or "busy")
-                raise NodeError(f"admit answered {r.status}: {err.get('message') or body}")
+                    raise NodeBusy(refusal.reason.value if refusal else "busy")
+                raise NodeError(f"admit answered {r.status}: {refusal.message if refusal else body}")
+        except ContractError as e:
+            raise NodeError(f"admit answered a malformed body: {e}") from None
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
             raise NodeError(f"admit failed: {type(e).__name__}: {e}") from None
 
-    async def generate(self, url: str, req: dict) -> AsyncIterator[dict]:
+    async def generate(self, url: str, req: GenerateRequest) -> AsyncIterator[dict]:
         """Yields the node's NDJSON lines; raises NodeError if the stream breaks off."""
         try:
-            async with self.session.post(f"{url}/v1/generate", json=req,
+            async with self.session.post(f"{url}/v1/generate", json=req.to_wire(),
                                          timeout=self.stream_timeout) as r:
                 if r.status != 200:
                     text = await r.text()
+                    refusal = _refusal(r.status, text)
+                    if refusal is not None:
+                        raise refusal
                     raise NodeError(f"generate answered {r.status}: {text[:500]}")
                 while True:
                     line = await r.content.readline()
@@ -64,7 +84,7 @@ class NodeClient:
 
     async def cancel(self, url: str, rid: str) -> None:
         try:
-            async with self.session.post(f"{url}/v1/cancel", json={"rid": rid},
+            async with self.session.post(f"{url}/v1/cancel", json=CancelRequest(rid).to_wire(),
                                          timeout=self.admit_timeout) as r:
                 await r.read()
                 # 404: the node already forgot the rid (finished or aged out): nothing to cancel.
@@ -103,6 +123,15 @@ class NodeClient:
             return await r.json(content_type=None)
 
 
+def _refusal(status: int, text: str) -> NodeRefused | None:
+    """The node's typed 4xx refusal (contracts.Refusal), or None for anything else."""
+    try:
+        r = Refusal.from_wire(status, json.loads(text))
+    except (ValueError, ContractError):
+        return None
+    return NodeRefused(r.status, r.reason.value, r.message)
+
+
 async def vllm_prefill(session: aiohttp.ClientSession, url: str, body: dict,
                        timeout: float) -> dict:
     """The one-token vLLM leg. Upstream 4xx are passed through with vLLM's own message."""
@@ -120,12 +149,17 @@ async def vllm_prefill(session: aiohttp.ClientSession, url: str, body: dict,
     try:
         choice = data["choices"][0]
         first = int(choice["token_ids"][0])
-        return {"first_token": first, "finish_reason": choice.get("finish_reason"),
-                # vLLM puts them top-level for chat and in the choice for completions.
-                "prompt_token_ids": list(data.get("prompt_token_ids")
-                                         or choice.get("prompt_token_ids") or []),
-                "prompt_tokens": int(data["usage"]["prompt_tokens"]),
-                "handoff": ((data.get("kv_transfer_params") or {}).get("nexrt") or {})}
+        out = {"first_token": first, "finish_reason": choice.get("finish_reason"),
+               # vLLM puts them top-level for chat and in the choice for completions.
+               "prompt_token_ids": list(data.get("prompt_token_ids")
+                                        or choice.get("prompt_token_ids") or []),
+               "prompt_tokens": int(data["usage"]["prompt_tokens"])}
     except (KeyError, IndexError, TypeError, ValueError):
         raise APIError(502, "vLLM prefill response lacks token ids (is it vLLM >= 0.10 with "
                             "return_token_ids support?)") from None
+    try:
+        out["handoff"] = HandoffReport.from_params(data.get("kv_transfer_params"))
+    except ContractError as e:
+        raise APIError(502, f"vLLM's hand-off report is malformed (is the NexRT connector loaded?): "
+                            f"{e}") from None
+    return out

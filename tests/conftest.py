@@ -41,6 +41,14 @@ _preload_interpreted_kernels()
 
 
 @pytest.fixture(scope="session")
+def trained_ckpt(ckpt_factory):
+    """The connector tests' trained tiny Qwen3-Next (connector_harness.TRAINED), bf16: greedy tokens
+    confident and decided by the context, so bf16 vLLM and the node agree token for token."""
+    from nexrt_vllm.testing.connector_harness import TRAINED
+    return ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
+
+
+@pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory):
     """Returns make(arch, dtype="bfloat16", **overrides) -> path, cached per argument set."""
     from nexrt_vllm.testing import make_checkpoint

@@ -14,6 +14,8 @@ import sys
 import tempfile
 import time
 
+from nexrt_vllm.handoff.transport import TRANSPORTS
+
 DEMO_PROMPT = "Tell me a story about a fast decoder."
 
 
@@ -44,7 +46,7 @@ class Procs:
         for name, p, log in self.procs:
             if p.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {p.returncode}; last lines of {log}:\n"
-                                   + _tail(log))
+                                   + tail_log(log))
 
     def stop(self, timeout: float = 20.0) -> None:
         for _, p, _ in reversed(self.procs):
@@ -64,7 +66,8 @@ class Procs:
                 pass
 
 
-def _tail(path: str, n: int = 30) -> str:
+def tail_log(path: str, n: int = 30) -> str:
+    """The last n lines of a log file (for error messages)."""
     try:
         with open(path, errors="replace") as f:
             return "".join(f.readlines()[-n:])
@@ -189,6 +192,10 @@ def _report(res: dict, out) -> None:
     if t.get("decode_s"):
         lines.append(f"node    decode               {t['decode_s'] * 1e3:8.1f} ms   "
                      f"({dec_tokens / t['decode_s']:.1f} tok/s, {dec_tokens} tokens)")
+    if t.get("degraded"):
+        d = t["degraded"]
+        lines.append(f"NOTE    the fast tier could not serve this reply ({d['reason']}: {d['detail']}); "
+                     f"vLLM's standard path did ({t.get('standard_s', 0) * 1e3:.1f} ms)")
     lines.append("-" * 64)
     out.write("\n".join(lines) + "\n")
 
@@ -248,7 +255,7 @@ def demo(args) -> int:
     except (RuntimeError, TimeoutError, OSError) as e:
         print(f"\n[demo] failed: {e}", file=sys.stderr)
         for name, _, log in procs.procs:
-            print(f"--- {name} ({log}) ---\n{_tail(log, 15)}", file=sys.stderr)
+            print(f"--- {name} ({log}) ---\n{tail_log(log, 15)}", file=sys.stderr)
         return 1
     finally:
         print("[demo] shutting down", file=sys.stderr, flush=True)
@@ -265,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--prompt", default=DEMO_PROMPT)
     d.add_argument("--max-tokens", type=int, default=48)
     d.add_argument("--max-model-len", type=int, default=2048)
-    d.add_argument("--transport", choices=("auto", "mooncake", "nixl"), default="auto",
+    d.add_argument("--transport", choices=("auto", *TRANSPORTS), default="auto",
                    help="auto: nixl on a GPU (device memory to device memory), mooncake on CPU")
     d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where vLLM and the decode node run (auto: cuda when a GPU is visible)")

@@ -37,7 +37,8 @@ class Engine:
         self.config = config
         self.model = model
         self.device, self.dtype = model.device, model.dtype
-        self.state = DecodeState(config, max_seq_len, model.dtype, model.device)
+        # the model's config: a tensor-parallel shard's state holds only its heads (engine/tp.py)
+        self.state = DecodeState(model.config, max_seq_len, model.dtype, model.device)
         self.finish_reason: str | None = None
         self.graph = None  # GPU graph path (use_graph); None: `stream` runs the eager decode loop
 

@@ -433,6 +433,10 @@ class Model:
             return (moe_decode if decode else moe_prefill)(w, self.config, x)
         return mlp(w, x)
 
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of the ranks' partial outputs of a mixer / FFN; one device: x itself (engine/tp.py)."""
+        return x
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the last row of h [T, H] -> fp32 [vocab]."""
         h = rms_norm(h[-1:], self.final_norm, self.config.rms_norm_eps)
@@ -451,8 +455,8 @@ class Model:
             else:
                 s = state.gdn(i)
                 x = gdn_prefill(layer.mixer, cfg, x, s.conv, s.rec)
-            h = h + x
-            h = h + self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=False)
+            h = h + self.reduce(x)
+            h = h + self.reduce(self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=False))
         return self.logits(h)
 
     @torch.no_grad()
@@ -471,7 +475,7 @@ class Model:
             else:
                 s = state.gdn(i)
                 x = gdn_decode(layer.mixer, cfg, x, s.conv, s.rec)
-            h = h + x
-            h = h + self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=True)
+            h = h + self.reduce(x)
+            h = h + self.reduce(self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=True))
         pos.add_(1)
         return self.logits(h)

@@ -1,5 +1,7 @@
-"""What both ends of a hand-off share: the control protocol (``protocol``), the sender
-(``sender``), the transfer engines (``transport``) and the typed HTTP / claim contracts.
+"""What both ends of a hand-off share: the typed HTTP / claim bodies (``contracts``), the control
+protocol (``protocol``), the layout descriptor and its validation (``layout``), the heads a
+tensor-parallel part holds (``sharding``), the sender (``sender``) and the transfer engines
+(``transport``).
 
 Pure Python (no torch, no vLLM): the router imports it.
 """

@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 import msgpack
 import zmq
 
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.transport import SenderTransport, TransferError, TransferInFlight, coalesce, make_sender
 
@@ -57,6 +58,7 @@ class Transfer:
     seconds: float = 0.0  # time spent in transport writes
     descriptors: int = 0  # transport descriptors issued, after coalescing
     finished: bool = field(default=False)
+    part: int = 0  # this sender's part of a TP prefill (its layout's sharding.tp_rank)
 
     def write(self, writes: Sequence[tuple[int, int, int]]) -> None:
         """Write ``(local_addr, remote_offset, nbytes)`` triples (offsets relative to the buffer)."""
@@ -96,7 +98,8 @@ class Transfer:
         self.write(writes)
 
     def done(self) -> P.Ack:
-        reply = self.sender._request(self.control_addr, P.Done(self.rid, self.generation, self.seq_len, self.nbytes))
+        reply = self.sender._request(self.control_addr, P.Done(self.rid, self.generation, self.seq_len, self.nbytes,
+                                                                part=self.part))
         self.finished = True
         if isinstance(reply, P.Error):
             raise HandoffError(reply.reason, reply.message)
@@ -108,7 +111,7 @@ class Transfer:
             return
         self.finished = True
         try:
-            self.sender._request(self.control_addr, P.Abort(self.rid, self.generation, reason))
+            self.sender._request(self.control_addr, P.Abort(self.rid, self.generation, reason, part=self.part))
         except HandoffError:
             pass
 
@@ -125,13 +128,13 @@ class HandoffSender:
         self._lock = threading.Lock()  # guards the dicts; one lock per node serialises its REQ socket
         self._node_locks: dict[str, threading.Lock] = {}
 
-    def register(self, addr: int, size: int, kind: str = "host") -> None:
-        self.transport.register(addr, size, kind)
+    def register(self, addr: int, size: int, kind: str = "host", device: int = 0) -> None:
+        self.transport.register(addr, size, kind, device)
 
     def unregister(self, addr: int) -> None:
         self.transport.unregister(addr)
 
-    def hello(self, control_addr: str, layout: P.Layout) -> _Peer:
+    def hello(self, control_addr: str, layout: L.Layout) -> _Peer:
         """Version/layout check with the node; cached per (node, layout)."""
         wire = layout.to_wire()
         key = msgpack.packb(wire)
@@ -149,17 +152,28 @@ class HandoffSender:
         peer = self._peers[control_addr] = _Peer(tpeer, reply.node, key)
         return peer
 
-    def begin(self, control_addr: str, layout: P.Layout, rid: str, generation: int, seq_len: int) -> Transfer:
-        peer = self.hello(control_addr, layout)
+    def begin(self, control_addr: str, layout: L.Layout, rid: str, generation: int, seq_len: int) -> Transfer:
+        try:
+            peer = self.hello(control_addr, layout)
+        except HandoffError as e:
+            if e.reason is not P.Reason.TIMEOUT:
+                # The node answers but this sender cannot serve it (refused layout, foreign
+                # transport): say so, so that the admission ends now, not at its begin deadline.
+                try:
+                    self._request(control_addr, P.Abort(rid, generation, f"{e.reason.value}: {e.message}"))
+                except HandoffError:
+                    pass
+            raise
         reply = self._request(control_addr, P.Begin(rid, generation, seq_len, layout.to_wire()))
         if isinstance(reply, P.Reject):
             raise HandoffError(reply.reason, reply.message)
         acc = _expect(reply, P.Accept)
         return Transfer(self, control_addr, peer.transport_peer, rid, acc.generation, seq_len,
                         int(acc.buffer["base"]), int(acc.buffer["size"]),
-                        {r.layer: r for r in acc.region_list()}, float(acc.deadline_s))
+                        {r.layer: r for r in acc.region_list()}, float(acc.deadline_s),
+                        part=layout.sharding.tp_rank if layout.sharding is not None else 0)
 
-    def send(self, control_addr: str, layout: P.Layout, rid: str, generation: int, seq_len: int,
+    def send(self, control_addr: str, layout: L.Layout, rid: str, generation: int, seq_len: int,
              pages: Mapping[int, Sequence[int]]) -> Transfer:
         t = self.begin(control_addr, layout, rid, generation, seq_len)
         try:

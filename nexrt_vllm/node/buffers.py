@@ -6,7 +6,8 @@ Memory kinds (``--recv-memory``):
 * ``pinned`` page-locked host memory for a GPU node: the sender writes into host RAM, then the node
   does one async host-to-device copy of the received bytes and converts on the GPU.
 * ``device`` GPU memory registered with the transport directly (needs a backend whose
-  ``memory_kinds`` include ``"device"`` — NIXL with CUDA; the non-CUDA Mooncake wheel refuses it).
+  ``memory_kinds`` include ``"device"``: NIXL with CUDA, Mooncake's CUDA build; the non-CUDA
+  Mooncake wheel refuses it).
 
 Each buffer serves one admission at a time. A buffer whose writer may still be live (the transfer
 timed out or was cancelled before ``done``/``abort``) is quarantined: it is not handed out again
@@ -15,7 +16,7 @@ until that writer's late ``done``/``abort`` arrives or the grace period passes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +33,7 @@ class RecvBuffer:
     owner: int | None = None  # generation currently allowed to write
     quarantine_gen: int | None = None  # generation whose writer may still be live
     quarantine_until: float = 0.0
+    quarantine_parts: set = field(default_factory=set)  # its parts that may still write (TP prefill)
 
     @property
     def addr(self) -> int:
@@ -48,15 +50,20 @@ class RecvBuffer:
             self.quarantine_gen = None
         return self.quarantine_gen is None
 
-    def release(self, writer_live: bool, grace_s: float) -> None:
+    def release(self, writer_live: bool, grace_s: float, parts=()) -> None:
+        """``parts``: the live writers' part indices (none given: part 0, an unsharded hand-off)."""
         if writer_live:
             self.quarantine_gen, self.quarantine_until = self.owner, time.monotonic() + grace_s
+            self.quarantine_parts = set(parts) or {0}
         self.owner = None
 
-    def writer_finished(self, generation: int) -> None:
-        """A late done/abort from a quarantined writer: the buffer is safe to reuse."""
+    def writer_finished(self, generation: int, part: int = 0) -> None:
+        """A late done/abort from a quarantined writer: once every live part has sent one, the
+        buffer is safe to reuse."""
         if self.quarantine_gen == generation:
-            self.quarantine_gen = None
+            self.quarantine_parts.discard(part)
+            if not self.quarantine_parts:
+                self.quarantine_gen = None
 
 
 def allocate(transport: ReceiverTransport, count: int, size: int, memory: str, device: str) -> list[RecvBuffer]:
@@ -70,7 +77,7 @@ def allocate(transport: ReceiverTransport, count: int, size: int, memory: str, d
             t = torch.empty(size, dtype=torch.uint8, device=device)
         else:
             t = torch.empty(size, dtype=torch.uint8, pin_memory=(memory == "pinned"))
-        transport.register(t.data_ptr(), size, "device" if memory == "device" else "host")
+        transport.register(t.data_ptr(), size, "device" if memory == "device" else "host", t.device.index or 0)
         out.append(RecvBuffer(i, t, memory))
     return out
 

@@ -24,79 +24,79 @@ import os
 import signal
 import sys
 import time
+from dataclasses import asdict
 
 import zmq
 import zmq.asyncio
 from aiohttp import web
 
 from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff.contracts import (AdmitReply, AdmitRequest, CancelRequest, ContractError, GenerateRequest,
+                                          Refusal)
+from nexrt_vllm.handoff.layout import LAYOUT_VERSION, LAYOUT_VERSIONS, model_identity
 from nexrt_vllm.handoff.structured import LOGPROBS_MAX, STRUCTURED_TYPES
-from nexrt_vllm.node.node import Node, NodeError, Options
+from nexrt_vllm.handoff.transport import TRANSPORTS
+from nexrt_vllm.node import faults as F
+from nexrt_vllm.node.service import DecodeNode, Options
 
 log = logging.getLogger("nexrt.decode")
 
-# logprobs / structured: to move into handoff/contracts.GenerateRequest with the contracts branch
-_GEN_FIELDS = {"rid", "generation", "first_token", "max_tokens", "temperature", "top_p", "top_k", "seed",
-               "ignore_eos", "stop_token_ids", "logprobs", "structured"}
+
+def _error(e: Refusal) -> web.Response:
+    headers = {"Retry-After": "1"} if e.status == 409 else None  # 409s are transient
+    return web.json_response(e.to_wire(), status=e.status, headers=headers)
 
 
-def _error(status: int, kind: str, message: str) -> web.Response:
-    headers = {"Retry-After": "1"} if status == 409 else None
-    return web.json_response({"error": {"type": kind, "message": message}}, status=status, headers=headers)
-
-
-async def _body(request: web.Request) -> dict:
+async def _body(request: web.Request, contract):
+    """The request body decoded by its contract; a malformed one is a bad_message refusal."""
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise NodeError(400, P.Reason.BAD_MESSAGE, "body must be JSON") from None
-    if not isinstance(body, dict):
-        raise NodeError(400, P.Reason.BAD_MESSAGE, "body must be a JSON object")
-    return body
+        raise Refusal(P.Reason.BAD_MESSAGE, "body must be JSON") from None
+    try:
+        return contract.from_wire(body)
+    except ContractError as e:
+        raise Refusal(P.Reason.BAD_MESSAGE, str(e)) from None
 
 
-class Service:
-    def __init__(self, node: Node, args):
+class Endpoints:
+    """The node's HTTP handlers and its ZMQ control loop, over one DecodeNode."""
+
+    def __init__(self, node: DecodeNode, args):
         self.node, self.args = node, args
 
     # ---- HTTP -------------------------------------------------------------------------------------
     async def admit(self, request: web.Request) -> web.Response:
         try:
-            body = await _body(request)
-            adm = self.node.admit(body.get("rid"), body.get("prompt_len"), body.get("structured"))
-        except NodeError as e:
-            return _error(e.status, e.reason, e.message)
-        return web.json_response({"rid": adm.rid, "generation": adm.generation,
-                                  "control_addr": self.node.control_addr,
-                                  "admit_timeout_s": self.node.opts.admit_timeout})
+            adm = self.node.admit(await _body(request, AdmitRequest))
+        except Refusal as e:
+            return _error(e)
+        return web.json_response(AdmitReply(adm.rid, adm.generation, self.node.control_addr,
+                                            self.node.opts.admit_timeout).to_wire())
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         from nexrt_vllm.engine import SamplingParams, SamplingParamsError
 
         try:
-            body = await _body(request)
-            unknown = sorted(set(body) - _GEN_FIELDS)
-            if unknown:
-                raise NodeError(400, P.Reason.BAD_MESSAGE, f"unsupported fields: {unknown}")
-            if "max_tokens" not in body:
-                raise NodeError(400, P.Reason.BAD_MESSAGE, "max_tokens is required")
-            kw = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
-                                       "stop_token_ids", "logprobs") if body.get(k) is not None}
+            req: GenerateRequest = await _body(request, GenerateRequest)
             try:
-                sp = SamplingParams(**kw)
+                sp = SamplingParams(max_tokens=req.max_tokens, logprobs=req.logprobs, **asdict(req.sampling))
             except SamplingParamsError as e:
-                raise NodeError(400, P.Reason.BAD_MESSAGE, str(e)) from None
+                raise Refusal(P.Reason.BAD_MESSAGE, str(e)) from None
             # before the claim: a grammar that does not compile leaves the admission as it was
-            constraint = await self.node.constraint(body.get("rid"), body.get("structured"), body.get("first_token"),
-                                                    sp.stop_token_ids)
-            adm = self.node.claim(body.get("rid"), body.get("generation"), body.get("first_token"))
-        except NodeError as e:
-            return _error(e.status, e.reason, e.message)
+            constraint = await self.node.constraint(req.rid, req.structured, req.first_token, sp.stop_token_ids)
+            adm = self.node.claim(req)
+        except Refusal as e:
+            return _error(e)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
         try:
             await resp.prepare(request)
-            async with contextlib.aclosing(self.node.generate(adm, sp, body["first_token"], constraint)) as lines:
+            stall = self.node.opts.faults.stall_first_token_s
+            async with contextlib.aclosing(self.node.generate(adm, sp, req.first_token, constraint)) as lines:
                 async for line in lines:
+                    if stall and "token" in line:
+                        await asyncio.sleep(stall)  # test fault: a slow first token
+                        stall = 0.0
                     # a client that stops reading counts as gone (its socket buffer fills up)
                     await asyncio.wait_for(resp.write(json.dumps(line).encode() + b"\n"), self.args.write_timeout)
         except asyncio.TimeoutError:
@@ -110,10 +110,9 @@ class Service:
 
     async def cancel(self, request: web.Request) -> web.Response:
         try:
-            body = await _body(request)
-            return web.json_response(self.node.cancel(body.get("rid")))
-        except NodeError as e:
-            return _error(e.status, e.reason, e.message)
+            return web.json_response(self.node.cancel((await _body(request, CancelRequest)).rid).to_wire())
+        except Refusal as e:
+            return _error(e)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response(self.node.health())
@@ -121,9 +120,9 @@ class Service:
     async def capabilities(self, request: web.Request) -> web.Response:
         cfg, peer = self.node.cfg, self.node.transport.peer_info()
         return web.json_response({
-            "model": self.node.model_name, "architecture": cfg.architecture, "vocab_size": cfg.vocab_size,
+            "model": self.node.model_name, **model_identity(cfg),
             "eos_token_ids": list(cfg.eos_token_ids), "max_seq_len": self.node.opts.max_seq_len,
-            "max_batch": 1, "protocol_version": P.PROTOCOL_VERSION, "layout_version": P.LAYOUT_VERSION,
+            "max_batch": 1, "protocol_version": P.PROTOCOL_VERSION, "layout_version": LAYOUT_VERSION,
             "control_addr": self.node.control_addr,
             "transport": {"backend": peer["backend"], "recv_memory": self.args.recv_memory,
                           "recv_buffers": len(self.node.buffers), "recv_buffer_bytes": self.node.buffers[0].size,
@@ -134,6 +133,7 @@ class Service:
             "structured_output": self._structured_caps(),
             "device": self.args.device, "graph": self.args.graph, "load_format": self.args.load_format,
             "dtype": str(self.node.engine.dtype).removeprefix("torch."),
+            "layout_versions": list(LAYOUT_VERSIONS), "handoff_parts": True, "tp": self._tp(),
         })
 
     def _structured_caps(self) -> dict:
@@ -143,6 +143,17 @@ class Service:
         return {"types": list(STRUCTURED_TYPES), "backend": "xgrammar", "backend_version": version("xgrammar"),
                 "json_schema_whitespace": "any", "on_graph": self.node.engine.graph is None or
                 self.node.engine.graph.masks}
+
+    def _tp(self) -> dict:
+        """The node group: its size, backend and the heads each rank holds (docs/NODE.md)."""
+        from nexrt_vllm.node.reshard import node_shards
+
+        eng, group = self.node.engine, getattr(self.node.engine, "group", None)
+        size = getattr(eng, "tp", 1)
+        dev = self.args.device
+        return {"size": size, "backend": group.backend if group else None,
+                "ranks": [{"rank": r, "device": f"cuda:{r}" if dev.startswith("cuda") and size > 1 else dev,
+                           "shard": sh.to_wire()} for r, sh in enumerate(node_shards(self.node.cfg, size))]}
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.node.metrics.render(), content_type="text/plain", charset="utf-8")
@@ -168,13 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1", help="address for HTTP and the control endpoint")
     ap.add_argument("--port", type=int, default=8200, help="HTTP port (0 = pick a free one)")
     ap.add_argument("--control-port", type=int, default=0, help="ZMQ control port (0 = pick a free one)")
-    ap.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
+    ap.add_argument("--transport", choices=TRANSPORTS, default="mooncake")
     ap.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     ap.add_argument("--dtype", default=None, help="engine dtype (default: the checkpoint's)")
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                     help="dummy: random weights from config.json alone (speed runs only, like vLLM's "
                          "--load-format dummy; tokens are meaningless)")
     ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks, one process each (rank r on cuda:r with --device cuda): rank 0 "
+                         "serves HTTP and the control endpoint, the others follow it; eager step (--graph off)")
     ap.add_argument("--graph", choices=("auto", "fused", "eager", "off"), default="auto",
                     help="GPU decode path (docs/GPU.md): one CUDA graph per token, captured at start-up; "
                          "fused = Triton kernels, eager = the eager ops in the graph, off = eager loop; "
@@ -202,11 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _positive(ap, args) -> None:
-    for name in ("max_seq_len", "recv_buffers"):
+    for name in ("max_seq_len", "recv_buffers", "tp"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.graph in ("fused", "eager") and not args.device.startswith("cuda"):
         ap.error(f"--graph {args.graph} needs --device cuda")
+    if args.tp > 1 and args.graph in ("fused", "eager"):
+        ap.error("--tp > 1 runs the eager step: the CUDA graph path is single-device (--graph off or auto)")
+    if args.tp > 1 and args.device not in ("cpu", "cuda"):
+        ap.error(f"--tp > 1 places rank r on cuda:r: give --device cuda or cpu, not {args.device!r}")
     for name in ("admit_timeout", "transfer_timeout", "start_timeout", "write_timeout"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
@@ -242,7 +260,24 @@ async def serve(args) -> None:
     torch.set_num_threads(int(os.environ.get("NEXRT_THREADS", torch.get_num_threads())))
     memory = args.recv_memory = args.recv_memory or ("pinned" if args.device.startswith("cuda") else "host")
     t0 = time.monotonic()
-    if args.load_format == "dummy":
+    group = None
+    if args.tp > 1:
+        from nexrt_vllm.engine.tp import Group
+        log.info("starting %d tensor-parallel ranks", args.tp)
+        from nexrt_vllm.engine import EngineError
+        try:
+            group = Group(args.tp, device=args.device, threads=torch.get_num_threads())
+        except EngineError as e:
+            raise RuntimeError(f"--tp {args.tp}: {e}") from None
+        try:
+            engine = group.engine(args.tp, path=args.model, dtype=args.dtype, max_seq_len=args.max_seq_len,
+                                  load_format=args.load_format)
+        except BaseException as e:
+            group.close()
+            if isinstance(e, EngineError) and not isinstance(e, ValueError):
+                raise RuntimeError(f"--tp {args.tp}: {e}") from None
+            raise
+    elif args.load_format == "dummy":
         from nexrt_vllm.engine.config import ModelConfig
         engine = Engine.from_config(ModelConfig.from_pretrained(args.model), device=args.device, dtype=args.dtype,
                                     max_seq_len=args.max_seq_len)
@@ -253,7 +288,8 @@ async def serve(args) -> None:
     log.info("weights loaded (%s) in %.1fs", args.load_format, time.monotonic() - t0)
     # GPU graph path: compiled and captured once here, before the node serves (not per request).
     if args.graph == "auto":
-        args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 else "off"
+        args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 \
+            and args.tp == 1 else "off"
     if args.graph != "off":
         from nexrt_vllm.engine import EngineError
         log.info("compiling kernels and capturing the %s decode graph (greedy + sampling; the first start "
@@ -282,15 +318,19 @@ async def serve(args) -> None:
         cport = args.control_port
     else:
         cport = sock.bind_to_random_port(f"tcp://{args.host}")
+    faults = F.from_env()
+    if faults:
+        log.warning("TEST FAULTS ACTIVE (%s=%s): %s", F.ENV, os.environ.get(F.ENV), faults)
     opts = Options(max_seq_len=args.max_seq_len, admit_timeout=args.admit_timeout,
                    transfer_timeout=args.transfer_timeout, start_timeout=args.start_timeout,
-                   quarantine_s=args.quarantine)
+                   quarantine_s=args.quarantine, faults=faults)
     grammars, missing = _grammars(args, cfg)
-    node = Node(engine, cfg, transport, buffers, opts, device=args.device,
-                control_addr=f"tcp://{args.host}:{cport}", model_name=os.path.basename(os.path.abspath(args.model)),
-                grammars=grammars, grammars_missing=missing)
+    node = DecodeNode(engine, cfg, transport, buffers, opts, device=args.device,
+                      control_addr=f"tcp://{args.host}:{cport}",
+                      model_name=os.path.basename(os.path.abspath(args.model)),
+                      grammars=grammars, grammars_missing=missing)
     node.metrics.graph.labels(mode=args.graph, device=args.device).set(1)
-    svc = Service(node, args)
+    svc = Endpoints(node, args)
     app = web.Application(client_max_size=1 << 20)
     app.router.add_post("/v1/admit", svc.admit)
     app.router.add_post("/v1/generate", svc.generate)
@@ -304,7 +344,10 @@ async def serve(args) -> None:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://{args.host}:{port}"
+    stop = asyncio.Event()
     tasks = [asyncio.create_task(svc.control_loop(sock)), asyncio.create_task(node.reaper())]
+    if group is not None:
+        tasks.append(asyncio.create_task(_watch(group, stop)))
     log.info("nexrt-decode serving %s on %s (control %s, transport %s, %d x %.1f MiB %s buffers)",
              node.model_name, url, node.control_addr, args.transport, len(buffers), size / (1 << 20), memory)
     if args.ready_file:
@@ -312,7 +355,6 @@ async def serve(args) -> None:
         with open(tmp, "w") as f:
             json.dump({"url": url, "control_addr": node.control_addr, "pid": os.getpid()}, f)
         os.replace(tmp, args.ready_file)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -326,6 +368,21 @@ async def serve(args) -> None:
         ctx.term()
         node.close()
         transport.close()
+        if group is not None:
+            group.close()
+    if group is not None and group.broken:
+        raise RuntimeError(f"tensor-parallel group failed: {group.broken}")
+
+
+async def _watch(group, stop: asyncio.Event) -> None:
+    """A follower rank that dies leaves the group unusable: stop serving (exit status 1)."""
+    while not stop.is_set():
+        await asyncio.sleep(0.5)
+        dead = group.dead()
+        if dead:
+            group.broken = f"rank(s) {dead} exited"
+            log.error("tensor-parallel %s; stopping", group.broken)
+            stop.set()
 
 
 def main(argv=None) -> int:
@@ -335,7 +392,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         asyncio.run(serve(args))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"nexrt-decode: {e}", file=sys.stderr)
         return 1
     return 0

@@ -31,7 +31,9 @@ import time
 import torch
 import zmq
 
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff.contracts import AdmitReply, AdmitRequest, Claim, GenerateRequest, Sampling
 from nexrt_vllm.handoff.transport import make_receiver
 
 MARK = "@@"
@@ -124,9 +126,10 @@ def _child(cfg: dict) -> None:
 class VLLMProc:
     """Parent side: start the child, send commands, read answers with deadlines, kill on close."""
 
-    def __init__(self, cfg: dict, log_path: str, start_timeout: float = 300):
+    def __init__(self, cfg: dict, log_path: str, start_timeout: float = 300, env: dict | None = None):
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
-                   TOKENIZERS_PARALLELISM="false", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
+                   TOKENIZERS_PARALLELISM="false", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"),
+                   **(env or {}))
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
@@ -251,15 +254,16 @@ def assert_vllm_greedy(vllm: "VLLMProc", prompt: list[int], full: list[int]) -> 
 
 class RecordingReceiver:
     """A double of the node's control plane made of the node's own pieces (protocol, transport
-    receiver, region plan): accepts every begin into its own slice of one registered buffer and
-    records what arrived. ``unregistered=True`` hands out a buffer the transport never registered,
-    so every page write fails (a transfer error)."""
+    receiver, region plan): accepts every begin into its own slice of one registered buffer (host,
+    or GPU memory with ``device``) and records what arrived. ``unregistered=True`` hands out a
+    buffer the transport never registered, so every page write fails (a transfer error)."""
 
-    def __init__(self, size=64 << 20, unregistered=False):
+    def __init__(self, size=64 << 20, unregistered=False, transport="mooncake", device=None):
         self.unregistered = unregistered
-        self.buf = torch.zeros(size, dtype=torch.uint8)
-        self.rx = make_receiver("mooncake")
-        self.rx.register(self.buf.data_ptr(), size)
+        self.buf = torch.zeros(size, dtype=torch.uint8, device=device)  # device: a GPU receive buffer
+        self.rx = make_receiver(transport)
+        self.rx.register(self.buf.data_ptr(), size, "device" if self.buf.is_cuda else "host",
+                         self.buf.device.index or 0)
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.addr = f"tcp://127.0.0.1:{port}"
@@ -277,7 +281,7 @@ class RecordingReceiver:
             if m.type == "hello":
                 reply = P.HelloOk(self.rx.peer_info(), {})
             elif m.type == "begin":
-                layout = P.Layout.from_wire(m.layout)
+                layout = L.Layout.from_wire(m.layout)
                 regions = layout.regions(m.seq_len)
                 size = P.align_up(max(r.offset + r.nbytes for r in regions))
                 self.begun[m.rid] = (self._next, size, layout, regions, m.seq_len)
@@ -338,18 +342,16 @@ class NodeProc:
 
     def admit(self, rid: str, prompt_len: int) -> dict:
         """Admit ``rid``; returns the ``kv_transfer_params`` the router would send vLLM."""
-        status, body = self.post("/v1/admit", {"rid": rid, "prompt_len": prompt_len})
+        status, body = self.post("/v1/admit", AdmitRequest(rid, prompt_len).to_wire())
         assert status == 200, (status, body)
-        a = json.loads(body)
-        return {"nexrt": {"rid": a["rid"], "generation": a["generation"], "control_addr": a["control_addr"],
-                          "node_url": self.url}}
+        a = AdmitReply.from_wire(json.loads(body))
+        return Claim(a.rid, a.generation, a.control_addr, self.url).to_params()
 
     def generate(self, claim: dict, first_token: int, max_tokens: int) -> tuple[int, list[int], dict]:
-        """-> (HTTP status, streamed tokens, final line)."""
-        c = claim["nexrt"]
-        status, body = self.post("/v1/generate", {"rid": c["rid"], "generation": c["generation"],
-                                                  "first_token": first_token, "max_tokens": max_tokens,
-                                                  "temperature": 0.0, "ignore_eos": True})
+        """Greedy, EOS ignored -> (HTTP status, streamed tokens, final line)."""
+        c = Claim.from_params(claim)
+        req = GenerateRequest(c.rid, first_token, max_tokens, c.generation, Sampling(ignore_eos=True))
+        status, body = self.post("/v1/generate", req.to_wire())
         if status != 200:
             return status, [], json.loads(body)
         lines = [json.loads(x) for x in body.splitlines() if x.strip()]

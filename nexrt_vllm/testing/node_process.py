@@ -18,6 +18,8 @@ import urllib.request
 
 import torch
 
+from nexrt_vllm.handoff.contracts import AdmitReply, AdmitRequest, GenerateRequest, Sampling
+
 
 class NodeProcess:
     def __init__(self, model: str, transport: str = "mooncake", *extra: str, max_seq_len: int = 512,
@@ -72,16 +74,17 @@ class NodeProcess:
         except json.JSONDecodeError:
             return status, raw.decode()
 
-    def admit(self, rid: str, **kw) -> dict:
-        status, body = self.call("POST", "/v1/admit", {"rid": rid, **kw})
+    def admit(self, rid: str, prompt_len: int | None = None, structured: dict | None = None) -> dict:
+        """The node's admit reply as JSON (tests read its fields)."""
+        status, body = self.call("POST", "/v1/admit", AdmitRequest(rid, prompt_len, structured).to_wire())
         assert status == 200, body
-        return body
+        return AdmitReply.from_wire(body).to_wire()
 
     def open_generate(self, rid: str, generation: int, first_token: int, max_tokens: int, timeout: float = 30.0,
-                      **sampling):
+                      logprobs: int | None = None, structured: dict | None = None, **sampling):
         """Start /v1/generate; returns the open response (iterate lines) — or raises HTTPError."""
-        body = {"rid": rid, "generation": generation, "first_token": first_token, "max_tokens": max_tokens,
-                **sampling}
+        body = GenerateRequest(rid, first_token, max_tokens, generation, Sampling(**sampling), logprobs,
+                               structured).to_wire()
         req = urllib.request.Request(self.url + "/v1/generate", data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
         return urllib.request.urlopen(req, timeout=timeout)
@@ -128,7 +131,7 @@ class PrefillSide:
 
     def prepare(self, prompt: list[int]) -> dict:
         """Prefill `prompt`; returns first token, seq_len, layout and the page addresses to send."""
-        from nexrt_vllm.node.convert import layout_for, pack_state
+        from nexrt_vllm.testing.senders import layout_for, pack_state
 
         first = int(self.engine.prefill(prompt).argmax())
         n, state = self.engine.export_state()

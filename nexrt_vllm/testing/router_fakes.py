@@ -10,6 +10,7 @@ The real peers are exercised by tests/router/test_fullpath.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -17,6 +18,9 @@ import time
 from aiohttp import web
 from tokenizers import Tokenizer
 
+from nexrt_vllm.handoff.contracts import (AdmissionState, AdmitReply, AdmitRequest, CancelReply, CancelRequest,
+                                          Claim, GenerateRequest, HandoffReport, ProbeReply, Refusal, is_probe)
+from nexrt_vllm.handoff.protocol import Reason
 from nexrt_vllm.testing import make_tokenizer
 
 
@@ -67,6 +71,9 @@ class Model:
         self.eos = vocab["<|im_end|>"]
         self.words = sorted(i for t, i in vocab.items() if t.startswith("▁") and len(t) > 2)
         self.eos_at: int | None = None    # position (0 = first token) at which EOS is produced
+        # A scripted output: every request's continuation is these ids (from the first token on,
+        # whatever the prompt); end it with EOS to stop there.
+        self.script: list[int] | None = None
 
     def prompt_ids(self, body: dict) -> list[int]:
         if "messages" in body:
@@ -80,12 +87,18 @@ class Model:
         return self.tok.encode(text).ids
 
     def continuation(self, prompt_ids: list[int], n: int, ignore_eos: bool = False) -> list[int]:
-        out, h = [], sum(prompt_ids) % len(self.words)
+        """Each token a function of the whole context before it, so continuing prompt + k
+        generated tokens gives the rest of the same continuation (as a real model does)."""
+        if self.script is not None:
+            return list(self.script[:n])
+        out, ctx = [], list(prompt_ids)
         for i in range(n):
             if self.eos_at == i and not ignore_eos:
                 out.append(self.eos)
                 break
-            out.append(self.words[(h + 7 * i) % len(self.words)])
+            t = self.words[(sum(ctx) + 7 * len(ctx)) % len(self.words)]
+            out.append(t)
+            ctx.append(t)
         return out
 
 
@@ -101,9 +114,15 @@ class FakeVLLM:
         self.handoff: dict[str, list[int]] = {}   # rid -> prompt ids ("the KV" the node gets)
         self.requests: list[dict] = []
         self.delay = 0.0
-        self.handoff_status: dict | None = None   # connector's kv_transfer_params.nexrt reply
+        self.stream_delay = 0.0                    # seconds before each streamed token
+        self.prefill_error: int | None = None      # answer prefill legs with this HTTP status
+        self.handoff_status: HandoffReport | None = None   # the connector's report in the reply
         self.aborted = 0                           # requests whose client went away mid-prefill
         self.active = 0
+        # What the connector's configuration probe answers (None: vLLM without the connector).
+        self.connector: dict | None = {"transport": "mooncake", "model": {"name": name}}
+        self.probes = 0
+        self.standard: list[dict] = []             # streamed requests without a claim
         self.app = web.Application()
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/completions", self.complete)
@@ -116,7 +135,20 @@ class FakeVLLM:
 
     async def complete(self, request):
         body = await request.json()
-        self.requests.append(body)
+        if is_probe(body.get("kv_transfer_params")):
+            self.probes += 1
+            ktp = ProbeReply(self.connector).to_params() if self.connector else None
+            return web.json_response({"choices": [{"index": 0, "text": "", "token_ids": [0],
+                                                   "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+                                      "kv_transfer_params": ktp})
+        if body.get("stream"):
+            self.standard.append(body)
+        else:
+            self.requests.append(body)
+            if self.prefill_error:
+                return web.json_response({"error": {"message": "engine dead", "code": self.prefill_error}},
+                                         status=self.prefill_error)
         if body.get("model") != self.name:
             return web.json_response({"error": {"message": f"The model `{body.get('model')}` "
                                                 "does not exist.", "code": 404}}, status=404)
@@ -132,9 +164,11 @@ class FakeVLLM:
             self.active -= 1
         n = body.get("max_tokens") or 16
         toks = self.model.continuation(ids, n, body.get("ignore_eos", False))
-        nexrt = (body.get("kv_transfer_params") or {}).get("nexrt")
-        if nexrt:
-            self.handoff[nexrt["rid"]] = ids
+        if body.get("stream"):
+            return await self._stream(request, body, chat, ids, toks)
+        claim = Claim.from_params(body.get("kv_transfer_params"))
+        if claim is not None:
+            self.handoff[claim.rid] = ids
         stop = toks[-1] == self.model.eos and not body.get("ignore_eos")
         text = self.model.tok.decode(toks)
         choice = {"index": 0, "finish_reason": "stop" if stop else "length",
@@ -146,9 +180,39 @@ class FakeVLLM:
             "id": "x", "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.name, "choices": [choice],
             "prompt_token_ids": ids if chat else None,
-            "kv_transfer_params": {"nexrt": self.handoff_status} if self.handoff_status else None,
+            "kv_transfer_params": self.handoff_status.to_params() if self.handoff_status else None,
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
                       "total_tokens": len(ids) + len(toks)}})
+
+
+    async def _stream(self, request, body, chat, ids, toks):
+        """vLLM's SSE with return_token_ids: prompt ids in the first chunk, one token per chunk."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(obj):
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        head = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.name}
+        if chat:
+            await send({**head, "prompt_token_ids": ids, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        stop = toks[-1] == self.model.eos and not body.get("ignore_eos")
+        for i, t in enumerate(toks):
+            await asyncio.sleep(self.stream_delay)
+            last = i == len(toks) - 1
+            fin = ("stop" if stop else "length") if last else None
+            text = self.model.tok.decode([t])
+            choice = {"index": 0, "token_ids": [t], "finish_reason": fin}
+            choice.update({"delta": {"content": text}} if chat else {"text": text})
+            if not chat and i == 0:
+                choice["prompt_token_ids"] = ids
+            await send({**head, "choices": [choice]})
+        await send({**head, "choices": [], "usage": {"prompt_tokens": len(ids),
+                                                     "completion_tokens": len(toks)}})
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
 
 class FakeNode:
@@ -167,6 +231,9 @@ class FakeNode:
         self.cancels: list[str] = []
         self.generated: list[str] = []         # rids decoded to the end
         self.emit_times: list[float] = []      # time.monotonic() of each streamed token
+        self.caps_extra: dict = {}             # more /capabilities fields (transport, dtype, ...)
+        self.admit_delay = 0.0                 # seconds between reserving and answering /v1/admit
+        self.refuse: tuple | None = None       # (Reason, message): refuse /v1/generate with it
         self.app = self.new_app()
 
     def new_app(self) -> web.Application:
@@ -183,36 +250,45 @@ class FakeNode:
         return web.json_response({"status": "ok", "busy": self.rid is not None})
 
     async def caps(self, request):
-        return web.json_response({"model": "tiny", "max_seq_len": self.max_seq_len})
+        return web.json_response({"model": "tiny", "max_seq_len": self.max_seq_len,
+                                  **self.caps_extra})
+
+    @staticmethod
+    def _refuse(reason: Reason, message: str) -> web.Response:
+        r = Refusal(reason, message)
+        return web.json_response(r.to_wire(), status=r.status)
 
     async def admit(self, request):
-        body = await request.json()
+        adm = AdmitRequest.from_wire(await request.json())
         if self.rid is not None:
-            return web.json_response({"error": {"type": "busy"}}, status=409)
+            return self._refuse(Reason.BUSY, f"node is busy with {self.rid!r}")
         self.admits += 1
         self.generation += 1
-        self.rid = body["rid"]
-        return web.json_response({"rid": self.rid, "generation": self.generation,
-                                  "control_addr": "tcp://127.0.0.1:1"})
+        self.rid = adm.rid
+        await asyncio.sleep(self.admit_delay)  # reserved, but the answer is not out yet
+        return web.json_response(AdmitReply(self.rid, self.generation, "tcp://127.0.0.1:1", 30.0).to_wire())
 
     async def cancel(self, request):
-        body = await request.json()
-        if body["rid"] != self.rid:
-            return web.json_response({"error": {"type": "unknown_rid"}}, status=404)
-        self.cancels.append(body["rid"])
+        rid = CancelRequest.from_wire(await request.json()).rid
+        if rid != self.rid:
+            return self._refuse(Reason.UNKNOWN_RID, f"rid {rid!r} is not in flight")
+        self.cancels.append(rid)
         self.rid = None
-        return web.json_response({"rid": body["rid"], "cancelled": True})
+        return web.json_response(CancelReply(rid, True, AdmissionState.DECODING).to_wire())
 
     async def generate(self, request):
-        req = await request.json()
-        rid = req["rid"]
-        if rid != self.rid or req["generation"] != self.generation:
-            return web.json_response({"error": {"type": "unknown_rid"}}, status=404)
+        req = GenerateRequest.from_wire(await request.json())
+        rid, ignore_eos, stop_ids = req.rid, req.sampling.ignore_eos, req.sampling.stop_token_ids
+        if rid != self.rid or req.generation != self.generation:
+            return self._refuse(Reason.UNKNOWN_RID, f"rid {rid!r} is not admitted")
+        if self.refuse is not None:
+            self.rid = None
+            return self._refuse(*self.refuse)
         ids = self.vllm.handoff.pop(rid)
-        assert self.model.continuation(ids, 1, req["ignore_eos"])[0] == req["first_token"]
+        assert self.model.continuation(ids, 1, ignore_eos)[0] == req.first_token
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
-        toks = self.model.continuation(ids, req["max_tokens"], req["ignore_eos"])[1:]
+        toks = self.model.continuation(ids, req.max_tokens, ignore_eos)[1:]
         sent: list[int] = []
         try:
             for i, t in enumerate(toks):
@@ -226,14 +302,14 @@ class FakeNode:
                 self.emit_times.append(time.monotonic())
                 await resp.write(b'{"token": %d}\n' % t)
                 sent.append(t)
-                if t in req["stop_token_ids"]:
+                if t in stop_ids:
                     break
             if self.finish_error:
                 await resp.write(b'{"finish_reason": "error", "error": "%s"}\n'
                                  % self.finish_error.encode())
             else:
                 stop = bool(sent) and (sent[-1] == self.model.eos
-                                       or sent[-1] in req["stop_token_ids"])
+                                       or sent[-1] in stop_ids)
                 await resp.write(b'{"finish_reason": "%s", "timing": {}}\n'
                                  % (b"stop" if stop else b"length"))
                 self.generated.append(rid)

@@ -6,20 +6,22 @@ from types import SimpleNamespace
 
 import pytest
 
-from nexrt_vllm.connector.config import Claim, ClaimError, ConfigError, ConnectorConfig, parse_claim
+from nexrt_vllm.connector.config import ConnectorConfig, ConnectorConfigError
 from nexrt_vllm.connector.metadata import NexRTWorkerMetadata, Outcome
 from nexrt_vllm.connector.scheduler import NexRTScheduler
+from nexrt_vllm.handoff.contracts import Claim, ContractError, HandoffStatus
+from nexrt_vllm.handoff.protocol import Reason
 
 GOOD = {"rid": "r1", "generation": 3, "control_addr": "tcp://10.0.0.2:5555", "node_url": "http://10.0.0.2:8200"}
 
 
 @pytest.mark.parametrize("params", [None, {}, {"do_remote_decode": True}, {"nexrt_other": {}}])
 def test_not_ours(params):
-    assert parse_claim(params) is None
+    assert Claim.from_params(params) is None
 
 
 def test_ours():
-    assert parse_claim({"nexrt": GOOD, "do_remote_decode": True}) == Claim("r1", 3, "tcp://10.0.0.2:5555",
+    assert Claim.from_params({"nexrt": GOOD, "do_remote_decode": True}) == Claim("r1", 3, "tcp://10.0.0.2:5555",
                                                                           "http://10.0.0.2:8200")
 
 
@@ -32,8 +34,8 @@ def test_ours():
     ({**GOOD, "node_url": 5}, "node_url"),
 ])
 def test_malformed_claim(bad, msg):
-    with pytest.raises(ClaimError, match=msg):
-        parse_claim({"nexrt": bad})
+    with pytest.raises(ContractError, match=msg):
+        Claim.from_params({"nexrt": bad})
 
 
 @pytest.mark.parametrize("extra, msg", [
@@ -42,16 +44,19 @@ def test_malformed_claim(bad, msg):
     ({"transfer_timeout_s": "5"}, "transfer_timeout_s"),
     ({"attn_kv_format": "NHD"}, "attn_kv_format"),
     ({"gdn_rec_layout": "KV"}, "gdn_rec_layout"),
+    ({"staging": "sometimes"}, "staging"),
+    ({"staging_mib": 0}, "staging_mib"),
     ({"transprt": "nixl"}, "unknown NexRTConnector option"),
 ])
 def test_bad_config(extra, msg):
-    with pytest.raises(ConfigError, match=msg):
+    with pytest.raises(ConnectorConfigError, match=msg):
         ConnectorConfig.from_extra(extra)
 
 
 def test_config_defaults():
     cfg = ConnectorConfig.from_extra(None)
     assert (cfg.transport, cfg.control_timeout_s) == ("mooncake", 5.0)
+    assert (cfg.attn_kv_format, cfg.gdn_rec_layout, cfg.staging) == (None, None, "auto")  # layouts are detected
 
 
 @dataclass
@@ -91,7 +96,7 @@ def test_scheduler_tracks_only_claimed_and_holds_until_sent():
     held, params = sched.request_finished(ours)
     assert held and params == {"nexrt": {"rid": "r1", "generation": 3, "seq_len": 600, "status": "sending"}}
     assert sched.has_pending_push_work()
-    sched.update_connector_output(Out(NexRTWorkerMetadata({"a": Outcome("sent")}), {"a", "b"}))
+    sched.update_connector_output(Out(NexRTWorkerMetadata({"a": Outcome(HandoffStatus.SENT)}), {"a", "b"}))
     assert not sched.has_pending_push_work()
 
 
@@ -101,7 +106,7 @@ def test_scheduler_reports_known_failure_and_aborts_unfinished_prefill():
     for r in (failed, aborted):
         sched.on_new_request(r)
     _step(sched, failed, aborted)
-    sched.update_connector_output(Out(NexRTWorkerMetadata({"f": Outcome("failed", "busy", "node busy")})))
+    sched.update_connector_output(Out(NexRTWorkerMetadata({"f": Outcome(HandoffStatus.FAILED, Reason.BUSY, "node busy")})))
     _step(sched, failed, aborted)
     assert sched.request_finished(failed)[1]["nexrt"] == {"rid": "r1", "generation": 3, "seq_len": 600,
                                                           "status": "failed", "reason": "busy", "error": "node busy"}
@@ -123,13 +128,25 @@ def test_scheduler_never_scheduled_and_malformed_release_at_once():
     assert not sched.has_pending_push_work()
 
 
-@pytest.mark.parametrize("producer, tp, msg", [(False, 1, "kv_producer"), (True, 2, "parallel size 1")])
-def test_connector_refuses_unsupported_setups(producer, tp, msg):
+@pytest.mark.parametrize("producer, pp, msg", [(False, 1, "kv_producer"), (True, 2, "pipeline parallel size 1")])
+def test_connector_refuses_unsupported_setups(producer, pp, msg):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from nexrt_vllm.connector import NexRTConnector
 
     cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_producer=producer, kv_connector_extra_config={}),
-                          parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
-    with pytest.raises(ConfigError, match=msg):
+                          parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=pp))
+    with pytest.raises(ConnectorConfigError, match=msg):
         NexRTConnector(cfg, KVConnectorRole.SCHEDULER, None)
+
+
+def test_probe_is_answered_with_the_configuration_and_never_claimed():
+    info = {"transport": "nixl", "dtype": "bfloat16", "model": {"num_hidden_layers": 4}}
+    sched = NexRTScheduler(lambda: None, info)
+    probe = Req("p", {"nexrt": {"probe": True}})
+    sched.on_new_request(probe)
+    assert _step(sched, probe).steps == [] and not sched.has_pending_push_work()
+    assert sched.request_finished(probe) == (False, {"nexrt": {"status": "probe", "connector": info}})
+    # Only exactly {"probe": true} is a probe; anything else under "nexrt" is a (malformed) claim.
+    sched.on_new_request(Req("q", {"nexrt": {"probe": True, "rid": "x"}}))
+    assert sched.request_finished(Req("q", None))[1]["nexrt"]["reason"] == "bad_message"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nexrt_vllm.engine.state import AttentionState
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.node.convert import unpack_state
 
@@ -27,9 +28,9 @@ def test_page_interior_matches_vllm_kernel(isa, head_dim):
     slots = torch.tensor([blocks[t // bs] * bs + t % bs for t in range(seq_len)])
     ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
 
-    layer = P.AttentionLayout(0, "bfloat16", tuple(cache.shape[1:]), tuple(cache.stride()[1:]),
+    layer = L.AttentionLayout(0, "bfloat16", tuple(cache.shape[1:]), tuple(cache.stride()[1:]),
                               kv_format=ISA_FORMAT[isa])
-    layout = P.Layout({"num_hidden_layers": 1}, bs, (layer,))
+    layout = L.Layout({"num_hidden_layers": 1}, bs, (layer,))
     regions = layout.regions(seq_len)
     buf = torch.zeros(P.align_up(regions[0].offset + regions[0].nbytes), dtype=torch.uint8)
     for slot, b in enumerate(blocks):  # what the connector writes: page `slot` from block `b`
@@ -44,11 +45,11 @@ def test_page_interior_matches_vllm_kernel(isa, head_dim):
 @pytest.mark.parametrize("fmt", ["packed", "cpu_vec", "cpu_amx"])
 def test_pack_state_is_the_inverse(fmt):
     """`pack_state` (the benchmark's/tests' stand-in sender) writes the same interiors."""
-    from nexrt_vllm.node.convert import pack_state
+    from nexrt_vllm.testing.senders import pack_state
 
     heads, bs, d, seq_len = 2, 32, 64, 70
     shape = (heads, bs, 2 * d)
-    layout = P.Layout({"num_hidden_layers": 1}, bs, (P.AttentionLayout(0, "bfloat16", shape, (bs * 2 * d, 2 * d, 1),
+    layout = L.Layout({"num_hidden_layers": 1}, bs, (L.AttentionLayout(0, "bfloat16", shape, (bs * 2 * d, 2 * d, 1),
                                                                       kv_format=fmt),))
     want = AttentionState(k=torch.randn(heads, seq_len, d).to(torch.bfloat16),
                           v=torch.randn(heads, seq_len, d).to(torch.bfloat16))

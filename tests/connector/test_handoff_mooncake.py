@@ -9,7 +9,7 @@ tests/connector/test_state_parity.py checks the received state numerically as we
 """
 import pytest
 
-from nexrt_vllm.testing.connector_harness import (TRAINED, NodeProc, VLLMProc, assert_vllm_greedy, continue_on_node, hand_off,
+from nexrt_vllm.testing.connector_harness import (NodeProc, VLLMProc, assert_vllm_greedy, continue_on_node, hand_off,
                                nexrt_kv_config, periodic_prompt, vllm_greedy)
 
 pytestmark = pytest.mark.timeout(600)
@@ -18,17 +18,12 @@ MAX_TOKENS = 33  # vLLM's first token + 32 from the node
 
 
 @pytest.fixture(scope="module")
-def dense_ckpt(ckpt_factory):
-    return ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
-
-
-@pytest.fixture(scope="module")
-def nodes(dense_ckpt, tmp_path_factory):
+def nodes(trained_ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("nodes_mooncake")
     ns = []
     try:
         for i in range(2):
-            ns.append(NodeProc(dense_ckpt, "mooncake", str(d / f"node{i}.log"), str(d),
+            ns.append(NodeProc(trained_ckpt, "mooncake", str(d / f"node{i}.log"), str(d),
                                extra_args=("--dtype", "float32")))
         yield ns
     finally:
@@ -37,10 +32,10 @@ def nodes(dense_ckpt, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vllm(dense_ckpt, tmp_path_factory):
+def vllm(trained_ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm_mooncake")
     # 512 tokens per step: prompts above it prefill in several chunks.
-    v = VLLMProc({"model": dense_ckpt, "max_num_batched_tokens": 512,
+    v = VLLMProc({"model": trained_ckpt, "max_num_batched_tokens": 512,
                   "kv_transfer_config": nexrt_kv_config("mooncake")}, str(d / "vllm.log"))
     try:
         yield v

@@ -56,8 +56,11 @@ class CountingLock:
 
 
 def _connector(role):
+    hf = SimpleNamespace(num_hidden_layers=4, hidden_size=128, vocab_size=384, architectures=["Qwen3NextForCausalLM"])
     cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_producer=True, kv_connector_extra_config={}),
-                          parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+                          parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+                          model_config=SimpleNamespace(model="tiny", hf_config=hf, hf_text_config=hf, dtype="bfloat16"),
+                          cache_config=SimpleNamespace(cache_dtype="auto"))
     return NexRTConnector(cfg, role, None)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nexrt_vllm.testing.connector_harness import TRAINED, RecordingReceiver, VLLMProc, nexrt_kv_config, periodic_prompt
-from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.node.convert import unpack_state
 
 pytestmark = pytest.mark.timeout(600)
@@ -42,7 +42,7 @@ def _received(rx, rid):
     off, size, layout, regions, n = rx.begun[rid]
     assert rx.done[rid] == sum(r.nbytes for r in regions)  # every page written exactly once
     raw = rx.buf[off:off + size].clone()
-    wrong = P.Layout(layout.model, layout.block_size, tuple(
+    wrong = L.Layout(layout.model, layout.block_size, tuple(
         dataclasses.replace(lay, kv_format="packed") if lay.kind == "attention"
         else dataclasses.replace(lay, rec_layout="HVK") for lay in layout.layers))
     return layout, unpack_state(raw, layout, regions, n, F32), unpack_state(raw, wrong, regions, n, F32)

@@ -2,15 +2,16 @@
 import msgpack
 import pytest
 
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 
 
 def _layout(**over):
-    return P.Layout(
+    return L.Layout(
         model={"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 100},
         block_size=16,
-        layers=(P.GDNLayout(0, "SD", "bfloat16", (3, 96), (96, 1), "HVK", "float32", (4, 8, 16), (128, 16, 1)),
-                P.AttentionLayout(3, "bfloat16", (2, 16, 64), (1024, 64, 1))),
+        layers=(L.GDNLayout(0, "SD", "bfloat16", (3, 96), (96, 1), "HVK", "float32", (4, 8, 16), (128, 16, 1)),
+                L.AttentionLayout(3, "bfloat16", (2, 16, 64), (1024, 64, 1))),
         **over)
 
 
@@ -23,7 +24,30 @@ def test_every_message_round_trips():
             P.Error("r1", "duplicate_done", "m")]
     for m in msgs:
         assert P.decode(P.encode(m)) == m
-    assert P.Layout.from_wire(lay) == _layout()
+    assert L.Layout.from_wire(lay) == _layout()
+
+
+def test_sharded_layouts_and_parts_round_trip():
+    from nexrt_vllm.handoff.sharding import Sharding
+
+    lay = _layout(sharding=Sharding(4, 3, None, (3, 4), (6, 8)))
+    wire = lay.to_wire()
+    assert wire["version"] == L.LAYOUT_VERSION == 2 and wire["sharding"]["kv_heads"] is None
+    assert L.Layout.from_wire(wire) == lay
+    unsharded = _layout().to_wire()
+    assert "sharding" not in unsharded
+    assert L.Layout.from_wire({**unsharded, "version": 1}).sharding is None  # version 1 still taken
+    for m in (P.Done("r", 1, 40, 9, part=3), P.Abort("r", 1, "x", part=2)):
+        assert P.decode(P.encode(m)) == m
+    # a sender that names no part: part 0 (an unsharded hand-off)
+    raw = msgpack.packb({"type": "done", "v": P.PROTOCOL_VERSION, "rid": "r", "generation": 1, "seq_len": 3,
+                         "nbytes": 1})
+    assert P.decode(raw).part == 0
+    with pytest.raises(P.ProtocolError):
+        P.decode(msgpack.packb({"type": "done", "v": P.PROTOCOL_VERSION, "rid": "r", "generation": 1,
+                                "seq_len": 3, "nbytes": 1, "part": "0"}))
+    regs = lay.regions(33, base=1000)
+    assert regs[0].offset == P.align_up(1000)
 
 
 def test_regions_are_aligned_and_sized():
@@ -53,7 +77,15 @@ def test_bad_messages_are_typed_refusals(raw, reason):
 
 
 @pytest.mark.parametrize("mutate,reason", [
-    (lambda d: d.update(version=2), P.Reason.LAYOUT_VERSION),
+    (lambda d: d.update(version=L.LAYOUT_VERSION + 1), P.Reason.LAYOUT_VERSION),
+    (lambda d: d.update(version=True), P.Reason.LAYOUT_VERSION),
+    (lambda d: d.update(sharding={"tp_size": 2, "tp_rank": 2, "kv_heads": None, "k_heads": [0, 1],
+                                  "v_heads": [0, 2]}), P.Reason.BAD_MESSAGE),
+    (lambda d: d.update(sharding={"tp_size": 2, "tp_rank": 0, "k_heads": [1, 0], "v_heads": [0, 2]}),
+     P.Reason.BAD_MESSAGE),
+    (lambda d: d.update(sharding={"tp_size": 2, "tp_rank": 0, "v_heads": [0, 2]}), P.Reason.BAD_MESSAGE),
+    (lambda d: d.update(version=1, sharding={"tp_size": 2, "tp_rank": 0, "kv_heads": [0, 1], "k_heads": [0, 1],
+                                             "v_heads": [0, 2]}), P.Reason.BAD_MESSAGE),
     (lambda d: d["layers"][0].update(conv_layout="XY"), P.Reason.BAD_MESSAGE),
     (lambda d: d["layers"][1].update(dtype="float64"), P.Reason.BAD_MESSAGE),
     (lambda d: d["layers"][1].update(kind="mamba"), P.Reason.BAD_MESSAGE),
@@ -65,5 +97,5 @@ def test_bad_layouts_are_typed_refusals(mutate, reason):
     d = _layout().to_wire()
     mutate(d)
     with pytest.raises(P.ProtocolError) as ei:
-        P.Layout.from_wire(d)
+        L.Layout.from_wire(d)
     assert ei.value.reason is reason

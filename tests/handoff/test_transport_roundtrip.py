@@ -48,3 +48,31 @@ def test_unknown_peer_info_is_refused(pair):
     send = pair[0]
     with pytest.raises(TransferError):
         send.connect({"backend": "other"})
+
+
+def test_mooncake_protocols_must_match(monkeypatch):
+    """Both ends use NEXRT_MOONCAKE_PROTOCOL; a sender refuses a node on another protocol, and GPU-only
+    protocols need the CUDA build (this machine's wheel is not one)."""
+    from mooncake import engine
+
+    recv = make_receiver("mooncake")
+    send = make_sender("mooncake")
+    try:
+        info = recv.peer_info()
+        assert info["protocol"] == "tcp" and send.connect(info) == info["target"]
+        with pytest.raises(TransferError, match="node's mooncake protocol is 'nvlink_intra'"):
+            send.connect({**info, "protocol": "nvlink_intra"})
+        assert ("device" in send.memory_kinds) == bool(engine.SUPPORT_CUDA)
+        if not engine.SUPPORT_CUDA:
+            with pytest.raises(ValueError, match="cannot register 'device' memory"):
+                send.register(1 << 20, 4096, "device")
+    finally:
+        send.close()
+        recv.close()
+    monkeypatch.setenv("NEXRT_MOONCAKE_PROTOCOL", "rdma2")
+    with pytest.raises(TransferError, match="not one of"):
+        make_sender("mooncake")
+    if not engine.SUPPORT_CUDA:
+        monkeypatch.setenv("NEXRT_MOONCAKE_PROTOCOL", "nvlink_intra")
+        with pytest.raises(TransferError, match="needs the CUDA build"):
+            make_sender("mooncake")

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import zmq
 
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.sender import HandoffError, HandoffSender
 from nexrt_vllm.handoff.transport import make_receiver
 
-LAYOUT = P.Layout(model={"num_hidden_layers": 1}, block_size=4,
-                  layers=(P.AttentionLayout(0, "bfloat16", (1, 4, 8), (32, 8, 1)),))  # 64-byte pages
+LAYOUT = L.Layout(model={"num_hidden_layers": 1}, block_size=4,
+                  layers=(L.AttentionLayout(0, "bfloat16", (1, 4, 8), (32, 8, 1)),))  # 64-byte pages
 
 
 class ScriptedNode:
@@ -124,5 +125,28 @@ def test_adjacent_pages_coalesce(receiver, sender):
         assert np.array_equal(receiver[1][:128], src[128:256]) and np.array_equal(receiver[1][128:192], src[:64])
         done = [m for m in node.got if m.type == "done"][-1]
         assert (done.rid, done.generation, done.seq_len, done.nbytes) == ("pages", 4, 12, 192)
+    finally:
+        node.close()
+
+
+@pytest.mark.parametrize("hello", [
+    lambda m: P.Refuse("layout_mismatch", "model num_hidden_layers=4, node serves 8"),
+    lambda m: P.HelloOk({"backend": "nixl", "agent": "x", "metadata": b""}, {}),  # foreign transport
+], ids=["refused", "foreign_transport"])
+def test_failed_hello_aborts_the_admission(receiver, sender, hello):
+    """A node that answers but cannot be served is told at once (abort with the reason), so its
+    admission ends now instead of at its begin deadline."""
+    node = _node(receiver, hello=hello)
+    try:
+        with pytest.raises(HandoffError) as ei:
+            sender[0].begin(node.addr, LAYOUT, "r-hello", 7, 8)
+        assert ei.value.reason in (P.Reason.LAYOUT_MISMATCH, P.Reason.TRANSFER_FAILED)
+        deadline = time.monotonic() + 2
+        while len(node.got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        hello_msg, abort = node.got[-2:]
+        assert (hello_msg.type, abort.type, abort.rid, abort.generation) == ("hello", "abort", "r-hello", 7)
+        assert ei.value.reason.value in abort.reason
+        assert [m.type for m in node.got].count("begin") == 0
     finally:
         node.close()

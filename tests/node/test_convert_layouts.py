@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from nexrt_vllm.engine.state import AttentionState, GDNState
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
-from nexrt_vllm.node.convert import check_layout, layout_for, pack_state, unpack_state
+from nexrt_vllm.node.convert import unpack_state
+from nexrt_vllm.testing.senders import layout_for, pack_state
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +36,14 @@ NATIVE = {"kv": torch.bfloat16, "conv": torch.bfloat16, "rec": torch.float32}
 
 
 @pytest.mark.parametrize("conv,rec,rec_dtype,kv_format,kv_dtype", list(itertools.product(
-    ["SD", "DS"], ["HVK", "HKV"], ["float32", "bfloat16"], ["packed", "cpu_vec"], ["bfloat16", "float32"])))
+    ["SD", "DS"], ["HVK", "HKV"], ["float32", "bfloat16"], ["packed", "packed_nhd", "cpu_vec"],
+    ["bfloat16", "float32"])))
 def test_round_trip_every_layout(cfg, conv, rec, rec_dtype, kv_format, kv_dtype):
     seq_len = 37  # 3 pages of 16, the last one partial
     state = _state(cfg, seq_len, torch.Generator().manual_seed(1))
+    interior = "NHD" if kv_format == "packed_nhd" else "HND"  # NHD: FlashAttention's LBNHC pages
     lay = layout_for(cfg, block_size=16, conv_layout=conv, rec_layout=rec, rec_dtype=rec_dtype,
-                     kv_format=kv_format, kv_dtype=kv_dtype)
+                     kv_format=kv_format.removesuffix("_nhd"), kv_dtype=kv_dtype, kv_interior=interior)
     cache, pages = pack_state(state, seq_len, lay)
     regions = lay.regions(seq_len)
     buf = torch.zeros(regions[-1].offset + regions[-1].nbytes, dtype=torch.uint8)
@@ -77,7 +81,7 @@ def test_hand_built_vllm_pages_convert_to_native(cfg):
     rg = regions[gdn.index]
     page = torch.cat([conv_sd.reshape(-1).view(torch.uint8), rec_hvk.reshape(-1).view(torch.uint8)])
     buf[rg.offset: rg.offset + rg.nbytes] = page
-    got = unpack_state(buf, P.Layout(lay.model, bs, (attn, gdn)), [ra, rg], seq_len, NATIVE)
+    got = unpack_state(buf, L.Layout(lay.model, bs, (attn, gdn)), [ra, rg], seq_len, NATIVE)
     native = AttentionState.from_named(got, attn.index)
     k, v = native.k, native.v
     for t in range(seq_len):
@@ -100,7 +104,7 @@ def test_cpu_vec_page_interior(cfg):
     reg = lay.regions(seq_len)[attn.index]
     buf = torch.zeros(reg.offset + reg.nbytes, dtype=torch.uint8)
     buf[reg.offset:] = page.reshape(-1).view(torch.uint8)
-    got = unpack_state(buf, P.Layout(lay.model, bs, (attn,)), [reg], seq_len, NATIVE)
+    got = unpack_state(buf, L.Layout(lay.model, bs, (attn,)), [reg], seq_len, NATIVE)
     native = AttentionState.from_named(got, attn.index)
     assert torch.equal(native.k, kt.transpose(1, 2))
     assert torch.equal(native.v, v)
@@ -108,16 +112,16 @@ def test_cpu_vec_page_interior(cfg):
 
 def test_layout_of_another_model_is_refused(cfg, qwen3_5_ckpt):
     from nexrt_vllm.engine import ModelConfig
-    check_layout(layout_for(cfg), cfg)
+    L.check_layout(layout_for(cfg), cfg)
     other = ModelConfig.from_pretrained(qwen3_5_ckpt)
     with pytest.raises(P.ProtocolError) as ei:
-        check_layout(layout_for(other), cfg)
+        L.check_layout(layout_for(other), cfg)
     assert ei.value.reason is P.Reason.LAYOUT_MISMATCH
     lay = layout_for(cfg)
-    swapped = tuple(P.AttentionLayout(x.index, "bfloat16", (cfg.num_kv_heads, 16, 2 * cfg.head_dim),
+    swapped = tuple(L.AttentionLayout(x.index, "bfloat16", (cfg.num_kv_heads, 16, 2 * cfg.head_dim),
                                       (32 * cfg.head_dim, 2 * cfg.head_dim, 1)) if x.kind == "gdn" else x
                     for x in lay.layers)
     with pytest.raises(P.ProtocolError, match="node has GDN"):
-        check_layout(P.Layout(lay.model, 16, swapped), cfg)
+        L.check_layout(L.Layout(lay.model, 16, swapped), cfg)
     with pytest.raises(P.ProtocolError, match="covers layers"):
-        check_layout(P.Layout(lay.model, 16, lay.layers[1:]), cfg)
+        L.check_layout(L.Layout(lay.model, 16, lay.layers[1:]), cfg)

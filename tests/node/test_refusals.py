@@ -3,9 +3,10 @@ unknown or duplicate rid, start for an unknown rid, malformed HTTP bodies. Each 
 node free and is counted by reason in /metrics."""
 import pytest
 
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.sender import HandoffError, HandoffSender
-from nexrt_vllm.node.convert import layout_for
+from nexrt_vllm.testing.senders import layout_for
 from nexrt_vllm.testing.node_process import NodeProcess, control_request
 
 MAX_SEQ = 256
@@ -47,7 +48,7 @@ def test_garbage_control_message(node):
 
 def test_wrong_layout_version(node, cfgs):
     wire = layout_for(cfgs[0]).to_wire()
-    wire["version"] = P.LAYOUT_VERSION + 1
+    wire["version"] = L.LAYOUT_VERSION + 1
     rep = control_request(node.control_addr, {"type": "hello", "v": P.PROTOCOL_VERSION, "layout": wire})
     assert (rep["type"], rep["reason"]) == ("refuse", "layout_version")
 

@@ -18,13 +18,13 @@ TRANSFER_TIMEOUT = 2.0
 CHILD = r"""
 import json, os, sys
 import numpy as np
-from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff.sender import HandoffSender
 transport, addr, rid, gen, seq_len, layout = sys.argv[1:7]
 src = np.random.default_rng(0).integers(0, 255, 1 << 20, dtype=np.uint8)
 s = HandoffSender(transport)
 s.register(src.ctypes.data, src.nbytes)
-t = s.begin(addr, P.Layout.from_wire(json.loads(layout)), rid, int(gen), int(seq_len))
+t = s.begin(addr, L.Layout.from_wire(json.loads(layout)), rid, int(gen), int(seq_len))
 first = next(iter(t.regions.values()))
 t.write([(src.ctypes.data, first.offset, first.page_bytes)])
 print("wrote", flush=True)

@@ -42,7 +42,7 @@ def test_queue_full_429_and_fifo(tok_dir):
             t.start()
             threads.append(t)
             # Wait until it is running/queued so that arrival order is well defined.
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30
             while s.health()["slots_busy"] + s.health()["queue_depth"] < i + 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
@@ -73,7 +73,9 @@ def test_queue_timeout_429(tok_dir):
         results = {}
         t = threading.Thread(target=post, args=(s.url, "long", results))
         t.start()
+        deadline = time.monotonic() + 30
         while s.health()["slots_busy"] < 1:
+            assert time.monotonic() < deadline, "the long request never took the node"
             time.sleep(0.01)
         t0 = time.monotonic()
         post(s.url, "late", results)

@@ -1,6 +1,7 @@
 """Client disconnect at any stage: during prefill the vLLM request is closed (vLLM aborts it) and
 the node reservation cancelled; during decode the node stops; the slot is released exactly once."""
 import socket
+import time
 
 import pytest
 import requests
@@ -47,3 +48,26 @@ def test_disconnect_during_decode(stack):
     node.token_delay = 0.0
     assert node.rid is None and len(node.generated) == gen   # decode stopped early
     assert len(node.emit_times) < 200
+
+
+def test_disconnect_while_the_node_admits(stack):
+    """The node has reserved its slot but its admit answer is not out when the client leaves: the
+    router still cancels that reservation, so the slot is not held until the node's begin
+    deadline (the next request is admitted at once)."""
+    node = stack.nodes[0]
+    node.admit_delay = 1.0
+    cancels = len(node.cancels)
+    try:
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(stack.url + "/v1/completions", timeout=0.3, json={
+                "model": "tiny", "prompt": "leave during admit", "max_tokens": 8})
+        wait(lambda: node.rid is None, timeout=3)
+        assert len(node.cancels) == cancels + 1
+    finally:
+        node.admit_delay = 0.0
+    assert stack.idle()
+    t0 = time.monotonic()
+    r = requests.post(stack.url + "/v1/completions", timeout=10,
+                      json={"model": "tiny", "prompt": "next", "max_tokens": 4})
+    assert r.status_code == 200 and "x-nexrt-degraded" not in r.headers
+    assert time.monotonic() - t0 < 1.0

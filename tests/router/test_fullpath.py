@@ -9,86 +9,24 @@ test the router and the nodes report 0 in flight and vLLM's KV blocks are all fr
 The tests share one vLLM (≈1 min to start on CPU) and run in file order: the later ones kill
 processes.
 """
-import asyncio
 import json
 import os
 import signal
 import socket
 import time
 
-import random
-
 import openai
 import pytest
 import requests
-from tokenizers import Tokenizer
 
 from nexrt_vllm.testing.connector_harness import TRAINED
-
-from nexrt_vllm.demo.cli import Procs, vllm_argv, wait_file, wait_http
-from nexrt_vllm.router.server import ROUTER_KEY, build_parser, make_app
-from nexrt_vllm.testing.router_fakes import Loop, free_port
-
-MAX_LEN = 2048
-ENV = {"OMP_NUM_THREADS": "1", "NEXRT_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def periodic_texts(ckpt: str) -> list[str]:
-    """Two prompts whose tokens are periodic (distinct whole-word tokens repeated), written as text
-    with a leading space so that, alone or inside the chat template, they tokenize to exactly those
-    words (checked)."""
-    tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
-    words = sorted(w for w in tok.get_vocab() if w.startswith("\u2581") and w[1:].isalpha() and len(w) >= 3)
-    rng = random.Random(0)
-    out = []
-    for p, n in ((5, 17), (3, 10)):
-        seg = rng.sample(words, p)
-        text = "".join(seg[i % p] for i in range(n)).replace("\u2581", " ")
-        assert tok.encode(text).ids == [tok.token_to_id(seg[i % p]) for i in range(n)], text
-        out.append(text)
-    return out
-
-
-class Real:
-    def __init__(self, ckpt, workdir):
-        self.ckpt = ckpt
-        self.procs = Procs(str(workdir))
-        self.vllm_url = f"http://127.0.0.1:{free_port()}"
-        self.vllm = self.procs.start("vllm", vllm_argv(ckpt, int(self.vllm_url.rsplit(":", 1)[1]),
-                                                       MAX_LEN, "mooncake"), env=ENV)
-        self.nodes, self.node_urls = [], []
-        for i in range(2):
-            ready = os.path.join(workdir, f"node{i}.ready")
-            self.nodes.append(self.procs.start(f"node{i}", [
-                "python3", "-m", "nexrt_vllm.node.server", "--model", ckpt, "--port", "0",
-                "--transport", "mooncake", "--max-seq-len", str(MAX_LEN), "--ready-file", ready],
-                env=ENV))
-            self.node_urls.append(ready)
-        self.node_urls = [asyncio.run(wait_file(r, self.procs, 300, "decode node"))["url"]
-                          for r in self.node_urls]
-        asyncio.run(wait_http(self.vllm_url + "/health", self.procs, 600, "vLLM"))
-        self.loop = Loop()
-        self.dead: int | None = None     # index of the node a test killed
-
-    def live(self):
-        return [i for i in range(len(self.nodes)) if i != self.dead]
-
-    def router(self, *args):
-        argv = ["--vllm-url", self.vllm_url, "--default-class", "interactive",
-                "--health-interval", "0.5", "--node-timeout", "30"]
-        for u in self.node_urls:
-            argv += ["--decode-url", u]
-        app = make_app(build_parser().parse_args(argv + list(args)))
-        return self.loop.serve(app), app[ROUTER_KEY]
-
-    def close(self):
-        self.loop.close()
-        self.procs.stop()
+from nexrt_vllm.testing.real_stack import MAX_LEN, RealStack, assert_idle, metric, periodic_texts, text_of
+from nexrt_vllm.testing.real_stack import vllm_only as _vllm_only
 
 
 @pytest.fixture(scope="module")
 def real(ckpt_factory, tmp_path_factory):
-    r = Real(ckpt_factory("qwen3_next", "bfloat16", **TRAINED), str(tmp_path_factory.mktemp("fullpath")))
+    r = RealStack(ckpt_factory("qwen3_next", "bfloat16", **TRAINED), str(tmp_path_factory.mktemp("fullpath")))
     yield r
     r.close()
 
@@ -98,55 +36,9 @@ def router(real):
     return real.router()
 
 
-def metric(url, name, label=""):
-    """Sum of a Prometheus metric's samples (those whose labels contain `label`)."""
-    total, found = 0.0, False
-    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name) and line[len(name)] in " {" and label in line:
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    assert found, f"{name} not in {url}/metrics"
-    return total
-
-
-def assert_idle(real, router_url, live_nodes=(0, 1), vllm_up=True, timeout=20):
-    """0 in flight on the router and the nodes, and every vLLM KV block free again."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            state = [metric(router_url, "nexrt_router_inflight"),
-                     *(metric(real.node_urls[i], "nexrt_busy_slots") for i in live_nodes)]
-            if vllm_up:
-                state += [metric(real.vllm_url, "vllm:num_requests_running"),
-                          metric(real.vllm_url, "vllm:kv_cache_usage_perc")]
-            if not any(state):
-                return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-        assert time.monotonic() < deadline, f"not idle: {state}"
-        time.sleep(0.2)
-
-
 def vllm_only(real, kind, prompt, n):
-    """vLLM-only greedy generation of n tokens (a plain request, not claimed by the connector):
-    (prompt ids, completion ids)."""
-    body = {"model": real.ckpt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-    if kind == "chat":
-        r = requests.post(real.vllm_url + "/v1/chat/completions", timeout=120,
-                          json={**body, "messages": [{"role": "user", "content": prompt}]}).json()
-        pids = r["prompt_token_ids"]
-    else:
-        r = requests.post(real.vllm_url + "/v1/completions", timeout=120, json={**body, "prompt": prompt}).json()
-        pids = r["choices"][0]["prompt_token_ids"]
-    assert "nexrt" not in (r.get("kv_transfer_params") or {}), r
-    return pids, r["choices"][0]["token_ids"]
-
-
-def text_of(real, prompt_ids, ids):
-    tok = Tokenizer.from_file(os.path.join(real.ckpt, "tokenizer.json"))
-    full = tok.decode(prompt_ids + ids, skip_special_tokens=True)
-    return full[len(tok.decode(prompt_ids, skip_special_tokens=True)):]
+    """vLLM-only greedy generation of n tokens: (prompt ids, completion ids)."""
+    return _vllm_only(real, kind, prompt, n)[:2]
 
 
 def test_openai_client_over_the_real_path(real, router):
@@ -161,7 +53,7 @@ def test_openai_client_over_the_real_path(real, router):
     for prompt in periodic_texts(real.ckpt):
         pids, ref = vllm_only(real, "completion", prompt, n)
         assert len(ref) == n
-        text = text_of(real, pids, ref)
+        text = text_of(real.ckpt, pids, ref)
         r = c.completions.create(model=real.ckpt, prompt=prompt, **greedy,
                                  extra_body={**extra, "return_token_ids": True})
         assert r.choices[0].token_ids == ref
@@ -174,7 +66,7 @@ def test_openai_client_over_the_real_path(real, router):
         assert chunks[-1].usage.completion_tokens == n
 
         pids, ref = vllm_only(real, "chat", prompt, n)
-        text = text_of(real, pids, ref)
+        text = text_of(real.ckpt, pids, ref)
         msgs = [{"role": "user", "content": prompt}]
         r = c.chat.completions.create(model=real.ckpt, messages=msgs, **greedy,
                                       extra_body={**extra, "return_token_ids": True})

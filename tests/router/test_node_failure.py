@@ -1,13 +1,16 @@
 """Node failures: death mid-stream → SSE error event + [DONE] (fail closed) and ejection, next
-request served by the other node; a node down before the start → fail-over, or a clear 503 when
-none is left; health checks re-admit a node that comes back; a failed hand-off reported by the
-node → error, never a truncated success."""
+request served by the other node; a node down before the start → fail-over, or (with
+--fallback error) a clear 503 when none is left; health checks re-admit a node that comes back; a
+failed hand-off reported by the node → (--fallback error) an error, never a truncated success.
+What the default --fallback standard makes of the same failures: tests/router/test_fallback.py."""
 import json
 import time
 
 import pytest
 import requests
 
+from nexrt_vllm.handoff.contracts import HandoffReport, HandoffStatus
+from nexrt_vllm.handoff.protocol import Reason
 from nexrt_vllm.testing.router_fakes import Stack, tokenizer_dir, wait
 
 
@@ -55,7 +58,7 @@ def test_node_dies_mid_stream_then_failover(tok_dir):
 
 def test_node_down_before_start(tok_dir):
     # Health checks effectively off: the router learns of the dead node only at admission.
-    s = Stack(tok_dir, n_nodes=2, router_args=("--health-interval", "3600"))
+    s = Stack(tok_dir, n_nodes=2, router_args=("--health-interval", "3600", "--fallback", "error"))
     try:
         s.loop.stop_app(s.node_urls[0])
         for _ in range(2):        # whichever node round-robin picks first, the request succeeds
@@ -86,7 +89,7 @@ def test_health_checks_eject_and_readmit(tok_dir):
 
 
 def test_failed_handoff_is_an_error(tok_dir):
-    s = Stack(tok_dir, n_nodes=1)
+    s = Stack(tok_dir, n_nodes=1, router_args=("--fallback", "error"))
     try:
         s.nodes[0].finish_error = "transfer aborted: sender vanished"
         r = complete(s.url, stream=False)
@@ -120,9 +123,10 @@ def test_busy_node_is_retried_not_ejected(tok_dir):
 def test_connector_reported_handoff_failure(tok_dir):
     # vLLM's answer says the connector could not hand the state over: clear 502 at once (no
     # wait for the node's transfer timeout), the node reservation is cancelled.
-    s = Stack(tok_dir, n_nodes=1)
+    s = Stack(tok_dir, n_nodes=1, router_args=("--fallback", "error"))
     try:
-        s.vllm.handoff_status = {"status": "failed", "reason": "refused", "error": "too_long"}
+        s.vllm.handoff_status = HandoffReport(HandoffStatus.FAILED, reason=Reason.TOO_LONG,
+                                              error="seq_len 5000 exceeds max_seq_len 4096")
         for stream in (False, True):
             r = complete(s.url, stream=stream)
             assert r.status_code == 502 and "hand-off" in r.json()["error"]["message"]

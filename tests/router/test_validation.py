@@ -36,6 +36,8 @@ CASES = [
     ("completions", {**CMPL, "top_p": 0}, 400, "top_p"),
     ("completions", {**CMPL, "top_k": -5}, 400, "top_k"),
     ("completions", {**CMPL, "seed": "x"}, 400, "seed"),
+    ("completions", {**CMPL, "seed": -1}, 400, "seed"),             # the node's range: [0, 2**63)
+    ("completions", {**CMPL, "seed": 2**63}, 400, "seed"),
     ("completions", {**CMPL, "stream": "yes"}, 400, "stream"),
     ("completions", {**CMPL, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completions", {**CMPL, "stop": 3}, 400, "stop"),
@@ -54,8 +56,9 @@ CASES = [
     ("completions", {**CMPL, "min_p": 0.1}, 501, "min_p"),
     ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 501,
      "response_format"),
+    # Without --enable-auto-tool-choice: vLLM's own 400.
     ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     501, "tools"),
+     400, "--enable-auto-tool-choice"),
     ("completions", {**CMPL, "prompt": ["a", "b"]}, 501, "batched prompts"),
     ("completions", {**CMPL, "echo": True}, 501, "echo"),
 ]
@@ -82,15 +85,19 @@ def test_bad_class_header(stack):
 
 def test_over_context_after_prefill(stack):
     # The prompt length is known only after prefill: prompt + max_tokens over the node's limit
-    # → 400, and the node reservation is released.
+    # but within vLLM's → the standard path serves it (reason too_long), the node reservation is
+    # released. (With --fallback error: 400, tests/router/test_fallback.py.)
     node = stack.nodes[0]
     node.max_seq_len = 8
     time.sleep(0.5)                  # the router reads /capabilities at its health checks
     try:
         r = requests.post(f"{stack.url}/v1/completions", timeout=10, json={
-            **CMPL, "prompt": "a b c d e f", "max_tokens": 5})
-        assert r.status_code == 400
-        assert "maximum context length is 8" in r.json()["error"]["message"]
+            **CMPL, "prompt": "a b c d e f", "max_tokens": 5, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-nexrt-degraded"] == "too_long"
+        m = stack.model
+        assert r.json()["choices"][0]["token_ids"] == m.continuation(m.tok.encode("a b c d e f").ids, 5)
+        assert r.json()["nexrt_timing"]["degraded"]["reason"] == "too_long"
     finally:
         node.max_seq_len = 4096
         time.sleep(0.5)

@@ -10,29 +10,28 @@ import importlib
 from nexrt_vllm.handoff.transport.base import (ReceiverTransport, SenderTransport, TransferError, TransferInFlight,
                                                Write, coalesce)
 
-# name -> (module, receiver class, sender class)
+# name -> (module, receiver class, sender class, whether they take the address to advertise)
 _BACKENDS = {
-    "mooncake": ("nexrt_vllm.handoff.transport.mooncake", "MooncakeReceiver", "MooncakeSender"),
-    "nixl": ("nexrt_vllm.handoff.transport.nixl", "NixlReceiver", "NixlSender"),
+    "mooncake": ("nexrt_vllm.handoff.transport.mooncake", "MooncakeReceiver", "MooncakeSender", True),
+    "nixl": ("nexrt_vllm.handoff.transport.nixl", "NixlReceiver", "NixlSender", False),
 }
 TRANSPORTS = tuple(_BACKENDS)
 
 
-def _backend(name: str, role: int):
+def _make(name: str, role: int, host: str):
     if name not in _BACKENDS:
         raise ValueError(f"unknown transport {name!r} ({' | '.join(TRANSPORTS)})")
-    mod, *classes = _BACKENDS[name]
-    return getattr(importlib.import_module(mod), classes[role])
+    mod, receiver, sender, takes_host = _BACKENDS[name]
+    cls = getattr(importlib.import_module(mod), (receiver, sender)[role])
+    return cls(host) if takes_host else cls()
 
 
 def make_receiver(name: str, host: str = "127.0.0.1") -> ReceiverTransport:
-    cls = _backend(name, 0)
-    return cls(host) if name == "mooncake" else cls()
+    return _make(name, 0, host)
 
 
 def make_sender(name: str, host: str = "127.0.0.1") -> SenderTransport:
-    cls = _backend(name, 1)
-    return cls(host) if name == "mooncake" else cls()
+    return _make(name, 1, host)
 
 
 __all__ = ["TRANSPORTS", "ReceiverTransport", "SenderTransport", "TransferError", "TransferInFlight", "Write",

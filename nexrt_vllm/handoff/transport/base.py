@@ -8,9 +8,12 @@ by ``nexrt_vllm.handoff`` against the region the node assigned, and by the engin
 (Mooncake's server and NIXL's descriptor lookup reject writes outside registered memory).
 
 Memory kinds: ``"host"`` (plain or pinned DRAM) is supported by every backend; ``"device"``
-(GPU memory registered directly, needs the CUDA builds) only where ``memory_kinds`` says so.
-The decode node picks the kind (``--recv-memory``); with pinned host buffers it does one async
-host-to-device copy per request before conversion (``nexrt_vllm.node.buffers``).
+(GPU memory registered directly, needs the CUDA builds) only where ``memory_kinds`` says so;
+``device`` is then the CUDA device index. The decode node picks the kind (``--recv-memory``); with
+pinned host buffers it does one async host-to-device copy per request before conversion
+(``nexrt_vllm.node.buffers``). The connector registers vLLM's KV cache as ``"device"`` on a GPU,
+or stages pages through pinned host memory where the backend cannot read GPU memory
+(``nexrt_vllm.connector.staging``).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ class ReceiverTransport(abc.ABC):
     memory_kinds: tuple[str, ...] = ("host",)
 
     @abc.abstractmethod
-    def register(self, addr: int, size: int, kind: str = "host") -> None:
+    def register(self, addr: int, size: int, kind: str = "host", device: int = 0) -> None:
         """Register a receive buffer (once, at start)."""
 
     @abc.abstractmethod
@@ -50,7 +53,7 @@ class SenderTransport(abc.ABC):
     memory_kinds: tuple[str, ...] = ("host",)
 
     @abc.abstractmethod
-    def register(self, addr: int, size: int, kind: str = "host") -> None:
+    def register(self, addr: int, size: int, kind: str = "host", device: int = 0) -> None:
         """Register a source region (once; e.g. vLLM's KV cache tensors)."""
 
     @abc.abstractmethod

@@ -36,12 +36,10 @@ class _NixlBase:
         self._regs = []
         self._dev = 0
 
-    def register(self, addr: int, size: int, kind: str = "host") -> None:
+    def register(self, addr: int, size: int, kind: str = "host", device: int = 0) -> None:
         _check_kind(self, kind)
-        # device memory needs the GPU id; CUDA buffers are registered on the current device
-        if kind == "device":
-            import torch
-            self._dev = torch.cuda.current_device()
+        if kind == "device":  # VRAM descriptors carry the GPU index (UCX: cuda_ipc / cuda_copy)
+            self._dev = device
         self._regs.append((addr, self._agent.register_memory([(addr, size, self._dev, "")], _MEM[kind])))
 
     def unregister(self, addr: int) -> None:
@@ -73,8 +71,8 @@ class NixlReceiver(_NixlBase, ReceiverTransport):
         while not self._stop.wait(self.PROGRESS_S):
             self._agent.get_new_notifs()  # progresses the UCX worker as a side effect
 
-    def register(self, addr: int, size: int, kind: str = "host") -> None:
-        super().register(addr, size, kind)
+    def register(self, addr: int, size: int, kind: str = "host", device: int = 0) -> None:
+        super().register(addr, size, kind, device)
         self._kinds.add(kind)
 
     def peer_info(self) -> dict:
@@ -96,8 +94,8 @@ class NixlSender(_NixlBase, SenderTransport):
         self._local_mem = "DRAM"
         self._connect_lock = threading.Lock()  # load each peer's metadata once, whatever the thread
 
-    def register(self, addr: int, size: int, kind: str = "host") -> None:
-        super().register(addr, size, kind)
+    def register(self, addr: int, size: int, kind: str = "host", device: int = 0) -> None:
+        super().register(addr, size, kind, device)
         self._local_mem = _MEM[kind]
 
     def connect(self, peer_info: dict) -> str:

@@ -14,40 +14,27 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import enum
 import logging
 import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import torch
 
+from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff.contracts import AdmissionState, AdmitRequest, CancelReply, GenerateRequest, Refusal
 from nexrt_vllm.handoff.structured import LOGPROB_FLOOR, StructuredError, StructuredSpec
 from nexrt_vllm.node.buffers import RecvBuffer, stage
-from nexrt_vllm.node.convert import check_layout, unpack_state
+from nexrt_vllm.node.parts import PartSet, check_part, load_parts
+from nexrt_vllm.node.faults import Faults
 from nexrt_vllm.node.metrics import NodeMetrics
 
 log = logging.getLogger("nexrt.node")
 
 TOMBSTONES = 4096  # finished rids remembered to refuse duplicates (vLLM may reschedule a request)
-
-
-class State(str, enum.Enum):
-    RESERVED = "reserved"
-    RECEIVING = "receiving"
-    READY = "ready"
-    DECODING = "decoding"
-
-
-class NodeError(Exception):
-    """A refusal with an HTTP status and a wire reason."""
-
-    def __init__(self, status: int, reason: P.Reason | str, message: str):
-        super().__init__(message)
-        self.status, self.reason, self.message = status, P.Reason(reason).value, message
 
 
 @dataclass
@@ -58,19 +45,18 @@ class Options:
     start_timeout: float = 30.0  # done -> generate
     quarantine_s: float = 30.0  # grace for a writer that may outlive its admission
     tick: float = 0.05
+    faults: Faults = field(default_factory=Faults)  # test-only (nexrt_vllm/node/faults.py)
 
 
 @dataclass
 class Admission:
     rid: str
     generation: int
-    state: State
+    state: AdmissionState
     deadline: float
     buffer: RecvBuffer | None = None
-    layout: P.Layout | None = None
-    regions: list[P.Region] = field(default_factory=list)
+    parts: PartSet | None = None  # the hand-off's parts (one unless the prefill runs TP > 1)
     seq_len: int = 0
-    expected_bytes: int = 0
     t_accept: float = 0.0
     transfer_s: float = 0.0
     started: bool = False  # /v1/generate claimed it
@@ -82,7 +68,7 @@ class Admission:
     grammar: asyncio.Future | None = None  # -> the compiled grammar (or the StructuredError)
 
 
-class Node:
+class DecodeNode:
     def __init__(self, engine, cfg, transport, buffers: list[RecvBuffer], opts: Options, *, device: str,
                  control_addr: str, model_name: str, metrics: NodeMetrics | None = None, grammars=None,
                  grammars_missing: str = "structured output is not enabled on this node"):
@@ -101,29 +87,25 @@ class Node:
         self._dtypes = engine.state.native_dtypes()
 
     # ---- admission (HTTP) -------------------------------------------------------------------
-    def admit(self, rid: Any, prompt_len: Any = None, structured: Any = None) -> Admission:
-        if not isinstance(rid, str) or not rid:
-            raise self._refuse(400, P.Reason.BAD_MESSAGE, "rid must be a non-empty string")
-        if prompt_len is not None and (not isinstance(prompt_len, int) or isinstance(prompt_len, bool)
-                                       or prompt_len < 1):
-            raise self._refuse(400, P.Reason.BAD_MESSAGE, "prompt_len must be a positive integer")
-        spec = self.structured_spec(structured)
+    def admit(self, req: AdmitRequest) -> Admission:
+        rid, prompt_len = req.rid, req.prompt_len
+        spec = self.structured_spec(req.structured)
         if (self.current and self.current.rid == rid) or rid in self._tombstones:
-            raise self._refuse(409, P.Reason.DUPLICATE, f"rid {rid!r} was already admitted")
+            raise self._refuse(P.Reason.DUPLICATE, f"rid {rid!r} was already admitted")
         if prompt_len is not None and prompt_len + 1 > self.opts.max_seq_len:
-            raise self._refuse(413, P.Reason.TOO_LONG,
+            raise self._refuse(P.Reason.TOO_LONG,
                                f"prompt_len {prompt_len} + 1 exceeds max_seq_len {self.opts.max_seq_len}")
         if self._decoding is not None:
             if self._decoding.stop.is_set():
-                raise self._refuse(409, P.Reason.CANCELLING, "previous request is still stopping")
-            raise self._refuse(409, P.Reason.BUSY, f"node is decoding {self._decoding.rid!r}")
+                raise self._refuse(P.Reason.CANCELLING, "previous request is still stopping")
+            raise self._refuse(P.Reason.BUSY, f"node is decoding {self._decoding.rid!r}")
         if self.current is not None:
-            raise self._refuse(409, P.Reason.BUSY, f"node is busy with {self.current.rid!r}")
+            raise self._refuse(P.Reason.BUSY, f"node is busy with {self.current.rid!r}")
         now = time.monotonic()
         if not any(b.available(now) for b in self.buffers):
-            raise self._refuse(409, P.Reason.BUSY, "every receive buffer waits for a stale writer")
+            raise self._refuse(P.Reason.BUSY, "every receive buffer waits for a stale writer")
         self._generation += 1
-        adm = Admission(rid, self._generation, State.RESERVED, now + self.opts.admit_timeout,
+        adm = Admission(rid, self._generation, AdmissionState.RESERVED, now + self.opts.admit_timeout,
                         ready=asyncio.get_running_loop().create_future(), structured=spec)
         if spec is not None:
             adm.grammar = self._compile(spec)
@@ -132,20 +114,20 @@ class Node:
         self._update_busy()
         return adm
 
-    def cancel(self, rid: Any) -> dict:
+    def cancel(self, rid: str) -> CancelReply:
         adm = self.current if self.current and self.current.rid == rid else None
         if adm is None and self._decoding is not None and self._decoding.rid == rid:
             adm = self._decoding
         if adm is None:
-            if isinstance(rid, str) and rid in self._tombstones:
-                return {"rid": rid, "cancelled": False, "state": "finished"}
-            raise self._refuse(404, P.Reason.UNKNOWN_RID, f"rid {rid!r} is not in flight")
-        prior = adm.state.value
+            if rid in self._tombstones:
+                return CancelReply(rid, False, AdmissionState.FINISHED)
+            raise self._refuse(P.Reason.UNKNOWN_RID, f"rid {rid!r} is not in flight")
+        prior = adm.state
         adm.cancelled = True
         adm.stop.set()
-        if adm.state is not State.DECODING:
+        if adm.state is not AdmissionState.DECODING:
             self._end(adm, "cancelled", P.Reason.CANCELLED, "cancelled by client")
-        return {"rid": rid, "cancelled": True, "state": prior}
+        return CancelReply(rid, True, prior)
 
     # ---- control endpoint (ZMQ) ---------------------------------------------------------------
     def handle(self, data: bytes) -> bytes:
@@ -163,9 +145,9 @@ class Node:
             self.metrics.refusals.labels(reply.reason).inc()
         return P.encode(reply)
 
-    def _layout(self, wire: dict) -> P.Layout:
-        layout = P.Layout.from_wire(wire)
-        check_layout(layout, self.cfg)
+    def _layout(self, wire: dict) -> L.Layout:
+        layout = L.Layout.from_wire(wire)
+        check_part(layout, self.cfg)
         return layout
 
     def _on_hello(self, msg: P.Hello):
@@ -186,51 +168,80 @@ class Node:
             return reject(P.Reason.UNKNOWN_RID, f"rid {msg.rid!r} was not admitted")
         if msg.generation != adm.generation:
             return reject(P.Reason.STALE_GENERATION, f"generation {msg.generation}, admission is {adm.generation}")
-        if adm.state is not State.RESERVED:
+        more = adm.state is AdmissionState.RECEIVING and adm.parts.n > 1  # a further part of a TP prefill
+        if adm.state is not AdmissionState.RESERVED and not more:
             return reject(P.Reason.DUPLICATE, f"rid {msg.rid!r} already began ({adm.state.value})")
+        if self.opts.faults.refuse():
+            text = "refusing hand-offs (test fault NEXRT_TEST_FAULTS=refuse_begin)"
+            self._end(adm, "rejected", P.Reason.BUSY, text)
+            return reject(P.Reason.BUSY, text)
         try:
             layout = self._layout(msg.layout)
         except P.ProtocolError as e:
             self._end(adm, "rejected", e.reason, e.message)
             return reject(e.reason, e.message)
+        if more:
+            return self._begin_part(adm, msg, layout)
         if msg.seq_len < 1 or msg.seq_len + 1 > self.opts.max_seq_len:
             text = f"seq_len {msg.seq_len} (+1 for the first token) exceeds max_seq_len {self.opts.max_seq_len}"
             self._end(adm, "rejected", P.Reason.TOO_LONG, text)
             return reject(P.Reason.TOO_LONG, text)
-        regions = layout.regions(msg.seq_len)
-        total = regions[-1].offset + regions[-1].nbytes if regions else 0
         now = time.monotonic()
         buf = next((b for b in self.buffers if b.available(now)), None)
-        if buf is None or total > buf.size:
-            text = (f"state needs {total} bytes, receive buffer holds {self.buffers[0].size}" if buf is not None
-                    else "no receive buffer free")
-            reason = P.Reason.TOO_LONG if buf is not None else P.Reason.BUSY
-            self._end(adm, "rejected", reason, text)
-            return reject(reason, text)
+        if buf is None:
+            self._end(adm, "rejected", P.Reason.BUSY, "no receive buffer free")
+            return reject(P.Reason.BUSY, "no receive buffer free")
+        parts = PartSet(1 if layout.sharding is None else layout.sharding.tp_size, msg.seq_len)
+        try:
+            part = parts.plan(layout, msg.seq_len, buf.size)
+        except P.ProtocolError as e:
+            self._end(adm, "rejected", e.reason, e.message)
+            return reject(e.reason, e.message)
         buf.owner = adm.generation
-        adm.buffer, adm.layout, adm.regions, adm.seq_len = buf, layout, regions, msg.seq_len
-        adm.expected_bytes = sum(r.nbytes for r in regions)
-        adm.state, adm.t_accept, adm.deadline = State.RECEIVING, now, now + self.opts.transfer_timeout
-        return P.Accept(adm.rid, adm.generation, {"base": buf.addr, "size": buf.size}, P.region_dicts(regions),
-                        self.opts.transfer_timeout)
+        adm.buffer, adm.parts, adm.seq_len = buf, parts, msg.seq_len
+        adm.state, adm.t_accept, adm.deadline = AdmissionState.RECEIVING, now, now + self.opts.transfer_timeout
+        return self._accept(adm, part)
+
+    def _begin_part(self, adm: Admission, msg: P.Begin, layout: L.Layout):
+        """A further part of a TP = N prefill: its own regions in the same buffer, same deadline."""
+        try:
+            part = adm.parts.plan(layout, msg.seq_len, adm.buffer.size)
+            adm.parts.check_cover(self.cfg)
+        except P.ProtocolError as e:
+            if e.reason is not P.Reason.DUPLICATE:  # a repeated begin leaves the others' transfer alone
+                self._end(adm, "rejected", e.reason, e.message)
+            return P.Reject(msg.rid, e.reason.value, e.message)
+        return self._accept(adm, part)
+
+    def _accept(self, adm: Admission, part) -> P.Accept:
+        return P.Accept(adm.rid, adm.generation, {"base": adm.buffer.addr, "size": adm.buffer.size},
+                        P.region_dicts(part.regions), max(0.0, adm.deadline - time.monotonic()))
 
     def _on_done(self, msg: P.Done):
         adm = self.current
         if adm is None or adm.rid != msg.rid or adm.generation != msg.generation:
             return self._late(msg, "done")
-        if adm.state is not State.RECEIVING:
-            if adm.state is State.RESERVED:
+        if adm.state is not AdmissionState.RECEIVING:
+            if adm.state is AdmissionState.RESERVED:
                 return P.Error(msg.rid, P.Reason.BAD_MESSAGE.value, "done before begin")
             return P.Error(msg.rid, P.Reason.DUPLICATE_DONE.value, "done already received")
-        if msg.seq_len != adm.seq_len or msg.nbytes != adm.expected_bytes:
-            text = (f"done says seq_len={msg.seq_len} nbytes={msg.nbytes}, begin implies "
-                    f"seq_len={adm.seq_len} nbytes={adm.expected_bytes}")
+        part = adm.parts.parts.get(msg.part)
+        if part is None:
+            return P.Error(msg.rid, P.Reason.BAD_MESSAGE.value, f"done for part {msg.part} before its begin")
+        if part.done:
+            return P.Error(msg.rid, P.Reason.DUPLICATE_DONE.value, f"done of part {msg.part} already received")
+        if msg.seq_len != adm.seq_len or msg.nbytes != part.expected_bytes:
+            text = (f"done of part {msg.part} says seq_len={msg.seq_len} nbytes={msg.nbytes}, begin implies "
+                    f"seq_len={adm.seq_len} nbytes={part.expected_bytes}")
             self._end(adm, "failed", P.Reason.SIZE_MISMATCH, text)
             return P.Error(msg.rid, P.Reason.SIZE_MISMATCH.value, text)
-        adm.transfer_s = time.monotonic() - adm.t_accept
+        part.done = True
         self.metrics.transfer_bytes.inc(msg.nbytes)
+        if not adm.parts.complete:
+            return P.Ack(adm.rid, adm.generation)  # READY when every part is done
+        adm.transfer_s = time.monotonic() - adm.t_accept
         self.metrics.transfer_seconds.observe(adm.transfer_s)
-        adm.state, adm.deadline = State.READY, time.monotonic() + self.opts.start_timeout
+        adm.state, adm.deadline = AdmissionState.READY, time.monotonic() + self.opts.start_timeout
         if adm.started:
             adm.deadline = math.inf  # the waiting generate takes over
         if not adm.ready.done():
@@ -241,15 +252,18 @@ class Node:
         adm = self.current
         if adm is None or adm.rid != msg.rid or adm.generation != msg.generation:
             return self._late(msg, "abort")
-        if adm.state not in (State.RESERVED, State.RECEIVING):
+        if adm.state not in (AdmissionState.RESERVED, AdmissionState.RECEIVING):
             return P.Error(msg.rid, P.Reason.BAD_MESSAGE.value, f"cannot abort in state {adm.state.value}")
-        self._end(adm, "aborted", P.Reason.TRANSFER_FAILED, f"sender aborted: {msg.reason}", writer_live=False)
+        if adm.parts is not None and msg.part in adm.parts.parts:
+            adm.parts.parts[msg.part].aborted = True
+        where = f" (part {msg.part} of {adm.parts.n})" if adm.parts is not None and adm.parts.n > 1 else ""
+        self._end(adm, "aborted", P.Reason.TRANSFER_FAILED, f"sender aborted{where}: {msg.reason}")
         return P.Ack(msg.rid, msg.generation)
 
     def _late(self, msg, what: str):
         """done/abort for an admission that is gone: frees a quarantined buffer, says why."""
         for b in self.buffers:
-            b.writer_finished(msg.generation)
+            b.writer_finished(msg.generation, msg.part)
         gen, done = self._tombstones.get(msg.rid, (None, False))
         if gen == msg.generation:
             if what == "done" and done:
@@ -262,15 +276,16 @@ class Node:
     # ---- ending an admission --------------------------------------------------------------------
     def _end(self, adm: Admission, outcome: str, reason: P.Reason | str, message: str,
              writer_live: bool | None = None) -> None:
-        """Release the slot (once). ``writer_live`` defaults to: accepted but no done yet."""
+        """Release the slot (once). ``writer_live`` defaults to: a part accepted without done/abort yet."""
         if self.current is not adm:
             return
+        live = adm.parts.live() if adm.parts is not None and adm.state is AdmissionState.RECEIVING else set()
         if writer_live is None:
-            writer_live = adm.state is State.RECEIVING
+            writer_live = bool(live)
         if adm.buffer is not None and adm.buffer.owner == adm.generation:
-            adm.buffer.release(writer_live, self.opts.quarantine_s)
+            adm.buffer.release(writer_live, self.opts.quarantine_s, live)
         self.current = None
-        self._tombstones[adm.rid] = (adm.generation, adm.state in (State.READY, State.DECODING))
+        self._tombstones[adm.rid] = (adm.generation, adm.state in (AdmissionState.READY, AdmissionState.DECODING))
         while len(self._tombstones) > TOMBSTONES:
             self._tombstones.popitem(last=False)
         self.metrics.finished.labels(outcome).inc()
@@ -284,8 +299,11 @@ class Node:
         while True:
             await asyncio.sleep(self.opts.tick)
             adm = self.current
-            if adm is not None and adm.state is not State.DECODING and time.monotonic() > adm.deadline:
-                what = {State.RESERVED: "begin", State.RECEIVING: "done", State.READY: "generate"}[adm.state]
+            if adm is not None and adm.state is not AdmissionState.DECODING and time.monotonic() > adm.deadline:
+                what = {AdmissionState.RESERVED: "begin", AdmissionState.RECEIVING: "done",
+                        AdmissionState.READY: "generate"}[adm.state]
+                if adm.state is AdmissionState.RECEIVING and adm.parts.n > 1:
+                    what = f"done of part(s) {adm.parts.missing()} of {adm.parts.n}"
                 self._end(adm, "timeout", P.Reason.TIMEOUT, f"no {what} before the {adm.state.value} deadline")
 
     # ---- structured output ---------------------------------------------------------------------------
@@ -296,12 +314,12 @@ class Node:
         try:
             spec = StructuredSpec.from_wire(wire)
         except StructuredError as e:
-            raise self._refuse(400, P.Reason.BAD_MESSAGE, str(e)) from None
+            raise self._refuse(P.Reason.BAD_MESSAGE, str(e)) from None
         if self.grammars is None:
-            raise self._refuse(400, P.Reason.UNSUPPORTED, self.grammars_missing)
+            raise self._refuse(P.Reason.UNSUPPORTED, self.grammars_missing)
         why = spec.unsupported()
         if why:
-            raise self._refuse(400, P.Reason.UNSUPPORTED, why)
+            raise self._refuse(P.Reason.UNSUPPORTED, why)
         return spec
 
     def _compile(self, spec: StructuredSpec) -> asyncio.Future:
@@ -316,7 +334,7 @@ class Node:
         spec = self.structured_spec(wire)
         admitted = adm.structured if adm is not None else None
         if spec is not None and admitted is not None and spec.key != admitted.key:
-            raise self._refuse(400, P.Reason.BAD_MESSAGE, "structured differs from the one given at admit")
+            raise self._refuse(P.Reason.BAD_MESSAGE, "structured differs from the one given at admit")
         spec = spec or admitted
         if spec is None:
             return None
@@ -324,9 +342,9 @@ class Node:
         try:
             compiled = await asyncio.wait_for(asyncio.shield(fut), self.opts.start_timeout)
         except StructuredError as e:
-            raise self._refuse(400, P.Reason.UNSUPPORTED, str(e)) from None
+            raise self._refuse(P.Reason.UNSUPPORTED, str(e)) from None
         except asyncio.TimeoutError:
-            raise self._refuse(400, P.Reason.UNSUPPORTED,
+            raise self._refuse(P.Reason.UNSUPPORTED,
                                f"{spec.type} did not compile within {self.opts.start_timeout}s") from None
         stops = set(stop_token_ids) | set(self.cfg.eos_token_ids)  # vLLM's all_stop_token_ids
         if isinstance(first_token, int) and not isinstance(first_token, bool) and 0 <= first_token < self.cfg.vocab_size:
@@ -334,26 +352,25 @@ class Node:
             try:
                 probe.accept(first_token)
             except Exception:  # noqa: BLE001 - EngineError: the grammar refuses it
-                raise self._refuse(400, P.Reason.BAD_MESSAGE,
+                raise self._refuse(P.Reason.BAD_MESSAGE,
                                    f"first_token {first_token} is not allowed by the {spec.type} grammar") from None
         return self.grammars.constraint(compiled, stops)
 
     # ---- decode (HTTP) ----------------------------------------------------------------------------
-    def claim(self, rid: Any, generation: Any, first_token: Any) -> Admission:
+    def claim(self, req: GenerateRequest) -> Admission:
         """Validate a generate request before any response byte is sent (errors become 4xx)."""
-        adm = self.current
+        adm, rid = self.current, req.rid
         if adm is None or adm.rid != rid:
-            raise self._refuse(404, P.Reason.UNKNOWN_RID, f"rid {rid!r} is not admitted")
-        if generation is not None and generation != adm.generation:
-            raise self._refuse(409, P.Reason.STALE_GENERATION,
-                               f"generation {generation!r}, admission is {adm.generation}")
+            raise self._refuse(P.Reason.UNKNOWN_RID, f"rid {rid!r} is not admitted")
+        if req.generation is not None and req.generation != adm.generation:
+            raise self._refuse(P.Reason.STALE_GENERATION,
+                               f"generation {req.generation!r}, admission is {adm.generation}")
         if adm.started:
-            raise self._refuse(409, P.Reason.DUPLICATE, f"rid {rid!r} already started")
-        if isinstance(first_token, bool) or not isinstance(first_token, int) \
-                or not 0 <= first_token < self.cfg.vocab_size:
-            raise self._refuse(400, P.Reason.BAD_MESSAGE, f"first_token outside [0, {self.cfg.vocab_size})")
+            raise self._refuse(P.Reason.DUPLICATE, f"rid {rid!r} already started")
+        if not req.first_token < self.cfg.vocab_size:
+            raise self._refuse(P.Reason.BAD_MESSAGE, f"first_token outside [0, {self.cfg.vocab_size})")
         adm.started = True
-        if adm.state is State.READY:
+        if adm.state is AdmissionState.READY:
             adm.deadline = math.inf
         return adm
 
@@ -374,7 +391,7 @@ class Node:
             elif self.current is not adm:
                 final = {"finish_reason": "cancelled"}
             else:
-                adm.state = State.DECODING
+                adm.state = AdmissionState.DECODING
                 self._decoding = adm
                 loop = asyncio.get_running_loop()
                 q: asyncio.Queue = asyncio.Queue()
@@ -415,13 +432,11 @@ class Node:
         """Worker thread: convert the received pages, import them, stream tokens."""
         try:
             t = time.perf_counter()
-            nbytes = adm.regions[-1].offset + adm.regions[-1].nbytes
-            raw = stage(adm.buffer, nbytes, self.device)
-            state = unpack_state(raw, adm.layout, adm.regions, adm.seq_len, self._dtypes)
+            raw = stage(adm.buffer, adm.parts.end, self.device)
+            load_parts(self.engine, raw, adm.parts, self._dtypes)
             if self.device.startswith("cuda"):
                 torch.cuda.synchronize()  # the pinned buffer is reusable only after its copy landed
-            self.engine.import_state(adm.seq_len, state)
-            del state, raw
+            del raw
             self.metrics.convert_seconds.observe(time.perf_counter() - t)
             put(("converted", None))
             last = time.perf_counter()
@@ -454,9 +469,9 @@ class Node:
     def _update_busy(self) -> None:
         self.metrics.busy.set(1 if self.current or self._decoding else 0)
 
-    def _refuse(self, status: int, reason, message: str) -> NodeError:
-        err = NodeError(status, reason, message)
-        self.metrics.refusals.labels(err.reason).inc()
+    def _refuse(self, reason: P.Reason, message: str) -> Refusal:
+        err = Refusal(reason, message)
+        self.metrics.refusals.labels(err.reason.value).inc()
         return err
 
     def close(self) -> None:

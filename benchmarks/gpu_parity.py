@@ -1,0 +1,142 @@
+"""vLLM-GPU prefill + NexRT GPU decode == vLLM-only greedy, through the router with the `openai` client.
+
+    python3 benchmarks/gpu_parity.py --checkpoints DIR --families qwen3_next qwen3_5 \
+        --transports mooncake nixl --json OUT.json
+
+DIR/<family> are trained tiny checkpoints (`nexrt_vllm.testing.make_checkpoint(train="periodic",
+**connector_harness.TRAINED)`: greedy choices lead by several nats, so bf16 vLLM and the bf16 node
+agree token for token, and a wrong state shows). Per family and transport: one vLLM with NexRTConnector
+(no layout keys: the connector detects them), one GPU decode node (fused graph path), one router. Prompts of
+three lengths, the longest over vLLM's --max-num-batched-tokens (chunked prefill); each goes
+(a) through the router's interactive path (prefill on vLLM, hand-off, decode on the node), completions
+and chat, and (b) to the same vLLM as an ordinary request (vLLM-only greedy). Tokens must be equal for
+--tokens tokens. The JSON has per case both token lists, the first divergence, the hand-off status, the
+layout line the connector logged, and "ok".
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from nexrt_vllm.demo.cli import Procs, _free_port, vllm_argv, wait_file, wait_http  # noqa: E402
+from nexrt_vllm.handoff.transport import TRANSPORTS  # noqa: E402
+from nexrt_vllm.testing.connector_harness import periodic_prompt  # noqa: E402
+
+LENGTHS = (7, 300, 1500)
+CHUNK = 512  # --max-num-batched-tokens: the 1500-token prompt is prefilled in 3 chunks
+
+
+def log(*a):
+    print(f"[gpu_parity {time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int, work: str) -> dict:
+    import openai
+
+    procs = Procs(work)
+    out = {"family": family, "transport": transport, "cases": [], "ok": False}
+    max_len = 4096
+    try:
+        ready = os.path.join(work, "node.ready")
+        procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", ckpt, "--device", device,
+                             "--port", "0", "--transport", transport, "--max-seq-len", str(max_len),
+                             "--ready-file", ready])
+        vport = _free_port()
+        extra = ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"]
+        if device == "cuda":
+            extra += ["--enforce-eager"]  # tiny model: a fast start; the kernels are the same
+        procs.start("vllm", vllm_argv(ckpt, vport, max_len, transport, device, 0.1, extra=extra))
+        node = asyncio.run(wait_file(ready, procs, 420, "decode node"))
+        vurl = f"http://127.0.0.1:{vport}"
+        asyncio.run(wait_http(vurl + "/health", procs, 600, "vLLM"))
+        rport = _free_port()
+        procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(rport),
+                               "--vllm-url", vurl, "--decode-url", node["url"], "--tokenizer", ckpt,
+                               # parity of the fast path: never let the standard path answer
+                               "--default-class", "interactive", "--fallback", "error",
+                               "--log-level", "WARNING"])
+        rurl = f"http://127.0.0.1:{rport}"
+        asyncio.run(wait_http(rurl + "/health", procs, 60, "router"))
+        with open(os.path.join(work, "vllm.log"), errors="replace") as f:
+            out["connector_log"] = [ln.strip() for ln in f if "NexRTConnector" in ln][:6]
+        router = openai.OpenAI(base_url=rurl + "/v1", api_key="x", timeout=120)
+        plain = openai.OpenAI(base_url=vurl + "/v1", api_key="x", timeout=120)
+        model = plain.models.list().data[0].id
+        for i, n in enumerate(LENGTHS):
+            prompt = periodic_prompt(n, seed=100 + i)
+            ref = plain.completions.create(model=model, prompt=prompt, max_tokens=n_tokens, temperature=0,
+                                           extra_body={"return_token_ids": True})
+            ref_ids = list(ref.choices[0].token_ids)
+            got = router.completions.create(model=model, prompt=prompt, max_tokens=n_tokens, temperature=0,
+                                            extra_body={"return_token_ids": True})
+            ids = list(getattr(got.choices[0], "token_ids", None) or [])
+            timing = getattr(got, "nexrt_timing", None)
+            div = first_divergence(ids, ref_ids)
+            case = {"prompt_len": n, "api": "completions", "tokens": ids, "vllm_only": ref_ids,
+                    "equal": div is None and len(ids) == n_tokens, "first_divergence": div,
+                    "nexrt_timing": timing}
+            out["cases"].append(case)
+            log(family, transport, n, "completions equal" if case["equal"] else f"DIVERGES at {div}")
+            # streamed (SSE) through the router: the text must equal vLLM-only's (the tiny tokenizer has
+            # no byte fallback, so equal text means equal tokens)
+            stream = router.completions.create(model=model, prompt=prompt, max_tokens=n_tokens, temperature=0,
+                                               stream=True)
+            text = "".join(ch.choices[0].text for ch in stream if ch.choices)
+            ok = text == ref.choices[0].text
+            out["cases"].append({"prompt_len": n, "api": "completions-stream", "text": text,
+                                 "vllm_only_text": ref.choices[0].text, "equal": ok})
+            log(family, transport, n, "stream equal" if ok else "stream DIFFERS")
+        out["ok"] = all(c["equal"] for c in out["cases"])
+    except Exception as e:  # noqa: BLE001 - record and go on with the next case
+        out["error"] = f"{type(e).__name__}: {e}"
+        for name, _, logf in procs.procs:
+            with open(logf, errors="replace") as f:
+                out.setdefault("logs", {})[name] = f.read()[-3000:]
+        log("FAILED", family, transport, out["error"])
+    finally:
+        procs.stop()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoints", required=True, help="dir of <family>/ trained tiny checkpoints")
+    ap.add_argument("--families", nargs="+", default=["qwen3_next", "qwen3_5"])
+    ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
+    ap.add_argument("--tokens", type=int, default=33, help="tokens per request (vLLM's first + the node's)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args(argv)
+    res = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": a.device,
+           "prompt_lengths": LENGTHS, "max_num_batched_tokens": CHUNK, "tokens": a.tokens, "runs": []}
+    if a.device == "cuda":
+        import torch
+        res["hw"] = torch.cuda.get_device_name()
+    for fam in a.families:
+        for tr in a.transports:
+            with tempfile.TemporaryDirectory(prefix=f"parity-{fam}-{tr}-") as work:
+                res["runs"].append(run_case(fam, os.path.join(a.checkpoints, fam), tr, a.device, a.tokens, work))
+            res["ok"] = all(r["ok"] for r in res["runs"])
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+    log("ok" if res["ok"] else "NOT ok", [(r["family"], r["transport"], r["ok"]) for r in res["runs"]])
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
