@@ -20,6 +20,7 @@ class Reason(str, enum.Enum):
     NODE_FAILED = "node_failed"    # the node died or failed before its text reached the client
     TOO_LONG = "too_long"          # longer than the nodes' context, within vLLM's
     PREFILL = "prefill"            # the prefill server failed (only when --standard-url differs)
+    UNSUPPORTED = "unsupported"    # the node cannot serve an output option (logprobs, a grammar)
 
 
 class Fallback(Exception):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nexrt_vllm.handoff.contracts import Claim, ContractError, Sampling
+from nexrt_vllm.handoff.structured import LOGPROBS_MAX, StructuredError, StructuredSpec
 
 from .errors import APIError
 
@@ -18,9 +19,9 @@ from .errors import APIError
 _UNSUPPORTED = {
     "n": lambda v: v in (None, 1),
     "best_of": lambda v: v in (None, 1),
-    "logprobs": lambda v: v in (None, False),
-    "top_logprobs": lambda v: v in (None, 0),
     "prompt_logprobs": lambda v: v is None,
+    "logprob_token_ids": lambda v: not v,
+    "return_tokens_as_token_ids": lambda v: not v,
     "presence_penalty": lambda v: v in (None, 0, 0.0),
     "frequency_penalty": lambda v: v in (None, 0, 0.0),
     "repetition_penalty": lambda v: v in (None, 1, 1.0),
@@ -28,12 +29,6 @@ _UNSUPPORTED = {
     "min_p": lambda v: v in (None, 0, 0.0),
     "min_tokens": lambda v: v in (None, 0),
     "use_beam_search": lambda v: not v,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "structured_outputs": lambda v: v is None,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
     "functions": lambda v: not v,
     "echo": lambda v: not v,
     "suffix": lambda v: v is None,
@@ -69,6 +64,8 @@ class GenParams:
     stop: list[str] = field(default_factory=list)
     sampling: Sampling = field(default_factory=Sampling)   # sent identically to both legs
     return_token_ids: bool = False  # non-streaming only: completion token ids in the choice
+    logprobs: int | None = None    # top alternatives per token (chat top_logprobs); None: off
+    structured: StructuredSpec | None = None   # the grammar both legs decode under
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -85,6 +82,98 @@ def _is_int(v) -> bool:
 
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# vLLM 0.32 dropped the guided_* fields (it ignores them with a warning): refuse rather than
+# decode unconstrained.
+_LEGACY_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
+                  "guided_decoding_backend")
+# structured_outputs options the node's grammar compiler does not take (it compiles as vLLM's
+# defaults): accepted only at their defaults.
+_SO_OPTIONS = {"disable_any_whitespace": False, "disable_additional_properties": False,
+               "whitespace_pattern": None, "structural_tag": None}
+_SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+             "json_object": "json_object"}
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """The number of top alternatives per token the request asks for (vLLM's rules), or None."""
+    if kind == "chat":
+        lp, top = body.get("logprobs"), body.get("top_logprobs")
+        if lp not in (None, True, False):
+            raise _bad("'logprobs' must be a boolean", "logprobs")
+        if top is not None and not _is_int(top):
+            raise _bad("`top_logprobs` must be an integer.", "top_logprobs")
+        if top is not None and top < 0 and top != -1:
+            raise _bad("`top_logprobs` must be a positive value or -1.", "top_logprobs")
+        if top not in (None, 0) and not lp:
+            raise _bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        k, name = (top or 0) if lp else None, "top_logprobs"
+    else:
+        k, name = body.get("logprobs"), "logprobs"
+        if k is not None and not _is_int(k):
+            raise _bad("`logprobs` must be an integer.", "logprobs")
+    if k is not None and not 0 <= k <= LOGPROBS_MAX:
+        raise _bad(f"'{name}'={k}: the interactive tier returns at most {LOGPROBS_MAX} logprobs per token "
+                   f"(vLLM's default max_logprobs); -1 (the whole vocabulary) is not supported", name)
+    return k
+
+
+def _structured(body: dict) -> StructuredSpec | None:
+    """The grammar of response_format / structured_outputs (vLLM's precedence: response_format
+    overrides), or None; 400 for what the node cannot enforce as vLLM's xgrammar backend would."""
+    for name in _LEGACY_GUIDED:
+        if body.get(name) is not None:
+            raise _bad(f"'{name}' is not supported (vLLM 0.32 ignores it); use 'structured_outputs' or "
+                       f"'response_format'", name)
+    spec = None
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("'structured_outputs' must be an object", "structured_outputs")
+        for k, default in _SO_OPTIONS.items():
+            if so.get(k, default) not in (default, None):
+                raise _bad(f"'structured_outputs.{k}' is not supported on the interactive tier (the node "
+                           f"compiles grammars with vLLM's defaults)", "structured_outputs")
+        unknown = sorted(set(so) - set(_SO_KINDS) - set(_SO_OPTIONS))
+        if unknown:
+            raise _bad(f"'structured_outputs' has unknown fields {unknown}", "structured_outputs")
+        kinds = [k for k in _SO_KINDS if so.get(k) is not None]
+        if len(kinds) != 1:
+            raise _bad("'structured_outputs' must set exactly one of json, regex, choice, grammar, "
+                       f"json_object (got {kinds or 'none'})", "structured_outputs")
+        kind = kinds[0]
+        if kind == "json_object" and so[kind] is not True:
+            raise _bad("'structured_outputs.json_object' must be true", "structured_outputs")
+        spec = _spec(_SO_KINDS[kind], None if kind == "json_object" else so[kind], "structured_outputs")
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise _bad("'response_format' must be an object with a 'type'", "response_format")
+        t = rf["type"]
+        if t == "json_object":
+            spec = _spec("json_object", None, "response_format")
+        elif t == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or js.get("schema") is None:
+                raise _bad("When response_format type is 'json_schema', the 'json_schema' field with its "
+                           "'schema' must be provided.", "response_format")
+            spec = _spec("json_schema", js["schema"], "response_format")
+        elif t != "text":
+            raise _bad(f"response_format type {t!r} is not supported on the interactive tier "
+                       f"(supported: text, json_object, json_schema)", "response_format")
+    return spec
+
+
+def _spec(kind: str, value, param: str) -> StructuredSpec:
+    try:
+        spec = StructuredSpec(kind, value)
+    except StructuredError as e:
+        raise _bad(f"'{param}': {e}", param) from None
+    why = spec.unsupported()
+    if why:
+        raise _bad(f"'{param}': {why} on the interactive tier", param)
+    return spec
 
 
 def _check_tools(body: dict, auto_tools: bool) -> None:
@@ -117,10 +206,12 @@ def _check_tools(body: dict, auto_tools: bool) -> None:
                        param="parallel_tool_calls")
 
 
-def parse(body, kind: str, max_model_len: int | None, auto_tools: bool = False) -> GenParams:
+def parse(body, kind: str, max_model_len: int | None, auto_tools: bool = False,
+          reasoning: bool = False) -> GenParams:
     """Validate a chat/completions body for the interactive tier; raise APIError on refusal.
 
-    `auto_tools`: the router parses tool calls (--enable-auto-tool-choice --tool-call-parser)."""
+    `auto_tools`: the router parses tool calls (--enable-auto-tool-choice --tool-call-parser);
+    `reasoning`: it splits reasoning out of chat output (--reasoning-parser)."""
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     if kind == "chat":
@@ -228,9 +319,18 @@ def parse(body, kind: str, max_model_len: int | None, auto_tools: bool = False) 
         raise APIError(501, "'return_token_ids' is supported without streaming only on the "
                             "interactive tier", param="return_token_ids")
 
+    logprobs = _logprobs(body, kind)
+    structured = _structured(body)
+    if structured is not None and reasoning and kind == "chat":
+        # vLLM enforces the grammar only after the reasoning ends; the node enforces it from the
+        # first token on.
+        raise _bad("structured output together with a reasoning parser is not supported on the "
+                   "interactive tier (the grammar would apply to the reasoning too)",
+                   "response_format" if body.get("response_format") is not None else "structured_outputs")
+
     return GenParams(kind=kind, model=model, stream=stream, include_usage=include_usage,
                      max_tokens=max_tokens, stop=stop, sampling=sampling,
-                     return_token_ids=bool(return_ids))
+                     return_token_ids=bool(return_ids), logprobs=logprobs, structured=structured)
 
 
 def prefill_body(body: dict, params: GenParams, model: str, claim: Claim) -> dict:

@@ -35,6 +35,7 @@ from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_PARSERS
 from .errors import APIError
 from .fallback import Fallback, Reason
+from .logprobs import Logprobs, TokenTexts
 from .pool import NodePool, NoHealthyNode, QueueFull, QueueTimeout
 from .textstream import Detokenizer, StopStrings
 from .upstream import NodeBusy, NodeClient, NodeError, NodeRefused, vllm_prefill
@@ -121,6 +122,7 @@ class _Gen:
         self.finish: str | None = None
         self.node_tokens = 0
         self.node_text_sent = False   # a stream already carries text the node produced
+        self.lp: Logprobs | None = None   # the response's logprobs, when asked for
 
     async def push(self, tok: int, *, render: bool = True, from_node: bool = False) -> bool:
         """Append one token and send its text (stop ids and hidden tokens render nothing);
@@ -209,6 +211,8 @@ class Router:
         self.metrics = Metrics(self)
         self.tokenizer: tokenizers.Tokenizer | None = (
             _load_tokenizer(args.tokenizer) if args.tokenizer else None)
+        self._texts: TokenTexts | None = (
+            TokenTexts(self.tokenizer, _clean_up_spaces(args.tokenizer)) if args.tokenizer else None)
         self.models: dict[str, dict] = {}
         self._models_at = 0.0
         self._special: tuple[str, ...] | None = None       # the tokenizer's special tokens
@@ -336,6 +340,7 @@ class Router:
             except (OSError, Exception) as e:  # noqa: BLE001 - tokenizers raises Exception
                 raise APIError(500, f"cannot load a tokenizer from vLLM's model root {root!r} "
                                     f"({e}); start the router with --tokenizer PATH") from None
+            self._texts = TokenTexts(self.tokenizer, _clean_up_spaces(root))
 
     async def _resolve_model(self, name) -> tuple[str, dict]:
         if name is not None and not isinstance(name, str):
@@ -442,7 +447,8 @@ class Router:
                                                 else None)
         params = P.parse(body, kind, info.get("max_model_len"),
                          auto_tools=bool(self.args.enable_auto_tool_choice
-                                         and self.args.tool_call_parser))
+                                         and self.args.tool_call_parser),
+                         reasoning=self.args.reasoning_parser is not None)
         rq = _Request(request, kind, body, params, model, info)
         try:
             return await self._fast(rq)
@@ -533,8 +539,18 @@ class Router:
             # client left) or times out while the node has already reserved the slot, the lease's
             # cleanup must cancel that reservation (the node answers 404 if there was none).
             lease.admitted = True
+            why = _unsupported(rq.params, lease.node)
+            if why:
+                lease.admitted = False
+                raise Fallback(Reason.UNSUPPORTED, why, APIError(400, why))
+            spec = rq.params.structured
             try:
-                return await self.nodes.admit(lease.node.url, lease.rid)
+                return await self.nodes.admit(lease.node.url, lease.rid,
+                                              spec.to_wire() if spec is not None else None)
+            except NodeRefused as e:
+                lease.admitted = False
+                msg = f"decode node {lease.node.url} cannot serve this request: {e.message}"
+                raise Fallback(Reason.UNSUPPORTED, msg, APIError(400, msg)) from None
             except NodeBusy as e:
                 lease.admitted = False
                 # Busy although the router holds no request there: a cancelled request may be
@@ -624,6 +640,11 @@ class Router:
         gen = rq.gen = self._new_gen(rq, pre["prompt_token_ids"], prompt_len, max_tokens,
                                      pending.reason if pending else None)
         await gen.out.start()
+        if gen.lp is not None:
+            try:
+                gen.lp.add_vllm_first(first, pre["logprobs"])
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                raise APIError(502, f"vLLM's prefill answer lacks the first token's logprobs: {e}") from None
         if pre["finish_reason"] == "stop":
             # vLLM stopped on the first token (EOS / stop id): counted, not rendered
             await gen.push(first, render=False)
@@ -643,12 +664,16 @@ class Router:
         """The node's part. Returns the fail-closed response of a stream that already carries
         node text; raises Fallback when the node failed before that."""
         gen, node = rq.gen, lease.node
-        req = GenerateRequest(lease.rid, gen.ids[0], gen.max_tokens, adm.generation, rq.params.sampling)
+        # the grammar went with the admission (compiled while vLLM prefilled)
+        req = GenerateRequest(lease.rid, gen.ids[0], gen.max_tokens, adm.generation, rq.params.sampling,
+                              logprobs=rq.params.logprobs)
         t_dec = time.monotonic()
         try:
             async with contextlib.aclosing(self.nodes.generate(node.url, req)) as lines:
                 async for msg in lines:
                     if "token" in msg:
+                        if gen.lp is not None:
+                            gen.lp.add_node(int(msg["token"]), msg)
                         if await gen.push(int(msg["token"]), from_node=True):
                             break                # stop string: the node gets a cancel
                     else:
@@ -685,8 +710,11 @@ class Router:
                  degraded: Reason | None) -> _Gen:
         headers = {DEGRADED_HEADER: degraded.value} if degraded is not None else {}
         out = (_SSE if rq.params.stream else _JSON)(rq.request, rq.params, rq.model, headers)
-        return _Gen(out, self.tokenizer, rq.params, prompt_ids, prompt_len, max_tokens,
-                    self._chat_parser(rq), self._special_ids)
+        gen = _Gen(out, self.tokenizer, rq.params, prompt_ids, prompt_len, max_tokens,
+                   self._chat_parser(rq), self._special_ids)
+        if rq.params.logprobs is not None:
+            gen.lp = out.lp = Logprobs(self._texts, rq.params.kind == "chat", rq.params.logprobs)
+        return gen
 
     def _chat_parser(self, rq: _Request) -> ChatParser | None:
         """vLLM's composed output parser for a chat request (None: the text is the content)."""
@@ -726,6 +754,10 @@ class Router:
         self.metrics.degraded.labels(f.reason.value).inc()
         log.info("interactive request continues on the standard path (%s: %s)", f.reason.value,
                  f.detail)
+        exact = params.logprobs is None and params.structured is None
+        if gen is None and not exact:
+            # Logprobs and grammars are vLLM's own there: the client's request, unchanged.
+            return await self._proxy(rq.request, self.standard_url)
         if gen is None:
             # Nothing prefilled: the client's own request, rendered by the router.
             path = "/v1/chat/completions" if params.kind == "chat" else "/v1/completions"
@@ -735,6 +767,11 @@ class Router:
             if gen.finish is not None or remaining < 1:
                 gen.finish = gen.finish or "length"
                 return await self._finish(rq)
+            if not exact:
+                # vLLM cannot resume a grammar mid-answer, nor would the logprobs be one response's
+                msg = (f"the fast tier failed after the first token ({f.detail}) and a request with "
+                       f"logprobs or structured output cannot continue on the standard path")
+                return await gen.out.fail(502, msg)
             path = "/v1/completions"
             body = P.continuation_body(params, rq.model, gen.prompt_ids + gen.ids, remaining)
         try:
@@ -787,6 +824,7 @@ class _Output:
         self.started = False
         self.parser: ChatParser | None = None
         self.usage_details = None     # () -> usage's completion_tokens_details (reasoning parser)
+        self.lp: Logprobs | None = None
 
     def _usage(self, usage: dict) -> dict:
         if self.usage_details is not None:
@@ -827,6 +865,8 @@ class _JSON(_Output):
                       "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        if self.lp is not None:
+            choice["logprobs"] = self.lp.whole()
         if self.params.return_token_ids:
             choice["token_ids"] = ids
         return web.json_response({
@@ -851,6 +891,9 @@ class _SSE(_Output):
         await self.resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
     async def _chunk(self, choice: dict | None, **extra) -> None:
+        if choice is not None and self.lp is not None:
+            # the tokens since the last chunk (a token without text of its own rides on the next)
+            choice["logprobs"] = self.lp.pending()
         await self._send({"id": self.id,
                           "object": "chat.completion.chunk" if self.chat else "text_completion",
                           "created": self.created, "model": self.model,
@@ -892,6 +935,35 @@ class _SSE(_Output):
         await self.resp.write(b"data: [DONE]\n\n")
         await self.resp.write_eof()
         return self.resp
+
+
+def _unsupported(params: P.GenParams, node) -> str | None:
+    """Why `node` (by its /capabilities) cannot serve the request's output options, or None."""
+    caps = node.caps if isinstance(node.caps, dict) else {}
+    if params.logprobs is not None:
+        s = caps.get("sampling") or {}
+        if not s.get("logprobs"):
+            return f"decode node {node.url} does not return logprobs (its /capabilities)"
+        if params.logprobs > s.get("max_logprobs", 0):
+            return (f"decode node {node.url} returns at most {s.get('max_logprobs', 0)} logprobs per token, "
+                    f"{params.logprobs} asked")
+    spec = params.structured
+    if spec is not None:
+        so = caps.get("structured_output") or {}
+        if spec.type not in (so.get("types") or ()):
+            return (f"decode node {node.url} does not support structured output {spec.type!r}: "
+                    f"{so.get('reason') or 'not listed in its /capabilities'}")
+    return None
+
+
+def _clean_up_spaces(path: str) -> bool:
+    """transformers' clean_up_tokenization_spaces of the tokenizer (vLLM decodes with it)."""
+    d = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        with open(os.path.join(d, "tokenizer_config.json")) as f:
+            return bool(json.load(f).get("clean_up_tokenization_spaces", False))
+    except (OSError, ValueError):
+        return False
 
 
 def _load_tokenizer(path: str) -> tokenizers.Tokenizer:

@@ -39,9 +39,11 @@ class NodeClient:
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=admit_timeout,
                                                     sock_read=read_timeout)
 
-    async def admit(self, url: str, rid: str) -> AdmitReply:
+    async def admit(self, url: str, rid: str, structured: dict | None = None) -> AdmitReply:
+        """Reserve the node's slot; `structured` (a grammar spec) is compiled while vLLM prefills.
+        A 400 refusal (the node cannot enforce that grammar) is NodeRefused: the node is fine."""
         try:
-            async with self.session.post(f"{url}/v1/admit", json=AdmitRequest(rid).to_wire(),
+            async with self.session.post(f"{url}/v1/admit", json=AdmitRequest(rid, structured=structured).to_wire(),
                                          timeout=self.admit_timeout) as r:
                 body = await r.json(content_type=None)
                 if r.status == 200:
@@ -52,6 +54,8 @@ class NodeClient:
                     refusal = None
                 if r.status == 409:
                     raise NodeBusy(refusal.reason.value if refusal else "busy")
+                if r.status == 400 and refusal is not None and structured is not None:
+                    raise NodeRefused(400, refusal.reason.value, refusal.message)
                 raise NodeError(f"admit answered {r.status}: {refusal.message if refusal else body}")
         except ContractError as e:
             raise NodeError(f"admit answered a malformed body: {e}") from None
@@ -153,7 +157,8 @@ async def vllm_prefill(session: aiohttp.ClientSession, url: str, body: dict,
                # vLLM puts them top-level for chat and in the choice for completions.
                "prompt_token_ids": list(data.get("prompt_token_ids")
                                         or choice.get("prompt_token_ids") or []),
-               "prompt_tokens": int(data["usage"]["prompt_tokens"])}
+               "prompt_tokens": int(data["usage"]["prompt_tokens"]),
+               "logprobs": choice.get("logprobs")}   # the first token's, in vLLM's own format
     except (KeyError, IndexError, TypeError, ValueError):
         raise APIError(502, "vLLM prefill response lacks token ids (is it vLLM >= 0.10 with "
                             "return_token_ids support?)") from None
