@@ -216,8 +216,9 @@ REFUSALS = [
     (_body(tools=[{"type": "function", "function": {**SEARCH["function"], "strict": True}}]), 400,
      "constrained decoding"),
     (_body(parallel_tool_calls=False), 400, "constrained decoding"),
-    (_body(response_format={"type": "json_object"}), 501, "response_format"),
-    (_body(logprobs=True), 501, "logprobs"),
+    # these routers run --reasoning-parser: vLLM would apply the grammar after the reasoning only
+    (_body(response_format={"type": "json_object"}), 400, "together with a reasoning parser"),
+    (_body(logprobs=True, top_logprobs=21), 400, "at most 20 logprobs"),
 ]
 
 
