@@ -1,7 +1,8 @@
 """Validation of interactive requests and the body of the vLLM prefill leg.
 
-The interactive tier decodes one sequence with temperature/top-p/top-k sampling; every field it
-cannot honour is refused up front (501 for valid-but-unsupported, 400 for malformed), never
+The interactive tier decodes one sequence with temperature/top-p/top-k sampling, optionally
+with logprobs and under a grammar (structured output); every field it cannot honour is refused
+up front (501 for valid-but-unsupported, 400 for malformed or what vLLM also refuses), never
 silently ignored. Sampling defaults are resolved here once and sent identically to vLLM and the
 node, so both legs sample the same way (vLLM would otherwise apply the model's
 generation_config defaults to the first token only).
@@ -50,8 +51,10 @@ MAX_STOP_STRINGS = 16
 # the router parses the output (router/chat_parser.py).
 _AUTO_TOOLS_MSG = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                    "to be set")
-_CONSTRAINED = ("needs constrained decoding, which the interactive tier does not do yet (send "
-                "the request as class 'standard' instead)")
+# vLLM turns these into a grammar over the tools' JSON schemas and parses its JSON output as the
+# calls (per tool parser); the router does neither for tools.
+_CONSTRAINED = ("needs constrained decoding to the tools' JSON schema, which the interactive tier "
+                "does not do for tools (send the request as class 'standard' instead)")
 
 
 @dataclass

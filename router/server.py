@@ -415,9 +415,10 @@ class Router:
         return resp
 
     # -- standard class: transparent proxy ---------------------------------------------------
-    async def _proxy(self, request: web.Request, base: str) -> web.StreamResponse:
+    async def _proxy(self, request: web.Request, base: str,
+                     extra_headers: dict[str, str] | None = None) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        data = await request.read() if request.can_read_body else None
+        data = await request.read() if request.body_exists else None  # read() is cached
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.args.admit_timeout,
                                         sock_read=self.args.prefill_timeout)
         try:
@@ -425,7 +426,8 @@ class Router:
                                                   data=data, headers=headers,
                                                   timeout=timeout) as up:
                 resp = web.StreamResponse(status=up.status, headers={
-                    k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS})
+                    **{k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS},
+                    **(extra_headers or {})})
                 await resp.prepare(request)
                 async for chunk in up.content.iter_any():
                     await resp.write(chunk)
@@ -757,7 +759,7 @@ class Router:
         exact = params.logprobs is None and params.structured is None
         if gen is None and not exact:
             # Logprobs and grammars are vLLM's own there: the client's request, unchanged.
-            return await self._proxy(rq.request, self.standard_url)
+            return await self._proxy(rq.request, self.standard_url, {DEGRADED_HEADER: f.reason.value})
         if gen is None:
             # Nothing prefilled: the client's own request, rendered by the router.
             path = "/v1/chat/completions" if params.kind == "chat" else "/v1/completions"

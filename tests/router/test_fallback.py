@@ -376,3 +376,27 @@ def test_prompt_beyond_the_node_context_without_max_tokens(tok_dir):
         assert s.idle()
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("extra,needle", [({"logprobs": 2}, "does not return logprobs"),
+                                          ({"structured_outputs": {"regex": "[a-z]+"}},
+                                           "does not support structured output 'regex'")])
+def test_node_without_the_output_option(tok_dir, extra, needle):
+    """A node whose /capabilities lack logprobs / the grammar type (this double lists neither):
+    `unsupported`, decided before any admission — a 400 saying why with --fallback error, else
+    the client's request goes unchanged to the standard path (vLLM's own logprobs and grammar)."""
+    for policy in ("error", "standard"):
+        s = Stack(tok_dir, n_nodes=1, router_args=("--fallback", policy))
+        try:
+            r = post(s, **extra)
+            if policy == "error":
+                assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+            else:
+                assert r.status_code == 200 and r.headers["x-nexrt-degraded"] == "unsupported", r.text
+                assert s.vllm.requests[-1] == {"model": "tiny", "max_tokens": 10, "stream": False,
+                                               "prompt": "fall back please", **extra}
+                assert degraded(s.url, "unsupported") == 1
+            assert s.nodes[0].admits == 0 and s.idle()
+            assert metric(s.url, 'nexrt_router_fast_path_failures_total{reason="unsupported"}') == 1
+        finally:
+            s.close()
