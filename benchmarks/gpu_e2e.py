@@ -13,6 +13,11 @@ real Qwen3.5 `tokenizer.json` (docs/BENCHMARKS.md says how to make it offline), 
 detokenization cost what they do in production. `--layers N` cuts the shape to N layers (labelled in
 the output) where two copies of the model do not fit beside each other.
 
+`--concurrent-baseline` starts plain vLLM beside the NexRT stack (both vLLMs at once, each with a fixed
+KV cache) and adds `ttft_breakdown`: per context, plain vLLM, the connector's vLLM unclaimed (streamed,
+and as the router's one-token leg) and the router path, interleaved prompt by prompt, with the router's
+own split of its TTFT (queue incl. admission, vLLM leg).
+
 `gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png` joins runs that measured different
 `--paths` of one shape into one summary with the ratios, and draws the overlay.
 
@@ -257,10 +262,13 @@ class Stack:
                                   "--transfer-timeout", "60", "--start-timeout", "60"])
         return ready
 
-    def vllm(self, name: str, model: str, max_len: int, transport: str | None, share: float) -> str:
+    def vllm(self, name: str, model: str, max_len: int, transport: str | None, share: float,
+             kv_bytes: int | None = None) -> str:
         port = _free_port()
-        self.procs.start(name, vllm_argv(model, port, max_len, transport, self.device, share,
-                                         extra=["--load-format", "dummy", "--served-model-name", "model"]))
+        extra = ["--load-format", "dummy", "--served-model-name", "model"]
+        if kv_bytes:  # a fixed KV cache: vLLM skips the memory profiling a neighbour starting beside it would falsify
+            extra += ["--kv-cache-memory-bytes", str(kv_bytes)]
+        self.procs.start(name, vllm_argv(model, port, max_len, transport, self.device, share, extra=extra))
         return f"http://127.0.0.1:{port}"
 
     def router(self, vllm_url: str, node_url: str, tokenizer: str) -> str:
@@ -272,6 +280,66 @@ class Stack:
                                     "--fallback", "error",
                                     "--queue-size", "4", "--queue-timeout", "120", "--log-level", "WARNING"])
         return f"http://127.0.0.1:{port}"
+
+
+async def _first_chunk(session, url: str, body: dict) -> tuple[float, dict | None]:
+    """(seconds to the first chunk with choices, the router's nexrt_timing if the stream has one)."""
+    import aiohttp
+
+    t0 = time.perf_counter()
+    ttft, timing = None, None
+    async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url} answered {r.status}: {(await r.text())[:300]}")
+        if not body.get("stream"):
+            data = await r.json()
+            return time.perf_counter() - t0, data.get("nexrt_timing")
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if d.get("choices") and ttft is None:
+                ttft = time.perf_counter() - t0
+            timing = d.get("nexrt_timing", timing)
+    return ttft, timing
+
+
+async def ttft_breakdown(urls: dict[str, str], tok_dir: str, isl: int, n: int) -> dict:
+    """Where the NexRT path's TTFT goes, against plain vLLM, prompt by prompt (the paths interleaved,
+    each path its own prompts of exactly `isl` tokens so no prefix cache serves another path):
+    - vllm_plain: plain vLLM streamed (the baseline's TTFT);
+    - vllm_connector: the vLLM with the connector, unclaimed, streamed (what loading the connector costs);
+    - vllm_connector_leg: the same, non-streaming, 1 token, token ids back (the router's vLLM leg, unclaimed);
+    - nexrt: through the router (claimed); its nexrt_timing splits queue (incl. admission) and the vLLM leg."""
+    import aiohttp
+    import statistics
+
+    from benchmarks.inferencex import PromptTokenizer, sample_random_requests
+
+    tok = PromptTokenizer(tok_dir)
+    paths = {"vllm_plain": (urls["vllm_plain"], True), "vllm_connector": (urls["vllm_connector"], True),
+             "vllm_connector_leg": (urls["vllm_connector"], False), "nexrt": (urls["nexrt"], True)}
+    prompts = {p: sample_random_requests(tok, isl, 2, n, range_ratio=1.0, seed=100 + k)
+               for k, p in enumerate(paths)}
+    rows: dict[str, list] = {p: [] for p in paths}
+    async with aiohttp.ClientSession() as s:
+        for i in range(n):
+            for p, (url, stream) in paths.items():
+                body = {"model": "model", "prompt": prompts[p][i].prompt, "temperature": 0.0, "ignore_eos": True}
+                body.update({"max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}} if stream
+                            else {"max_tokens": 1, "stream": False, "return_token_ids": True})
+                ttft, timing = await _first_chunk(s, url + "/v1/completions", body)
+                row = {"ttft_ms": 1e3 * ttft}
+                if timing:
+                    row.update({k[:-2] + "_ms": 1e3 * timing[k] for k in ("queue_s", "prefill_s") if k in timing})
+                rows[p].append(row)
+    med = {p: statistics.median(r["ttft_ms"] for r in v) for p, v in rows.items()}
+    for k in ("queue_ms", "prefill_ms"):
+        vals = [r[k] for r in rows["nexrt"] if k in r]
+        if vals:
+            med["nexrt_" + k] = statistics.median(vals)
+    return {"isl": isl, "prompts_per_path": n, "median_ms": med, "rows": rows}
 
 
 async def _up(stack: Stack, urls: list[tuple[str, str]], timeout: float) -> None:
@@ -301,7 +369,11 @@ def main(argv=None) -> int:
     ap.add_argument("--share", type=float, default=None,
                     help="vLLM's --gpu-memory-utilization (default: 0.25 for 2b; 0.5 otherwise)")
     ap.add_argument("--concurrent-baseline", action="store_true",
-                    help="start plain vLLM beside the NexRT stack (saves a start; needs memory for 3 models)")
+                    help="start plain vLLM beside the NexRT stack, both vLLMs at once (needs memory for 3 models); "
+                         "also measures the TTFT breakdown")
+    ap.add_argument("--kv-cache-gib", type=int, default=4, help="each vLLM's fixed KV cache with --concurrent-baseline")
+    ap.add_argument("--breakdown-prompts", type=int, default=8,
+                    help="prompts per path and context in the TTFT breakdown (--concurrent-baseline)")
     ap.add_argument("--skip-engine-bench", action="store_true")
     ap.add_argument("--ix-client", default=None,
                     help="dir with InferenceX's utils/bench_serving/*.py: also run its own client (cross-check)")
@@ -359,11 +431,15 @@ def main(argv=None) -> int:
             ready = asyncio.run(stack.node(model, max_len, a.transport, a.recv_memory))
             node = asyncio.run(wait_file(ready, stack.procs, a.start_timeout, "decode node"))
             summary["node_start_s"] = time.monotonic() - t0
-            vurl = stack.vllm("vllm", model, max_len, a.transport, share)
-            asyncio.run(_up(stack, [(vurl, "vLLM + connector")], a.start_timeout))
             if a.concurrent_baseline and "vllm" in a.paths:
-                purl = stack.vllm("vllm_plain", model, max_len, None, share)
-                asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
+                # Both vLLMs start at once, each with a fixed KV cache (no profiling to falsify).
+                kv = None if a.device == "cpu" else a.kv_cache_gib << 30
+                vurl = stack.vllm("vllm", model, max_len, a.transport, share, kv)
+                purl = stack.vllm("vllm_plain", model, max_len, None, share, kv)
+                asyncio.run(_up(stack, [(vurl, "vLLM + connector"), (purl, "vLLM plain")], a.start_timeout))
+            else:
+                vurl = stack.vllm("vllm", model, max_len, a.transport, share)
+                asyncio.run(_up(stack, [(vurl, "vLLM + connector")], a.start_timeout))
             rurl = stack.router(vurl, node["url"], model)
             asyncio.run(_up(stack, [(rurl, "router")], 60))
             summary["startup_s"] = time.monotonic() - t0
@@ -394,6 +470,13 @@ def main(argv=None) -> int:
                 summary.setdefault("inferencex_client", {}).setdefault("vllm", {})[sc] = ix_client(
                     a.ix_client, purl, model, sc, ix_n, os.path.join(res_dir, "ix"), "vllm")
                 save()
+        if a.concurrent_baseline and "nexrt" in a.paths and "vllm" in a.paths and a.breakdown_prompts:
+            summary["ttft_breakdown"] = {
+                sc: asyncio.run(ttft_breakdown({"nexrt": rurl, "vllm_plain": purl, "vllm_connector": vurl},
+                                               model, scenario(sc)[0], a.breakdown_prompts))
+                for sc in a.scenarios}
+            log("ttft breakdown", json.dumps({sc: b["median_ms"] for sc, b in summary["ttft_breakdown"].items()}))
+            save()
     except Exception as e:  # noqa: BLE001 - keep what was measured
         summary["error"] = f"{type(e).__name__}: {e}"
         for name, _, logf in stack.procs.procs:
