@@ -305,13 +305,15 @@ async def _first_chunk(session, url: str, body: dict) -> tuple[float, dict | Non
     return ttft, timing
 
 
-async def ttft_breakdown(urls: dict[str, str], tok_dir: str, isl: int, n: int) -> dict:
+async def ttft_breakdown(urls: dict[str, str], tok_dir: str, isl: int, osl: int, n: int) -> dict:
     """Where the NexRT path's TTFT goes, against plain vLLM, prompt by prompt (the paths interleaved,
     each path its own prompts of exactly `isl` tokens so no prefix cache serves another path):
     - vllm_plain: plain vLLM streamed (the baseline's TTFT);
     - vllm_connector: the vLLM with the connector, unclaimed, streamed (what loading the connector costs);
     - vllm_connector_leg: the same, non-streaming, 1 token, token ids back (the router's vLLM leg, unclaimed);
-    - nexrt: through the router (claimed); its nexrt_timing splits queue (incl. admission) and the vLLM leg."""
+    - nexrt: through the router (claimed); its nexrt_timing splits queue (incl. admission) and the vLLM leg.
+    `after_decode` repeats it as the benchmark runs (each request decodes `osl` tokens) with the
+    unclaimed leg sent right after each router request: what a long decode before a request changes."""
     import aiohttp
     import statistics
 
@@ -322,6 +324,8 @@ async def ttft_breakdown(urls: dict[str, str], tok_dir: str, isl: int, n: int) -
              "vllm_connector_leg": (urls["vllm_connector"], False), "nexrt": (urls["nexrt"], True)}
     prompts = {p: sample_random_requests(tok, isl, 2, n, range_ratio=1.0, seed=100 + k)
                for k, p in enumerate(paths)}
+    fresh = {p: sample_random_requests(tok, isl, 2, n, range_ratio=1.0, seed=200 + k)  # no prefix-cache hit
+             for k, p in enumerate(paths)}
     rows: dict[str, list] = {p: [] for p in paths}
     async with aiohttp.ClientSession() as s:
         for i in range(n):
@@ -334,12 +338,30 @@ async def ttft_breakdown(urls: dict[str, str], tok_dir: str, isl: int, n: int) -
                 if timing:
                     row.update({k[:-2] + "_ms": 1e3 * timing[k] for k in ("queue_s", "prefill_s") if k in timing})
                 rows[p].append(row)
-    med = {p: statistics.median(r["ttft_ms"] for r in v) for p, v in rows.items()}
-    for k in ("queue_ms", "prefill_ms"):
-        vals = [r[k] for r in rows["nexrt"] if k in r]
-        if vals:
-            med["nexrt_" + k] = statistics.median(vals)
-    return {"isl": isl, "prompts_per_path": n, "median_ms": med, "rows": rows}
+        long_paths = {"nexrt": (urls["nexrt"], True), "vllm_connector_leg": (urls["vllm_connector"], False),
+                      "vllm_plain": (urls["vllm_plain"], True)}
+        long_rows: dict[str, list] = {p: [] for p in long_paths}
+        for i in range(n):
+            for p, (url, stream) in long_paths.items():
+                body = {"model": "model", "prompt": fresh[p][i].prompt, "temperature": 0.0, "ignore_eos": True}
+                body.update({"max_tokens": osl, "stream": True, "stream_options": {"include_usage": True}} if stream
+                            else {"max_tokens": 1, "stream": False, "return_token_ids": True})
+                ttft, timing = await _first_chunk(s, url + "/v1/completions", body)
+                row = {"ttft_ms": 1e3 * ttft}
+                if timing:
+                    row.update({k[:-2] + "_ms": 1e3 * timing[k] for k in ("queue_s", "prefill_s") if k in timing})
+                long_rows[p].append(row)
+
+    def medians(rows):
+        med = {p: statistics.median(r["ttft_ms"] for r in v) for p, v in rows.items()}
+        for k in ("queue_ms", "prefill_ms"):
+            vals = [r[k] for r in rows["nexrt"] if k in r]
+            if vals:
+                med["nexrt_" + k] = statistics.median(vals)
+        return med
+
+    return {"isl": isl, "prompts_per_path": n, "median_ms": medians(rows), "rows": rows,
+            "after_decode": {"osl": osl, "median_ms": medians(long_rows), "rows": long_rows}}
 
 
 async def _up(stack: Stack, urls: list[tuple[str, str]], timeout: float) -> None:
@@ -473,9 +495,10 @@ def main(argv=None) -> int:
         if a.concurrent_baseline and "nexrt" in a.paths and "vllm" in a.paths and a.breakdown_prompts:
             summary["ttft_breakdown"] = {
                 sc: asyncio.run(ttft_breakdown({"nexrt": rurl, "vllm_plain": purl, "vllm_connector": vurl},
-                                               model, scenario(sc)[0], a.breakdown_prompts))
+                                               model, *scenario(sc), a.breakdown_prompts))
                 for sc in a.scenarios}
-            log("ttft breakdown", json.dumps({sc: b["median_ms"] for sc, b in summary["ttft_breakdown"].items()}))
+            log("ttft breakdown", json.dumps({sc: [b["median_ms"], b["after_decode"]["median_ms"]]
+                                              for sc, b in summary["ttft_breakdown"].items()}))
             save()
     except Exception as e:  # noqa: BLE001 - keep what was measured
         summary["error"] = f"{type(e).__name__}: {e}"
