@@ -40,7 +40,8 @@ def kernel_tests(out: str, pdl: bool = False) -> dict:
     env.pop("TRITON_INTERPRET", None)
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(ROOT, "tests", "engine", "test_kernels_decode_ops.py")],
+                        os.path.join(ROOT, "tests", "engine", "test_kernels_decode_ops.py"),
+                        os.path.join(ROOT, "tests", "engine", "test_kernels_logprobs.py")],
                        env=env, capture_output=True, text=True, timeout=400)
     with open(os.path.join(out, f"kernel_tests{'_pdl' if pdl else ''}.log"), "w") as f:
         f.write(p.stdout + p.stderr)

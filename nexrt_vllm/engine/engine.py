@@ -9,7 +9,7 @@ from .config import ModelConfig
 from .dtypes import MODEL_DTYPES, TORCH_DTYPES
 from .errors import ConfigError, EngineError, InputError, StateError
 from .model import Model
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampled, Sampler, SamplingParams, token_logprobs
 from .state import DecodeState
 from .weights import load_checkpoint, random_weights
 
@@ -95,56 +95,84 @@ class Engine:
     # ---- GPU graph path (hook owned by the GPU path, docs/GPU.md) ------------------------------
     def use_graph(self, mode: str = "fused") -> None:
         """Make `stream` decode through one captured CUDA graph per token (graph.GraphRunner over
-        graph.FusedDecoder; CUDA + bfloat16 only, EngineError otherwise). Both graphs (greedy and
-        sampling) are captured here, at start-up, so no request pays for compilation or capture.
-        mode "fused": the Triton kernels; "eager": this model's own ops in the graph (bit-equal
-        tokens, slower). Prefill, decode_step and the hand-off stay on the eager path."""
+        graph.FusedDecoder; CUDA + bfloat16 only, EngineError otherwise). Every variant (greedy and
+        sampling, each plain / with logprobs / with a grammar mask / both) is captured here, at
+        start-up, so no request pays for compilation or capture. mode "fused": the Triton
+        kernels; "eager": this model's own ops in the graph (bit-equal tokens, slower). Prefill,
+        decode_step and the hand-off stay on the eager path; so do grammar-constrained requests
+        when the control memory could not be host-mapped (`graph.masks` False)."""
         if self.device.type != "cuda":
             raise EngineError(f"the graph path needs a CUDA device (engine is on {self.device})")
         from .graph import FusedDecoder, GraphRunner  # triton: imported by the GPU path only
         runner = GraphRunner(FusedDecoder(self.model, self.state, mode=mode))
-        for sample in (False, True):
-            runner.capture(sample)
+        for sample, logprobs, mask in runner.VARIANTS:
+            if runner.masks or not mask:
+                runner.capture(sample, logprobs, mask)
         self.graph = runner
 
     # ---- generation -----------------------------------------------------------------------------
     def _stops(self, token: int, params: SamplingParams) -> bool:
         return token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids)
 
-    def stream(self, first_token: int, params: SamplingParams) -> Iterator[int]:
+    def stream(self, first_token: int, params: SamplingParams, constraint=None) -> Iterator[int]:
         """Continue a request whose state holds N tokens and whose token N is `first_token` (already
         emitted by the caller). Yields the following tokens until EOS / a stop id (yielded too) /
-        max_tokens (which counts first_token, so at most max_tokens-1 are yielded) / a full context."""
+        max_tokens (which counts first_token, so at most max_tokens-1 are yielded) / a full context
+        / the grammar's end. The token ids of `steps`."""
+        it = self.steps(first_token, params, constraint)
+        return (s.token for s in it)
+
+    def steps(self, first_token: int, params: SamplingParams, constraint=None) -> Iterator[Sampled]:
+        """`stream` with each token's logprobs (`params.logprobs`), as `Sampled` records.
+
+        `constraint` (engine.structured.Constraint, fresh for the request): the tokens obey its
+        grammar. It accepts `first_token` first (vLLM sampled that one under the same grammar;
+        InputError if the grammar refuses it), each step's logits are masked with its bitmask
+        before sampling and before the logprobs, and generation ends ("stop") once it terminates."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check_ids([first_token], "first_token")
         if self.state.seq_len == 0:
             raise StateError("stream before prefill/import_state: the state is empty")
+        if constraint is not None:
+            try:
+                constraint.accept(first_token)
+            except EngineError as e:
+                raise InputError(f"first_token: {e}") from None
         self.finish_reason = None
-        if self.graph is not None:
-            return self._graph_stream(first_token, params)
-        return self._stream(first_token, params)  # checked above, at call time; decoding is lazy
+        if self.graph is not None and (constraint is None or self.graph.masks):
+            return self._graph_stream(first_token, params, constraint)
+        return self._stream(first_token, params, constraint)  # checked above, at call time; decoding is lazy
 
-    def _graph_stream(self, first_token: int, params: SamplingParams) -> Iterator[int]:
+    def _graph_stream(self, first_token: int, params: SamplingParams, constraint) -> Iterator[Sampled]:
         # Same contract as _stream. Differences: sampled tokens come from the device sampler (same
         # distribution, another random stream), and after a stop state.seq_len also counts the one
         # replay that ran past it (its token discarded).
-        yield from self.graph.stream(first_token, params)
+        yield from self.graph.stream_steps(first_token, params, constraint)
         self.finish_reason = self.graph.finish_reason
 
-    def _stream(self, first_token: int, params: SamplingParams) -> Iterator[int]:
+    def _stream(self, first_token: int, params: SamplingParams, constraint) -> Iterator[Sampled]:
         sampler = Sampler(params, self.device)
         token, produced = first_token, 1
-        if self._stops(token, params):
+        if self._stops(token, params) or (constraint is not None and constraint.terminated):
             self.finish_reason = "stop"
             return
         while produced < params.max_tokens:
             if self.state.seq_len >= self.max_seq_len:
                 break
-            token = sampler(self.decode_step(token))
+            logits = self.decode_step(token)
+            if constraint is not None:
+                from .structured import apply_mask
+                logits = apply_mask(logits, constraint.fill())
+            token = sampler(logits)
             produced += 1
-            yield token
-            if self._stops(token, params):
+            if params.logprobs is None:
+                yield Sampled(token)
+            else:
+                yield Sampled(token, *token_logprobs(logits, token, params.logprobs))
+            if constraint is not None:
+                constraint.accept(token)
+            if self._stops(token, params) or (constraint is not None and constraint.terminated):
                 self.finish_reason = "stop"
                 return
         self.finish_reason = "length"

@@ -18,6 +18,7 @@ names; the CPU/eager engine stays the oracle these kernels are checked against.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -61,6 +62,10 @@ class Tuning:
     # it (`pdl_enabled`); None: the process default (NEXRT_PDL). With the small programs above, a
     # kernel's CTAs can be resident while its predecessor drains.
     pdl: bool | None = True
+    # Logprobs / grammar masks: logits per program of the tail launch, and how many reads of the
+    # host's mask flag a step makes before it gives up on the mask (each read crosses PCIe, ~1 us).
+    tail_chunk: int = 2048
+    mask_spin: int = 1 << 21
 
     def shape(self, n: int) -> dict:
         for max_rows, bn, bk, nw in self.gemv:
@@ -108,57 +113,95 @@ def _next_in_proj(cfg: ModelConfig, w) -> torch.Tensor:
 
 
 _PAGE = 4096
+_ALIGN = 128
 
 
-class _MappedRing:
-    """RING int64 slots of page-locked, device-mapped host memory, unregistered when dropped.
+def _control_specs(vocab_size: int) -> dict:
+    """What the host and the step share, name -> (shape, dtype, initial value): the control ring; the
+    logprob ring parallel to it (slot s: the chosen token's logprob then the top KMAX, and their
+    ids); the grammar flag (masks of every step <= flag are written) and two mask slots (step % 2)."""
+    from .kernels.sampling import KMAX
+    return {"ring": ((RING,), torch.int64, -1), "lpv": ((RING, KMAX + 1), torch.float32, 0),
+            "lpi": ((RING, KMAX), torch.int32, 0), "flag": ((1,), torch.int64, 0),
+            "masks": ((2, (vocab_size + 31) // 32), torch.int32, -1)}
 
-    The slots sit alone on one page of a 3-page allocation (registration is per page, so no other
-    allocation may share it). UVA: the mapped device address equals the host address."""
 
-    def __init__(self, dev: torch.device):
-        self._backing = torch.full((3 * _PAGE // 8,), -1, dtype=torch.int64)
-        off = (-self._backing.data_ptr() % _PAGE) // 8
-        self.host = self._backing[off:off + RING]
-        self._ptr = self.host.data_ptr()
-        rc = torch.cuda.cudart().cudaHostRegister(self._ptr, _PAGE, 2)  # cudaHostRegisterMapped
+class _Mapped:
+    """Page-locked, device-mapped host memory holding the tensors of `specs`, unregistered when dropped.
+
+    The tensors sit alone on whole pages of an over-allocated buffer (registration is per page, so no
+    other allocation may share them). UVA: the mapped device address equals the host address."""
+
+    def __init__(self, dev: torch.device, specs: dict):
+        offs, n = {}, 0
+        for name, (shape, dtype, _) in specs.items():
+            offs[name] = n
+            n += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+        size = -(-n // _PAGE) * _PAGE
+        self._backing = torch.zeros(size + _PAGE, dtype=torch.uint8)
+        base = -self._backing.data_ptr() % _PAGE
+        self._ptr = self._backing.data_ptr() + base
+        rc = torch.cuda.cudart().cudaHostRegister(self._ptr, size, 2)  # cudaHostRegisterMapped
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister failed ({rc})")
+        self.host, self.device = {}, {}
+        for name, (shape, dtype, fill) in specs.items():
+            nbytes = math.prod(shape) * dtype.itemsize
+            h = self._backing[base + offs[name]:base + offs[name] + nbytes].view(dtype).view(shape)
+            h.fill_(fill)
+            self.host[name] = h
 
-        class _Iface:
-            __cuda_array_interface__ = {"shape": (RING,), "typestr": "<i8", "data": (self._ptr, False),
-                                        "version": 3, "strides": None}
-        self.device = torch.as_tensor(_Iface(), device=dev)
+            class _Iface:
+                __cuda_array_interface__ = {"shape": tuple(shape), "typestr": _TYPESTR[dtype],
+                                            "data": (h.data_ptr(), False), "version": 3, "strides": None}
+            self.device[name] = torch.as_tensor(_Iface(), device=dev)
 
     def __del__(self):
-        torch.cuda.synchronize()  # no replay may still write the page
+        torch.cuda.synchronize()  # no replay may still write the pages
         torch.cuda.cudart().cudaHostUnregister(self._ptr)
 
 
-def _control_ring(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, str, object]:
-    """(host view, device view, mode, owner) of the control ring: RING int64 slots, each (step << 32) | token.
+_TYPESTR = {torch.int64: "<i8", torch.int32: "<i4", torch.float32: "<f4"}
 
-    Preferred: host-mapped memory the last kernel writes over PCIe, so no copy node and no sync.
-    Fallback: a device ring copied into pinned memory by the graph's last node."""
-    if dev.type != "cuda":
-        host = torch.full((RING,), -1, dtype=torch.int64)
-        return host, host, "cpu", None
-    from .kernels import sampling
-    try:
-        ring = _MappedRing(dev)
-        # Round trip through the very kernel that publishes tokens: it writes, the host must see it.
-        pm = torch.full((1,), 1.0, device=dev)
-        pi = torch.full((1,), 9, dtype=torch.int32, device=dev)
-        z = torch.zeros(1, dtype=torch.int64, device=dev)
-        sampling.finish(pm, pi, 1, z.clone(), z.clone(), z.clone(), ring.device, RING)
-        torch.cuda.synchronize()
-        if int(ring.host[0]) == (1 << 32) | 9:
-            ring.host.fill_(-1)
-            return ring.host, ring.device, "host-mapped", ring
-    except Exception:  # noqa: BLE001 - any failure means: use the copy path
-        pass
-    host = torch.full((RING,), -1, dtype=torch.int64).pin_memory()
-    return host, torch.full((RING,), -1, dtype=torch.int64, device=dev), "pinned-copy", None
+
+class ControlMemory:
+    """The host <-> step tensors (`_control_specs`), as host views and the device views kernels use.
+
+    mode "host-mapped" (preferred): kernels write the rings over PCIe and read the grammar masks
+    from host memory, so no copy node and no sync. "pinned-copy" (mapping failed): device rings
+    copied into pinned memory by the graph's last nodes; grammar masks are then not available to
+    the graph (`masks` False). "cpu": one set of tensors (the interpreter tests)."""
+
+    def __init__(self, dev: torch.device, vocab_size: int):
+        specs = _control_specs(vocab_size)
+        self._owner = None
+        if dev.type != "cuda":
+            self.mode, self.host = "cpu", {k: torch.full(sh, f, dtype=dt) for k, (sh, dt, f) in specs.items()}
+            self.device = self.host
+            return
+        from .kernels import sampling
+        try:
+            mem = _Mapped(dev, specs)
+            # Round trip through the very kernel that publishes tokens: it writes, the host must see it.
+            pm = torch.full((1,), 1.0, device=dev)
+            pi = torch.full((1,), 9, dtype=torch.int32, device=dev)
+            z = torch.zeros(1, dtype=torch.int64, device=dev)
+            sampling.finish(pm, pi, 1, z.clone(), z.clone(), z.clone(), mem.device["ring"], RING)
+            torch.cuda.synchronize()
+            if int(mem.host["ring"][0]) == (1 << 32) | 9:
+                mem.host["ring"].fill_(-1)
+                self.mode, self.host, self.device, self._owner = "host-mapped", mem.host, mem.device, mem
+                return
+        except Exception:  # noqa: BLE001 - any failure means: use the copy path
+            pass
+        self.mode = "pinned-copy"
+        self.host = {k: torch.full(sh, f, dtype=dt).pin_memory() for k, (sh, dt, f) in specs.items()}
+        self.device = {k: torch.full(sh, f, dtype=dt, device=dev) for k, (sh, dt, f) in specs.items()}
+
+    @property
+    def masks(self) -> bool:
+        """Whether the step can wait for and read host-written grammar masks."""
+        return self.mode in ("host-mapped", "cpu")
 
 
 @dataclass(frozen=True, eq=False)
@@ -272,9 +315,23 @@ class FusedDecoder:
         self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
         self.step = torch.zeros(1, dtype=torch.int64, device=dev)
         self.pos_scratch = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.ring_host, self.ring, self.control, self._ring_owner = _control_ring(dev)
+        self.mem = ControlMemory(dev, c.vocab_size)
+        self.control = self.mem.mode
+        self.ring_host, self.ring = self.mem.host["ring"], self.mem.device["ring"]
         self.params = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float32, device=dev)  # temperature, top_p, top_k
         self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
+        # Logprobs / grammar masks: the tail launch's partials, the requested k, the mask status.
+        from .kernels.sampling import KMAX
+        if self.t.tail_chunk < 64 or self.t.tail_chunk & (self.t.tail_chunk - 1):
+            raise EngineError(f"Tuning.tail_chunk must be a power of two >= 64, got {self.t.tail_chunk}")
+        self.n_tail = -(-c.vocab_size // self.t.tail_chunk)
+        self.tmax = torch.zeros(self.n_tail, dtype=torch.float32, device=dev)
+        self.tidx = torch.zeros(self.n_tail, dtype=torch.int32, device=dev)
+        self.tsum = torch.zeros(self.n_tail, dtype=torch.float32, device=dev)
+        self.topv = torch.zeros(self.n_tail * KMAX, dtype=torch.float32, device=dev)
+        self.topi = torch.zeros(self.n_tail * KMAX, dtype=torch.int32, device=dev)
+        self.lp_k = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.mask_status = torch.full((1,), -1, dtype=torch.int64, device=dev)
 
     def _fuse_mixer(self, i: int, lw) -> GDNMixer | AttentionMixer:
         m = lw.mixer
@@ -366,16 +423,18 @@ class FusedDecoder:
             ("mlp_down", lambda: g.gemv(
                 self.act_dense, f.w_down, self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)))]
 
-    def launch(self, sample: bool = False) -> None:
-        """Enqueue one decode step: input token `tok` at `position`; leaves the next token in `tok`."""
+    def launch(self, sample: bool = False, logprobs: bool = False, mask: bool = False) -> None:
+        """Enqueue one decode step: input token `tok` at `position`; leaves the next token in `tok`.
+        `logprobs`: also the chosen token's logprob and the top `lp_k` into the logprob ring;
+        `mask`: wait for this step's grammar mask from the host and apply it before the choice."""
         with self.launch_options():
-            self._launch(sample)
+            self._launch(sample, logprobs, mask)
 
     def launch_options(self):
         """Context in which this decoder's kernels are launched (PDL per `pdl_enabled`)."""
         return self.k_common.launch_options(self.pdl)
 
-    def _launch(self, sample: bool) -> None:
+    def _launch(self, sample: bool, logprobs: bool = False, mask: bool = False) -> None:
         pos = self.state.position
         if self.mode == "fused":
             for step in self.plan():
@@ -387,6 +446,16 @@ class FusedDecoder:
             torch.amax(self.logits, 0, keepdim=True, out=self.pmax[:1])
             self.pidx[:1].copy_(torch.argmax(self.logits, 0, keepdim=True))
             n_part = 1
+        pmax, pidx, dm = self.pmax, self.pidx, self.mem.device
+        if logprobs or mask:
+            # One launch over the logits: the mask (stored back for the sampler's sort), the masked
+            # (max, argmax) and sum of exp per program, and the per-program top k.
+            n_tail = self.k_samp.tail(self.logits, self.step, dm["flag"], dm["masks"], self.lp_k, self.mask_status,
+                                      self.tmax, self.tidx, self.tsum, self.topv, self.topi, mask=mask,
+                                      topk=logprobs, write=mask and sample, chunk=self.t.tail_chunk,
+                                      spin=self.t.mask_spin)
+            if not sample:
+                pmax, pidx, n_part = self.tmax, self.tidx, n_tail
         if sample:
             # engine.sampling_probs's rule: top-k first, then top-p over the top-k set renormalised;
             # all on the device (the parameters are device scalars).
@@ -398,42 +467,66 @@ class FusedDecoder:
             cum_excl = (cum - probs) / cum.index_select(0, k.view(1))
             n_part = self.k_samp.gumbel_partial(vals, idx, cum_excl, self.params, self.seed, self.state.position,
                                                 self.pmax, self.pidx)
-        self.k_samp.finish(self.pmax, self.pidx, n_part, self.tok, pos, self.step, self.ring, RING)
+        lp = ((self.logits, self.tmax, self.tsum, self.n_tail, self.topv, self.topi, self.lp_k, dm["lpv"], dm["lpi"])
+              if logprobs else None)
+        self.k_samp.finish(pmax, pidx, n_part, self.tok, pos, self.step, self.ring, RING, lp=lp,
+                           status=self.mask_status if mask else None)
         if self.control == "pinned-copy":
+            if logprobs:  # before the token ring: the host reads a token's logprobs after the token
+                self.mem.host["lpv"].copy_(dm["lpv"], non_blocking=True)
+                self.mem.host["lpi"].copy_(dm["lpi"], non_blocking=True)
             self.ring_host.copy_(self.ring, non_blocking=True)
 
 
 class GraphRunner:
-    """One captured CUDA graph per decode step over a `FusedDecoder`."""
+    """One captured CUDA graph per decode step over a `FusedDecoder`, one graph per variant
+    (sample, logprobs, mask): the plain greedy and sampling steps stay as they were; logprobs and
+    grammar masks add the tail launch and a longer finish."""
+
+    VARIANTS = tuple((s, lp, m) for s in (False, True) for lp in (False, True) for m in (False, True))
 
     def __init__(self, decoder: FusedDecoder):
         self.d = decoder
-        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[bool, bool, bool], torch.cuda.CUDAGraph] = {}
         self.replays = 0
         self.finish_reason: str | None = None
 
-    def _graph(self, sample: bool) -> torch.cuda.CUDAGraph:
-        if sample not in self.graphs:
+    @property
+    def masks(self) -> bool:
+        """Whether grammar-constrained requests can run on the graph (host-mapped control memory)."""
+        return self.d.mem.masks
+
+    def _graph(self, sample: bool, logprobs: bool = False, mask: bool = False) -> torch.cuda.CUDAGraph:
+        key = (sample, logprobs, mask)
+        if key not in self.graphs:
+            if mask and not self.masks:
+                raise EngineError(f"grammar masks need host-mapped control memory (have {self.d.control})")
             d = self.d
             saved = self._snapshot()
+            flag = d.mem.host["flag"]
+            if mask:
+                flag.fill_(1 << 62)  # the warm-up step must not wait for a mask
+                torch.cuda.synchronize()
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                d.launch(sample)  # warm-up: compiles the kernels, allocator settles
+                d.launch(*key)  # warm-up: compiles the kernels, allocator settles
                 torch.cuda.synchronize()
                 self._restore(saved)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, stream=s):
-                    d.launch(sample)
+                    d.launch(*key)
             torch.cuda.current_stream().wait_stream(s)
             torch.cuda.synchronize()
             self._restore(saved)
             # The warm-up published step `step+1`; the restored counter will publish it again.
             d.ring.fill_(-1)
             d.ring_host.fill_(-1)
+            flag.fill_(int(d.step.item()))  # no later step has a mask yet
+            d.mask_status.fill_(-1)
             torch.cuda.synchronize()
-            self.graphs[sample] = g
-        return self.graphs[sample]
+            self.graphs[key] = g
+        return self.graphs[key]
 
     def _snapshot(self) -> dict:
         # Warm-up runs a real step; put back every tensor it mutates so capture leaves no trace.
@@ -446,38 +539,56 @@ class GraphRunner:
         for t, c in saved.values():
             t.copy_(c)
 
-    def capture(self, sample: bool = False) -> None:
-        """Compile and capture the greedy (or the sampling) step graph now rather than on first use."""
-        self._graph(sample)
+    def capture(self, sample: bool = False, logprobs: bool = False, mask: bool = False) -> None:
+        """Compile and capture one variant's step graph now rather than on first use."""
+        self._graph(sample, logprobs, mask)
 
-    def stream(self, first_token: int, params) -> Iterator[int]:
-        """`Engine.stream`'s contract (docs/ARCHITECTURE.md §1) on the graph path: the state holds N
-        tokens and token N is `first_token`; yields the following tokens until EOS (unless
-        ignore_eos) / a stop id (both yielded) / max_tokens, which counts first_token / a full
-        context. Sets `finish_reason` ("stop" | "length")."""
+    def stream(self, first_token: int, params, constraint=None) -> Iterator[int]:
+        """The token ids of `stream_steps`."""
+        return (rec.token for rec in self.stream_steps(first_token, params, constraint))
+
+    def stream_steps(self, first_token: int, params, constraint=None) -> Iterator:
+        """`Engine.steps`'s contract (docs/ARCHITECTURE.md §1) on the graph path: the state holds N
+        tokens and token N is `first_token` (already accepted by `constraint`); yields `Sampled`
+        records of the following tokens until EOS (unless ignore_eos) / a stop id (both yielded) /
+        max_tokens, which counts first_token / a full context / the grammar's end. Sets
+        `finish_reason` ("stop" | "length")."""
         st = self.d.state
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.d.cfg.eos_token_ids))
         self.finish_reason = None
-        if first_token in stops:
+        if first_token in stops or (constraint is not None and constraint.terminated):
             self.finish_reason = "stop"
             return
         n = min(params.max_tokens - 1, st.max_seq_len - st.seq_len)
         seed = params.seed if params.seed is not None else random.getrandbits(31)
-        for tok in self.generate(first_token, n, temperature=params.temperature, top_p=params.top_p,
-                                 top_k=max(params.top_k, 0), seed=seed, stop_token_ids=stops):
-            yield tok
-            if tok in stops:
+        for rec in self.steps(first_token, n, temperature=params.temperature, top_p=params.top_p,
+                              top_k=max(params.top_k, 0), seed=seed, stop_token_ids=stops,
+                              logprobs=params.logprobs, constraint=constraint):
+            yield rec
+            if rec.token in stops or (constraint is not None and constraint.terminated):
                 self.finish_reason = "stop"
                 return
         self.finish_reason = "length"
 
-    def generate(self, first_token: int, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, stop_token_ids=(), timeout_s: float = 60.0):
-        """Yield tokens after `first_token` (the token at position state.seq_len) until a stop id or the limit.
+    def generate(self, first_token: int, max_new_tokens: int, **kw) -> Iterator[int]:
+        """The token ids of `steps` (same arguments)."""
+        return (rec.token for rec in self.steps(first_token, max_new_tokens, **kw))
+
+    def steps(self, first_token: int, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+              top_k: int = 0, seed: int = 0, stop_token_ids=(), logprobs: int | None = None, constraint=None,
+              timeout_s: float = 60.0):
+        """Yield a `Sampled` per token after `first_token` (the token at position state.seq_len) until a
+        stop id, the grammar's end or the limit.
 
         The state advances on the device; afterwards `state.seq_len` counts every replay that ran,
         including the one overrun replay after a stop (its token is discarded, its state write stays).
+        With `constraint` (which has accepted `first_token`), the mask of step k+1 is written as soon
+        as token k is read, while the device already runs step k+1's layers; the step waits for it
+        only at its tail.
         """
+        from .kernels.sampling import INVALID_TOKEN
+        from .sampling import Sampled
+
         d, st = self.d, self.d.state
         if max_new_tokens <= 0:
             return
@@ -487,14 +598,19 @@ class GraphRunner:
         sample = temperature > 0
         if sample and not (0.0 < top_p <= 1.0):
             raise EngineError(f"top_p must be in (0, 1], got {top_p}")
-        g = self._graph(sample)
+        lp, mask = logprobs is not None, constraint is not None
+        g = self._graph(sample, lp, mask)
         d.params.copy_(torch.tensor([temperature if sample else 1.0, top_p, float(top_k)]))
         d.seed.fill_(seed)
         d.tok.fill_(first_token)
         d.state.position.fill_(st.seq_len)
+        if lp:
+            d.lp_k.fill_(logprobs)
         base = int(d.step.item())
+        if mask:
+            self._publish_mask(constraint, base + 1)
         stops = set(stop_token_ids)
-        ring = d.ring_host
+        ring, vocab = d.ring_host, d.cfg.vocab_size
         done = 0
         launched = 0
         try:
@@ -511,11 +627,38 @@ class GraphRunner:
                     if time.monotonic() > deadline:
                         raise EngineError(f"decode step {want} did not publish within {timeout_s}s")
                 tok = v & 0xFFFFFFFF
+                if tok == INVALID_TOKEN:
+                    raise EngineError(f"decode step {want}: its grammar mask did not arrive within "
+                                      f"{d.t.mask_spin} flag reads")
                 done += 1
-                yield tok
-                if tok in stops:
+                rec = Sampled(tok, *self._logprobs(slot, logprobs, vocab)) if lp else Sampled(tok)
+                end = tok in stops
+                if mask:
+                    constraint.accept(tok)
+                    end = end or constraint.terminated
+                    if not end and done < max_new_tokens:
+                        self._publish_mask(constraint, want + 1)
+                yield rec
+                if end:
                     break
         finally:
-            torch.cuda.current_stream().synchronize()
+            if mask:
+                d.mem.host["flag"].fill_(base + launched)  # releases a replay waiting for a mask that will not come
+            self._sync()
             self.replays += launched
             st.seq_len += launched
+
+    def _sync(self) -> None:
+        torch.cuda.current_stream().synchronize()
+
+    def _publish_mask(self, constraint, step: int) -> None:
+        # The mask first, then the flag: x86 keeps the two stores in order for the device's reads.
+        host = self.d.mem.host
+        constraint.fill(host["masks"][step % 2:step % 2 + 1])
+        host["flag"][0] = step
+
+    def _logprobs(self, slot: int, k: int, vocab: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+        host = self.d.mem.host
+        vals = host["lpv"][slot, :k + 1].tolist()
+        ids = host["lpi"][slot, :k].tolist()
+        return vals[0], tuple((i, x) for i, x in zip(ids, vals[1:]) if i < vocab)

@@ -1,10 +1,15 @@
-"""Sampling: greedy, temperature, top-k, top-p; seeded and reproducible through a torch.Generator."""
+"""Sampling: greedy, temperature, top-k, top-p; seeded and reproducible through a torch.Generator.
+Logprobs as vLLM's default ``raw_logprobs``: log-softmax of the fp32 logits the step produced (after
+a grammar mask, before temperature and the top-k / top-p filters)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+
+from nexrt_vllm.handoff.structured import LOGPROBS_MAX
 
 from .errors import SamplingParamsError
 
@@ -15,7 +20,8 @@ class SamplingParams:
 
     temperature 0 is greedy (argmax, first index on ties). top_k 0 or -1 and top_p 1 disable those
     filters. EOS ends generation unless ignore_eos; a stop token id always does. Stop/EOS tokens are
-    emitted. max_tokens bounds the tokens produced for the request.
+    emitted. max_tokens bounds the tokens produced for the request. logprobs None: none returned;
+    k in 0..20: each token's logprob and its k most likely alternatives.
     """
 
     max_tokens: int = 16
@@ -25,6 +31,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default=())
+    logprobs: int | None = None
 
     def __post_init__(self):
         def is_int(v):
@@ -52,10 +59,34 @@ class SamplingParams:
         if not all(is_int(t) and t >= 0 for t in stops):
             raise SamplingParamsError(f"stop_token_ids must hold non-negative ints, got {list(stops)!r}")
         object.__setattr__(self, "stop_token_ids", stops)
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= LOGPROBS_MAX):
+            raise SamplingParamsError(f"logprobs must be None or an int in [0, {LOGPROBS_MAX}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+class Sampled(NamedTuple):
+    """One generated token; with logprobs requested, its logprob and the top alternatives
+    ((id, logprob), most likely first), else None and ()."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """(logprob of `token`, top-k (id, logprob) pairs) of fp32 logits [vocab] (vLLM's raw_logprobs).
+    Tokens a grammar mask forbids (-inf) are never listed, so fewer than k may come back; equal
+    logprobs list the lower id first (as the graph's kernels do)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = ()
+    if k:
+        vals, ids = torch.sort(lp, descending=True, stable=True)
+        vals, ids = vals[:k], ids[:k]
+        top = tuple((i, v) for i, v in zip(ids.tolist(), vals.tolist()) if v > float("-inf"))
+    return float(lp[token]), top
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

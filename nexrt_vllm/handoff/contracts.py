@@ -35,6 +35,7 @@ from enum import Enum
 from typing import Any
 
 from nexrt_vllm.handoff.protocol import Reason
+from nexrt_vllm.handoff.structured import StructuredError, StructuredSpec, check_logprobs
 
 CLAIM_KEY = "nexrt"  # our only key in kv_transfer_params, in and out (MultiConnector-safe)
 
@@ -80,6 +81,7 @@ REFUSAL_STATUS = {
     Reason.CANCELLING: 409,  # the previous request is still stopping
     Reason.DUPLICATE: 409,  # rid already admitted / already started
     Reason.STALE_GENERATION: 409,  # generation of an earlier admission
+    Reason.UNSUPPORTED: 400,  # an output option the node cannot honour (no grammar backend, a schema feature)
 }
 
 
@@ -119,6 +121,16 @@ def _tcp_addr(body: str, name: str, v: Any) -> str:
     return v
 
 
+def _structured(body: str, v: Any) -> dict | None:
+    """A grammar spec's wire form (``handoff.structured``), checked for its shape; whether the node
+    can compile and enforce it is the node's answer (400 ``unsupported``)."""
+    try:
+        spec = StructuredSpec.from_wire(v)
+    except StructuredError as e:
+        raise ContractError(body, "structured", f"is malformed: {e}") from None
+    return None if spec is None else spec.to_wire()
+
+
 def _kwargs(cls, d: dict) -> dict:
     """Constructor arguments of ``cls`` from a wire map: every required field (``None`` when absent,
     which its check refuses), and each optional field that is present and not null (else its default)."""
@@ -153,15 +165,18 @@ class AdmitRequest(_Flat):
 
     rid: str
     prompt_len: int | None = None  # when known, the node refuses a too-long prompt up front
+    structured: dict | None = None  # a grammar spec: the node compiles it while the prefill runs
 
     BODY = "admit"
 
     def __post_init__(self):
         _nonempty_str(self.BODY, "rid", self.rid)
         _opt_int_at_least(self.BODY, "prompt_len", self.prompt_len, 1, "a positive integer")
+        object.__setattr__(self, "structured", _structured(self.BODY, self.structured))
 
     def to_wire(self) -> dict:
-        return {"rid": self.rid} if self.prompt_len is None else {"rid": self.rid, "prompt_len": self.prompt_len}
+        return {k: v for k, v in (("rid", self.rid), ("prompt_len", self.prompt_len),
+                                  ("structured", self.structured)) if v is not None}
 
 
 @dataclass(frozen=True)
@@ -374,6 +389,8 @@ class GenerateRequest:
     max_tokens: int  # counts first_token too
     generation: int | None = None  # when given, must be the admission's
     sampling: Sampling = field(default_factory=Sampling)
+    logprobs: int | None = None  # per token: its logprob and this many top alternatives (0..20)
+    structured: dict | None = None  # a grammar spec (or the one given at admit, when absent)
 
     BODY = "generate"
 
@@ -384,19 +401,31 @@ class GenerateRequest:
         _opt_int_at_least(self.BODY, "generation", self.generation, 0, "a non-negative integer")
         if not isinstance(self.sampling, Sampling):
             raise ContractError(self.BODY, "sampling", "must be a Sampling")
+        try:
+            check_logprobs(self.logprobs)
+        except StructuredError as e:
+            raise ContractError(self.BODY, "logprobs", str(e).removeprefix("logprobs ")) from None
+        object.__setattr__(self, "structured", _structured(self.BODY, self.structured))
 
     def to_wire(self) -> dict:
-        return {"rid": self.rid, "generation": self.generation, "first_token": self.first_token,
-                "max_tokens": self.max_tokens, **self.sampling.to_wire()}
+        out = {"rid": self.rid, "generation": self.generation, "first_token": self.first_token,
+               "max_tokens": self.max_tokens, **self.sampling.to_wire()}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        if self.structured is not None:
+            out["structured"] = self.structured
+        return out
 
     @classmethod
     def from_wire(cls, d: Any) -> "GenerateRequest":
         d = _object(cls.BODY, d)
-        unknown = sorted(set(d) - {"rid", "generation", "first_token", "max_tokens", *_SAMPLING_FIELDS})
+        unknown = sorted(set(d) - {"rid", "generation", "first_token", "max_tokens", "logprobs", "structured",
+                                   *_SAMPLING_FIELDS})
         if unknown:
             raise ContractError(cls.BODY, None, f"has unsupported fields {unknown}")
         return cls(rid=d.get("rid"), first_token=d.get("first_token"), max_tokens=d.get("max_tokens"),
-                   generation=d.get("generation"), sampling=Sampling.from_wire(d))
+                   generation=d.get("generation"), sampling=Sampling.from_wire(d), logprobs=d.get("logprobs"),
+                   structured=d.get("structured"))
 
 
 # --------------------------------------------------------------------------------------------

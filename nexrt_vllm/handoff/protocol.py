@@ -54,6 +54,7 @@ class Reason(str, Enum):
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
     TRANSFER_FAILED = "transfer_failed"
+    UNSUPPORTED = "unsupported"  # a generate option the node cannot honour (e.g. a grammar xgrammar cannot enforce)
 
 
 class ProtocolError(Exception):

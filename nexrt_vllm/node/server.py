@@ -34,6 +34,7 @@ from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import (AdmitReply, AdmitRequest, CancelRequest, ContractError, GenerateRequest,
                                           Refusal)
 from nexrt_vllm.handoff.layout import LAYOUT_VERSION, LAYOUT_VERSIONS, model_identity
+from nexrt_vllm.handoff.structured import LOGPROBS_MAX, STRUCTURED_TYPES
 from nexrt_vllm.handoff.transport import TRANSPORTS
 from nexrt_vllm.node import faults as F
 from nexrt_vllm.node.service import DecodeNode, Options
@@ -79,9 +80,11 @@ class Endpoints:
         try:
             req: GenerateRequest = await _body(request, GenerateRequest)
             try:
-                sp = SamplingParams(max_tokens=req.max_tokens, **asdict(req.sampling))
+                sp = SamplingParams(max_tokens=req.max_tokens, logprobs=req.logprobs, **asdict(req.sampling))
             except SamplingParamsError as e:
                 raise Refusal(P.Reason.BAD_MESSAGE, str(e)) from None
+            # before the claim: a grammar that does not compile leaves the admission as it was
+            constraint = await self.node.constraint(req.rid, req.structured, req.first_token, sp.stop_token_ids)
             adm = self.node.claim(req)
         except Refusal as e:
             return _error(e)
@@ -89,7 +92,7 @@ class Endpoints:
         try:
             await resp.prepare(request)
             stall = self.node.opts.faults.stall_first_token_s
-            async with contextlib.aclosing(self.node.generate(adm, sp, req.first_token)) as lines:
+            async with contextlib.aclosing(self.node.generate(adm, sp, req.first_token, constraint)) as lines:
                 async for line in lines:
                     if stall and "token" in line:
                         await asyncio.sleep(stall)  # test fault: a slow first token
@@ -125,11 +128,21 @@ class Endpoints:
                           "recv_buffers": len(self.node.buffers), "recv_buffer_bytes": self.node.buffers[0].size,
                           **({"target": peer["target"]} if "target" in peer else {})},
             "sampling": {"temperature": True, "top_p": True, "top_k": True, "seed": True, "ignore_eos": True,
-                         "stop_token_ids": True, "logprobs": False, "penalties": False},
+                         "stop_token_ids": True, "logprobs": True, "max_logprobs": LOGPROBS_MAX,
+                         "logprobs_mode": "raw_logprobs", "penalties": False},
+            "structured_output": self._structured_caps(),
             "device": self.args.device, "graph": self.args.graph, "load_format": self.args.load_format,
             "dtype": str(self.node.engine.dtype).removeprefix("torch."),
             "layout_versions": list(LAYOUT_VERSIONS), "handoff_parts": True, "tp": self._tp(),
         })
+
+    def _structured_caps(self) -> dict:
+        if self.node.grammars is None:
+            return {"types": [], "reason": self.node.grammars_missing}
+        from importlib.metadata import version
+        return {"types": list(STRUCTURED_TYPES), "backend": "xgrammar", "backend_version": version("xgrammar"),
+                "json_schema_whitespace": "any", "on_graph": self.node.engine.graph is None or
+                self.node.engine.graph.masks}
 
     def _tp(self) -> dict:
         """The node group: its size, backend and the heads each rank holds (docs/NODE.md)."""
@@ -193,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a stream write may block before the client counts as gone")
     ap.add_argument("--quarantine", type=float, default=30.0,
                     help="seconds a buffer stays unused after its writer was cut off mid-transfer")
+    ap.add_argument("--tokenizer", default=None,
+                    help="Hugging Face tokenizer directory for structured output (default: --model); the "
+                         "grammar masks are built from it with xgrammar, as vLLM builds them")
+    ap.add_argument("--no-structured", action="store_true", help="refuse structured-output requests")
     ap.add_argument("--ready-file", default=None, help="write the bound HTTP URL here once serving")
     ap.add_argument("--log-level", default="INFO")
     return ap
@@ -211,6 +228,23 @@ def _positive(ap, args) -> None:
     for name in ("admit_timeout", "transfer_timeout", "start_timeout", "write_timeout"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
+
+
+def _grammars(args, cfg):
+    """(engine.structured.Grammars, None) for the checkpoint's tokenizer, or (None, why not)."""
+    if args.no_structured:
+        return None, "structured output is disabled on this node (--no-structured)"
+    path = args.tokenizer or args.model
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None, f"structured output needs the model's tokenizer: none in {path} (start the node with --tokenizer)"
+    try:
+        from nexrt_vllm.engine.structured import Grammars
+        t0 = time.monotonic()
+        g = Grammars(path, cfg.vocab_size)
+    except ImportError as e:
+        return None, f"structured output needs xgrammar and transformers ({e})"
+    log.info("structured output: xgrammar over the tokenizer in %s (%.1fs)", path, time.monotonic() - t0)
+    return g, ""
 
 
 async def serve(args) -> None:
@@ -290,8 +324,11 @@ async def serve(args) -> None:
     opts = Options(max_seq_len=args.max_seq_len, admit_timeout=args.admit_timeout,
                    transfer_timeout=args.transfer_timeout, start_timeout=args.start_timeout,
                    quarantine_s=args.quarantine, faults=faults)
+    grammars, missing = _grammars(args, cfg)
     node = DecodeNode(engine, cfg, transport, buffers, opts, device=args.device,
-                control_addr=f"tcp://{args.host}:{cport}", model_name=os.path.basename(os.path.abspath(args.model)))
+                      control_addr=f"tcp://{args.host}:{cport}",
+                      model_name=os.path.basename(os.path.abspath(args.model)),
+                      grammars=grammars, grammars_missing=missing)
     node.metrics.graph.labels(mode=args.graph, device=args.device).set(1)
     svc = Endpoints(node, args)
     app = web.Application(client_max_size=1 << 20)

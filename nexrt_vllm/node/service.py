@@ -26,6 +26,7 @@ import torch
 from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import AdmissionState, AdmitRequest, CancelReply, GenerateRequest, Refusal
+from nexrt_vllm.handoff.structured import LOGPROB_FLOOR, StructuredError, StructuredSpec
 from nexrt_vllm.node.buffers import RecvBuffer, stage
 from nexrt_vllm.node.parts import PartSet, check_part, load_parts
 from nexrt_vllm.node.faults import Faults
@@ -63,13 +64,19 @@ class Admission:
     cancelled: bool = False  # POST /v1/cancel
     # resolves to None when READY, to (reason, message) when the admission fails first
     ready: asyncio.Future | None = None
+    structured: StructuredSpec | None = None  # given at admit: compiled while the prefill runs
+    grammar: asyncio.Future | None = None  # -> the compiled grammar (or the StructuredError)
 
 
 class DecodeNode:
     def __init__(self, engine, cfg, transport, buffers: list[RecvBuffer], opts: Options, *, device: str,
-                 control_addr: str, model_name: str, metrics: NodeMetrics | None = None):
+                 control_addr: str, model_name: str, metrics: NodeMetrics | None = None, grammars=None,
+                 grammars_missing: str = "structured output is not enabled on this node"):
         self.engine, self.cfg, self.transport, self.buffers, self.opts = engine, cfg, transport, buffers, opts
         self.device, self.control_addr, self.model_name = device, control_addr, model_name
+        # engine.structured.Grammars (xgrammar over the checkpoint's tokenizer), or None and why not
+        self.grammars, self.grammars_missing = grammars, grammars_missing
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nexrt-grammar")
         self.metrics = metrics or NodeMetrics()
         self.current: Admission | None = None
         self._decoding: Admission | None = None  # the admission whose decode thread runs
@@ -82,6 +89,7 @@ class DecodeNode:
     # ---- admission (HTTP) -------------------------------------------------------------------
     def admit(self, req: AdmitRequest) -> Admission:
         rid, prompt_len = req.rid, req.prompt_len
+        spec = self.structured_spec(req.structured)
         if (self.current and self.current.rid == rid) or rid in self._tombstones:
             raise self._refuse(P.Reason.DUPLICATE, f"rid {rid!r} was already admitted")
         if prompt_len is not None and prompt_len + 1 > self.opts.max_seq_len:
@@ -98,7 +106,9 @@ class DecodeNode:
             raise self._refuse(P.Reason.BUSY, "every receive buffer waits for a stale writer")
         self._generation += 1
         adm = Admission(rid, self._generation, AdmissionState.RESERVED, now + self.opts.admit_timeout,
-                        ready=asyncio.get_running_loop().create_future())
+                        ready=asyncio.get_running_loop().create_future(), structured=spec)
+        if spec is not None:
+            adm.grammar = self._compile(spec)
         self.current = adm
         self.metrics.admissions.inc()
         self._update_busy()
@@ -296,6 +306,56 @@ class DecodeNode:
                     what = f"done of part(s) {adm.parts.missing()} of {adm.parts.n}"
                 self._end(adm, "timeout", P.Reason.TIMEOUT, f"no {what} before the {adm.state.value} deadline")
 
+    # ---- structured output ---------------------------------------------------------------------------
+    def structured_spec(self, wire: Any) -> StructuredSpec | None:
+        """The request's grammar spec, checked for what this node can enforce (400 otherwise)."""
+        if wire is None:
+            return None
+        try:
+            spec = StructuredSpec.from_wire(wire)
+        except StructuredError as e:
+            raise self._refuse(P.Reason.BAD_MESSAGE, str(e)) from None
+        if self.grammars is None:
+            raise self._refuse(P.Reason.UNSUPPORTED, self.grammars_missing)
+        why = spec.unsupported()
+        if why:
+            raise self._refuse(P.Reason.UNSUPPORTED, why)
+        return spec
+
+    def _compile(self, spec: StructuredSpec) -> asyncio.Future:
+        fut = asyncio.get_running_loop().run_in_executor(self._compile_pool, self.grammars.compile, spec)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # consumed even if never awaited
+        return fut
+
+    async def constraint(self, rid: Any, wire: Any, first_token: Any, stop_token_ids) -> Any:
+        """The engine constraint of a generate request (None without a grammar), before any byte of
+        the stream: its grammar compiled (at admit, or now), and vLLM's first token allowed by it."""
+        adm = self.current if self.current is not None and self.current.rid == rid else None
+        spec = self.structured_spec(wire)
+        admitted = adm.structured if adm is not None else None
+        if spec is not None and admitted is not None and spec.key != admitted.key:
+            raise self._refuse(P.Reason.BAD_MESSAGE, "structured differs from the one given at admit")
+        spec = spec or admitted
+        if spec is None:
+            return None
+        fut = adm.grammar if admitted is not None else self._compile(spec)
+        try:
+            compiled = await asyncio.wait_for(asyncio.shield(fut), self.opts.start_timeout)
+        except StructuredError as e:
+            raise self._refuse(P.Reason.UNSUPPORTED, str(e)) from None
+        except asyncio.TimeoutError:
+            raise self._refuse(P.Reason.UNSUPPORTED,
+                               f"{spec.type} did not compile within {self.opts.start_timeout}s") from None
+        stops = set(stop_token_ids) | set(self.cfg.eos_token_ids)  # vLLM's all_stop_token_ids
+        if isinstance(first_token, int) and not isinstance(first_token, bool) and 0 <= first_token < self.cfg.vocab_size:
+            probe = self.grammars.constraint(compiled, stops)
+            try:
+                probe.accept(first_token)
+            except Exception:  # noqa: BLE001 - EngineError: the grammar refuses it
+                raise self._refuse(P.Reason.BAD_MESSAGE,
+                                   f"first_token {first_token} is not allowed by the {spec.type} grammar") from None
+        return self.grammars.constraint(compiled, stops)
+
     # ---- decode (HTTP) ----------------------------------------------------------------------------
     def claim(self, req: GenerateRequest) -> Admission:
         """Validate a generate request before any response byte is sent (errors become 4xx)."""
@@ -314,8 +374,9 @@ class DecodeNode:
             adm.deadline = math.inf
         return adm
 
-    async def generate(self, adm: Admission, sp, first_token: int) -> AsyncIterator[dict]:
-        """Yields ``{"token": id}`` dicts, then one final ``{"finish_reason", ...}`` dict.
+    async def generate(self, adm: Admission, sp, first_token: int, constraint=None) -> AsyncIterator[dict]:
+        """Yields ``{"token": id}`` dicts (with ``sp.logprobs``: ``"logprob"`` and ``"top_logprobs"``
+        [[id, logprob], ...] too), then one final ``{"finish_reason", ...}`` dict.
 
         However it ends (normally, by cancel, by the client closing the generator while it waits
         for the transfer or mid-stream), the slot is released exactly once on the way out.
@@ -335,13 +396,13 @@ class DecodeNode:
                 loop = asyncio.get_running_loop()
                 q: asyncio.Queue = asyncio.Queue()
                 put = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
-                fut = loop.run_in_executor(self._pool, self._run, adm, sp, first_token, put)
+                fut = loop.run_in_executor(self._pool, self._run, adm, sp, first_token, constraint, put)
                 fut.add_done_callback(lambda _: self._decode_stopped(adm))
                 while final is None:
                     kind, val = await q.get()
                     if kind == "tok":
                         tokens += 1
-                        yield {"token": val}
+                        yield val
                     elif kind == "converted":
                         adm.buffer.release(False, 0.0)  # pages are in the engine: the buffer is free
                     elif kind == "end":
@@ -367,7 +428,7 @@ class DecodeNode:
         if adm.cancelled:
             self._end(adm, "cancelled", P.Reason.CANCELLED, "cancelled during decode")
 
-    def _run(self, adm: Admission, sp, first_token: int, put) -> None:
+    def _run(self, adm: Admission, sp, first_token: int, constraint, put) -> None:
         """Worker thread: convert the received pages, import them, stream tokens."""
         try:
             t = time.perf_counter()
@@ -379,9 +440,9 @@ class DecodeNode:
             self.metrics.convert_seconds.observe(time.perf_counter() - t)
             put(("converted", None))
             last = time.perf_counter()
-            it = self.engine.stream(first_token, sp)
+            it = self.engine.steps(first_token, sp, constraint)
             try:
-                for tok in it:
+                for rec in it:
                     now = time.perf_counter()
                     self.metrics.step_seconds.observe(now - last)
                     last = now
@@ -389,7 +450,7 @@ class DecodeNode:
                         put(("end", "cancelled"))
                         return
                     self.metrics.tokens.inc()
-                    put(("tok", int(tok)))
+                    put(("tok", _token_line(rec, sp.logprobs is not None)))
             finally:
                 it.close()
             put(("end", self.engine.finish_reason or "length"))
@@ -415,3 +476,14 @@ class DecodeNode:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lp(x: float) -> float:
+    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (a masked token) is not JSON
+
+
+def _token_line(rec, logprobs: bool) -> dict:
+    if not logprobs:
+        return {"token": int(rec.token)}
+    return {"token": int(rec.token), "logprob": _lp(rec.logprob), "top_logprobs": [[i, _lp(v)] for i, v in rec.top]}

@@ -3,9 +3,11 @@
 Child: ``python nexrt_vllm/testing/connector_harness.py '<config json>'`` reads one command per stdin line and
 answers one ``@@`` + JSON line on stdout (vLLM's own logs go to stderr/stdout around it):
 
-- ``{"op": "generate", "requests": [{"prompt_token_ids", "max_tokens", "kv_transfer_params"?}]}``
-  -> ``{"outputs": [{"token_ids", "finish_reason", "kv_transfer_params"}]}``, all requests in one
-  ``generate`` call (so they share batches);
+- ``{"op": "generate", "requests": [{"prompt_token_ids", "max_tokens", "kv_transfer_params"?, "sampling"?}]}``
+  -> ``{"outputs": [{"token_ids", "finish_reason", "kv_transfer_params", "logprobs"}]}``, all requests
+  in one ``generate`` call (so they share batches); greedy with ``ignore_eos`` unless ``sampling``
+  (more ``SamplingParams`` fields; ``structured_outputs`` as a dict of ``StructuredOutputsParams``)
+  says otherwise; ``logprobs``: per token ``[[id, logprob, rank], ...]`` when requested, else null;
 - ``{"op": "settle", "timeout": s}``: steps the engine until no connector work is pending (held
   blocks released), -> ``{"free_blocks": n, "pending": bool}``;
 - ``{"op": "free_blocks"}`` -> ``{"free_blocks": n}``;
@@ -80,11 +82,17 @@ def _child(cfg: dict) -> None:
             sps = []
             for r in reqs:
                 extra = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
-                sps.append(SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
-                                          extra_args=extra))
+                kw = {"temperature": 0.0, "ignore_eos": True, **r.get("sampling", {})}
+                if kw.get("structured_outputs") is not None:
+                    from vllm.sampling_params import StructuredOutputsParams
+                    kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+                sps.append(SamplingParams(max_tokens=r["max_tokens"], extra_args=extra, **kw))
             outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], sps, use_tqdm=False)
             reply({"outputs": [{"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
-                                "kv_transfer_params": o.kv_transfer_params} for o in outs]})
+                                "kv_transfer_params": o.kv_transfer_params,
+                                "logprobs": None if o.outputs[0].logprobs is None else
+                                [[[t, lp.logprob, lp.rank] for t, lp in pos.items()] for pos in o.outputs[0].logprobs]}
+                               for o in outs]})
         elif op == "abort_midway":
             # Abort a request after ``steps`` engine steps (mid chunked prefill), as a client
             # disconnect would.

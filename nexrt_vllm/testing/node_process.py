@@ -74,16 +74,17 @@ class NodeProcess:
         except json.JSONDecodeError:
             return status, raw.decode()
 
-    def admit(self, rid: str, prompt_len: int | None = None) -> dict:
+    def admit(self, rid: str, prompt_len: int | None = None, structured: dict | None = None) -> dict:
         """The node's admit reply as JSON (tests read its fields)."""
-        status, body = self.call("POST", "/v1/admit", AdmitRequest(rid, prompt_len).to_wire())
+        status, body = self.call("POST", "/v1/admit", AdmitRequest(rid, prompt_len, structured).to_wire())
         assert status == 200, body
         return AdmitReply.from_wire(body).to_wire()
 
     def open_generate(self, rid: str, generation: int, first_token: int, max_tokens: int, timeout: float = 30.0,
-                      **sampling):
+                      logprobs: int | None = None, structured: dict | None = None, **sampling):
         """Start /v1/generate; returns the open response (iterate lines) — or raises HTTPError."""
-        body = GenerateRequest(rid, first_token, max_tokens, generation, Sampling(**sampling)).to_wire()
+        body = GenerateRequest(rid, first_token, max_tokens, generation, Sampling(**sampling), logprobs,
+                               structured).to_wire()
         req = urllib.request.Request(self.url + "/v1/generate", data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
         return urllib.request.urlopen(req, timeout=timeout)

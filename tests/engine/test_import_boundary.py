@@ -16,3 +16,14 @@ def test_package_import_does_not_load_torch():
 
 def test_engine_import_loads_torch_but_not_transformers():
     assert _loaded("import nexrt_vllm.engine") == "['torch']"
+
+
+def test_grammar_spec_is_pure_and_xgrammar_loads_only_for_grammars():
+    """The router validates grammar specs with handoff.structured (no torch, no xgrammar); the
+    engine imports xgrammar only when a grammar is compiled (engine.structured)."""
+    code = ("import sys; import nexrt_vllm.handoff.structured as s; s.StructuredSpec('regex', 'a+').unsupported(); "
+            "a = [m for m in ('torch', 'xgrammar', 'vllm') if m in sys.modules]; import nexrt_vllm.engine; "
+            "b = [m for m in ('xgrammar', 'transformers') if m in sys.modules]; print(a, b)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[] []"

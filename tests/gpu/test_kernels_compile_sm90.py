@@ -30,11 +30,19 @@ I64_PTRS = {"tok_ptr", "pos_ptr", "step_ptr", "ring_ptr", "seed_ptr"}
 FP32_SCALARS = {"eps", "q_scale", "scale"}
 
 
-def compile_(fn, consts, num_warps=4):
+# the logprob / grammar-mask kernels (kernels/sampling.py); their logits are the fp32 lm_head output
+LP_TYPES = {"logits_ptr": "*fp32", "tmax_ptr": "*fp32", "tsum_ptr": "*fp32", "topv_ptr": "*fp32", "lpv_ptr": "*fp32",
+            "tidx_ptr": "*i32", "topi_ptr": "*i32", "k_ptr": "*i32", "mask_ptr": "*i32", "lpi_ptr": "*i32",
+            "flag_ptr": "*i64", "status_ptr": "*i64"}
+
+
+def compile_(fn, consts, num_warps=4, types=None):
     names = list(fn.arg_names)
     sig = {}
     for n in names:
-        if n in consts:
+        if types and n in types:
+            sig[n] = types[n]
+        elif n in consts:
             sig[n] = "constexpr"
         elif n.endswith("_ptr"):
             sig[n] = "*fp32" if n in FP32_PTRS else "*i32" if n in I32_PTRS else "*i64" if n in I64_PTRS else "*bf16"
@@ -45,11 +53,14 @@ def compile_(fn, consts, num_warps=4):
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     ptx = k.asm["ptx"]
-    return {"griddep": ptx.count("griddepcontrol"), "cubin_bytes": len(k.asm["cubin"])}
+    return {"griddep": ptx.count("griddepcontrol"), "cubin_bytes": len(k.asm["cubin"]),
+            "fence_sys": ptx.count("fence.sc.sys"), "volatile_loads": ptx.count("ld.volatile")}
 
 
 G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True)
 A = dict(NSPLIT=256, MIN_PER=32, G=8, GP=16, HD=256, BLOCK=32, DOT_F32=False)
+FIN = dict(BLOCK=1024, LP=False, CHECK=False, KMAX=sampling.KMAX, TB=128, CB=4096, ASM=True)
+TAIL = dict(CHUNK=2048, KMAX=sampling.KMAX, MASK=False, TOPK=False, WRITE=False, SPIN=1 << 21, ASM=True)
 out = {}
 for pdl in (False, True):
     on = dict(PDL=pdl)
@@ -75,9 +86,14 @@ for pdl in (False, True):
         ("attn_pv", attention.attn_pv_kernel, A, 4),
         ("attn_combine", attention.attn_combine_kernel, dict(NSPLIT=256, MIN_PER=32, BLOCK=32, HD=256, BLOCK_D=64), 4),
         ("embed", sampling.embed_kernel, dict(BLOCK=1024), 4),
-        ("finish", sampling.finish_kernel, dict(BLOCK=1024), 4),
+        ("finish", sampling.finish_kernel, FIN, 4),
+        # 2B vocabulary: 248320 logits, 122 tail programs of 2048
+        ("finish_logprobs_mask", sampling.finish_kernel, dict(FIN, LP=True, CHECK=True), 4),
+        ("tail_logprobs", sampling.tail_kernel, dict(TAIL, TOPK=True), 4),
+        ("tail_mask", sampling.tail_kernel, dict(TAIL, MASK=True), 4),
+        ("tail_mask_logprobs_write", sampling.tail_kernel, dict(TAIL, MASK=True, TOPK=True, WRITE=True), 4),
     ]:
-        out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, dict(consts, **on), nw)
+        out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, dict(consts, **on), nw, LP_TYPES)
 json.dump(out, sys.stdout)
 '''
 
@@ -92,7 +108,18 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 34 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 42 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+
+
+def test_host_memory_ordering_is_compiled_in(compiled):
+    """The system-scope fences and the volatile flag reads survive compilation: the finish orders its
+    logprob stores before the token store only with logprobs on; only a masked tail polls the flag."""
+    for pdl in ("", "_pdl"):
+        assert compiled[f"finish_logprobs_mask{pdl}"]["fence_sys"] >= 1
+        assert compiled[f"finish{pdl}"]["fence_sys"] == 0
+        assert compiled[f"tail_logprobs{pdl}"]["volatile_loads"] == 0
+        for name in ("tail_mask", "tail_mask_logprobs_write"):
+            assert compiled[f"{name}{pdl}"]["volatile_loads"] >= 1 and compiled[f"{name}{pdl}"]["fence_sys"] >= 1
 
 
 def test_pdl_emits_the_grid_dependency_pair_and_only_with_pdl(compiled):

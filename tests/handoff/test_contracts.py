@@ -28,6 +28,8 @@ BODIES = [
     CancelRequest("r1"),
     CancelReply("r1", True, AdmissionState.RECEIVING),
     CancelReply("r1", False, AdmissionState.FINISHED),
+    AdmitRequest("r1", 600, structured={"type": "json_schema", "value": {"type": "object"}}),
+    GenerateRequest("r1", 17, 64, generation=3, logprobs=5, structured={"type": "choice", "value": ["a", "b"]}),
 ]
 
 
@@ -63,6 +65,12 @@ def test_wire_form_is_the_one_the_peers_speak():
     assert BODIES[2].to_wire() == {"rid": "r1", "generation": 3, "control_addr": "tcp://10.0.0.2:5555",
                                    "admit_timeout_s": 30.0}
     assert CancelReply("r1", True, "decoding").to_wire() == {"rid": "r1", "cancelled": True, "state": "decoding"}
+    # the output options travel only when set, in handoff/structured's form (a schema's JSON text parsed)
+    g = GenerateRequest("r1", 17, 64, logprobs=0, structured={"type": "json_schema", "value": '{"type": "string"}'})
+    assert list(g.to_wire())[-2:] == ["logprobs", "structured"]
+    assert g.to_wire()["structured"] == {"type": "json_schema", "value": {"type": "string"}}
+    assert AdmitRequest("r1", structured={"type": "json_object"}).to_wire() == {"rid": "r1",
+                                                                                 "structured": {"type": "json_object"}}
 
 
 def test_generate_defaults_are_the_nodes_for_absent_or_null_fields():
@@ -72,7 +80,8 @@ def test_generate_defaults_are_the_nodes_for_absent_or_null_fields():
 
 @pytest.mark.parametrize("reason, status", [(Reason.BUSY, 409), (Reason.DUPLICATE, 409), (Reason.CANCELLING, 409),
                                             (Reason.STALE_GENERATION, 409), (Reason.TOO_LONG, 413),
-                                            (Reason.UNKNOWN_RID, 404), (Reason.BAD_MESSAGE, 400)])
+                                            (Reason.UNKNOWN_RID, 404), (Reason.BAD_MESSAGE, 400),
+                                            (Reason.UNSUPPORTED, 400)])
 def test_refusal_round_trip_and_status(reason, status):
     r = Refusal(reason, "why")
     assert r.status == status == REFUSAL_STATUS[reason]
@@ -132,7 +141,12 @@ MALFORMED = [
     (GenerateRequest, {**GOOD_GEN, "ignore_eos": "no"}, "generate", "ignore_eos"),
     (GenerateRequest, {**GOOD_GEN, "stop_token_ids": [-1]}, "generate", "stop_token_ids"),
     (GenerateRequest, {**GOOD_GEN, "stop_token_ids": "5"}, "generate", "stop_token_ids"),
-    (GenerateRequest, {**GOOD_GEN, "logprobs": 5}, "generate", None),             # unknown field refused
+    (GenerateRequest, {**GOOD_GEN, "presence_penalty": 0.5}, "generate", None),   # unknown field refused
+    (GenerateRequest, {**GOOD_GEN, "logprobs": 21}, "generate", "logprobs"),
+    (GenerateRequest, {**GOOD_GEN, "logprobs": True}, "generate", "logprobs"),
+    (GenerateRequest, {**GOOD_GEN, "structured": {"type": "yaml"}}, "generate", "structured"),
+    (GenerateRequest, {**GOOD_GEN, "structured": {"type": "choice", "value": []}}, "generate", "structured"),
+    (AdmitRequest, {"rid": "r1", "structured": {"type": "regex"}}, "admit", "structured"),
     (CancelRequest, {"rid": 5}, "cancel", "rid"),
     (CancelRequest, {}, "cancel", "rid"),
     (CancelReply, {"rid": "r1", "cancelled": True, "state": "gone"}, "cancel_reply", "state"),

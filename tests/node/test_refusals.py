@@ -119,7 +119,8 @@ def test_duplicate_rid(node):
     ("/v1/generate", {"rid": "x", "first_token": 1}, 400),
     ("/v1/generate", {"rid": "x", "first_token": 1, "max_tokens": 0}, 400),
     ("/v1/generate", {"rid": "x", "first_token": 1, "max_tokens": 4, "temperature": -1}, 400),
-    ("/v1/generate", {"rid": "x", "first_token": 1, "max_tokens": 4, "logprobs": 5}, 400),
+    ("/v1/generate", {"rid": "x", "first_token": 1, "max_tokens": 4, "logprobs": 21}, 400),
+    ("/v1/generate", {"rid": "x", "first_token": 1, "max_tokens": 4, "presence_penalty": 0.5}, 400),
     ("/v1/cancel", {"rid": "nobody"}, 404),
 ])
 def test_malformed_http(node, path, body, status):

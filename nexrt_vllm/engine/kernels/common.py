@@ -16,6 +16,9 @@ except ImportError:  # pragma: no cover - depends on the Triton build
 # The process default comes from NEXRT_PDL=1; a `FusedDecoder` applies its `Tuning.pdl` (on by
 # default) with `launch_options`. Always off in the interpreter.
 _PDL_OK = _HAVE_GDC and os.environ.get("TRITON_INTERPRET") != "1"
+# Inline PTX (the system-scope fences around host-mapped memory): compiled kernels only; the
+# interpreter runs programs one after another on the host, where the fences have nothing to order.
+ASM = os.environ.get("TRITON_INTERPRET") != "1"
 LAUNCH = {"PDL": False}  # **kwargs of every decode-kernel launch; mutated in place by launch_options
 
 
@@ -64,3 +67,11 @@ def pdl_begin(PDL: tl.constexpr):
         gdc_wait()
         gdc_launch_dependents()
 
+
+
+@triton.jit
+def fence_sys(ASM: tl.constexpr):
+    """fence.sc.sys: this thread's earlier memory operations are ordered before its later ones for
+    every observer, the host included (host-mapped memory is read by the CPU, written by it)."""
+    if ASM:
+        tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
