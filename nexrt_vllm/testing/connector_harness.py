@@ -33,6 +33,7 @@ from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import AdmitReply, AdmitRequest, Claim, GenerateRequest, Sampling
 from nexrt_vllm.handoff.transport import make_receiver
 from nexrt_vllm.testing.control_peer import ControlPeer
+from nexrt_vllm.testing.node_process import stop_process
 
 MARK = "@@"
 
@@ -341,12 +342,7 @@ class NodeProc:
             self.proc.wait(10)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc)
         self._log.close()
 
 
