@@ -21,6 +21,17 @@ import torch
 from nexrt_vllm.handoff.contracts import AdmitReply, AdmitRequest, GenerateRequest, Sampling
 
 
+def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM, and SIGKILL if the process has not exited after ``grace`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 class NodeProcess:
     def __init__(self, model: str, transport: str = "mooncake", *extra: str, max_seq_len: int = 512,
                  start_timeout: float = 90.0):
@@ -49,13 +60,7 @@ class NodeProcess:
             return f.read().decode(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
         self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
