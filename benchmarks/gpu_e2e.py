@@ -181,11 +181,9 @@ def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, o
 
 def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str) -> dict:
     """decode_bench at the scenario contexts (the engine alone, same GPU, nothing else running)."""
-    if layers:
-        return {"skipped": "--layers changes the shape; decode_bench runs the full shapes"}
     cmd = [sys.executable, "benchmarks/decode_bench.py", "--shapes", shape, "--contexts",
            ",".join(map(str, contexts)), "--steps", "200", "--parity-steps", "0", "--eager-steps", "2",
-           "--json", out_json]
+           "--json", out_json] + (["--layers", str(layers)] if layers else [])
     log("run", " ".join(cmd[1:]))
     err = _run(cmd, ROOT, 900, 1500)
     if err:
