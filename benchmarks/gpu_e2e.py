@@ -18,8 +18,9 @@ KV cache) and adds `ttft_breakdown`: per context, plain vLLM, the connector's vL
 and as the router's one-token leg) and the router path, interleaved prompt by prompt, with the router's
 own split of its TTFT (queue incl. admission, vLLM leg).
 
-`gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png` joins runs that measured different
-`--paths` of one shape into one summary with the ratios, and draws the overlay.
+`gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png [--engine DECODE.json]` joins runs (of a
+shape that measured different `--paths`; several shapes become sections) into one summary with the
+ratios, and draws one overlay of them all.
 
 Writes OUT/gpu_e2e_<label>.json (summary: TPOT / TTFT / interactivity / E2EL medians of both paths,
 ratios, the node's step-time and hand-off metrics per scenario, the engine's own step time from
@@ -189,10 +190,7 @@ def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: s
     if err:
         return {"error": err}
     with open(out_json) as f:
-        res = json.load(f)
-    rows = res["shapes"][0]["contexts"] if res.get("shapes") else []
-    return {"copy_bw_Bps": res.get("copy_bw_Bps"),
-            "contexts": {r["context"]: {"step_ms_median": r["step_ms_median"], "mbu": r["mbu"]} for r in rows}}
+        return _engine_rows(json.load(f))
 
 
 def add_ratios(summary: dict, scenarios) -> None:
@@ -211,38 +209,73 @@ def add_ratios(summary: dict, scenarios) -> None:
             summary.setdefault("ratios", {})[sc] = r
 
 
-def merge(paths: list[str], out: str, png: str | None) -> int:
-    """One summary from runs of the same shape that measured different --paths (same GPU, one lease)."""
-    runs = [json.load(open(p)) for p in paths]
+def _engine_rows(res: dict) -> dict:
+    rows = res["shapes"][0]["contexts"] if res.get("shapes") else []
+    return {"copy_bw_Bps": res.get("copy_bw_Bps"),
+            "contexts": {r["context"]: {"step_ms_median": r["step_ms_median"], "mbu": r["mbu"]} for r in rows}}
+
+
+def _label(run: dict) -> str:
+    full = {NAMES[k]: v["num_hidden_layers"] for k, v in SHAPES.items()}.get(run["shape"])
+    return run["shape"] + (f" ({run['layers']} of {full} layers)" if full and run.get("layers") != full else "")
+
+
+def _merge_shape(paths: list[str], runs: list[dict]) -> dict:
     m = {**runs[0], "command": [r["command"] for r in runs], "merged_from": [os.path.basename(p) for p in paths]}
-    for key in ("nexrt", "vllm", "node"):
+    for key in ("nexrt", "vllm", "node", "ttft_breakdown"):
         m[key] = {k: v for r in runs for k, v in r.get(key, {}).items()}
     for key in ("engine", "inferencex_client"):
-        vals = [r[key] for r in runs if r.get(key)]
+        vals = [r[key] for r in runs if r.get(key) and "skipped" not in r[key]]
         m[key] = vals[-1] if key == "engine" and vals else {k: v for d in vals for k, v in d.items()}
     m.pop("error", None)
     m.pop("ratios", None)
-    add_ratios(m, sorted(set(m["nexrt"]) | set(m["vllm"])))
+    return m
+
+
+def merge(paths: list[str], out: str, png: str | None, engine: list[str] = ()) -> int:
+    """One summary from runs on one GPU: runs of a shape that measured different --paths are joined;
+    several shapes become sections of "shapes". `engine`: decode_bench JSONs (e.g. of a --layers cut)
+    that give the engine's own step to the shape they ran."""
+    groups: dict[str, tuple[list, list]] = {}
+    for p in paths:
+        r = json.load(open(p))
+        g = groups.setdefault(_label(r), ([], []))
+        g[0].append(p)
+        g[1].append(r)
+    shapes = {label: _merge_shape(*g) for label, g in groups.items()}
+    for e in engine:
+        res = json.load(open(e))
+        cfg = res["shapes"][0]["config"]
+        for label, m in shapes.items():
+            if not m.get("engine") and res["shapes"][0]["shape"].startswith(m["shape"]) \
+                    and cfg["num_hidden_layers"] == m["layers"]:
+                m["engine"] = {**_engine_rows(res), "command": res.get("command")}
+    for m in shapes.values():
+        add_ratios(m, sorted(set(m["nexrt"]) | set(m["vllm"])))
+    first = next(iter(shapes.values()))
+    result = first if len(shapes) == 1 else {"hw": first.get("hw"), "shapes": shapes}
     with open(out, "w") as f:
-        json.dump(m, f, indent=1)
+        json.dump(result, f, indent=1)
     if png:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for path, mark in (("nexrt", "o"), ("vllm", "s")):
-            pts = [(1e3 / r["median_tpot_ms"], r["output_throughput"], sc) for sc, r in sorted(m[path].items())]
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=mark, label=path, s=50)
-            for x, y, sc in pts:
-                ax.annotate(sc, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for i, (label, m) in enumerate(shapes.items()):
+            for path, mark in (("nexrt", "o"), ("vllm", "s")):
+                pts = [(1e3 / r["median_tpot_ms"], r["output_throughput"], sc) for sc, r in sorted(m[path].items())]
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=mark, s=50, color=f"C{2 * i + (path == 'vllm')}",
+                           label=f"{label}: {'NexRT' if path == 'nexrt' else 'vLLM only'}")
+                for x, y, sc in pts:
+                    ax.annotate(sc, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
         ax.set_xlabel("interactivity (tok/s/user, 1000 / median TPOT)")
         ax.set_ylabel("output throughput per GPU (tok/s)")
-        ax.set_title(f"{m['shape']} on {m.get('hw', '?')}, conc 1 (InferenceX rules)")
+        ax.set_title(f"NexRT path vs vLLM only on one {first.get('hw', '?')}, conc 1 (InferenceX rules)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(png, dpi=120)
-    log("merged", json.dumps(m.get("ratios")))
+    log("merged", json.dumps({label: m.get("ratios") for label, m in shapes.items()}))
     return 0
 
 
@@ -374,8 +407,9 @@ def main(argv=None) -> int:
         mp.add_argument("runs", nargs="+")
         mp.add_argument("--json", required=True)
         mp.add_argument("--png", default=None)
+        mp.add_argument("--engine", nargs="*", default=[], help="decode_bench JSONs of shapes whose runs lack the engine step")
         ma = mp.parse_args(argv[1:])
-        return merge(ma.runs, ma.json, ma.png)
+        return merge(ma.runs, ma.json, ma.png, ma.engine)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(ARCH), default="2b")
     ap.add_argument("--layers", type=int, default=None, help="cut the shape to N layers (labelled)")
