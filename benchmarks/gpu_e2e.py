@@ -357,31 +357,26 @@ async def ttft_breakdown(urls: dict[str, str], tok_dir: str, isl: int, osl: int,
                for k, p in enumerate(paths)}
     fresh = {p: sample_random_requests(tok, isl, 2, n, range_ratio=1.0, seed=200 + k)  # no prefix-cache hit
              for k, p in enumerate(paths)}
-    rows: dict[str, list] = {p: [] for p in paths}
-    async with aiohttp.ClientSession() as s:
+    long_paths = {"nexrt": (urls["nexrt"], True), "vllm_connector_leg": (urls["vllm_connector"], False),
+                  "vllm_plain": (urls["vllm_plain"], True)}
+
+    async def rounds(s, paths: dict, prompts: dict, max_tokens: int) -> dict[str, list]:
+        rows: dict[str, list] = {p: [] for p in paths}
         for i in range(n):
             for p, (url, stream) in paths.items():
                 body = {"model": "model", "prompt": prompts[p][i].prompt, "temperature": 0.0, "ignore_eos": True}
-                body.update({"max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}} if stream
-                            else {"max_tokens": 1, "stream": False, "return_token_ids": True})
+                body.update({"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+                            if stream else {"max_tokens": 1, "stream": False, "return_token_ids": True})
                 ttft, timing = await _first_chunk(s, url + "/v1/completions", body)
                 row = {"ttft_ms": 1e3 * ttft}
                 if timing:
                     row.update({k[:-2] + "_ms": 1e3 * timing[k] for k in ("queue_s", "prefill_s") if k in timing})
                 rows[p].append(row)
-        long_paths = {"nexrt": (urls["nexrt"], True), "vllm_connector_leg": (urls["vllm_connector"], False),
-                      "vllm_plain": (urls["vllm_plain"], True)}
-        long_rows: dict[str, list] = {p: [] for p in long_paths}
-        for i in range(n):
-            for p, (url, stream) in long_paths.items():
-                body = {"model": "model", "prompt": fresh[p][i].prompt, "temperature": 0.0, "ignore_eos": True}
-                body.update({"max_tokens": osl, "stream": True, "stream_options": {"include_usage": True}} if stream
-                            else {"max_tokens": 1, "stream": False, "return_token_ids": True})
-                ttft, timing = await _first_chunk(s, url + "/v1/completions", body)
-                row = {"ttft_ms": 1e3 * ttft}
-                if timing:
-                    row.update({k[:-2] + "_ms": 1e3 * timing[k] for k in ("queue_s", "prefill_s") if k in timing})
-                long_rows[p].append(row)
+        return rows
+
+    async with aiohttp.ClientSession() as s:
+        rows = await rounds(s, paths, prompts, 2)
+        long_rows = await rounds(s, long_paths, fresh, osl)
 
     def medians(rows):
         med = {p: statistics.median(r["ttft_ms"] for r in v) for p, v in rows.items()}
