@@ -48,7 +48,7 @@ class NodeProcess:
         deadline = time.monotonic() + start_timeout
         while not os.path.exists(ready):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
+                self.stop(keep_log=True)
                 raise RuntimeError(f"nexrt-decode did not start:\n{self.log()[-3000:]}")
             time.sleep(0.1)
         with open(ready) as f:
@@ -59,10 +59,11 @@ class NodeProcess:
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")
 
-    def stop(self) -> None:
+    def stop(self, keep_log: bool = False) -> None:
         stop_process(self.proc)
         self._log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not keep_log:  # a node that did not start keeps its log for the error message
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     # ---- HTTP ---------------------------------------------------------------------------------------
     def call(self, method: str, path: str, body=None, timeout: float = 10.0) -> tuple[int, dict | str]:
