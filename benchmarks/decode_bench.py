@@ -497,6 +497,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--png")
     ap.add_argument("--tuning", default="", help="Tuning fields for the fused path, e.g. pdl=1,moe_block_n=8")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="cut every shape to N layers (labelled; the cut shape gpu_e2e --layers serves)")
     ap.add_argument("--graft", default="", help="dir of trained tiny checkpoints (<family>/, trained there when "
                     "absent) to carry into the real shapes (benchmarks/graft.py) instead of random weights: "
                     "parity on confident tokens")
@@ -523,6 +525,13 @@ def main(argv=None) -> int:
         results["launch_options"] = {"pdl_process_default": common.DEFAULT_PDL}
     except ImportError:
         pass
+    if args.layers:
+        if args.graft:
+            ap.error("--layers cuts the random-weight shapes; --graft needs the full ones")
+        for key in args.shapes.split(","):
+            SHAPES[key] = {**SHAPES[key], "num_hidden_layers": args.layers}
+            NAMES[key] = f"{NAMES[key]} ({args.layers} of its layers)"
+        results["layers"] = args.layers
     for key in args.shapes.split(","):
         try:
             results["shapes"].append(run_shape(key, contexts, args.steps, args.parity_steps, args.eager_steps, bw,

@@ -13,8 +13,14 @@ real Qwen3.5 `tokenizer.json` (docs/BENCHMARKS.md says how to make it offline), 
 detokenization cost what they do in production. `--layers N` cuts the shape to N layers (labelled in
 the output) where two copies of the model do not fit beside each other.
 
-`gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png` joins runs that measured different
-`--paths` of one shape into one summary with the ratios, and draws the overlay.
+`--concurrent-baseline` starts plain vLLM beside the NexRT stack (both vLLMs at once, each with a fixed
+KV cache) and adds `ttft_breakdown`: per context, plain vLLM, the connector's vLLM unclaimed (streamed,
+and as the router's one-token leg) and the router path, interleaved prompt by prompt, with the router's
+own split of its TTFT (queue incl. admission, vLLM leg).
+
+`gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png [--engine DECODE.json]` joins runs (of a
+shape that measured different `--paths`; several shapes become sections) into one summary with the
+ratios, and draws one overlay of them all.
 
 Writes OUT/gpu_e2e_<label>.json (summary: TPOT / TTFT / interactivity / E2EL medians of both paths,
 ratios, the node's step-time and hand-off metrics per scenario, the engine's own step time from
@@ -176,20 +182,15 @@ def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, o
 
 def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str) -> dict:
     """decode_bench at the scenario contexts (the engine alone, same GPU, nothing else running)."""
-    if layers:
-        return {"skipped": "--layers changes the shape; decode_bench runs the full shapes"}
     cmd = [sys.executable, "benchmarks/decode_bench.py", "--shapes", shape, "--contexts",
            ",".join(map(str, contexts)), "--steps", "200", "--parity-steps", "0", "--eager-steps", "2",
-           "--json", out_json]
+           "--json", out_json] + (["--layers", str(layers)] if layers else [])
     log("run", " ".join(cmd[1:]))
     err = _run(cmd, ROOT, 900, 1500)
     if err:
         return {"error": err}
     with open(out_json) as f:
-        res = json.load(f)
-    rows = res["shapes"][0]["contexts"] if res.get("shapes") else []
-    return {"copy_bw_Bps": res.get("copy_bw_Bps"),
-            "contexts": {r["context"]: {"step_ms_median": r["step_ms_median"], "mbu": r["mbu"]} for r in rows}}
+        return _engine_rows(json.load(f))
 
 
 def add_ratios(summary: dict, scenarios) -> None:
@@ -208,38 +209,73 @@ def add_ratios(summary: dict, scenarios) -> None:
             summary.setdefault("ratios", {})[sc] = r
 
 
-def merge(paths: list[str], out: str, png: str | None) -> int:
-    """One summary from runs of the same shape that measured different --paths (same GPU, one lease)."""
-    runs = [json.load(open(p)) for p in paths]
+def _engine_rows(res: dict) -> dict:
+    rows = res["shapes"][0]["contexts"] if res.get("shapes") else []
+    return {"copy_bw_Bps": res.get("copy_bw_Bps"),
+            "contexts": {r["context"]: {"step_ms_median": r["step_ms_median"], "mbu": r["mbu"]} for r in rows}}
+
+
+def _label(run: dict) -> str:
+    full = {NAMES[k]: v["num_hidden_layers"] for k, v in SHAPES.items()}.get(run["shape"])
+    return run["shape"] + (f" ({run['layers']} of {full} layers)" if full and run.get("layers") != full else "")
+
+
+def _merge_shape(paths: list[str], runs: list[dict]) -> dict:
     m = {**runs[0], "command": [r["command"] for r in runs], "merged_from": [os.path.basename(p) for p in paths]}
-    for key in ("nexrt", "vllm", "node"):
+    for key in ("nexrt", "vllm", "node", "ttft_breakdown"):
         m[key] = {k: v for r in runs for k, v in r.get(key, {}).items()}
     for key in ("engine", "inferencex_client"):
-        vals = [r[key] for r in runs if r.get(key)]
+        vals = [r[key] for r in runs if r.get(key) and "skipped" not in r[key]]
         m[key] = vals[-1] if key == "engine" and vals else {k: v for d in vals for k, v in d.items()}
     m.pop("error", None)
     m.pop("ratios", None)
-    add_ratios(m, sorted(set(m["nexrt"]) | set(m["vllm"])))
+    return m
+
+
+def merge(paths: list[str], out: str, png: str | None, engine: list[str] = ()) -> int:
+    """One summary from runs on one GPU: runs of a shape that measured different --paths are joined;
+    several shapes become sections of "shapes". `engine`: decode_bench JSONs (e.g. of a --layers cut)
+    that give the engine's own step to the shape they ran."""
+    groups: dict[str, tuple[list, list]] = {}
+    for p in paths:
+        r = json.load(open(p))
+        g = groups.setdefault(_label(r), ([], []))
+        g[0].append(p)
+        g[1].append(r)
+    shapes = {label: _merge_shape(*g) for label, g in groups.items()}
+    for e in engine:
+        res = json.load(open(e))
+        cfg = res["shapes"][0]["config"]
+        for label, m in shapes.items():
+            if not m.get("engine") and res["shapes"][0]["shape"].startswith(m["shape"]) \
+                    and cfg["num_hidden_layers"] == m["layers"]:
+                m["engine"] = {**_engine_rows(res), "command": res.get("command")}
+    for m in shapes.values():
+        add_ratios(m, sorted(set(m["nexrt"]) | set(m["vllm"])))
+    first = next(iter(shapes.values()))
+    result = first if len(shapes) == 1 else {"hw": first.get("hw"), "shapes": shapes}
     with open(out, "w") as f:
-        json.dump(m, f, indent=1)
+        json.dump(result, f, indent=1)
     if png:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for path, mark in (("nexrt", "o"), ("vllm", "s")):
-            pts = [(1e3 / r["median_tpot_ms"], r["output_throughput"], sc) for sc, r in sorted(m[path].items())]
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=mark, label=path, s=50)
-            for x, y, sc in pts:
-                ax.annotate(sc, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for i, (label, m) in enumerate(shapes.items()):
+            for path, mark in (("nexrt", "o"), ("vllm", "s")):
+                pts = [(1e3 / r["median_tpot_ms"], r["output_throughput"], sc) for sc, r in sorted(m[path].items())]
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=mark, s=50, color=f"C{2 * i + (path == 'vllm')}",
+                           label=f"{label}: {'NexRT' if path == 'nexrt' else 'vLLM only'}")
+                for x, y, sc in pts:
+                    ax.annotate(sc, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
         ax.set_xlabel("interactivity (tok/s/user, 1000 / median TPOT)")
         ax.set_ylabel("output throughput per GPU (tok/s)")
-        ax.set_title(f"{m['shape']} on {m.get('hw', '?')}, conc 1 (InferenceX rules)")
+        ax.set_title(f"NexRT path vs vLLM only on one {first.get('hw', '?')}, conc 1 (InferenceX rules)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(png, dpi=120)
-    log("merged", json.dumps(m.get("ratios")))
+    log("merged", json.dumps({label: m.get("ratios") for label, m in shapes.items()}))
     return 0
 
 
@@ -257,10 +293,13 @@ class Stack:
                                   "--transfer-timeout", "60", "--start-timeout", "60"])
         return ready
 
-    def vllm(self, name: str, model: str, max_len: int, transport: str | None, share: float) -> str:
+    def vllm(self, name: str, model: str, max_len: int, transport: str | None, share: float,
+             kv_bytes: int | None = None) -> str:
         port = _free_port()
-        self.procs.start(name, vllm_argv(model, port, max_len, transport, self.device, share,
-                                         extra=["--load-format", "dummy", "--served-model-name", "model"]))
+        extra = ["--load-format", "dummy", "--served-model-name", "model"]
+        if kv_bytes:  # a fixed KV cache: vLLM skips the memory profiling a neighbour starting beside it would falsify
+            extra += ["--kv-cache-memory-bytes", str(kv_bytes)]
+        self.procs.start(name, vllm_argv(model, port, max_len, transport, self.device, share, extra=extra))
         return f"http://127.0.0.1:{port}"
 
     def router(self, vllm_url: str, node_url: str, tokenizer: str) -> str:
@@ -272,6 +311,83 @@ class Stack:
                                     "--fallback", "error",
                                     "--queue-size", "4", "--queue-timeout", "120", "--log-level", "WARNING"])
         return f"http://127.0.0.1:{port}"
+
+
+async def _first_chunk(session, url: str, body: dict) -> tuple[float, dict | None]:
+    """(seconds to the first chunk with choices, the router's nexrt_timing if the stream has one)."""
+    import aiohttp
+
+    t0 = time.perf_counter()
+    ttft, timing = None, None
+    async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url} answered {r.status}: {(await r.text())[:300]}")
+        if not body.get("stream"):
+            data = await r.json()
+            return time.perf_counter() - t0, data.get("nexrt_timing")
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if d.get("choices") and ttft is None:
+                ttft = time.perf_counter() - t0
+            timing = d.get("nexrt_timing", timing)
+    return ttft, timing
+
+
+async def ttft_breakdown(urls: dict[str, str], tok_dir: str, isl: int, osl: int, n: int) -> dict:
+    """Where the NexRT path's TTFT goes, against plain vLLM, prompt by prompt (the paths interleaved,
+    each path its own prompts of exactly `isl` tokens so no prefix cache serves another path):
+    - vllm_plain: plain vLLM streamed (the baseline's TTFT);
+    - vllm_connector: the vLLM with the connector, unclaimed, streamed (what loading the connector costs);
+    - vllm_connector_leg: the same, non-streaming, 1 token, token ids back (the router's vLLM leg, unclaimed);
+    - nexrt: through the router (claimed); its nexrt_timing splits queue (incl. admission) and the vLLM leg.
+    `after_decode` repeats it as the benchmark runs (each request decodes `osl` tokens) with the
+    unclaimed leg sent right after each router request: what a long decode before a request changes."""
+    import aiohttp
+    import statistics
+
+    from benchmarks.inferencex import PromptTokenizer, sample_random_requests
+
+    tok = PromptTokenizer(tok_dir)
+    paths = {"vllm_plain": (urls["vllm_plain"], True), "vllm_connector": (urls["vllm_connector"], True),
+             "vllm_connector_leg": (urls["vllm_connector"], False), "nexrt": (urls["nexrt"], True)}
+    prompts = {p: sample_random_requests(tok, isl, 2, n, range_ratio=1.0, seed=100 + k)
+               for k, p in enumerate(paths)}
+    fresh = {p: sample_random_requests(tok, isl, 2, n, range_ratio=1.0, seed=200 + k)  # no prefix-cache hit
+             for k, p in enumerate(paths)}
+    long_paths = {"nexrt": (urls["nexrt"], True), "vllm_connector_leg": (urls["vllm_connector"], False),
+                  "vllm_plain": (urls["vllm_plain"], True)}
+
+    async def rounds(s, paths: dict, prompts: dict, max_tokens: int) -> dict[str, list]:
+        rows: dict[str, list] = {p: [] for p in paths}
+        for i in range(n):
+            for p, (url, stream) in paths.items():
+                body = {"model": "model", "prompt": prompts[p][i].prompt, "temperature": 0.0, "ignore_eos": True}
+                body.update({"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+                            if stream else {"max_tokens": 1, "stream": False, "return_token_ids": True})
+                ttft, timing = await _first_chunk(s, url + "/v1/completions", body)
+                row = {"ttft_ms": 1e3 * ttft}
+                if timing:
+                    row.update({k[:-2] + "_ms": 1e3 * timing[k] for k in ("queue_s", "prefill_s") if k in timing})
+                rows[p].append(row)
+        return rows
+
+    async with aiohttp.ClientSession() as s:
+        rows = await rounds(s, paths, prompts, 2)
+        long_rows = await rounds(s, long_paths, fresh, osl)
+
+    def medians(rows):
+        med = {p: statistics.median(r["ttft_ms"] for r in v) for p, v in rows.items()}
+        for k in ("queue_ms", "prefill_ms"):
+            vals = [r[k] for r in rows["nexrt"] if k in r]
+            if vals:
+                med["nexrt_" + k] = statistics.median(vals)
+        return med
+
+    return {"isl": isl, "prompts_per_path": n, "median_ms": medians(rows), "rows": rows,
+            "after_decode": {"osl": osl, "median_ms": medians(long_rows), "rows": long_rows}}
 
 
 async def _up(stack: Stack, urls: list[tuple[str, str]], timeout: float) -> None:
@@ -286,8 +402,9 @@ def main(argv=None) -> int:
         mp.add_argument("runs", nargs="+")
         mp.add_argument("--json", required=True)
         mp.add_argument("--png", default=None)
+        mp.add_argument("--engine", nargs="*", default=[], help="decode_bench JSONs of shapes whose runs lack the engine step")
         ma = mp.parse_args(argv[1:])
-        return merge(ma.runs, ma.json, ma.png)
+        return merge(ma.runs, ma.json, ma.png, ma.engine)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(ARCH), default="2b")
     ap.add_argument("--layers", type=int, default=None, help="cut the shape to N layers (labelled)")
@@ -301,7 +418,11 @@ def main(argv=None) -> int:
     ap.add_argument("--share", type=float, default=None,
                     help="vLLM's --gpu-memory-utilization (default: 0.25 for 2b; 0.5 otherwise)")
     ap.add_argument("--concurrent-baseline", action="store_true",
-                    help="start plain vLLM beside the NexRT stack (saves a start; needs memory for 3 models)")
+                    help="start plain vLLM beside the NexRT stack, both vLLMs at once (needs memory for 3 models); "
+                         "also measures the TTFT breakdown")
+    ap.add_argument("--kv-cache-gib", type=int, default=4, help="each vLLM's fixed KV cache with --concurrent-baseline")
+    ap.add_argument("--breakdown-prompts", type=int, default=8,
+                    help="prompts per path and context in the TTFT breakdown (--concurrent-baseline)")
     ap.add_argument("--skip-engine-bench", action="store_true")
     ap.add_argument("--ix-client", default=None,
                     help="dir with InferenceX's utils/bench_serving/*.py: also run its own client (cross-check)")
@@ -359,11 +480,15 @@ def main(argv=None) -> int:
             ready = asyncio.run(stack.node(model, max_len, a.transport, a.recv_memory))
             node = asyncio.run(wait_file(ready, stack.procs, a.start_timeout, "decode node"))
             summary["node_start_s"] = time.monotonic() - t0
-            vurl = stack.vllm("vllm", model, max_len, a.transport, share)
-            asyncio.run(_up(stack, [(vurl, "vLLM + connector")], a.start_timeout))
             if a.concurrent_baseline and "vllm" in a.paths:
-                purl = stack.vllm("vllm_plain", model, max_len, None, share)
-                asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
+                # Both vLLMs start at once, each with a fixed KV cache (no profiling to falsify).
+                kv = None if a.device == "cpu" else a.kv_cache_gib << 30
+                vurl = stack.vllm("vllm", model, max_len, a.transport, share, kv)
+                purl = stack.vllm("vllm_plain", model, max_len, None, share, kv)
+                asyncio.run(_up(stack, [(vurl, "vLLM + connector"), (purl, "vLLM plain")], a.start_timeout))
+            else:
+                vurl = stack.vllm("vllm", model, max_len, a.transport, share)
+                asyncio.run(_up(stack, [(vurl, "vLLM + connector")], a.start_timeout))
             rurl = stack.router(vurl, node["url"], model)
             asyncio.run(_up(stack, [(rurl, "router")], 60))
             summary["startup_s"] = time.monotonic() - t0
@@ -394,6 +519,14 @@ def main(argv=None) -> int:
                 summary.setdefault("inferencex_client", {}).setdefault("vllm", {})[sc] = ix_client(
                     a.ix_client, purl, model, sc, ix_n, os.path.join(res_dir, "ix"), "vllm")
                 save()
+        if a.concurrent_baseline and "nexrt" in a.paths and "vllm" in a.paths and a.breakdown_prompts:
+            summary["ttft_breakdown"] = {
+                sc: asyncio.run(ttft_breakdown({"nexrt": rurl, "vllm_plain": purl, "vllm_connector": vurl},
+                                               model, *scenario(sc), a.breakdown_prompts))
+                for sc in a.scenarios}
+            log("ttft breakdown", json.dumps({sc: [b["median_ms"], b["after_decode"]["median_ms"]]
+                                              for sc, b in summary["ttft_breakdown"].items()}))
+            save()
     except Exception as e:  # noqa: BLE001 - keep what was measured
         summary["error"] = f"{type(e).__name__}: {e}"
         for name, _, logf in stack.procs.procs:

@@ -1,8 +1,10 @@
 """Incremental detokenization and router-side stop strings.
 
-Detokenization mirrors vLLM's fast incremental detokenizer (tokenizers' `DecodeStream` primed with
-the prompt ids, special tokens skipped), so the text equals what vLLM alone would stream for the
-same token ids. Stop strings are matched on the text with a hold-back of `max(len(stop)) - 1`
+Detokenization mirrors vLLM's fast incremental detokenizer (tokenizers' `DecodeStream`, special
+tokens skipped), so the text equals what vLLM alone would stream for the same token ids. It is primed
+with the prompt's last `PRIME_TOKENS` ids, not the whole prompt as vLLM does: a token's text depends
+only on the few ids before it (an incomplete UTF-8 character spans at most 3 byte tokens), and
+decoding an 8K-token prompt again would sit on the first token's path (milliseconds). Stop strings are matched on the text with a hold-back of `max(len(stop)) - 1`
 characters: nothing that could still become the start of a stop string is sent early, and the cut
 point depends only on the full text, never on how tokens were chunked.
 """
@@ -10,6 +12,9 @@ from __future__ import annotations
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
+
+
+PRIME_TOKENS = 8
 
 
 class Detokenizer:
@@ -20,7 +25,8 @@ class Detokenizer:
         """`skip_special_tokens=False`: output parsers need marker tokens in the text (as vLLM)."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._stream = DecodeStream(ids=list(prompt_ids or ()), skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(ids=_priming(tokenizer, list(prompt_ids or ()), skip_special_tokens),
+                                    skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         try:
@@ -32,6 +38,16 @@ class Detokenizer:
                 raise
             self._stream = DecodeStream(skip_special_tokens=self._skip)
             return self._stream.step(self._tok, token_id) or ""
+
+
+def _priming(tok: tokenizers.Tokenizer, ids: list[int], skip: bool) -> list[int]:
+    """The prompt tail that primes the stream as the whole prompt would: the last PRIME_TOKENS ids
+    when they decode to whole characters, else (a prompt ending in a broken UTF-8 sequence, where
+    DecodeStream's state reaches further back) the whole prompt."""
+    tail = ids[-PRIME_TOKENS:]
+    if len(tail) < len(ids) and "\ufffd" in tok.decode(tail, skip_special_tokens=skip):
+        return ids
+    return tail
 
 
 class StopStrings:

@@ -13,22 +13,17 @@ from typing import Any
 from .dtypes import MODEL_DTYPES
 from .errors import ConfigError
 
-# architecture name -> (family, whether the text config is nested under "text_config")
-ARCHITECTURES = {
-    "Qwen3NextForCausalLM": ("qwen3_next", False),
-    "Qwen3_5ForCausalLM": ("qwen3_5", False),
-    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", False),
-    "Qwen3_5ForConditionalGeneration": ("qwen3_5", True),
-    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", True),
-}
-# model_type -> family, for configs without an "architectures" list
-MODEL_TYPES = {
-    "qwen3_next": ("qwen3_next", False),
-    "qwen3_5_text": ("qwen3_5", False),
-    "qwen3_5_moe_text": ("qwen3_5_moe", False),
-    "qwen3_5": ("qwen3_5", True),
-    "qwen3_5_moe": ("qwen3_5_moe", True),
-}
+# (architecture name, its model_type, family, whether the text config is nested under "text_config")
+_CHECKPOINT_KINDS = (
+    ("Qwen3NextForCausalLM", "qwen3_next", "qwen3_next", False),
+    ("Qwen3_5ForCausalLM", "qwen3_5_text", "qwen3_5", False),
+    ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "qwen3_5_moe", False),
+    ("Qwen3_5ForConditionalGeneration", "qwen3_5", "qwen3_5", True),
+    ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", "qwen3_5_moe", True),
+)
+ARCHITECTURES = {arch: (family, nested) for arch, _, family, nested in _CHECKPOINT_KINDS}
+# by model_type, for configs without an "architectures" list
+MODEL_TYPES = {mtype: (family, nested) for _, mtype, family, nested in _CHECKPOINT_KINDS}
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LAYER_TYPES = ("linear_attention", "full_attention")
 

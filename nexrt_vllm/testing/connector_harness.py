@@ -29,12 +29,13 @@ import threading
 import time
 
 import torch
-import zmq
 
 from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import AdmitReply, AdmitRequest, Claim, GenerateRequest, Sampling
 from nexrt_vllm.handoff.transport import make_receiver
+from nexrt_vllm.testing.control_peer import ControlPeer
+from nexrt_vllm.testing.node_process import stop_process
 
 MARK = "@@"
 
@@ -252,7 +253,7 @@ def assert_vllm_greedy(vllm: "VLLMProc", prompt: list[int], full: list[int]) -> 
     assert full == ref, f"first difference at token {j}: hand-off {full[j:j + 4]} vs vLLM-only {ref[j:j + 4]}"
 
 
-class RecordingReceiver:
+class RecordingReceiver(ControlPeer):
     """A double of the node's control plane made of the node's own pieces (protocol, transport
     receiver, region plan): accepts every begin into its own slice of one registered buffer (host,
     or GPU memory with ``device``) and records what arrived. ``unregistered=True`` hands out a
@@ -264,43 +265,29 @@ class RecordingReceiver:
         self.rx = make_receiver(transport)
         self.rx.register(self.buf.data_ptr(), size, "device" if self.buf.is_cuda else "host",
                          self.buf.device.index or 0)
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.addr = f"tcp://127.0.0.1:{port}"
         self.begun, self.done, self.aborted, self._next = {}, {}, {}, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__({"hello": lambda m: P.HelloOk(self.rx.peer_info(), {}), "begin": self._begin,
+                          "done": self._done, "abort": self._abort})
 
-    def _serve(self):
-        while not self._stop.is_set():
-            if not self.sock.poll(100):
-                continue
-            ident, _, data = self.sock.recv_multipart()
-            m = P.decode(data)
-            if m.type == "hello":
-                reply = P.HelloOk(self.rx.peer_info(), {})
-            elif m.type == "begin":
-                layout = L.Layout.from_wire(m.layout)
-                regions = layout.regions(m.seq_len)
-                size = P.align_up(max(r.offset + r.nbytes for r in regions))
-                self.begun[m.rid] = (self._next, size, layout, regions, m.seq_len)
-                base = self.buf.data_ptr() + self._next + (size + (64 << 20) if self.unregistered else 0)
-                reply = P.Accept(m.rid, m.generation, {"base": base, "size": size},
-                                 P.region_dicts(regions), 30.0)
-                self._next += size
-            elif m.type == "done":
-                self.done[m.rid] = m.nbytes
-                reply = P.Ack(m.rid, m.generation)
-            else:
-                self.aborted[m.rid] = m.reason
-                reply = P.Ack(m.rid, m.generation)
-            self.sock.send_multipart([ident, b"", P.encode(reply)])
+    def _begin(self, m: P.Begin) -> P.Accept:
+        layout = L.Layout.from_wire(m.layout)
+        regions = layout.regions(m.seq_len)
+        size = P.align_up(max(r.offset + r.nbytes for r in regions))
+        self.begun[m.rid] = (self._next, size, layout, regions, m.seq_len)
+        base = self.buf.data_ptr() + self._next + (size + (64 << 20) if self.unregistered else 0)
+        self._next += size
+        return P.Accept(m.rid, m.generation, {"base": base, "size": size}, P.region_dicts(regions), 30.0)
+
+    def _done(self, m: P.Done) -> P.Ack:
+        self.done[m.rid] = m.nbytes
+        return P.Ack(m.rid, m.generation)
+
+    def _abort(self, m: P.Abort) -> P.Ack:
+        self.aborted[m.rid] = m.reason
+        return P.Ack(m.rid, m.generation)
 
     def close(self):
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close(0)
+        super().close()
         self.rx.close()
 
 
@@ -363,12 +350,7 @@ class NodeProc:
             self.proc.wait(10)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc)
         self._log.close()
 
 

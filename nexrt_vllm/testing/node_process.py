@@ -21,6 +21,17 @@ import torch
 from nexrt_vllm.handoff.contracts import AdmitReply, AdmitRequest, GenerateRequest, Sampling
 
 
+def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM, and SIGKILL if the process has not exited after ``grace`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 class NodeProcess:
     def __init__(self, model: str, transport: str = "mooncake", *extra: str, max_seq_len: int = 512,
                  start_timeout: float = 90.0):
@@ -37,7 +48,7 @@ class NodeProcess:
         deadline = time.monotonic() + start_timeout
         while not os.path.exists(ready):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
+                self.stop(keep_log=True)
                 raise RuntimeError(f"nexrt-decode did not start:\n{self.log()[-3000:]}")
             time.sleep(0.1)
         with open(ready) as f:
@@ -48,16 +59,11 @@ class NodeProcess:
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+    def stop(self, keep_log: bool = False) -> None:
+        stop_process(self.proc)
         self._log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not keep_log:  # a node that did not start keeps its log for the error message
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     # ---- HTTP ---------------------------------------------------------------------------------------
     def call(self, method: str, path: str, body=None, timeout: float = 10.0) -> tuple[int, dict | str]:

@@ -240,15 +240,19 @@ class EngineParser:
         if remaining and slot.name_sent:
             calls.append({"index": idx, "function": {"arguments": remaining}})
 
-    def _arg_delta(self, idx: int, raw: str) -> str | None:
-        conv = self.g.arg_converter
-        if conv is None:
-            return raw
-        slot = self.slots[idx]
+    def _converted_args(self, slot: _Slot, partial: bool) -> str | None:
+        """The slot's arguments as JSON by the grammar's converter (``partial``: a body still
+        growing); None when they do not convert."""
         try:
-            current = conv(slot.args, True)
+            return self.g.arg_converter(slot.args, partial)
         except (json.JSONDecodeError, ValueError, TypeError):
             return None
+
+    def _arg_delta(self, idx: int, raw: str) -> str | None:
+        if self.g.arg_converter is None:
+            return raw
+        slot = self.slots[idx]
+        current = self._converted_args(slot, True)
         if not current:
             return None
         if slot.name:
@@ -264,14 +268,10 @@ class EngineParser:
         return None
 
     def _flush_args(self, idx: int) -> str | None:
-        conv = self.g.arg_converter
-        if conv is None:
+        if self.g.arg_converter is None:
             return None
         slot = self.slots[idx]
-        try:
-            final = conv(slot.args, False)
-        except (json.JSONDecodeError, ValueError, TypeError):
-            return None
+        final = self._converted_args(slot, False)
         if final:
             final = fix_arg_types(final, slot.name, self.tools)
         prev = slot.streamed_json

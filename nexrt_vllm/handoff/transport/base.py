@@ -32,30 +32,28 @@ class TransferInFlight(TransferError):
     the receiver it stopped writing (no ``abort``); the receiver's timeout quarantines the buffer."""
 
 
-class ReceiverTransport(abc.ABC):
+class _Transport(abc.ABC):
+    """What both ends have: a backend name, the memory kinds it registers, register and close."""
+
     name: str
     memory_kinds: tuple[str, ...] = ("host",)
 
     @abc.abstractmethod
     def register(self, addr: int, size: int, kind: str = "host", device: int = 0) -> None:
-        """Register a receive buffer (once, at start)."""
-
-    @abc.abstractmethod
-    def peer_info(self) -> dict:
-        """What a sender needs to reach this receiver (goes into ``hello_ok.transport``)."""
+        """Register memory once, at start: the receiver's receive buffer, or a sender's source
+        region (e.g. vLLM's KV cache tensors)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
 
 
-class SenderTransport(abc.ABC):
-    name: str
-    memory_kinds: tuple[str, ...] = ("host",)
-
+class ReceiverTransport(_Transport):
     @abc.abstractmethod
-    def register(self, addr: int, size: int, kind: str = "host", device: int = 0) -> None:
-        """Register a source region (once; e.g. vLLM's KV cache tensors)."""
+    def peer_info(self) -> dict:
+        """What a sender needs to reach this receiver (goes into ``hello_ok.transport``)."""
 
+
+class SenderTransport(_Transport):
     @abc.abstractmethod
     def unregister(self, addr: int) -> None:
         """Drop a region registered at ``addr`` (before its memory is freed)."""
@@ -67,9 +65,6 @@ class SenderTransport(abc.ABC):
     @abc.abstractmethod
     def write(self, peer: str, writes: Sequence[Write], timeout: float) -> None:
         """Write all ``writes`` (one batch); returns when they landed, raises TransferError."""
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
 
 
 def _check_kind(t, kind: str) -> None:
