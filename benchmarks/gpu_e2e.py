@@ -127,7 +127,9 @@ def node_delta(before: dict, after: dict) -> dict:
 
 
 def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: int, result_dir: str,
-               headers: list[str], kv: str, hw: str) -> dict:
+               headers: list[str], kv: str, hw: str, interleave: str | None = None) -> dict[str, dict]:
+    """One scenario through benchmarks/inferencex.py; `interleave`: plain vLLM's URL, measured request
+    by request with this path (label "vllm"). Returns {label: summary}."""
     isl, osl = scenario(sc)
     cmd = [sys.executable, "-m", "benchmarks.inferencex", "run", "--base-url", base_url, "--model", model,
            "--tokenizer", tok_dir, "--isl", str(isl), "--osl", str(osl), "--conc", "1", "--num-prompts", str(n),
@@ -135,17 +137,22 @@ def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: 
            "--ready-timeout", "60", "--prefill-gpus", "1", "--decode-gpus", "1", "--kv-p2p-transfer", kv]
     if headers:
         cmd += ["--header", *headers]
+    if interleave:
+        cmd += ["--interleave", f"vllm={interleave}", "--interleave-kv-p2p-transfer", ""]
     log("run", " ".join(cmd[2:]))
     err = _run(cmd, ROOT, 1800, 3000)
     if err:
         raise RuntimeError(f"inferencex {label} {sc}: {err}")
-    with open(os.path.join(result_dir, label, f"{label}_isl{isl}_osl{osl}_conc1.json")) as f:
-        raw = json.load(f)
     keep = ("completed", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
             "mean_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "output_throughput")
-    out = {k: raw.get(k) for k in keep}
-    out["median_interactivity_tok_s"] = 1e3 / raw["median_tpot_ms"] if raw.get("median_tpot_ms") else None
-    return out
+    res = {}
+    for name in [label] + (["vllm"] if interleave else []):
+        with open(os.path.join(result_dir, name, f"{name}_isl{isl}_osl{osl}_conc1.json")) as f:
+            raw = json.load(f)
+        out = {k: raw.get(k) for k in keep}
+        out["median_interactivity_tok_s"] = 1e3 / raw["median_tpot_ms"] if raw.get("median_tpot_ms") else None
+        res[name] = out
+    return res
 
 
 def _run(cmd: list[str], cwd: str, timeout: float, tail: int = 2000) -> str | None:
@@ -420,6 +427,9 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrent-baseline", action="store_true",
                     help="start plain vLLM beside the NexRT stack, both vLLMs at once (needs memory for 3 models); "
                          "also measures the TTFT breakdown")
+    ap.add_argument("--interleave", action="store_true",
+                    help="with --concurrent-baseline: the two paths request by request in one run (the same prompts, "
+                         "order rotated per prompt) instead of one after the other")
     ap.add_argument("--kv-cache-gib", type=int, default=4, help="each vLLM's fixed KV cache with --concurrent-baseline")
     ap.add_argument("--breakdown-prompts", type=int, default=8,
                     help="prompts per path and context in the TTFT breakdown (--concurrent-baseline)")
@@ -433,6 +443,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--start-timeout", type=float, default=420)
     a = ap.parse_args(argv)
+    if a.interleave and not (a.concurrent_baseline and set(a.paths) == {"nexrt", "vllm"}):
+        ap.error("--interleave needs --concurrent-baseline and both --paths")
     for sc in a.scenarios:
         scenario(sc)
     if a.ix_client:
@@ -449,7 +461,7 @@ def main(argv=None) -> int:
     share = a.share or (0.25 if a.shape == "2b" else 0.5)
     max_len = max(i + o for i, o in map(scenario, a.scenarios)) + 512
     res_dir = os.path.join(work, "results")
-    summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "interleaved": a.interleave,
                "shape": name, "device": a.device, "layers": info["layers"], "weights": "random (dummy load, both sides)",
                "transport": a.transport, "recv_memory": a.recv_memory, "vllm_gpu_memory_utilization": share,
                "num_prompts": a.num_prompts, "conc": 1, "nexrt": {}, "vllm": {}, "node": {}}
@@ -495,10 +507,13 @@ def main(argv=None) -> int:
             log(f"stack up in {summary['startup_s']:.0f}s")
             for sc in a.scenarios:
                 before = scrape(node["url"])
-                summary["nexrt"][sc] = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir,
-                                                  [], a.transport, hw)
+                res = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir, [], a.transport, hw,
+                                 interleave=purl if a.interleave else None)
+                summary["nexrt"][sc] = res["nexrt"]
+                if a.interleave:
+                    summary["vllm"][sc] = res["vllm"]
                 summary["node"][sc] = node_delta(before, scrape(node["url"]))
-                log(sc, "nexrt", summary["nexrt"][sc], summary["node"][sc])
+                log(sc, res, summary["node"][sc])
                 save()
             for sc in ix:
                 summary.setdefault("inferencex_client", {}).setdefault("nexrt", {})[sc] = ix_client(
@@ -510,9 +525,9 @@ def main(argv=None) -> int:
                 stack = Stack(work, a.device)
                 purl = stack.vllm("vllm_plain", model, max_len, None, share)
                 asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
-            for sc in a.scenarios:
+            for sc in ([] if a.interleave else a.scenarios):
                 summary["vllm"][sc] = inferencex(purl, "vllm", "model", model, sc, a.num_prompts, res_dir, [], "",
-                                                 hw)
+                                                 hw)["vllm"]
                 log(sc, "vllm", summary["vllm"][sc])
                 save()
             for sc in ix:

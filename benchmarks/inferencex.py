@@ -419,6 +419,12 @@ async def run_closed_loop(cfg: RunConfig, requests: list[RequestInput],
     if bar is not None:
         bar.close()
     duration = clock() - start
+    return bench_result(outputs, duration, start_unix, tokenizer)
+
+
+def bench_result(outputs: list[RequestOutput], duration: float, start_unix: float,
+                 tokenizer: Optional[PromptTokenizer] = None) -> dict:
+    """InferenceX's benchmark result of one run's outputs."""
     metrics, output_lens = calculate_metrics(outputs, duration, tokenizer)
     ordered = {k: metrics.pop(k) for k in ("completed", "total_input_tokens", "total_output_tokens",
                                            "request_throughput", "request_goodput:",
@@ -436,6 +442,41 @@ async def run_closed_loop(cfg: RunConfig, requests: list[RequestInput],
         "errors": [o.error for o in outputs],
         **metrics,
     }
+
+
+async def run_interleaved(cfgs: list[RunConfig], requests: list[RequestInput],
+                          tokenizer: Optional[PromptTokenizer] = None,
+                          clock: Callable[[], float] = time.perf_counter) -> list[dict]:
+    """Concurrency 1 on several endpoints, request by request: prompt i goes to every endpoint in
+    turn (the order rotated each prompt), so drift of the machine or of any one server over the run
+    falls on all of them alike (a deviation from InferenceX, which measures one endpoint per run).
+    Warm-ups interleaved the same way. Returns each endpoint's benchmark result; its duration is the
+    sum of its own requests' latencies (its wall time had it run alone)."""
+    if any(c.max_concurrency != 1 for c in cfgs):
+        raise BenchmarkError("interleaved runs are concurrency 1")
+    if not requests:
+        raise BenchmarkError("no requests to run")
+
+    def request(cfg, inp):
+        return send_request(cfg.backend, cfg.api_url, cfg.model, inp, cfg.ignore_eos, cfg.headers, clock)
+
+    def order(i):
+        return [cfgs[(i + k) % len(cfgs)] for k in range(len(cfgs))]
+
+    for w in range(max(c.num_warmups for c in cfgs)):
+        for cfg in order(w):
+            if w < cfg.num_warmups:
+                await request(cfg, requests[0])
+    start_unix = time.time()
+    outputs: dict[int, list] = {id(c): [] for c in cfgs}
+    for i, inp in enumerate(requests):
+        for cfg in order(i):
+            outputs[id(cfg)].append(await request(cfg, inp))
+    results = []
+    for cfg in cfgs:
+        outs = outputs[id(cfg)]
+        results.append(bench_result(outs, sum(o.latency for o in outs) or 1e-9, start_unix, tokenizer))
+    return results
 
 
 def raw_result(cfg: RunConfig, num_prompts: int, bench: dict, metadata: dict,
@@ -686,6 +727,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     out_dir = os.path.join(a.result_dir, label)
     os.makedirs(out_dir, exist_ok=True)
     agg_paths = []
+    if a.interleave:
+        return _run_interleaved(a, ident, headers, metadata, endpoint, base_url, tokenizer, label, isl, osl)
     for conc in a.conc:
         num_prompts = a.num_prompts or max(10 * conc, MIN_PROMPTS)
         num_warmups = 2 * conc if a.num_warmups is None else a.num_warmups
@@ -714,6 +757,53 @@ def cmd_run(a: argparse.Namespace) -> int:
             series[other] = load_series(sorted(glob.glob(pattern)))
         plot_pareto(series, a.plot, title=f"ISL {isl} / OSL {osl}")
         print(f"wrote {a.plot}")
+    return 0
+
+
+def _run_interleaved(a, ident: Identity, headers: dict, metadata: dict, endpoint: str, base_url: str,
+                     tokenizer: PromptTokenizer, label: str, isl: int, osl: int) -> int:
+    """`run --interleave LABEL=URL ...`: this endpoint and the others, request by request."""
+    import dataclasses
+
+    if a.conc != [1]:
+        raise BenchmarkError("--interleave runs at --conc 1 only")
+    paths = [(label, base_url, ident)]
+    for spec in a.interleave:
+        other, sep, url = spec.partition("=")
+        if not sep or not other or not url.startswith("http"):
+            raise BenchmarkError(f"--interleave {spec!r}: use LABEL=http://HOST:PORT")
+        paths.append((other, url.rstrip("/"), dataclasses.replace(
+            ident, kv_p2p_transfer=a.interleave_kv_p2p_transfer, router=None)))
+    if len({p[0] for p in paths}) != len(paths):
+        raise BenchmarkError("--interleave labels must differ from each other and from --label")
+    if a.ready_timeout > 0:
+        for _, url, _ in paths[1:]:
+            asyncio.run(wait_ready(url, a.ready_timeout))
+    num_prompts = a.num_prompts or MIN_PROMPTS
+    num_warmups = 2 if a.num_warmups is None else a.num_warmups
+    requests = sample_random_requests(tokenizer, isl, osl, num_prompts, a.range_ratio, a.seed,
+                                      a.use_chat_template)
+    cfgs = [RunConfig(backend=a.backend, api_url=url + endpoint, model=a.served_model_name or a.model,
+                      model_id=a.model, tokenizer_id=a.tokenizer, max_concurrency=1, num_warmups=num_warmups,
+                      headers=headers, disable_tqdm=a.disable_tqdm) for _, url, _ in paths]
+    benches = asyncio.run(run_interleaved(cfgs, requests, tokenizer))
+    failed = []
+    for (name, _, idt), cfg, bench in zip(paths, cfgs, benches):
+        raw = raw_result(cfg, num_prompts, {**bench, "interleaved_with": [p[0] for p in paths if p[0] != name]},
+                         metadata, a.save_detailed)
+        out_dir = os.path.join(a.result_dir, name)
+        os.makedirs(out_dir, exist_ok=True)
+        stem = f"{name}_isl{isl}_osl{osl}_conc1"
+        _write_json(os.path.join(out_dir, f"{stem}.json"), raw)
+        _write_json(os.path.join(out_dir, f"agg_{stem}.json"), make_agg(raw, idt, isl, osl))
+        print_summary(raw)
+        print(f"wrote {os.path.join(out_dir, stem + '.json')} and its agg_")
+        try:
+            check_failure_rate(raw["completed"], num_prompts)
+        except BenchmarkFailed as e:
+            failed.append(f"{name}: {e}")
+    if failed:
+        raise BenchmarkFailed("; ".join(failed))
     return 0
 
 
@@ -762,6 +852,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--plot", default=None, help="PNG path: throughput/GPU vs interactivity")
     r.add_argument("--overlay", nargs="*", default=[],
                    help="LABEL=GLOB of earlier agg_*.json files to draw on the same plot")
+    r.add_argument("--interleave", nargs="*", default=[], metavar="LABEL=URL",
+                   help="also measure these endpoints, request by request with this one (conc 1; the same "
+                        "prompts, the order rotated each prompt), each written under its own label")
+    r.add_argument("--interleave-kv-p2p-transfer", default="",
+                   help="the --interleave endpoints' agg kv_p2p_transfer (their router field is empty)")
     _identity_args(r)
     r.set_defaults(func=cmd_run)
 

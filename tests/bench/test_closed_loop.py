@@ -179,3 +179,39 @@ def test_server_never_ready(tmp_path, capsys):
                str(tmp_path)])
     assert rc == 1
     assert "not ready after 1 s" in capsys.readouterr().err
+
+
+def test_interleaved_paths_get_the_same_prompts_in_turn(serve, tmp_path):
+    """`run --interleave`: every prompt goes to each endpoint in turn (order rotated per prompt,
+    warm-ups too), each endpoint's results are its own, each written under its label."""
+    arrivals = []
+
+    class Logged(FakeOpenAI):
+        def __init__(self, name, **kw):
+            super().__init__(**kw)
+            self.name = name
+
+        async def handle(self, request):
+            arrivals.append(self.name)
+            return await super().handle(request)
+
+    a, b = Logged("a"), Logged("b", slow=10**6, slow_s=0.05)  # b: every request 50 ms before its first token
+    url_a, url_b = serve(a), serve(b)
+    tok = tmp_path / "tok"
+    make_tokenizer(str(tok))
+    n = 5
+    rc = main(["run", "--base-url", url_a, "--model", "tiny", "--tokenizer", str(tok), "--isl", "24", "--osl", "4",
+               "--num-prompts", str(n), "--result-dir", str(tmp_path), "--label", "a", "--disable-tqdm",
+               "--kv-p2p-transfer", "nixl", "--interleave", f"b={url_b}", "--save-detailed"])
+    assert rc == 0
+    assert arrivals == ["a", "b", "b", "a"] + ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    assert [x["prompt"] for x in a.bodies] == [x["prompt"] for x in b.bodies]
+    raw = {p: json.load(open(tmp_path / p / f"{p}_isl24_osl4_conc1.json")) for p in "ab"}
+    agg = {p: json.load(open(tmp_path / p / f"agg_{p}_isl24_osl4_conc1.json")) for p in "ab"}
+    assert raw["a"]["completed"] == raw["b"]["completed"] == n
+    assert raw["a"]["interleaved_with"] == ["b"] and raw["b"]["interleaved_with"] == ["a"]
+    assert max(raw["a"]["ttfts"]) < 0.05 <= min(raw["b"]["ttfts"])
+    assert agg["a"]["kv_p2p_transfer"] == "nixl" and not agg["b"].get("kv_p2p_transfer")
+    # conc > 1 cannot be interleaved
+    assert main(["run", "--base-url", url_a, "--model", "tiny", "--tokenizer", str(tok), "--isl", "24",
+                 "--osl", "4", "--conc", "2", "--result-dir", str(tmp_path), "--interleave", f"b={url_b}"]) == 1
