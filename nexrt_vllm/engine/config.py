@@ -29,6 +29,20 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
+class FP8BlockQuant:
+    """Hugging Face fine-grained FP8 (`quant_method: fp8`): e4m3 weights, one fp32 `*_scale_inv` per
+    block_n x block_k block; activations unquantized (dynamic scheme) so the weights alone carry it."""
+    block_n: int
+    block_k: int
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [self.block_n, self.block_k],
+                "modules_to_not_convert": list(self.modules_to_not_convert)}
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str  # "qwen3_next" | "qwen3_5" | "qwen3_5_moe"
     architecture: str
@@ -63,6 +77,7 @@ class ModelConfig:
     dtype: str = "bfloat16"  # the checkpoint's dtype; the engine computes in it unless told otherwise
     max_position_embeddings: int = 32768
     mtp_num_layers: int = 0
+    quantization: FP8BlockQuant | None = None  # None: every tensor is stored in a float dtype
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived shapes -------------------------------------------------------------------------
@@ -162,6 +177,8 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids), "dtype": self.dtype,
             "max_position_embeddings": self.max_position_embeddings,
         }
+        if self.quantization is not None:
+            d["quantization_config"] = self.quantization.to_dict()
         if self.mtp_num_layers:
             d["mtp_num_hidden_layers"] = self.mtp_num_layers
         if self.family != "qwen3_5_moe":
@@ -185,6 +202,35 @@ def _int_list(v: Any, what: str) -> list[int]:
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in vals):
         raise ConfigError(f"{what} must hold non-negative ints, got {v!r}")
     return vals
+
+
+def _quantization(q: Any, arch: str) -> FP8BlockQuant | None:
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError(f"{arch} config field 'quantization_config' must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(f"{arch}: unsupported quantization_config.quant_method {method!r} "
+                          f"(only 'fp8', fine-grained block-scaled)")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"{arch}: unsupported quantization_config.fmt {fmt!r} (only 'e4m3')")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigError(f"{arch}: unsupported quantization_config.activation_scheme {scheme!r} "
+                          f"(only 'dynamic'; static input scales are not read)")
+    block = q.get("weight_block_size")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        # Per-tensor FP8 (no weight_block_size) keeps one scale per weight: not this format.
+        raise ConfigError(f"{arch}: quantization_config.weight_block_size must be two positive ints "
+                          f"[block_n, block_k], got {block!r}")
+    skip = q.get("modules_to_not_convert") or []
+    if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
+        raise ConfigError(f"{arch}: quantization_config.modules_to_not_convert must be a list of "
+                          f"module names, got {skip!r}")
+    return FP8BlockQuant(block[0], block[1], tuple(skip))
 
 
 def _parse(c: dict[str, Any], family: str, arch: str, top: dict[str, Any],
@@ -277,4 +323,6 @@ def _parse(c: dict[str, Any], family: str, arch: str, top: dict[str, Any],
         linear_key_head_dim=req("linear_key_head_dim"), linear_value_head_dim=req("linear_value_head_dim"),
         conv_kernel=opt("linear_conv_kernel_dim", 4), tie_word_embeddings=bool(tie),
         eos_token_ids=tuple(eos), dtype=dtype, max_position_embeddings=opt("max_position_embeddings", 32768),
-        mtp_num_layers=opt("mtp_num_hidden_layers", 0), raw=dict(top), **kw)
+        mtp_num_layers=opt("mtp_num_hidden_layers", 0),
+        quantization=_quantization(top.get("quantization_config", c.get("quantization_config")), arch),
+        raw=dict(top), **kw)

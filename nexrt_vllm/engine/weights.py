@@ -6,6 +6,10 @@ Tensors are returned under canonical names: the text model's Hugging Face names 
 `layers.i.mlp.experts.gate_up_proj` [E, 2I, H] (gate rows then up rows) and
 `layers.i.mlp.experts.down_proj` [E, H, I]; a checkpoint may store them that way or per expert
 (`experts.{j}.gate_proj.weight`, ...). `mtp.*` tensors are kept apart, unvalidated.
+
+FP8 checkpoints (config `quantization_config.quant_method == "fp8"`, see config.FP8BlockQuant) store
+Linear weights as float8_e4m3fn next to `<name>_scale_inv` (fp32, one scale per block); they are
+dequantized block-wise here into the engine's dtype, so everything downstream sees float weights.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ SINGLE_FILE = "model.safetensors"
 PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 VISION_PREFIXES = ("model.visual.", "visual.")
 LOADABLE_DTYPES = {"F32", "BF16", "F16"}
+FP8_DTYPE = "F8_E4M3"  # safetensors' name for torch.float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _MAX_LISTED = 40
 
@@ -125,6 +131,24 @@ def _canonical(name: str) -> str:
     return name
 
 
+def fp8_scale_shape(shape: list[int] | tuple[int, ...], block_n: int, block_k: int) -> tuple[int, ...]:
+    """The `_scale_inv` shape of a block-quantized weight [..., N, K]: [..., ceil(N/bn), ceil(K/bk)]."""
+    *lead, n, k = shape
+    return (*lead, -(-n // block_n), -(-k // block_k))
+
+
+def dequant_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """fp32 weight = e4m3 weight * its block's scale_inv (scales repeated over blocks, cropped to N x K)."""
+    n, k = weight.shape[-2:]
+    s = scale_inv.float().repeat_interleave(block_n, dim=-2).repeat_interleave(block_k, dim=-1)
+    return weight.float() * s[..., :n, :k]
+
+
+def _not_converted(module: str, patterns: tuple[str, ...]) -> bool:
+    # transformers' rule (quantizers_utils.should_convert_module), so both read the list alike.
+    return any(re.match(f"{p}\\.", module) or re.match(p, module) or module.endswith(p) for p in patterns)
+
+
 def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
                     progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Read, validate and cast every tensor; returns (canonical tensors, mtp tensors).
@@ -149,6 +173,43 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
         except Exception as e:  # noqa: BLE001
             raise WeightsError(f"cannot read {file}: {e}") from None
 
+    quant = cfg.quantization
+    loadable = LOADABLE_DTYPES | ({FP8_DTYPE} if quant is not None else set())
+    # FP8: every e4m3 tensor needs its `_scale_inv` (any shard), of the block grid's shape.
+    scales: dict[str, str] = {}  # fp8 checkpoint name -> its scale's name
+    scale_problems: dict[str, list[str]] = defaultdict(list)
+    if quant is not None:
+        for name in sorted(headers):
+            shape, dt = headers[name]
+            if name.endswith(SCALE_SUFFIX):
+                w = name[:-len(SCALE_SUFFIX)]
+                if w not in headers or headers[w][1] != FP8_DTYPE:
+                    scale_problems["unexpected"].append(f"{name} (a scale, but {w} is not a float8 tensor "
+                                                        f"in the checkpoint)")
+                continue
+            if dt != FP8_DTYPE:
+                continue
+            sname = name + SCALE_SUFFIX
+            module = name[:-len(".weight")] if name.endswith(".weight") else name
+            if len(shape) not in (2, 3):
+                scale_problems["unsupported dtype"].append(
+                    f"{name}: float8 tensor of shape {tuple(shape)}; only Linear weights [N, K] "
+                    f"(or stacked experts [E, N, K]) may be float8")
+            elif _not_converted(module, quant.modules_to_not_convert):
+                scale_problems["unsupported dtype"].append(
+                    f"{name}: stored as float8 but listed in quantization_config.modules_to_not_convert")
+            elif sname not in headers:
+                scale_problems["missing"].append(f"{sname} (the block scales of float8 tensor {name})")
+            elif headers[sname][1] != "F32":
+                scale_problems["unsupported dtype"].append(f"{sname}: {headers[sname][1]} (scales must be F32)")
+            elif tuple(headers[sname][0]) != fp8_scale_shape(shape, quant.block_n, quant.block_k):
+                scale_problems["wrong shape"].append(
+                    f"{sname}: checkpoint {tuple(headers[sname][0])}, expected "
+                    f"{fp8_scale_shape(shape, quant.block_n, quant.block_k)} for {name} {tuple(shape)} "
+                    f"with weight_block_size [{quant.block_n}, {quant.block_k}]")
+            else:
+                scales[name] = sname
+
     expected = expected_shapes(cfg)
     visual_ok = cfg.architecture.endswith("ForConditionalGeneration")
     plan: dict[str, str] = {}  # canonical -> checkpoint name
@@ -162,8 +223,10 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
             continue
         if visual_ok and name.startswith(VISION_PREFIXES):
             continue  # the vision tower of a VL checkpoint: not part of the text decoder
+        if quant is not None and name.endswith(SCALE_SUFFIX):
+            continue  # paired with its weight above
         shape, dt = headers[name]
-        if dt not in LOADABLE_DTYPES:
+        if dt not in loadable:
             bad_dtype.append(f"{name}: {dt}")
         if name.startswith("mtp."):
             mtp_names.append(name)
@@ -209,6 +272,12 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
         stacked[p + "down_proj"] = [[got["down"].get(j)] for j in range(cfg.num_experts)]
 
     missing += [n for n in expected if n not in seen and n not in stacked]
+    missing += scale_problems["missing"]
+    unexpected += scale_problems["unexpected"]
+    misshaped += scale_problems["wrong shape"]
+    bad_dtype += scale_problems["unsupported dtype"]
+    if quant is None and any(dt == FP8_DTYPE for _, dt in headers.values()):
+        bad_dtype.append("(float8 tensors need config.json quantization_config with quant_method 'fp8')")
     problems = [(t, items) for t, items in (("missing", missing), ("unexpected", unexpected),
                                              ("wrong shape", misshaped), ("unsupported dtype", bad_dtype)) if items]
     if problems:
@@ -220,13 +289,26 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
     want: dict[str, list[str]] = defaultdict(list)  # file -> checkpoint names to read
     for n in list(plan.values()) + mtp_names + [x for groups in stacked.values() for g in groups for x in g]:
         want[name_to_file[n]].append(n)
+    # Scales first: a weight and its scale may sit in different shards.
+    scale_of: dict[str, torch.Tensor] = {}
+    scale_files: dict[str, list[str]] = defaultdict(list)
+    for n in (x for names in want.values() for x in names):
+        if n in scales:
+            scale_files[name_to_file[scales[n]]].append(n)
+    for file, names in scale_files.items():
+        with safe_open(file, framework="pt") as f:
+            for n in names:
+                scale_of[n] = f.get_tensor(scales[n])
     raw: dict[str, torch.Tensor] = {}
     bar = tqdm(total=sum(len(v) for v in want.values()), desc="Loading weights", unit="tensor",
                disable=not progress)
     for file in sorted(want):
         with safe_open(file, framework="pt") as f:
             for n in want[file]:
-                raw[n] = f.get_tensor(n).to(device=device, dtype=dtype)
+                t = f.get_tensor(n)
+                if n in scale_of:  # on the target device: a large checkpoint dequantizes faster there
+                    t = dequant_fp8_block(t.to(device), scale_of.pop(n).to(device), quant.block_n, quant.block_k)
+                raw[n] = t.to(device=device, dtype=dtype)
                 bar.update(1)
     bar.close()
     for canon, n in plan.items():

@@ -297,3 +297,104 @@ def copy_margins(model, ids: list[int], start: int) -> list[float]:
     own = lg.gather(1, tgt[:, None])[:, 0]
     lg.scatter_(1, tgt[:, None], float("-inf"))
     return (own - lg.max(1).values)[start:].tolist()
+
+
+# --- FP8 versions of the tiny checkpoints (Hugging Face fine-grained FP8) --------------------------
+
+# Modules left in bf16, as the family's published FP8 checkpoints leave them: the head and the
+# small router / shared-expert gates (their errors would move routing and the gate more than weights).
+FP8_NOT_CONVERT = ("lm_head", "mlp.gate", "mlp.shared_expert_gate")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8_block(w, block_n: int, block_k: int):
+    """(e4m3 weight, fp32 scale_inv [..., ceil(N/bn), ceil(K/bk)]): scale = block amax / 448."""
+    import torch
+
+    n, k = w.shape[-2:]
+    nb, kb = -(-n // block_n), -(-k // block_k)
+    w = w.float()
+    padded = torch.nn.functional.pad(w, (0, kb * block_k - k, 0, nb * block_n - n))
+    blocks = padded.reshape(*w.shape[:-2], nb, block_n, kb, block_k)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    full = scale.repeat_interleave(block_n, dim=-2).repeat_interleave(block_k, dim=-1)[..., :n, :k]
+    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.contiguous()
+
+
+def _write_safetensors(path: str, tensors: dict, shards: int) -> None:
+    from safetensors.torch import save_file
+
+    names = sorted(tensors)
+    if shards <= 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    # Round-robin over sorted names: a weight and its `_scale_inv` land in different shards.
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        save_file(part, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+
+
+def make_fp8_checkpoint(src_dir: str, dst_dir: str, block=128, not_convert=FP8_NOT_CONVERT,
+                        shards: int = 1, language_model_prefix: bool = False,
+                        dequantized_dir: str | None = None) -> str:
+    """Quantize `src_dir`'s Linear weights into Hugging Face fine-grained FP8 at `dst_dir`; return it.
+
+    Every 2-D `*.weight` except embeddings and modules matching `not_convert` (transformers' rule)
+    becomes float8_e4m3fn plus an fp32 `*.weight_scale_inv` per `block` (int, or (block_n, block_k));
+    config.json gains `quantization_config`. Tokenizer and generation files are copied.
+    `shards` > 1 writes a sharded checkpoint; `language_model_prefix` renames `model.` to
+    `model.language_model.` (as Qwen3.5 VL checkpoints nest the text model).
+    `dequantized_dir`: also write the dequantized weights there as an fp32 checkpoint (the oracle).
+    """
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+
+    from ..engine.weights import _checkpoint_files, _not_converted, dequant_fp8_block
+
+    bn, bk = (block, block) if isinstance(block, int) else tuple(block)
+    not_convert = tuple(not_convert)
+    src: dict = {}
+    for name, file in _checkpoint_files(src_dir).items():
+        with safe_open(file, framework="pt") as f:
+            src[name] = f.get_tensor(name)
+    quant, deq = {}, {}
+    for name, t in src.items():
+        module = name[:-len(".weight")]
+        if (name.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in name
+                and not _not_converted(module, not_convert)):
+            q, s = quantize_fp8_block(t, bn, bk)
+            quant[name], quant[name + "_scale_inv"] = q, s
+            deq[name] = dequant_fp8_block(q, s, bn, bk)
+        else:
+            quant[name] = t
+            deq[name] = t.float()
+    if language_model_prefix:
+        quant = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t
+                 for n, t in quant.items()}
+
+    with open(os.path.join(src_dir, "config.json")) as f:
+        config = json.load(f)
+    for out in [dst_dir] + ([dequantized_dir] if dequantized_dir else []):
+        os.makedirs(out, exist_ok=True)
+        for fname in os.listdir(src_dir):
+            if fname != "config.json" and not fname.startswith("model") and not fname.endswith(".safetensors"):
+                shutil.copy(os.path.join(src_dir, fname), os.path.join(out, fname))
+    with open(os.path.join(dst_dir, "config.json"), "w") as f:
+        json.dump({**config, "quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [bn, bk], "modules_to_not_convert": list(not_convert)}}, f, indent=2)
+    _write_safetensors(dst_dir, quant, shards)
+    if dequantized_dir:
+        with open(os.path.join(dequantized_dir, "config.json"), "w") as f:
+            json.dump({**config, "dtype": "float32"}, f, indent=2)
+        _write_safetensors(dequantized_dir, deq, 1)
+    return dst_dir
