@@ -362,10 +362,10 @@ async def ttft_breakdown(urls: dict[str, str], tok_dir: str, isl: int, osl: int,
              "vllm_connector_leg": (urls["vllm_connector"], False), "nexrt": (urls["nexrt"], True)}
     prompts = {p: sample_random_requests(tok, isl, 2, n, range_ratio=1.0, seed=100 + k)
                for k, p in enumerate(paths)}
-    fresh = {p: sample_random_requests(tok, isl, 2, n, range_ratio=1.0, seed=200 + k)  # no prefix-cache hit
-             for k, p in enumerate(paths)}
     long_paths = {"nexrt": (urls["nexrt"], True), "vllm_connector_leg": (urls["vllm_connector"], False),
                   "vllm_plain": (urls["vllm_plain"], True)}
+    seeds = {p: 200 + k for k, p in enumerate(paths)}  # fresh prompts: no prefix-cache hit from the first phase
+    fresh = {p: sample_random_requests(tok, isl, 2, n, range_ratio=1.0, seed=seeds[p]) for p in long_paths}
 
     async def rounds(s, paths: dict, prompts: dict, max_tokens: int) -> dict[str, list]:
         rows: dict[str, list] = {p: [] for p in paths}
