@@ -537,14 +537,13 @@ class Router:
         """Admission with fail-over: a node that fails here is ejected and another one tried."""
         busy_until = None
         while True:
+            why = _unsupported(rq.params, lease.node)
+            if why:
+                raise Fallback(Reason.UNSUPPORTED, why, APIError(400, why))
             # Admitted from the moment the request leaves: if this handler is cancelled (the
             # client left) or times out while the node has already reserved the slot, the lease's
             # cleanup must cancel that reservation (the node answers 404 if there was none).
             lease.admitted = True
-            why = _unsupported(rq.params, lease.node)
-            if why:
-                lease.admitted = False
-                raise Fallback(Reason.UNSUPPORTED, why, APIError(400, why))
             spec = rq.params.structured
             try:
                 return await self.nodes.admit(lease.node.url, lease.rid,

@@ -4,9 +4,11 @@ Detokenization mirrors vLLM's fast incremental detokenizer (tokenizers' `DecodeS
 tokens skipped), so the text equals what vLLM alone would stream for the same token ids. It is primed
 with the prompt's last `PRIME_TOKENS` ids, not the whole prompt as vLLM does: a token's text depends
 only on the few ids before it (an incomplete UTF-8 character spans at most 3 byte tokens), and
-decoding an 8K-token prompt again would sit on the first token's path (milliseconds). Stop strings are matched on the text with a hold-back of `max(len(stop)) - 1`
-characters: nothing that could still become the start of a stop string is sent early, and the cut
-point depends only on the full text, never on how tokens were chunked.
+decoding an 8K-token prompt again would sit on the first token's path (milliseconds).
+
+Stop strings are matched on the text with a hold-back of `max(len(stop)) - 1` characters: nothing
+that could still become the start of a stop string is sent early, and the cut point depends only on
+the full text, never on how tokens were chunked.
 """
 from __future__ import annotations
 
