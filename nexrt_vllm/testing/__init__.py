@@ -11,7 +11,9 @@ Choices that make parity tests meaningful:
 - matrices are re-initialised wider (std 0.06) so greedy decoding does not collapse into one token;
 - head dims default to 64 (vLLM's CPU kernels accept 64 or 128, not 32);
 - `train="periodic"` gives a checkpoint whose greedy tokens lead by several nats and depend on the
-  context (exact token-equality tests across bf16 / fp32 implementations; a wrong state shows).
+  context (exact token-equality tests across bf16 / fp32 implementations; a wrong state shows);
+- `train="agents"` one that answers chat requests with reasoning, a tool call or JSON, with the
+  Qwen markup in its tokenizer and a template that renders `tools` (testing/agents.py).
 """
 from __future__ import annotations
 
@@ -43,17 +45,26 @@ def _corpus(n_words: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def make_tokenizer(path: str, vocab_size: int = 384) -> int:
-    """Write tokenizer.json + tokenizer_config.json to `path`; return the tokenizer length."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def make_tokenizer(path: str, vocab_size: int = 384, agents: bool = False) -> int:
+    """Write tokenizer.json + tokenizer_config.json to `path`; return the tokenizer length.
+
+    `agents`: the Qwen markup as added tokens and agents.AGENT_CHAT_TEMPLATE (testing/agents.py),
+    the BPE that many tokens smaller (the same tokenizer length)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
     alphabet = list(string.ascii_letters + string.digits + string.punctuation) + ["▁"]
+    template = CHAT_TEMPLATE
+    if agents:
+        from .agents import AGENT_CHAT_TEMPLATE, MARKUP
+        vocab_size, template = vocab_size - len(MARKUP), AGENT_CHAT_TEMPLATE
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    if agents:  # not special: vLLM's reasoning/tool parsers see them in the detokenized text
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP])
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
     cfg = {
@@ -63,7 +74,7 @@ def make_tokenizer(path: str, vocab_size: int = 384) -> int:
         "bos_token": None,
         "unk_token": None,
         "model_max_length": 1 << 20,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
         "clean_up_tokenization_spaces": False,
     }
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
@@ -140,7 +151,8 @@ def make_checkpoint(path: str, arch: str = "qwen3_next", dtype: str = "bfloat16"
     """Write a tiny checkpoint (config.json, safetensors, tokenizer) to `path`; return it.
 
     Random weights, or with ``train="periodic"`` trained to copy periodic text (see
-    `train_periodic`: greedy decoding is then confident and decided by the context).
+    `train_periodic`: greedy decoding is then confident and decided by the context), or with
+    ``train="agents"`` to answer chat requests with reasoning, a tool call or JSON (testing/agents.py).
     `overrides` go into the transformers config (e.g. num_hidden_layers=8, full_attention_interval=2,
     num_key_value_heads=1, num_experts=4, num_experts_per_tok=1, tie_word_embeddings=True).
     `final_norm_fixed`: the final norm's weight stays 0 (scale 1), also in training, so the model can be
@@ -148,11 +160,11 @@ def make_checkpoint(path: str, arch: str = "qwen3_next", dtype: str = "bfloat16"
     """
     import torch
 
-    if train not in (None, "periodic"):
-        raise ValueError(f"unknown train={train!r}; expected None or 'periodic'")
+    if train not in (None, "periodic", "agents"):
+        raise ValueError(f"unknown train={train!r}; expected None, 'periodic' or 'agents'")
 
     os.makedirs(path, exist_ok=True)
-    vocab = make_tokenizer(path)
+    vocab = make_tokenizer(path, agents=train == "agents")
     from tokenizers import Tokenizer
 
     eos = Tokenizer.from_file(os.path.join(path, "tokenizer.json")).token_to_id(EOS_TOKEN)
@@ -174,6 +186,9 @@ def make_checkpoint(path: str, arch: str = "qwen3_next", dtype: str = "bfloat16"
         model.model.norm.weight.requires_grad_(False)
     if train == "periodic":
         train_periodic(model, path, seed=seed)
+    elif train == "agents":
+        from .agents import train_agents
+        train_agents(model, path, seed=seed)
     model = model.to(getattr(torch, dtype))
     model.config.dtype = dtype
     model.save_pretrained(path, max_shard_size="300KB" if sharded else "10GB")
@@ -245,7 +260,9 @@ def train_periodic(model, path: str, seed: int = 0, steps: int = None, log=None)
         torch.set_num_threads(threads)
 
 
-def _train(model, path: str, seed: int, steps: int, log) -> dict:
+def _train(model, path: str, seed: int, steps: int, log, batches=None, lr: float = TRAIN_LR) -> dict:
+    """`batches(rng)` -> [(ids, loss mask)] per step (default: periodic samples); shorter
+    sequences are padded, outside the loss."""
     import time
 
     import torch
@@ -260,20 +277,25 @@ def _train(model, path: str, seed: int, steps: int, log) -> dict:
                 if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
                     p.zero_()
     vocab = model.config.vocab_size
-    frame = chat_frame(path)
+    if batches is None:
+        frame = chat_frame(path)
+
+        def batches(rng):
+            return [periodic_sample(rng, vocab, TRAIN_LEN, frame if rng.random() < TRAIN_CHAT else None)
+                    for _ in range(TRAIN_BATCH)]
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     head.weight = emb.weight  # tied while training
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR, betas=(0.9, 0.98), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     t0, loss = time.monotonic(), None
     for step in range(steps):
         warm = min(1.0, (step + 1) / 30)
         for g in opt.param_groups:
-            g["lr"] = TRAIN_LR * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
-        batch = [periodic_sample(rng, vocab, TRAIN_LEN, frame if rng.random() < TRAIN_CHAT else None)
-                 for _ in range(TRAIN_BATCH)]
-        ids = torch.tensor([b[0] for b in batch])
-        mask = torch.tensor([b[1] for b in batch], dtype=torch.bool)[:, :-1]
+            g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        batch = batches(rng)
+        width = max(len(b[0]) for b in batch)
+        ids = torch.tensor([b[0] + [0] * (width - len(b[0])) for b in batch])
+        mask = torch.tensor([b[1] + [0] * (width - len(b[1])) for b in batch], dtype=torch.bool)[:, :-1]
         logits = model(ids).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits[mask].float(), ids[:, 1:][mask])
         opt.zero_grad(set_to_none=True)

