@@ -210,10 +210,21 @@ def test_wrong_scale_shape_named(single_fp8, tmp_path):
 
 def test_wrong_scale_dtype_named(single_fp8, tmp_path):
     def edit(t):
-        t[W + "_scale_inv"] = t[W + "_scale_inv"].to(torch.bfloat16)
+        t[W + "_scale_inv"] = t[W + "_scale_inv"].to(torch.float16)
     bad = _variant(single_fp8, str(tmp_path / "bad"), edit_tensors=edit)
-    with pytest.raises(WeightsError, match=f"{W}_scale_inv: BF16"):
+    with pytest.raises(WeightsError, match=f"{W}_scale_inv: F16 \\(scales must be F32 or BF16\\)"):
         _load(bad)
+
+
+def test_bf16_scales_load(single_fp8, tmp_path):
+    """Qwen's FP8 releases store weight_scale_inv in bf16: widened exactly to fp32 at load."""
+    def edit(t):
+        for k in [k for k in t if k.endswith("_scale_inv")]:
+            t[k] = t[k].to(torch.bfloat16)
+    bf = _variant(single_fp8, str(tmp_path / "bf16_scales"), edit_tensors=edit)
+    raw = _tensors(bf)
+    got = _load(bf).model.layers[0].mixer.out_proj
+    assert torch.equal(got, _reference_dequant(raw[W], raw[W + "_scale_inv"].float(), *BLOCK))
 
 
 def test_orphan_scale_named(single_fp8, tmp_path):
