@@ -179,14 +179,36 @@ def _load_x2(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO: tl.constexpr, GR
 
 
 @triton.jit
+def _scaled_dot(w, xv, sbase, sr, stride_s, sc, smask, rmask, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
+    """w [BN, NKB, SUBK] (e4m3) times x [NKB, SUBK] with the weights' block scales (scale row sr:
+    one, or one per row), elementwise in fp32: the scale multiplies x (one product per x element),
+    or with ROUND_W the weight, rounded to bf16."""
+    if UNIFORM:
+        s = tl.load(sbase + sr * stride_s + sc, mask=smask, other=0.0)
+        if ROUND_W:
+            out = _bf16(w.to(tl.float32) * s[None, :, None]) * xv[None, :, :]
+        else:
+            out = w.to(tl.float32) * (xv * s[:, None])[None, :, :]
+    else:
+        s = tl.load(sbase + sr[:, None] * stride_s + sc[None, :], mask=rmask[:, None] & smask[None, :], other=0.0)
+        if ROUND_W:
+            out = _bf16(w.to(tl.float32) * s[:, :, None]) * xv[None, :, :]
+        else:
+            out = w.to(tl.float32) * (xv[None, :, :] * s[:, :, None])
+    return out
+
+
+@triton.jit
 def _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, stride_s, eps, rstd,
              PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr,
-             UNIFORM: tl.constexpr, EVEN_K: tl.constexpr):
+             UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, EVEN_K: tl.constexpr):
     """(y, y_up) of `rows` of an e4m3 W with block scales, fp32. A K block is [NKB, SUBK]: each of its
     NKB sub-blocks lies in one scale column (SUBK divides the scale block BKS), so a program loads
     one scale per (scale row, sub-block) per K block and scales x by it, never a weight element.
-    UNIFORM: all the program's rows share one scale row (srow of the first row); else per row."""
+    UNIFORM: all the program's rows share one scale row (srow of the first row); else per row.
+    ROUND_W: each weight is e4m3 * scale rounded to bf16 instead (the eager oracle's dequantized
+    weights, so the two differ only in the order of sums; a diagnostic mode, more ALU per byte)."""
     NKB: tl.constexpr = BLOCK_K // SUBK
     kb = tl.arange(0, NKB)
     kk = kb[:, None] * SUBK + tl.arange(0, SUBK)[None, :]
@@ -217,22 +239,10 @@ def _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, 
         else:
             wmask = rmask[:, None, None] & cmask[None, :, :]
         w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
-        if UNIFORM:
-            s = tl.load(s_ptr + srow * stride_s + sc, mask=smask, other=0.0)
-            acc += w.to(tl.float32) * (xv * s[:, None])[None, :, :]
-        else:
-            s = tl.load(s_ptr + srow[:, None] * stride_s + sc[None, :], mask=rmask[:, None] & smask[None, :],
-                        other=0.0)
-            acc += w.to(tl.float32) * (xv[None, :, :] * s[:, :, None])
+        acc += _scaled_dot(w, xv, s_ptr, srow, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
         if EPI == 2:
             wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
-            if UNIFORM:
-                su = tl.load(s_ptr + srow_u * stride_s + sc, mask=smask, other=0.0)
-                acc_u += wu.to(tl.float32) * (xv * su[:, None])[None, :, :]
-            else:
-                su = tl.load(s_ptr + srow_u[:, None] * stride_s + sc[None, :], mask=rmask[:, None] & smask[None, :],
-                             other=0.0)
-                acc_u += wu.to(tl.float32) * (xv[None, :, :] * su[:, :, None])
+            acc_u += _scaled_dot(wu, xv, s_ptr, srow_u, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
     y = tl.sum(tl.sum(acc, 2), 1)
     y_up = 0.0
     if EPI == 2:
@@ -246,7 +256,8 @@ def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, 
                     PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr,
                     KCP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr,
-                    UNIFORM: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                    UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr,
+                    PDL: tl.constexpr):
     """`gemv_kernel` over an FP8 weight: rows < N8 e4m3 (w_ptr) with fp32 block scales (s_ptr, row
     map srow_ptr), rows >= N8 (TAIL) bf16 (t_ptr); N8 is a multiple of BLOCK_N, so each program
     reads one of the two. Same prologues and epilogues."""
@@ -262,7 +273,7 @@ def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, 
     else:
         y, y_up = _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask & (rows < N8), pid, N8, K,
                            stride_w, stride_s, eps, rstd, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, SUBK, BKS,
-                           UNIFORM, EVEN_K)
+                           UNIFORM, ROUND_W, EVEN_K)
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
 
 
@@ -272,9 +283,10 @@ def sub_k(block_k: int, bk: int) -> int:
 
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
-         conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None):
+         conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
-    optionally a bf16 tail). `w` is [N, K] ([2N, K] for SwiGLU, N = rows of y); returns the grid size."""
+    optionally a bf16 tail; `round_w`: see _acc_fp8's ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
+    N = rows of y); returns the grid size."""
     fp8 = hasattr(w, "scale")
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
@@ -311,7 +323,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     gemv_fp8_kernel[(grid,)](
         x, w.q, w.scale, w.srow, tail if tail is not None else dummy, y, *args, n, k, n8 if tail is not None else n,
         w.q.stride(0), w.scale.stride(0), tail.stride(0) if tail is not None else 0, eps, conv_n,
-        SUBK=subk, BKS=bk, UNIFORM=uniform, TAIL=tail is not None, **common)
+        SUBK=subk, BKS=bk, UNIFORM=uniform, ROUND_W=round_w, TAIL=tail is not None, **common)
     return grid
 
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import LAUNCH, pdl_begin
+from .gemv import _scaled_dot
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 
@@ -142,14 +143,14 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
-                norm_topk=True):
+                norm_topk=True, round_w=False):
     """Routed + shared experts for one token, after the router launch (`gemv`, xn_out) has left the
     normed input xn [H] and logits [E+1] (router logits, then the shared-expert gate logit). The
     gate_up launch routes and writes ids / wts [top_k] (ascending ids) for the down launch.
     `res` (the residual, [H]) is updated in place. gate_up [E, 2I, H], down [E, H, I],
     shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch. Any of the
     four weights may be an fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8
-    kernels, which read each weight in its own format."""
+    kernels, which read each weight in its own format (`round_w`: gemv._acc_fp8's ROUND_W)."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
@@ -168,8 +169,8 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
             xn, ge, gs, gr, sg, ss, sr, act, ids, logits, wts, ge.stride(0), gs.stride(0) if gs.dim() == 3 else 0,
             sge, sgs, K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk,
             E=n_exp, EP=triton.next_power_of_2(n_exp), NORM=norm_topk, SUBK=subk, BKS=bks,
-            FP8_E=_is_fp8(gate_up), FP8_S=_is_fp8(shared_gate_up), UNI_E=uni_e, UNI_S=uni_s, **LAUNCH,
-            num_warps=num_warps)
+            FP8_E=_is_fp8(gate_up), FP8_S=_is_fp8(shared_gate_up), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
+            **LAUNCH, num_warps=num_warps)
     grid_dn = (triton.cdiv(hidden, down_block_n),)
     if down_fp8 is None:
         moe_down_kernel[grid_dn](
@@ -182,8 +183,8 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
             act, de, ds, dr, sd, sds, sdr, ids, wts, logits, res, hidden, de.stride(0),
             ds.stride(0) if ds.dim() == 3 else 0, sde, ssd, I=inter, IS=inter_s, E=n_exp, TOPK=top_k,
             TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, SUBK=subk, BKS=bks,
-            FP8_E=_is_fp8(down), FP8_S=_is_fp8(shared_down), UNI_E=uni_e, UNI_S=uni_s, **LAUNCH,
-            num_warps=down_num_warps)
+            FP8_E=_is_fp8(down), FP8_S=_is_fp8(shared_down), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
+            **LAUNCH, num_warps=down_num_warps)
 
 
 def _is_fp8(w) -> bool:
@@ -226,20 +227,9 @@ def _fp8(routed, shared):
 
 
 @triton.jit
-def _scaled(w, xv, sbase, sr, stride_s, sc, smask, rmask, UNIFORM: tl.constexpr):
-    """w [BN, NKB, SUBK] (e4m3) * x [NKB, SUBK] * its block scales, fp32."""
-    if UNIFORM:
-        s = tl.load(sbase + sr * stride_s + sc, mask=smask, other=0.0)
-        out = w.to(tl.float32) * (xv * s[:, None])[None, :, :]
-    else:
-        s = tl.load(sbase + sr[:, None] * stride_s + sc[None, :], mask=rmask[:, None] & smask[None, :], other=0.0)
-        out = w.to(tl.float32) * (xv[None, :, :] * s[:, :, None])
-    return out
-
-
-@triton.jit
 def _swiglu_rows_fp8(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr):
+                     BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr,
+                     ROUND_W: tl.constexpr):
     """`_swiglu_rows` of an e4m3 [2 n_rows, K] expert with block scales (sbase, row map srow_ptr)."""
     NKB: tl.constexpr = BLOCK_K // SUBK
     rmask = rows < n_rows
@@ -264,8 +254,8 @@ def _swiglu_rows_fp8(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0
         xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         sc = (k0 + kb * SUBK) // BKS
         smask = ((k0 + kb * SUBK) < K) & ((kb * 0 + row0) < n_rows)  # (a scalar & a vector trips the interpreter)
-        acc_g += _scaled(wg, xv, sbase, sr_g, stride_s, sc, smask, rmask, UNIFORM)
-        acc_u += _scaled(wu, xv, sbase, sr_u, stride_s, sc, smask, rmask, UNIFORM)
+        acc_g += _scaled_dot(wg, xv, sbase, sr_g, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
+        acc_u += _scaled_dot(wu, xv, sbase, sr_u, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
     g = _bf16(tl.sum(tl.sum(acc_g, 2), 1))
     u = _bf16(tl.sum(tl.sum(acc_u, 2), 1))
     return _bf16(_bf16(_silu(g)) * u)
@@ -278,7 +268,7 @@ def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, s
                            TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, SUBK: tl.constexpr,
                            BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
-                           UNI_S: tl.constexpr, PDL: tl.constexpr):
+                           UNI_S: tl.constexpr, ROUND_W: tl.constexpr, PDL: tl.constexpr):
     """`moe_gate_up_kernel` with fp8 routed experts (FP8_E: gu e4m3 [E, 2I, K], scales gus
     [E, S, ceil(K/bk)], row map gur [2I]) and / or an fp8 shared expert (FP8_S: sgu, sgus, sgur)."""
     pdl_begin(PDL)
@@ -294,14 +284,14 @@ def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, s
             tl.store(wts_ptr + slot, tl.sum(tl.where(mine, w, 0.0), 0))
         if FP8_E:
             a = _swiglu_rows_fp8(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, gus_ptr + eid.to(tl.int64) * stride_gse,
-                                 gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, SUBK, BKS, UNI_E)
+                                 gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, SUBK, BKS, UNI_E, ROUND_W)
         else:
             a = _swiglu_rows(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, I, rows, K, BLOCK_K)
         tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < I)
     else:
         if FP8_S:
             a = _swiglu_rows_fp8(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, pid * BLOCK_N, K, BLOCK_K,
-                                 SUBK, BKS, UNI_S)
+                                 SUBK, BKS, UNI_S, ROUND_W)
         else:
             a = _swiglu_rows(x_ptr, sgu_ptr, IS, rows, K, BLOCK_K)
         tl.store(act_ptr + TOPK * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < IS)
@@ -310,7 +300,7 @@ def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, s
 @triton.jit
 def _down_shared(act_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, stride_sds, rows, rmask, row0, IS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr,
-                 FP8: tl.constexpr, UNIFORM: tl.constexpr):
+                 FP8: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
     """The shared expert's down rows `rows` · act (its row of act_ptr), fp32 [BLOCK_N]."""
     if FP8:
         NKB: tl.constexpr = BLOCK_K // SUBK
@@ -327,8 +317,8 @@ def _down_shared(act_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, stride_sds, rows, rmask, 
             a = tl.load(act_ptr + cols, mask=cm, other=0.0).to(tl.float32)
             wv = tl.load(sdn_ptr + rows[:, None, None] * IS + cols[None, :, :],
                          mask=rmask[:, None, None] & cm[None, :, :], other=0.0, eviction_policy="evict_first")
-            acc3 += _scaled(wv, a, sdns_ptr, sr, stride_sds, (k0 + kb * SUBK) // BKS, (k0 + kb * SUBK) < IS,
-                            rmask, UNIFORM)
+            acc3 += _scaled_dot(wv, a, sdns_ptr, sr, stride_sds, (k0 + kb * SUBK) // BKS, (k0 + kb * SUBK) < IS,
+                                rmask, UNIFORM, ROUND_W)
         out = tl.sum(tl.sum(acc3, 2), 1)
     else:
         offs_k = tl.arange(0, BLOCK_K)
@@ -350,7 +340,7 @@ def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sd
                         I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
                         IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr,
                         BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
-                        UNI_S: tl.constexpr, PDL: tl.constexpr):
+                        UNI_S: tl.constexpr, ROUND_W: tl.constexpr, PDL: tl.constexpr):
     """`moe_down_kernel` with fp8 routed down projections (FP8_E: dn e4m3 [E, H, I], scales dns, row
     map dnr [H]) and / or an fp8 shared down (FP8_S). Same gather load over the selected experts."""
     pdl_begin(PDL)
@@ -359,7 +349,7 @@ def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sd
     rows = row0 + tl.arange(0, BLOCK_N)
     rmask = rows < N
     shared = _down_shared(act_ptr + TOPK * IMAX, sdn_ptr, sdns_ptr, sdnr_ptr, stride_sds, rows, rmask, row0, IS,
-                          BLOCK_N, BLOCK_K, SUBK, BKS, FP8_S, UNI_S)
+                          BLOCK_N, BLOCK_K, SUBK, BKS, FP8_S, UNI_S, ROUND_W)
     s = tl.arange(0, TOPKP)
     sm = s < TOPK
     eid = tl.load(ids_ptr + s, mask=sm, other=0)
@@ -386,11 +376,17 @@ def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sd
             scm = (k0 + kb * SUBK) < I
             if UNI_E:
                 sv = tl.load(sbase[:, None] + sr * stride_ds + sc[None, :], mask=sm[:, None] & scm[None, :], other=0.0)
-                acc4 += wv.to(tl.float32) * (a * sv[:, :, None])[:, None, :, :]
+                if ROUND_W:
+                    acc4 += _bf16(wv.to(tl.float32) * sv[:, None, :, None]) * a[:, None, :, :]
+                else:
+                    acc4 += wv.to(tl.float32) * (a * sv[:, :, None])[:, None, :, :]
             else:
                 sv = tl.load(sbase[:, None, None] + sr[None, :, None] * stride_ds + sc[None, None, :],
                              mask=sm[:, None, None] & rmask[None, :, None] & scm[None, None, :], other=0.0)
-                acc4 += wv.to(tl.float32) * (a[:, None, :, :] * sv[:, :, :, None])
+                if ROUND_W:
+                    acc4 += _bf16(wv.to(tl.float32) * sv[:, :, :, None]) * a[:, None, :, :]
+                else:
+                    acc4 += wv.to(tl.float32) * (a[:, None, :, :] * sv[:, :, :, None])
         racc = tl.sum(tl.sum(acc4, 3), 2)
     else:
         offs_k = tl.arange(0, BLOCK_K)
