@@ -14,7 +14,7 @@ every path multiplies the stored e4m3 values by the stored scales.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +60,7 @@ class FP8Weight:
     srow: torch.Tensor
     block: tuple[int, int]
     tail: torch.Tensor | None = None
+    _uniform: dict = field(default_factory=dict, repr=False)  # row_uniform answers (it reads srow on the host)
 
     def __post_init__(self):
         if self.q.dtype != torch.float8_e4m3fn:
@@ -120,7 +121,14 @@ class FP8Weight:
 
     def row_uniform(self, block_rows: int, offset: int = 0) -> bool:
         """Whether each run of `block_rows` rows starting at offset + multiples of block_rows (the
-        rows one kernel program reads) maps to a single scale row."""
+        rows one kernel program reads) maps to a single scale row. Cached: the first launch (a warm-up,
+        before any CUDA graph capture) asks; a captured launch must not read the device."""
+        key = (block_rows, offset)
+        if key not in self._uniform:
+            self._uniform[key] = self._row_uniform(block_rows, offset)
+        return self._uniform[key]
+
+    def _row_uniform(self, block_rows: int, offset: int) -> bool:
         n = self.n8 - offset
         if n <= 0:
             return True

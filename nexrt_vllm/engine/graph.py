@@ -472,7 +472,7 @@ class FusedDecoder:
                 round_w=t.fp8_round_weights))]
 
     def _dense(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
-        c, g, t, f = self.cfg, self.k_gemv, self.t, L.ffn
+        c, g, f = self.cfg, self.k_gemv, L.ffn
         return [
             ("mlp_gate_up+swiglu", lambda: g.gemv(
                 self.res, f.w_gate_up, self.act_dense, pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
