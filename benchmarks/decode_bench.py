@@ -225,7 +225,8 @@ def layer_errors(eng, d) -> list[dict]:
     return rows
 
 
-def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator, prompt: list[int] | None = None) -> dict:
+def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator, prompt: list[int] | None = None,
+           controls: bool = True) -> dict:
     """Greedy tokens of the eager engine vs the graph path (fused kernels, and eager ops) from one
     prompt (default: 32 random ids)."""
     if prompt is None:
@@ -272,7 +273,7 @@ def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator, pr
                              "logits_rel_err_per_step": errs,
                              "argmax_mismatches": mism, "mismatches_at_bf16_near_tie": near}
     eng.import_state(n0, snap)
-    out["eager_controls"] = eager_controls(eng, n0, snap, first, eager_tokens, eager_logits)
+    out["eager_controls"] = eager_controls(eng, n0, snap, first, eager_tokens, eager_logits) if controls else {}
     return out
 
 
@@ -385,7 +386,7 @@ def periodic_prompt(vocab: int, period: int = 7, n: int = 40, seed: int = 7) -> 
 
 
 def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eager_steps: int, bw: float,
-              breakdown_ctx: int, tuning=None, graft_dir: str = "", dtype: str = "bf16") -> dict:
+              breakdown_ctx: int, tuning=None, graft_dir: str = "", dtype: str = "bf16", controls: bool = True) -> dict:
     from nexrt_vllm.engine import Engine
     from nexrt_vllm.engine.config import ModelConfig
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
@@ -421,7 +422,7 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
            "weight_format": eng.weight_format, "contexts": []}
     if parity_steps:
         t1 = time.time()
-        res["parity"] = parity(eng, runner, eager_runner, parity_steps, gen, prompt)
+        res["parity"] = parity(eng, runner, eager_runner, parity_steps, gen, prompt, controls)
         p = res["parity"]
         if seg:
             toks = [p["first_token"]] + p["eager_tokens"]
@@ -544,6 +545,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", help="weight formats to run, comma-separated: bf16 (the checkpoint "
                     "dtype), fp8 (the same weights quantized into 128x128 block-scaled e4m3 as the published FP8 "
                     "checkpoints, read natively by the fp8 kernels); both: each shape in each, compared in one JSON")
+    ap.add_argument("--no-eager-controls", action="store_true", help="skip the perturbed-eager control of the "
+                    "parity (two more eager runs of --parity-steps)")
     args = ap.parse_args(argv)
     dtypes = [d for d in args.dtype.split(",") if d]
     if not dtypes or any(d not in ("bf16", "fp8") for d in dtypes):
@@ -581,7 +584,8 @@ def main(argv=None) -> int:
         for dt in dtypes:
             try:
                 results["shapes"].append(run_shape(key, contexts, args.steps, args.parity_steps, args.eager_steps, bw,
-                                                   args.breakdown_ctx, tuning, args.graft, dtype=dt))
+                                                   args.breakdown_ctx, tuning, args.graft, dtype=dt,
+                                                   controls=not args.no_eager_controls))
             except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
                 import traceback
                 traceback.print_exc()

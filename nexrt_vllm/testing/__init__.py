@@ -301,8 +301,10 @@ def copy_margins(model, ids: list[int], start: int) -> list[float]:
 
 # --- FP8 versions of the tiny checkpoints (Hugging Face fine-grained FP8) --------------------------
 
-# Modules left in bf16, as the family's published FP8 checkpoints leave them: the head and the
-# small router / shared-expert gates (their errors would move routing and the gate more than weights).
+# Modules left in bf16: the head and the small router / shared-expert gates (their errors would move
+# routing and the gate more than weights). The published checkpoints also keep the GDN in_proj_a / b
+# in bf16 (engine.fp8.PUBLISHED_NOT_CONVERT); this default quantizes them, so every GDN projection
+# of a test checkpoint is fp8.
 FP8_NOT_CONVERT = ("lm_head", "mlp.gate", "mlp.shared_expert_gate")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -138,3 +138,19 @@ def test_fp8_step_bytes_at_the_benchmarked_shapes(shape):
     ref = bytes_per_step(FusedDecoder(Model(cfg, bf, n + 1), DecodeState(cfg, n + 1, torch.bfloat16, "meta")), n)
     for g in ("attn_qkv_proj", "gdn_out_proj", "moe_experts" if cfg.num_experts else "mlp_down"):
         assert 0.5 < got[g] / ref[g] < 0.52, (g, got[g] / ref[g])
+
+
+def test_fp8_vs_bf16_comparison_pairs_shape_and_context():
+    from benchmarks.decode_bench import compare_dtypes
+
+    def run(dtype, rows):
+        return {"shape": "Qwen3.5-2B", "dtype": dtype, "contexts": [
+            {"context": c, "tok_s": t, "mbu": m, "bytes_per_token": b} for c, t, m, b in rows]}
+    shapes = [run("bf16", [(1024, 700.0, 0.66, 3.8e9), (8192, 720.0, 0.667, 3.9e9)]),
+              run("fp8", [(8192, 936.0, 0.62, 2.5e9)]),
+              {"shape": "Qwen3.5-35B-A3B", "dtype": "bf16", "contexts": [{"context": 8192, "tok_s": 1.0, "mbu": 0.6,
+                                                                         "bytes_per_token": 6e9}]}]
+    (c,) = compare_dtypes(shapes)  # only the (shape, context) run in both formats
+    assert (c["shape"], c["context"]) == ("Qwen3.5-2B", 8192)
+    assert c["tok_s_ratio"] == 936.0 / 720.0 and abs(c["mbu_points"] - (62.0 - 66.7)) < 1e-9
+    assert c["bytes_ratio"] == 2.5e9 / 3.9e9
