@@ -39,22 +39,24 @@ def log(*a):
     print(*a, flush=True)
 
 
-def kernel_tests(out: str, pdl: bool = False) -> dict:
+KERNEL_TESTS = {"bf16": ("test_kernels_decode_ops.py", "test_kernels_logprobs.py"), "fp8": ("test_kernels_fp8.py",)}
+
+
+def kernel_tests(out: str, pdl: bool = False, which: str = "all") -> dict:
+    files = [f for k, fs in KERNEL_TESTS.items() if which in ("all", k) for f in fs]
     env = dict(os.environ, NEXRT_KERNEL_DEVICE="cuda", PYTHONPATH=ROOT, NEXRT_PDL="1" if pdl else "0")
     env.pop("TRITON_INTERPRET", None)
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(ROOT, "tests", "engine", "test_kernels_decode_ops.py"),
-                        os.path.join(ROOT, "tests", "engine", "test_kernels_logprobs.py"),
-                        os.path.join(ROOT, "tests", "engine", "test_kernels_fp8.py")],
-                       env=env, capture_output=True, text=True, timeout=400)
+                        *[os.path.join(ROOT, "tests", "engine", f) for f in files]],
+                       env=env, capture_output=True, text=True, timeout=540)
     with open(os.path.join(out, f"kernel_tests{'_pdl' if pdl else ''}.log"), "w") as f:
         f.write(p.stdout + p.stderr)
     tail = (p.stdout.strip().splitlines() or [""])[-1]
     log(f"kernel tests on GPU (pdl={pdl}): rc={p.returncode} {tail} ({time.time() - t0:.0f}s)")
     if p.returncode:
         log(p.stdout[-3000:])
-    return {"rc": p.returncode, "summary": tail}
+    return {"rc": p.returncode, "summary": tail, "files": files}
 
 
 def eager_greedy(eng, prompt: list[int], steps: int):
@@ -317,6 +319,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--kernel-tests-only", action="store_true", help="of the tests, only the kernel tests")
+    ap.add_argument("--kernel-tests", choices=("all", "bf16", "fp8"), default="all",
+                    help="which kernel test files (fp8: tests/engine/test_kernels_fp8.py)")
     ap.add_argument("--tiny-steps", type=int, default=256)
     ap.add_argument("--trained-parity", action="store_true", help="fused vs eager on trained tiny checkpoints")
     ap.add_argument("--checkpoints", default="", help="dir of <arch>/ checkpoints trained beforehand "
@@ -339,8 +343,8 @@ def main() -> int:
             report.setdefault("trained_parity", {})[arch] = trained_parity(args.tiny_steps, arch, args.checkpoints)
             save()
     if not args.skip_tests:
-        report["kernel_tests"] = kernel_tests(args.out)
-        report["kernel_tests_pdl"] = kernel_tests(args.out, pdl=True)
+        report["kernel_tests"] = kernel_tests(args.out, which=args.kernel_tests)
+        report["kernel_tests_pdl"] = kernel_tests(args.out, pdl=True, which=args.kernel_tests)
         save()
     if not args.skip_tests and not args.kernel_tests_only:
         for name, fn in (("tiny_parity", tiny_parity), ("engine_graph", engine_graph)):
