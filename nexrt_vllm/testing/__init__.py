@@ -310,19 +310,10 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def quantize_fp8_block(w, block_n: int, block_k: int):
-    """(e4m3 weight, fp32 scale_inv [..., ceil(N/bn), ceil(K/bk)]): scale = block amax / 448."""
-    import torch
-
-    n, k = w.shape[-2:]
-    nb, kb = -(-n // block_n), -(-k // block_k)
-    w = w.float()
-    padded = torch.nn.functional.pad(w, (0, kb * block_k - k, 0, nb * block_n - n))
-    blocks = padded.reshape(*w.shape[:-2], nb, block_n, kb, block_k)
-    amax = blocks.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    full = scale.repeat_interleave(block_n, dim=-2).repeat_interleave(block_k, dim=-1)[..., :n, :k]
-    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale.contiguous()
+    """(e4m3 weight, fp32 scale_inv [..., ceil(N/bn), ceil(K/bk)]): scale = block amax / 448
+    (engine.fp8.quantize_block, which decode_bench's fp8 runs use too)."""
+    from ..engine.fp8 import quantize_block
+    return quantize_block(w, block_n, block_k)
 
 
 def _write_safetensors(path: str, tensors: dict, shards: int) -> None:
