@@ -11,6 +11,11 @@ carried into the real shape, benchmarks/graft.py) and times each kernel group. W
 
     python benchmarks/decode_bench.py --shapes 35b,2b --contexts 1024,8192,32768,131072 --eager-steps 5 \\
         --graft .work/graft --json $OUT/decode_h200_r6.json --png $OUT/decode_h200_r6.png
+
+`--dtype bf16,fp8` runs each shape with its weights as they are and quantized into the published FP8
+checkpoints' block format (e4m3 + 128 x 128 fp32 scales, read natively by the fp8 kernels); the
+byte count is then what the fp8 step reads (e4m3 values, scales, scale-row maps, the bf16 rest),
+and `fp8_vs_bf16` compares the two per context.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import time
 
 import torch
 
+from nexrt_vllm.engine.fp8 import FP8Weight
 from nexrt_vllm.engine.state import AttentionState, GDNState
 
 # Qwen3.5 shapes: the published Qwen3.5-2B / Qwen3.5-35B-A3B configs and the family's transformers defaults.
@@ -113,8 +119,20 @@ def fill_context(eng, ctx: int, gen: torch.Generator) -> None:
     st.set_seq_len(ctx)
 
 
-def _nb(t: torch.Tensor) -> int:
+def _nb(t) -> int:
+    """Bytes a launch reads to stream weight / state `t` once: an FP8 weight's e4m3 values, block
+    scales, scale-row map and bf16 tail (fp8.FP8Weight.nbytes); a tensor's elements."""
+    if isinstance(t, FP8Weight):
+        return t.nbytes()
     return t.numel() * t.element_size()
+
+
+def _experts_nb(w, k: int, n_experts: int) -> int:
+    """Bytes of k of the n_experts stacked experts of `w` (the selected ones), and an FP8 weight's
+    scale-row map (shared by the experts) once."""
+    if isinstance(w, FP8Weight):
+        return k * (w.q.numel() + 4 * w.scale.numel()) // n_experts + 4 * w.srow.numel()
+    return k * _nb(w) // n_experts
 
 
 def _kv_row(c, layer) -> int:
@@ -134,8 +152,8 @@ GROUPS = {
     "attn_splitk+combine": ("mixer", lambda d, L, n: 2 * _kv_row(d.cfg, L) * (n + 1)),
     "attn_o_proj": ("mixer", lambda d, L, n: _nb(L.mixer.w_o)),
     "moe_router": ("ffn", lambda d, L, n: _nb(L.ffn.w_router)),
-    "moe_experts": ("ffn", lambda d, L, n: d.cfg.num_experts_per_tok * ((_nb(L.ffn.gate_up) + _nb(L.ffn.down))
-                                                                     // d.cfg.num_experts)
+    "moe_experts": ("ffn", lambda d, L, n: _experts_nb(L.ffn.gate_up, d.cfg.num_experts_per_tok, d.cfg.num_experts)
+                    + _experts_nb(L.ffn.down, d.cfg.num_experts_per_tok, d.cfg.num_experts)
                     + _nb(L.ffn.s_gate_up) + _nb(L.ffn.s_down)),
     "mlp_gate_up+swiglu": ("ffn", lambda d, L, n: _nb(L.ffn.w_gate_up)),
     "mlp_down": ("ffn", lambda d, L, n: _nb(L.ffn.w_down)),
@@ -207,7 +225,8 @@ def layer_errors(eng, d) -> list[dict]:
     return rows
 
 
-def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator, prompt: list[int] | None = None) -> dict:
+def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator, prompt: list[int] | None = None,
+           controls: bool = True) -> dict:
     """Greedy tokens of the eager engine vs the graph path (fused kernels, and eager ops) from one
     prompt (default: 32 random ids)."""
     if prompt is None:
@@ -254,7 +273,7 @@ def parity(eng, fused_runner, eager_runner, steps: int, gen: torch.Generator, pr
                              "logits_rel_err_per_step": errs,
                              "argmax_mismatches": mism, "mismatches_at_bf16_near_tie": near}
     eng.import_state(n0, snap)
-    out["eager_controls"] = eager_controls(eng, n0, snap, first, eager_tokens, eager_logits)
+    out["eager_controls"] = eager_controls(eng, n0, snap, first, eager_tokens, eager_logits) if controls else {}
     return out
 
 
@@ -328,9 +347,19 @@ def kernel_groups(d, reps: int = 20) -> dict:
 GRAFT_ARCH = {"2b": "qwen3_5", "35b": "qwen3_5_moe"}  # the tiny family each shape can carry
 
 
-def graft_engine(key: str, ckpt_dir: str, max_len: int, device: str = "cuda"):
+def fp8_weights(tensors: dict, cfg) -> dict:
+    """The model's tensors in the published FP8 checkpoints' format (fp8.quantize_tensors: 128 x 128
+    blocks; head, router, shared-expert gate and GDN b / a in bf16), as an FP8 checkpoint loads them
+    on the GPU path (Engine.from_pretrained with fp8_weights="auto")."""
+    from nexrt_vllm.engine.fp8 import quantize_tensors
+    out = quantize_tensors(tensors, cfg)
+    torch.cuda.empty_cache()
+    return out
+
+
+def graft_engine(key: str, ckpt_dir: str, max_len: int, device: str = "cuda", dtype: str = "bf16"):
     """The real shape `key` carrying the trained tiny checkpoint `ckpt_dir`/<family> (benchmarks/graft.py;
-    trained there first when absent)."""
+    trained there first when absent); `dtype` "fp8": then quantized into the block format."""
     try:
         from benchmarks import graft as G
     except ImportError:  # run as a script: benchmarks/ is on the path
@@ -344,6 +373,8 @@ def graft_engine(key: str, ckpt_dir: str, max_len: int, device: str = "cuda"):
     tcfg, rcfg = ModelConfig.from_pretrained(path), ModelConfig.from_dict(SHAPES[key])
     tiny = load_checkpoint(path, tcfg, torch.float32, device, progress=False)[0]
     tensors = G.graft(tiny, tcfg, rcfg, torch.bfloat16, device)
+    if dtype == "fp8":
+        tensors = fp8_weights(tensors, rcfg)
     return Engine(rcfg, Model(rcfg, tensors, max_len), max_len), tcfg
 
 
@@ -355,16 +386,24 @@ def periodic_prompt(vocab: int, period: int = 7, n: int = 40, seed: int = 7) -> 
 
 
 def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eager_steps: int, bw: float,
-              breakdown_ctx: int, tuning=None, graft_dir: str = "") -> dict:
+              breakdown_ctx: int, tuning=None, graft_dir: str = "", dtype: str = "bf16", controls: bool = True) -> dict:
     from nexrt_vllm.engine import Engine
+    from nexrt_vllm.engine.config import ModelConfig
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.model import Model
+    from nexrt_vllm.engine.weights import random_weights
 
     t0 = time.time()
+    tag = key if dtype == "bf16" else f"{key}/{dtype}"
     max_len = max(contexts, default=0) + max(steps, parity_steps) + 64
     prompt = seg = None
     if graft_dir:
-        eng, tcfg = graft_engine(key, graft_dir, max_len)
+        eng, tcfg = graft_engine(key, graft_dir, max_len, dtype=dtype)
         prompt, seg = periodic_prompt(tcfg.vocab_size)
+    elif dtype == "fp8":
+        cfg = ModelConfig.from_dict(SHAPES[key])
+        tensors = fp8_weights(random_weights(cfg, torch.bfloat16, "cuda", seed=0), cfg)
+        eng = Engine(cfg, Model(cfg, tensors, max_len), max_len)
     else:
         eng = Engine.from_config(SHAPES[key], device="cuda", dtype="bfloat16", max_seq_len=max_len, seed=0)
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
@@ -374,29 +413,29 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
     try:
         eager_runner.capture()
     except Exception as e:  # noqa: BLE001 - report, keep measuring the fused path
-        log(f"[{key}] eager-ops graph capture failed: {type(e).__name__}: {e}")
+        log(f"[{tag}] eager-ops graph capture failed: {type(e).__name__}: {e}")
         eager_runner = None
-    log(f"[{key}] built + captured in {time.time() - t0:.1f}s; GPU mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    log(f"[{tag}] built + captured in {time.time() - t0:.1f}s; GPU mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     gen = torch.Generator(device="cuda").manual_seed(1234)
     res = {"shape": NAMES[key], "config": SHAPES[key], "hf_transformers_tok_s": HF_TOKS[key],
-           "pdl": fused.pdl, "weights": "graft" if graft_dir else "random",
-           "contexts": []}
+           "pdl": fused.pdl, "weights": "graft" if graft_dir else "random", "dtype": dtype,
+           "weight_format": eng.weight_format, "contexts": []}
     if parity_steps:
         t1 = time.time()
-        res["parity"] = parity(eng, runner, eager_runner, parity_steps, gen, prompt)
+        res["parity"] = parity(eng, runner, eager_runner, parity_steps, gen, prompt, controls)
         p = res["parity"]
         if seg:
             toks = [p["first_token"]] + p["eager_tokens"]
             p["continues_period"] = toks[:21] == [seg[(len(prompt) + i) % len(seg)] for i in range(21)]
-            log(f"[{key}] grafted checkpoint: eager continues the period {p['continues_period']}, top-1 margin "
+            log(f"[{tag}] grafted checkpoint: eager continues the period {p['continues_period']}, top-1 margin "
                 f"min {p['eager_top1_margin_min']:.2f} median {p['eager_top1_margin_median']:.2f}")
         worst = sorted(p["layer_errors_step0"], key=lambda r: -max(r["mixer_rel_err"], r["ffn_rel_err"]))[:4]
-        log(f"[{key}] parity in {time.time() - t1:.1f}s: fused {p['graph_fused']} eager-ops {p.get('graph_eager_ops')} "
+        log(f"[{tag}] parity in {time.time() - t1:.1f}s: fused {p['graph_fused']} eager-ops {p.get('graph_eager_ops')} "
             f"teacher-forced step0 err {p['teacher_forced']['logits_rel_err_per_step'][0]:.4f} "
             f"median {p['teacher_forced']['logits_rel_err_median']:.4f} mism {p['teacher_forced']['argmax_mismatches']}"
             f" (near-tie {p['teacher_forced']['mismatches_at_bf16_near_tie']}); worst layers {worst}")
         for label, c in p["eager_controls"].items():
-            log(f"[{key}] control {label}: equal {c['equal']} first divergence {c['first_divergence']} "
+            log(f"[{tag}] control {label}: equal {c['equal']} first divergence {c['first_divergence']} "
                 f"teacher-forced step0 err {c['logits_rel_err_step0']:.4f} median {c['logits_rel_err_median']:.4f}")
     g = runner._graph(False)
     g_eager = eager_runner._graph(False) if eager_runner else None
@@ -445,7 +484,7 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
             eng.state.set_seq_len(ctx)
             row["kernel_groups"] = kernel_groups(fused)
         res["contexts"].append(row)
-        log(f"[{key}] ctx {ctx}: step {med * 1e3:.3f} ms, {1 / med:.0f} tok/s (e2e {e2e:.0f}), "
+        log(f"[{tag}] ctx {ctx}: step {med * 1e3:.3f} ms, {1 / med:.0f} tok/s (e2e {e2e:.0f}), "
             f"{nb['total'] / 1e9:.3f} GB/tok, MBU {row['mbu'] * 100:.1f}%, graph(eager ops) {te * 1e3:.2f} ms, "
             f"eager {eager_s * 1e3:.1f} ms")
     del runner, eager_runner, fused, eng, g, g_eager
@@ -462,13 +501,14 @@ def plot(results: dict, path: str) -> None:
     for i, r in enumerate(results["shapes"]):
         ctx = [c["context"] for c in r["contexts"]]
         col = f"C{i}"
-        a1.plot(ctx, [c["tok_s"] for c in r["contexts"]], "o-", color=col, label=f"{r['shape']} graph step")
-        a1.plot(ctx, [c["e2e_tok_s"] for c in r["contexts"]], "x:", color=col, label=f"{r['shape']} end-to-end loop")
+        name = r["shape"] + ("" if r.get("dtype", "bf16") == "bf16" else f" {r['dtype']}")
+        a1.plot(ctx, [c["tok_s"] for c in r["contexts"]], "o-", color=col, label=f"{name} graph step")
+        a1.plot(ctx, [c["e2e_tok_s"] for c in r["contexts"]], "x:", color=col, label=f"{name} end-to-end loop")
         a1.plot(ctx, [c["roofline_tok_s"] for c in r["contexts"]], "--", color=col, alpha=0.6,
-                label=f"{r['shape']} roofline (copy BW / bytes)")
+                label=f"{name} roofline (copy BW / bytes)")
         a1.plot(ctx, [c["eager_tok_s"] for c in r["contexts"]], "s-.", color=col, alpha=0.5,
-                label=f"{r['shape']} eager")
-        a2.plot(ctx, [100 * c["mbu"] for c in r["contexts"]], "o-", color=col, label=r["shape"])
+                label=f"{name} eager")
+        a2.plot(ctx, [100 * c["mbu"] for c in r["contexts"]], "o-", color=col, label=name)
     for a in (a1, a2):
         a.set_xscale("log", base=2)
         a.set_xlabel("context (tokens)")
@@ -502,7 +542,15 @@ def main(argv=None) -> int:
     ap.add_argument("--graft", default="", help="dir of trained tiny checkpoints (<family>/, trained there when "
                     "absent) to carry into the real shapes (benchmarks/graft.py) instead of random weights: "
                     "parity on confident tokens")
+    ap.add_argument("--dtype", default="bf16", help="weight formats to run, comma-separated: bf16 (the checkpoint "
+                    "dtype), fp8 (the same weights quantized into 128x128 block-scaled e4m3 as the published FP8 "
+                    "checkpoints, read natively by the fp8 kernels); both: each shape in each, compared in one JSON")
+    ap.add_argument("--no-eager-controls", action="store_true", help="skip the perturbed-eager control of the "
+                    "parity (two more eager runs of --parity-steps)")
     args = ap.parse_args(argv)
+    dtypes = [d for d in args.dtype.split(",") if d]
+    if not dtypes or any(d not in ("bf16", "fp8") for d in dtypes):
+        ap.error(f"--dtype: a comma-separated list of bf16 / fp8, got {args.dtype!r}")
     if not torch.cuda.is_available():
         print("decode_bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -533,29 +581,57 @@ def main(argv=None) -> int:
             NAMES[key] = f"{NAMES[key]} ({args.layers} of its layers)"
         results["layers"] = args.layers
     for key in args.shapes.split(","):
-        try:
-            results["shapes"].append(run_shape(key, contexts, args.steps, args.parity_steps, args.eager_steps, bw,
-                                               args.breakdown_ctx, tuning, args.graft))
-        except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
-            import traceback
-            traceback.print_exc()
-            results.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"
-            torch.cuda.empty_cache()
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        for dt in dtypes:
+            try:
+                results["shapes"].append(run_shape(key, contexts, args.steps, args.parity_steps, args.eager_steps, bw,
+                                                   args.breakdown_ctx, tuning, args.graft, dtype=dt,
+                                                   controls=not args.no_eager_controls))
+            except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
+                import traceback
+                traceback.print_exc()
+                results.setdefault("errors", {})[key if dt == "bf16" else f"{key}/{dt}"] = f"{type(e).__name__}: {e}"
+                torch.cuda.empty_cache()
+            if len(dtypes) > 1:
+                results["fp8_vs_bf16"] = compare_dtypes(results["shapes"])
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
     if args.png:
         plot(results, args.png)
-    log(f"{'shape':<18}{'ctx':>7}{'ms/step':>9}{'tok/s':>8}{'e2e':>7}{'GB/tok':>8}{'MBU%':>7}{'xEager':>8}{'xHF':>7}")
+    log(f"{'shape':<22}{'ctx':>7}{'ms/step':>9}{'tok/s':>8}{'e2e':>7}{'GB/tok':>8}{'MBU%':>7}{'xEager':>8}{'xHF':>7}")
     for r in results["shapes"]:
+        name = r["shape"] + ("" if r.get("dtype", "bf16") == "bf16" else f" {r['dtype']}")
         for c in r["contexts"]:
-            log(f"{r['shape']:<18}{c['context']:>7}{c['step_ms_median']:>9.3f}{c['tok_s']:>8.0f}{c['e2e_tok_s']:>7.0f}"
+            log(f"{name:<22}{c['context']:>7}{c['step_ms_median']:>9.3f}{c['tok_s']:>8.0f}{c['e2e_tok_s']:>7.0f}"
                 f"{c['bytes_per_token'] / 1e9:>8.3f}{100 * c['mbu']:>7.1f}{c['speedup_vs_eager']:>8.1f}"
                 f"{c['speedup_vs_hf']:>7.1f}")
         if "parity" in r:
             p = r["parity"]
             tf = {k: v for k, v in p["teacher_forced"].items() if k != "logits_rel_err_per_step"}
-            log(f"  parity {r['shape']}: fused={p['graph_fused']} eager_ops={p.get('graph_eager_ops')} tf={tf}")
+            log(f"  parity {name}: fused={p['graph_fused']} eager_ops={p.get('graph_eager_ops')} tf={tf}")
+    for c in results.get("fp8_vs_bf16", []):
+        log(f"fp8 vs bf16 {c['shape']} ctx {c['context']}: tok/s x{c['tok_s_ratio']:.3f}, MBU {100 * c['mbu_fp8']:.1f}% "
+            f"vs {100 * c['mbu_bf16']:.1f}% ({c['mbu_points']:+.1f} points), bytes x{c['bytes_ratio']:.3f}")
     return 0
+
+
+def compare_dtypes(shapes: list[dict]) -> list[dict]:
+    """Per shape and context run in both formats: fp8 tok/s over bf16's, both MBUs (on the bytes each
+    reads) and their difference in points, the bytes ratio."""
+    by = {(r["shape"], r.get("dtype", "bf16")): {c["context"]: c for c in r["contexts"]} for r in shapes}
+    out = []
+    for (shape, dt), rows in by.items():
+        if dt != "fp8" or (shape, "bf16") not in by:
+            continue
+        for ctx, f in rows.items():
+            b = by[(shape, "bf16")].get(ctx)
+            if b is None:
+                continue
+            out.append({"shape": shape, "context": ctx, "tok_s_bf16": b["tok_s"], "tok_s_fp8": f["tok_s"],
+                        "tok_s_ratio": f["tok_s"] / b["tok_s"], "mbu_bf16": b["mbu"], "mbu_fp8": f["mbu"],
+                        "mbu_points": 100 * (f["mbu"] - b["mbu"]),
+                        "bytes_bf16": b["bytes_per_token"], "bytes_fp8": f["bytes_per_token"],
+                        "bytes_ratio": f["bytes_per_token"] / b["bytes_per_token"]})
+    return out
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@
    the product wiring (Engine.use_graph + Engine.stream, as nexrt-decode --graph runs it);
 3. optionally greedy parity on tiny checkpoints trained to continue periodic text (confident tokens);
 4. optionally the sampling graph (support of every draw, seed reproducibility, step time);
-5. optionally benchmarks/decode_bench.py with the given arguments.
+5. optionally (--fp8) the FP8 path on the trained tiny checkpoints quantized as the published FP8
+   checkpoints: the fused fp8 graph's greedy tokens against the eager engine on the dequantized
+   checkpoint, with the kernels' default numerics and with fp8_round_weights, and through the
+   product wiring;
+6. optionally benchmarks/decode_bench.py with the given arguments (`--dtype bf16,fp8`: both formats).
 Everything lands in --out as JSON.
 """
 from __future__ import annotations
@@ -35,21 +39,24 @@ def log(*a):
     print(*a, flush=True)
 
 
-def kernel_tests(out: str, pdl: bool = False) -> dict:
+KERNEL_TESTS = {"bf16": ("test_kernels_decode_ops.py", "test_kernels_logprobs.py"), "fp8": ("test_kernels_fp8.py",)}
+
+
+def kernel_tests(out: str, pdl: bool = False, which: str = "all") -> dict:
+    files = [f for k, fs in KERNEL_TESTS.items() if which in ("all", k) for f in fs]
     env = dict(os.environ, NEXRT_KERNEL_DEVICE="cuda", PYTHONPATH=ROOT, NEXRT_PDL="1" if pdl else "0")
     env.pop("TRITON_INTERPRET", None)
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(ROOT, "tests", "engine", "test_kernels_decode_ops.py"),
-                        os.path.join(ROOT, "tests", "engine", "test_kernels_logprobs.py")],
-                       env=env, capture_output=True, text=True, timeout=400)
+                        *[os.path.join(ROOT, "tests", "engine", f) for f in files]],
+                       env=env, capture_output=True, text=True, timeout=540)
     with open(os.path.join(out, f"kernel_tests{'_pdl' if pdl else ''}.log"), "w") as f:
         f.write(p.stdout + p.stderr)
     tail = (p.stdout.strip().splitlines() or [""])[-1]
     log(f"kernel tests on GPU (pdl={pdl}): rc={p.returncode} {tail} ({time.time() - t0:.0f}s)")
     if p.returncode:
         log(p.stdout[-3000:])
-    return {"rc": p.returncode, "summary": tail}
+    return {"rc": p.returncode, "summary": tail, "files": files}
 
 
 def eager_greedy(eng, prompt: list[int], steps: int):
@@ -143,6 +150,64 @@ def trained_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
            "continues_period": [first] + ref[:20] == [seg[(len(prompt) + i) % len(seg)] for i in range(21)],
            "replays_per_token": runner.replays / len(toks), "seconds": time.time() - t0}
     log(f"trained {arch}: {json.dumps(out)}")
+    return out
+
+
+def _trained(arch: str, checkpoints: str, d: str) -> str:
+    pre = os.path.join(checkpoints, arch) if checkpoints else ""
+    if pre and os.path.isfile(os.path.join(pre, "config.json")):
+        return pre
+    from nexrt_vllm.testing import make_checkpoint
+    make_checkpoint(d, arch=arch, dtype="bfloat16", train="periodic")
+    return d
+
+
+def fp8_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
+    """The trained tiny `arch` checkpoint quantized as the published FP8 checkpoints are (128 x 128
+    blocks; head, router, shared-expert gate, GDN b / a in bf16): greedy tokens of the fused fp8
+    graph (weights kept e4m3, Engine.from_pretrained's default on CUDA) against the eager engine on
+    the dequantized checkpoint (the CPU oracle's numerics), for `steps` tokens; the same with
+    Tuning(fp8_round_weights=True) (the kernels round each weight like the oracle); the eager ops on
+    the kept weights; and the product wiring (use_graph + stream)."""
+    import dataclasses
+
+    import decode_bench as db
+
+    from nexrt_vllm.engine import Engine, SamplingParams
+    from nexrt_vllm.engine.fp8 import PUBLISHED_NOT_CONVERT
+    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner, Tuning
+    from nexrt_vllm.testing import make_fp8_checkpoint
+
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as d:
+        src = _trained(arch, checkpoints, os.path.join(d, "src"))
+        path = make_fp8_checkpoint(src, os.path.join(d, "fp8"), block=128, not_convert=PUBLISHED_NOT_CONVERT)
+        kw = dict(device="cuda", dtype="bfloat16", max_seq_len=steps + 128, progress=False)
+        eng = Engine.from_pretrained(path, **kw)
+        deq = Engine.from_pretrained(path, fp8_weights="dequantize", **kw)
+    prompt, seg = db.periodic_prompt(eng.config.vocab_size)
+    first, n0, snap, ref = eager_greedy(deq, prompt, steps)
+    del deq
+    torch.cuda.empty_cache()
+    out = {"steps": steps, "weight_format": eng.weight_format,
+           "continues_period": [first] + ref[:20] == [seg[(len(prompt) + i) % len(seg)] for i in range(21)]}
+    f2, _, _, ref_keep = eager_greedy(eng, prompt, steps)
+    out["eager_on_kept_fp8_equal"] = f2 == first and ref_keep == ref
+    for label, tuning in (("fused", Tuning()), ("fused_round_weights", dataclasses.replace(Tuning(), fp8_round_weights=True))):
+        eng.import_state(n0, snap)
+        runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning))
+        toks = list(runner.generate(first, steps))
+        out[label] = {"equal": toks == ref, "replays_per_token": runner.replays / len(toks),
+                      "first_divergence": next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)}
+        del runner
+    eng.use_graph("fused")
+    eng.import_state(n0, snap)
+    got = list(eng.stream(first, SamplingParams(max_tokens=steps + 1, ignore_eos=True)))
+    out["engine_stream"] = {"equal": got == ref, "finish_reason": eng.finish_reason, "n": len(got)}
+    out["seconds"] = time.time() - t0
+    log(f"fp8 {arch}: {json.dumps(out)}")
+    del eng
+    torch.cuda.empty_cache()
     return out
 
 
@@ -254,12 +319,16 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--kernel-tests-only", action="store_true", help="of the tests, only the kernel tests")
+    ap.add_argument("--kernel-tests", choices=("all", "bf16", "fp8"), default="all",
+                    help="which kernel test files (fp8: tests/engine/test_kernels_fp8.py)")
     ap.add_argument("--tiny-steps", type=int, default=256)
     ap.add_argument("--trained-parity", action="store_true", help="fused vs eager on trained tiny checkpoints")
     ap.add_argument("--checkpoints", default="", help="dir of <arch>/ checkpoints trained beforehand "
                     "(make_checkpoint(train='periodic')) for --trained-parity")
     ap.add_argument("--arches", default=",".join(TINY_ARCHS), help="families for --trained-parity")
     ap.add_argument("--sampling", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="the FP8 path on the trained tiny checkpoints (families: "
+                    "--arches; --checkpoints to use ones trained beforehand)")
     ap.add_argument("--bench-args", default="")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -274,8 +343,8 @@ def main() -> int:
             report.setdefault("trained_parity", {})[arch] = trained_parity(args.tiny_steps, arch, args.checkpoints)
             save()
     if not args.skip_tests:
-        report["kernel_tests"] = kernel_tests(args.out)
-        report["kernel_tests_pdl"] = kernel_tests(args.out, pdl=True)
+        report["kernel_tests"] = kernel_tests(args.out, which=args.kernel_tests)
+        report["kernel_tests_pdl"] = kernel_tests(args.out, pdl=True, which=args.kernel_tests)
         save()
     if not args.skip_tests and not args.kernel_tests_only:
         for name, fn in (("tiny_parity", tiny_parity), ("engine_graph", engine_graph)):
@@ -285,6 +354,16 @@ def main() -> int:
                 import traceback
                 traceback.print_exc()
                 report[name] = {"error": f"{type(e).__name__}: {e}"}
+            save()
+    if args.fp8:
+        sys.path.insert(0, HERE)
+        for arch in filter(None, args.arches.split(",")):
+            try:
+                report.setdefault("fp8_parity", {})[arch] = fp8_parity(args.tiny_steps, arch, args.checkpoints)
+            except Exception as e:  # noqa: BLE001 - report it, go on
+                import traceback
+                traceback.print_exc()
+                report.setdefault("fp8_parity", {})[arch] = {"error": f"{type(e).__name__}: {e}"}
             save()
     if args.sampling:
         report["sampling"] = sampling_check()

@@ -21,6 +21,8 @@ from nexrt_vllm.handoff.contracts import CLAIM_KEY, PROBE, ContractError, ProbeR
 PROBE_CLAIM = {CLAIM_KEY: PROBE}
 _IDENTITY = ("num_hidden_layers", "hidden_size", "vocab_size")
 ABSENT = {"absent": True}       # vLLM answered without kv_transfer_params: no connector
+# vLLM cache_config.cache_dtype values whose pages a node takes ("auto": the model dtype)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 
 
 async def probe(session: aiohttp.ClientSession, vllm_url: str, timeout: float) -> tuple[str, dict | None]:
@@ -73,6 +75,10 @@ def mismatches(connector: dict | None, caps: dict) -> list[str]:
     if diff:
         out.append(f"model: vLLM serves {model.get('name')!r}, the node {caps.get('model')!r} "
                    f"({', '.join(diff)})")
+    kv = connector.get("kv_cache_dtype")
+    if kv and kv not in KV_CACHE_DTYPES:
+        out.append(f"kv_cache_dtype: vLLM keeps its KV cache in {kv} (--kv-cache-dtype); NexRT nodes take "
+                   f"unquantized KV pages and refuse these at hello: start vLLM with --kv-cache-dtype auto")
     dt, nd = connector.get("dtype"), caps.get("dtype")
     # The node may compute in float32 (more precise than vLLM); anything else must be vLLM's dtype.
     if dt and nd and nd != dt and nd != "float32":

@@ -26,6 +26,18 @@ def _resolve_dtype(dtype, cfg: ModelConfig) -> torch.dtype:
     return dtype
 
 
+FP8_WEIGHTS = ("auto", "keep", "dequantize")
+
+
+def keep_fp8(mode: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an engine keeps an FP8 checkpoint's projections in fp8 (`Engine.from_pretrained`)."""
+    if mode not in FP8_WEIGHTS:
+        raise ConfigError(f"fp8_weights must be one of {FP8_WEIGHTS}, got {mode!r}")
+    if cfg.quantization is None or mode == "dequantize":
+        return False
+    return mode == "keep" or (device.type == "cuda" and dtype == torch.bfloat16)
+
+
 class Engine:
     """Prefill, decode and sample for one request at a time.
 
@@ -42,12 +54,28 @@ class Engine:
         self.finish_reason: str | None = None
         self.graph = None  # GPU graph path (use_graph); None: `stream` runs the eager decode loop
 
+    @property
+    def weight_format(self) -> str:
+        """"fp8" when projections are kept in block-scaled e4m3 (the GPU kernels read them), else the dtype."""
+        from .fp8 import FP8Weight
+        m = self.model
+        ws = [m.lm_head] + [getattr(part, f) for L in m.layers for part in (L.mixer, L.ffn)
+                            for f in getattr(part, "__dataclass_fields__", ())]
+        if any(isinstance(w, FP8Weight) for w in ws):
+            return "fp8"
+        return str(self.dtype).removeprefix("torch.")
+
     @classmethod
     def from_pretrained(cls, path: str, device: str | torch.device = "cpu", dtype=None,
-                        max_seq_len: int = 4096, progress: bool = True) -> "Engine":
+                        max_seq_len: int = 4096, progress: bool = True, fp8_weights: str = "auto") -> "Engine":
+        """`fp8_weights` (FP8 checkpoints only): "keep" = the projections stay e4m3 + block scales
+        (the GPU kernels read them natively, the eager ops dequantize them per use); "dequantize" =
+        dequantized at load (the CPU oracle); "auto" = keep on CUDA with a bfloat16 engine (what the
+        fused graph path runs), dequantize otherwise."""
         cfg = ModelConfig.from_pretrained(path)
         dt = _resolve_dtype(dtype, cfg)
-        tensors, mtp = load_checkpoint(path, cfg, dt, device, progress=progress)
+        tensors, mtp = load_checkpoint(path, cfg, dt, device, progress=progress,
+                                       keep_fp8=keep_fp8(fp8_weights, cfg, torch.device(device), dt))
         return cls(cfg, Model(cfg, tensors, max_seq_len, mtp=mtp), max_seq_len)
 
     @classmethod

@@ -28,6 +28,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import EngineError
+from .fp8 import FP8Weight, cat_rows, split_views, take_rows
 from .state import AttentionState, DecodeState, GDNState
 
 RING = 64  # control slots; must exceed the replays in flight (2)
@@ -66,9 +67,22 @@ class Tuning:
     # host's mask flag a step makes before it gives up on the mask (each read crosses PCIe, ~1 us).
     tail_chunk: int = 2048
     mask_spin: int = 1 << 21
+    # FP8 weights (fp8.FP8Weight, e4m3 + block scales; docs/GPU.md "FP8"): the same rules for the
+    # fp8 kernels. At one byte per element each shape streams the bf16 rule's bytes per program with
+    # twice the K block (16 bytes per thread and load; a K block is whole 128-column scale blocks).
+    gemv_fp8: tuple = ((4096, 2, 2048, 4), (10000, 8, 512, 4), (1 << 62, 16, 512, 4))
+    gemv_gated_fp8: tuple = (8, 2048, 8)
+    gemv_router_fp8: tuple = (4, 2048, 8)
+    block_n_lm_fp8: int = 32
+    block_k_lm_fp8: int = 512
+    moe_fp8: tuple = (2, 512, 1)  # gate_up: rows, K block, warps
+    moe_down_fp8: tuple = (1, 512, 1)  # down: rows, K block, warps
+    # Round every e4m3 * scale to bf16 in the kernels, as the eager oracle's dequantized weights are:
+    # the fp8 step then differs from the eager one only in the order of sums (parity diagnostics).
+    fp8_round_weights: bool = False
 
-    def shape(self, n: int) -> dict:
-        for max_rows, bn, bk, nw in self.gemv:
+    def shape(self, n: int, fp8: bool = False) -> dict:
+        for max_rows, bn, bk, nw in (self.gemv_fp8 if fp8 else self.gemv):
             if n <= max_rows:
                 return {"block_n": bn, "block_k": bk, "num_warps": nw}
         raise AssertionError("unreachable: the last gemv rule has no row limit")
@@ -89,11 +103,22 @@ def _require_gpu_dtype(cfg: ModelConfig, dtype: torch.dtype) -> None:
         raise EngineError(f"conv kernel {cfg.conv_kernel} < 2 is not supported by the GPU path")
 
 
-def _concat_shared(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _concat_shared(parts: list, tail_ok: bool = True) -> tuple:
     """Concatenate row blocks into one matrix and return views of it standing in for the parts.
 
     The caller re-points the eager model's weights at the views, so the fused and the eager path
-    read the same memory (no second copy of a 70 GB model)."""
+    read the same memory (no second copy of a 70 GB model). FP8 parts (fp8.FP8Weight) stay fp8,
+    each with its own scale grid; bf16 parts after them become the fused weight's bf16 tail
+    (`tail_ok`: not for [gate; up], whose halves the SwiGLU reads in one format). Other mixes of
+    fp8 and bf16 parts are dequantized here into one bf16 matrix."""
+    if any(isinstance(p, FP8Weight) for p in parts):
+        kinds = [isinstance(p, FP8Weight) for p in parts]
+        n8 = kinds.index(False) if False in kinds else len(kinds)
+        if all(kinds[:n8]) and not any(kinds[n8:]) and (tail_ok or n8 == len(parts)):
+            fused = cat_rows(parts)
+            return fused, split_views(fused, parts)
+        dt = next(p.dtype for p in parts if not isinstance(p, FP8Weight))
+        parts = [p.dequant(dt) if isinstance(p, FP8Weight) else p for p in parts]
     fused = torch.cat(parts)
     views, r = [], 0
     for p in parts:
@@ -102,11 +127,18 @@ def _concat_shared(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.
     return fused, views
 
 
-def _next_in_proj(cfg: ModelConfig, w) -> torch.Tensor:
+def _next_in_proj(cfg: ModelConfig, w):
     """Qwen3-Next groups in_proj_qkvz / in_proj_ba per key head; regroup the rows to [q|k|v|z|b|a].
-    (A copy: the eager path keeps its grouped matrices.)"""
+    (A copy: the eager path keeps its grouped matrices; an fp8 weight's rows move with their scale rows.)"""
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+    if isinstance(w.in_proj_qkvz, FP8Weight) or isinstance(w.in_proj_ba, FP8Weight):
+        dev = w.in_proj_qkvz.device
+        iq = torch.arange(w.in_proj_qkvz.shape[0], device=dev).view(nk, 2 * dk + 2 * r * dv)
+        ib = torch.arange(w.in_proj_ba.shape[0], device=dev).view(nk, 2 * r)
+        qkvz = torch.cat([t.reshape(-1) for t in torch.split(iq, [dk, dk, r * dv, r * dv], dim=1)])
+        ba = torch.cat([t.reshape(-1) for t in torch.split(ib, [r, r], dim=1)])
+        return _concat_shared([take_rows(w.in_proj_qkvz, qkvz), take_rows(w.in_proj_ba, ba)])[0]
     q, k, v, z = torch.split(w.in_proj_qkvz.view(nk, 2 * dk + 2 * r * dv, -1), [dk, dk, r * dv, r * dv], dim=1)
     b, a = torch.split(w.in_proj_ba.view(nk, 2 * r, -1), [r, r], dim=1)
     return torch.cat([t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a)]).contiguous()
@@ -308,7 +340,10 @@ class FusedDecoder:
         if c.intermediate_size:
             self.act_dense = torch.zeros(c.intermediate_size, dtype=dt, device=dev)
         self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
-        self.n_part = -(-c.vocab_size // self.t.block_n_lm)
+        lm8 = isinstance(self.lm_head, FP8Weight)
+        self.lm_shape = self._fit(self.lm_head, {"block_n": self.t.block_n_lm_fp8 if lm8 else self.t.block_n_lm,
+                                                 "block_k": self.t.block_k_lm_fp8 if lm8 else 256})
+        self.n_part = -(-c.vocab_size // self.lm_shape["block_n"])
         self.pmax = torch.zeros(max(self.n_part, -(-c.vocab_size // 2048)), dtype=torch.float32, device=dev)
         self.pidx = torch.zeros_like(self.pmax, dtype=torch.int32)
         # Control state on the device.
@@ -349,10 +384,28 @@ class FusedDecoder:
     def _fuse_ffn(f) -> MoEFFN | DenseFFN:
         if hasattr(f, "router"):
             w_router, (f.router, f.shared_gate) = _concat_shared([f.router, f.shared_gate])
-            s_gate_up, (f.shared.gate_proj, f.shared.up_proj) = _concat_shared([f.shared.gate_proj, f.shared.up_proj])
+            s_gate_up, (f.shared.gate_proj, f.shared.up_proj) = _concat_shared(
+                [f.shared.gate_proj, f.shared.up_proj], tail_ok=False)
             return MoEFFN(w_router, f.gate_up_proj, f.down_proj, s_gate_up, f.shared.down_proj)
-        w_gate_up, (f.gate_proj, f.up_proj) = _concat_shared([f.gate_proj, f.up_proj])
+        w_gate_up, (f.gate_proj, f.up_proj) = _concat_shared([f.gate_proj, f.up_proj], tail_ok=False)
         return DenseFFN(w_gate_up, f.down_proj)
+
+    def _shape(self, w, n: int) -> dict:
+        """Launch shape of a GEMV over `w` with n output rows (Tuning.gemv / gemv_fp8); fp8 rows before
+        a bf16 tail must fill whole programs."""
+        if not isinstance(w, FP8Weight):
+            return self.t.shape(n)
+        return self._fit(w, self.t.shape(n, fp8=True))
+
+    def _fit(self, w, shape: dict) -> dict:
+        if isinstance(w, FP8Weight):
+            shape = {**shape, "round_w": self.t.fp8_round_weights}
+            if w.tail is not None:
+                shape["block_n"] = min(shape["block_n"], w.n8 & -w.n8)
+        return shape
+
+    def _rule(self, w, bf16: tuple, fp8: tuple) -> dict:
+        return self._fit(w, dict(zip(("block_n", "block_k", "num_warps"), fp8 if isinstance(w, FP8Weight) else bf16)))
 
     # ---- one decode step -------------------------------------------------------------------------
     def plan(self) -> list[Launch]:
@@ -366,7 +419,7 @@ class FusedDecoder:
             steps += [Launch(group, i, fn) for group, fn in mixer(L) + ffn(L)]
         steps.append(Launch("lm_head+argmax", None, lambda: g.gemv(
             self.res, self.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
-            aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, block_n=self.t.block_n_lm, block_k=256)))
+            aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, **self.lm_shape)))
         return steps
 
     def _gdn(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
@@ -375,7 +428,7 @@ class FusedDecoder:
             ("gdn_in_proj+conv", lambda: g.gemv(
                 self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
                 aux0=m.state.conv, aux1=m.conv_w, eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel,
-                **t.shape(m.w_in.shape[0]))),
+                **self._shape(m.w_in, m.w_in.shape[0]))),
             ("gdn_step", lambda: self.k_gdn.gdn_step(
                 self.buf, m.state.rec, self.o, m.a_log, m.dt_bias, num_k_heads=c.linear_num_key_heads,
                 num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
@@ -383,14 +436,14 @@ class FusedDecoder:
             ("gdn_out_proj", lambda: g.gemv(
                 self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
                 z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim,
-                **dict(zip(("block_n", "block_k", "num_warps"), t.gemv_gated))))]
+                **self._rule(m.w_out, t.gemv_gated, t.gemv_gated_fp8)))]
 
     def _attention(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
         c, g, t, m, eps, pos = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.state.position
         return [
             ("attn_qkv_proj", lambda: g.gemv(
                 self.res, m.w_qkv, self.buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps,
-                **t.shape(m.w_qkv.shape[0]))),
+                **self._shape(m.w_qkv, m.w_qkv.shape[0]))),
             ("attn_qknorm_rope_kvwrite", lambda: self.k_attn.qk_rope_cache(
                 self.buf, self.q, m.state.k, m.state.v, m.q_norm, m.k_norm, self.model.rope_cos, self.model.rope_sin,
                 pos, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -400,28 +453,32 @@ class FusedDecoder:
                 self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                 nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(
-                self.o, m.w_o, self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)))]
+                self.o, m.w_o, self.res, epi=g.EPI_RESIDUAL, **self._shape(m.w_o, c.hidden_size)))]
 
     def _moe(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
         c, g, t, f, eps = self.cfg, self.k_gemv, self.t, L.ffn, self.cfg.rms_norm_eps
+        up8 = isinstance(f.gate_up, FP8Weight) or isinstance(f.s_gate_up, FP8Weight)
+        dn8 = isinstance(f.down, FP8Weight) or isinstance(f.s_down, FP8Weight)
+        bn, bk, nw = t.moe_fp8 if up8 else (t.moe_block_n, t.moe_block_k, t.moe_warps)
+        dbn, dbk, dnw = t.moe_down_fp8 if dn8 else (t.moe_down_block_n, t.moe_down_block_k, t.moe_down_warps)
         return [
             ("moe_router", lambda: g.gemv(
                 self.res, f.w_router, self.router_logits, pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
-                xn_out=self.xn, **dict(zip(("block_n", "block_k", "num_warps"), t.gemv_router)))),
+                xn_out=self.xn, **self._rule(f.w_router, t.gemv_router, t.gemv_router_fp8))),
             ("moe_experts", lambda: self.k_moe.moe_experts(
                 self.xn, self.res, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down,
-                self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=t.moe_block_n,
-                block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k,
-                num_warps=t.moe_warps, down_num_warps=t.moe_down_warps, norm_topk=c.norm_topk_prob))]
+                self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=bn, block_k=bk,
+                down_block_n=dbn, down_block_k=dbk, num_warps=nw, down_num_warps=dnw, norm_topk=c.norm_topk_prob,
+                round_w=t.fp8_round_weights))]
 
     def _dense(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
-        c, g, t, f = self.cfg, self.k_gemv, self.t, L.ffn
+        c, g, f = self.cfg, self.k_gemv, L.ffn
         return [
             ("mlp_gate_up+swiglu", lambda: g.gemv(
                 self.res, f.w_gate_up, self.act_dense, pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
-                eps=c.rms_norm_eps, **t.shape(f.w_gate_up.shape[0] // 2))),
+                eps=c.rms_norm_eps, **self._shape(f.w_gate_up, f.w_gate_up.shape[0] // 2))),
             ("mlp_down", lambda: g.gemv(
-                self.act_dense, f.w_down, self.res, epi=g.EPI_RESIDUAL, **t.shape(c.hidden_size)))]
+                self.act_dense, f.w_down, self.res, epi=g.EPI_RESIDUAL, **self._shape(f.w_down, c.hidden_size)))]
 
     def launch(self, sample: bool = False, logprobs: bool = False, mask: bool = False) -> None:
         """Enqueue one decode step: input token `tok` at `position`; leaves the next token in `tok`.

@@ -13,7 +13,9 @@ Two paths per layer:
   any of these functions for a fused kernel.
 
 Weights are plain tensors in small per-layer objects (`AttentionWeights`, `GDNWeights`, `MLPWeights`,
-`MoEWeights`); `Model.layers[i]` holds layer i's.
+`MoEWeights`); `Model.layers[i]` holds layer i's. A projection may also be an `fp8.FP8Weight` (an
+FP8 checkpoint on the GPU path, which reads e4m3 natively): the ops here dequantize it for each
+use into the values the dequantize-at-load oracle holds, so these functions compute the same.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .fp8 import linear  # F.linear, or an FP8Weight dequantized for the op (GPU engines keep fp8)
 from .state import DecodeState
 
 # ---------------------------------------------------------------------------------------------
@@ -149,11 +152,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
 def _attn_qkv(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [nH, T, d], k/v [nKV, T, d] (normed, rotated) and the output gate [T, nH*d]."""
     T, d, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
-    q, gate = torch.chunk(F.linear(x, w.q_proj).view(T, -1, 2 * d), 2, dim=-1)
+    q, gate = torch.chunk(linear(x, w.q_proj).view(T, -1, 2 * d), 2, dim=-1)
     gate = gate.reshape(T, -1)
     q = rms_norm(q, w.q_norm, eps).transpose(0, 1)
-    k = rms_norm(F.linear(x, w.k_proj).view(T, -1, d), w.k_norm, eps).transpose(0, 1)
-    v = F.linear(x, w.v_proj).view(T, -1, d).transpose(0, 1)
+    k = rms_norm(linear(x, w.k_proj).view(T, -1, d), w.k_norm, eps).transpose(0, 1)
+    v = linear(x, w.v_proj).view(T, -1, d).transpose(0, 1)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
 
@@ -166,7 +169,7 @@ def attention_prefill(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, co
     v_cache[:, :T].copy_(v)
     causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
     out = _attend(q, k, v, causal, cfg.head_dim ** -0.5)
-    return F.linear(out * torch.sigmoid(gate), w.o_proj)
+    return linear(out * torch.sigmoid(gate), w.o_proj)
 
 
 def attention_decode(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -178,7 +181,7 @@ def attention_decode(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, cos
     k_cache.index_copy_(1, position, k)
     v_cache.index_copy_(1, position, v)
     out = _attend(q, k_cache, v_cache, visible, cfg.head_dim ** -0.5)
-    return F.linear(out * torch.sigmoid(gate), w.o_proj)
+    return linear(out * torch.sigmoid(gate), w.o_proj)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,13 +194,13 @@ def gdn_in_proj(w: GDNWeights, cfg: ModelConfig, x: torch.Tensor):
     T, nk, nv, dk, dv = x.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads, \
         cfg.linear_key_head_dim, cfg.linear_value_head_dim
     if w.in_proj_qkvz is None:  # Qwen3.5: separate projections
-        z = F.linear(x, w.in_proj_z).reshape(T, nv, dv)
-        return F.linear(x, w.in_proj_qkv), z, F.linear(x, w.in_proj_b), F.linear(x, w.in_proj_a)
+        z = linear(x, w.in_proj_z).reshape(T, nv, dv)
+        return linear(x, w.in_proj_qkv), z, linear(x, w.in_proj_b), linear(x, w.in_proj_a)
     # Qwen3-Next: per key head g the fused rows are [q_g | k_g | v_g (nv/nk heads) | z_g (nv/nk heads)]
     # and [b_g (nv/nk) | a_g (nv/nk)] (fix_query_key_value_ordering in modeling_qwen3_next.py).
     r = nv // nk
-    qkvz = F.linear(x, w.in_proj_qkvz).view(T, nk, 2 * dk + 2 * r * dv)
-    ba = F.linear(x, w.in_proj_ba).view(T, nk, 2 * r)
+    qkvz = linear(x, w.in_proj_qkvz).view(T, nk, 2 * dk + 2 * r * dv)
+    ba = linear(x, w.in_proj_ba).view(T, nk, 2 * r)
     q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=2)
     b, a = torch.split(ba, [r, r], dim=2)
     mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
@@ -286,7 +289,7 @@ def _gdn_out(w: GDNWeights, cfg: ModelConfig, core: torch.Tensor, z: torch.Tenso
     """core, z [T, nv, dv] -> gated norm per head -> out_proj -> [T, H]."""
     T, dv = core.shape[0], cfg.linear_value_head_dim
     o = gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), w.norm, cfg.rms_norm_eps)
-    return F.linear(o.reshape(T, -1), w.out_proj)
+    return linear(o.reshape(T, -1), w.out_proj)
 
 
 def gdn_prefill(w: GDNWeights, cfg: ModelConfig, x: torch.Tensor, conv_state: torch.Tensor,
@@ -329,12 +332,12 @@ def gdn_decode(w: GDNWeights, cfg: ModelConfig, x: torch.Tensor, conv_state: tor
 
 
 def mlp(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
+    return linear(F.silu(linear(x, w.gate_proj)) * linear(x, w.up_proj), w.down_proj)
 
 
 def _route(w: MoEWeights, cfg: ModelConfig, x: torch.Tensor):
     """Softmax over all experts (fp32), top-k, renormalised; weights back in the model dtype."""
-    logits = F.linear(x, w.router)
+    logits = linear(x, w.router)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
     if cfg.norm_topk_prob:
@@ -344,12 +347,12 @@ def _route(w: MoEWeights, cfg: ModelConfig, x: torch.Tensor):
 
 def _expert(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """One expert's SwiGLU: gate_up [2I, H], down [H, I]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)
 
 
 def _shared_expert(w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
-    return torch.sigmoid(F.linear(x, w.shared_gate)) * mlp(w.shared, x)
+    return torch.sigmoid(linear(x, w.shared_gate)) * mlp(w.shared, x)
 
 
 def moe_prefill(w: MoEWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
@@ -440,7 +443,7 @@ class Model:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the last row of h [T, H] -> fp32 [vocab]."""
         h = rms_norm(h[-1:], self.final_norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head)[0].float()
+        return linear(h, self.lm_head)[0].float()
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, state: DecodeState) -> torch.Tensor:

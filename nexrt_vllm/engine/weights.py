@@ -8,8 +8,10 @@ Tensors are returned under canonical names: the text model's Hugging Face names 
 (`experts.{j}.gate_proj.weight`, ...). `mtp.*` tensors are kept apart, unvalidated.
 
 FP8 checkpoints (config `quantization_config.quant_method == "fp8"`, see config.FP8BlockQuant) store
-Linear weights as float8_e4m3fn next to `<name>_scale_inv` (fp32, one scale per block); they are
-dequantized block-wise here into the engine's dtype, so everything downstream sees float weights.
+Linear weights as float8_e4m3fn next to `<name>_scale_inv` (one scale per block: fp32, or bf16 as the
+Qwen releases store it, widened exactly to fp32); they are dequantized block-wise here into the
+engine's dtype, so everything downstream sees float weights - or, with `keep_fp8`, the projections
+the GPU kernels read stay e4m3 + scales (`fp8.FP8Weight`) and the rest is dequantized.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from . import fp8
 from .config import ModelConfig
 from .errors import WeightsError
 
@@ -33,6 +36,7 @@ PREFIXES = ("model.language_model.", "language_model.model.", "language_model.",
 VISION_PREFIXES = ("model.visual.", "visual.")
 LOADABLE_DTYPES = {"F32", "BF16", "F16"}
 FP8_DTYPE = "F8_E4M3"  # safetensors' name for torch.float8_e4m3fn
+SCALE_DTYPES = {"F32", "BF16"}  # both widen to fp32 exactly
 SCALE_SUFFIX = "_scale_inv"
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _MAX_LISTED = 40
@@ -150,10 +154,13 @@ def _not_converted(module: str, patterns: tuple[str, ...]) -> bool:
 
 
 def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
-                    progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                    progress: bool = True, keep_fp8: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Read, validate and cast every tensor; returns (canonical tensors, mtp tensors).
 
     All problems (missing, unexpected, misshaped, unsupported dtype) are reported in one WeightsError.
+    `keep_fp8`: float8 projections the GPU kernels read (fp8.keepable) are returned as fp8.FP8Weight
+    (stacked experts too, when every expert's gate / up / down is float8; else that stack is
+    dequantized); the head stays dequantized when the embeddings are tied.
     """
     name_to_file = _checkpoint_files(path)
 
@@ -200,8 +207,8 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
                     f"{name}: stored as float8 but listed in quantization_config.modules_to_not_convert")
             elif sname not in headers:
                 scale_problems["missing"].append(f"{sname} (the block scales of float8 tensor {name})")
-            elif headers[sname][1] != "F32":
-                scale_problems["unsupported dtype"].append(f"{sname}: {headers[sname][1]} (scales must be F32)")
+            elif headers[sname][1] not in SCALE_DTYPES:
+                scale_problems["unsupported dtype"].append(f"{sname}: {headers[sname][1]} (scales must be F32 or BF16)")
             elif tuple(headers[sname][0]) != fp8_scale_shape(shape, quant.block_n, quant.block_k):
                 scale_problems["wrong shape"].append(
                     f"{sname}: checkpoint {tuple(headers[sname][0])}, expected "
@@ -302,19 +309,37 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
     raw: dict[str, torch.Tensor] = {}
     bar = tqdm(total=sum(len(v) for v in want.values()), desc="Loading weights", unit="tensor",
                disable=not progress)
+    keep: set[str] = set()  # checkpoint names returned as FP8Weight
+    if keep_fp8 and quant is not None:
+        keep = {n for canon, n in plan.items() if n in scales and fp8.keepable(canon)}
+        for canon, groups in stacked.items():
+            names = [x for g in groups for x in g]
+            if all(x in scales for x in names):
+                keep.update(names)
     for file in sorted(want):
         with safe_open(file, framework="pt") as f:
             for n in want[file]:
                 t = f.get_tensor(n)
-                if n in scale_of:  # on the target device: a large checkpoint dequantizes faster there
-                    t = dequant_fp8_block(t.to(device), scale_of.pop(n).to(device), quant.block_n, quant.block_k)
-                raw[n] = t.to(device=device, dtype=dtype)
+                if n in keep:
+                    s = scale_of.pop(n).to(device=device, dtype=torch.float32)
+                    raw[n] = fp8.FP8Weight(t.to(device), s, fp8.grid_rows(t.shape[-2], quant.block_n, device),
+                                           (quant.block_n, quant.block_k))
+                else:
+                    if n in scale_of:  # on the target device: a large checkpoint dequantizes faster there
+                        t = dequant_fp8_block(t.to(device), scale_of.pop(n).to(device), quant.block_n, quant.block_k)
+                    raw[n] = t.to(device=device, dtype=dtype)
                 bar.update(1)
     bar.close()
     for canon, n in plan.items():
         tensors[canon] = raw.pop(n)
     for canon, groups in stacked.items():
-        tensors[canon] = torch.stack([torch.cat([raw.pop(x) for x in g], dim=0) for g in groups])
+        rows = [[raw.pop(x) for x in g] for g in groups]
+        if isinstance(rows[0][0], fp8.FP8Weight):  # every expert's parts: kept (see `keep`)
+            cats = [fp8.cat_rows(r) for r in rows]
+            tensors[canon] = fp8.FP8Weight(torch.stack([c.q for c in cats]), torch.stack([c.scale for c in cats]),
+                                           cats[0].srow, cats[0].block)
+        else:
+            tensors[canon] = torch.stack([torch.cat(r, dim=0) for r in rows])
     for n in mtp_names:
         mtp[n] = raw.pop(n)
     return tensors, mtp

@@ -40,6 +40,10 @@ LAYOUT_VERSIONS = (1, 2)
 
 # Bytes per element of every dtype a layout may name.
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
+# The page dtypes a node converts into its state (a plain cast). Quantized pages (vLLM's
+# --kv-cache-dtype fp8 and friends) hold x / scale with per-layer k / v scales the layout does not
+# carry, so a node refuses them at hello rather than decode from misread values.
+STATE_PAGE_DTYPES = ("float32", "bfloat16", "float16")
 CONV_LAYOUTS = ("SD", "DS")
 KV_FORMATS = ("packed", "cpu_vec", "cpu_amx")
 REC_LAYOUTS = ("HVK", "HKV")
@@ -194,11 +198,31 @@ def model_identity(cfg) -> dict:
             "vocab_size": cfg.vocab_size}
 
 
+def check_dtypes(layout: Layout) -> None:
+    """Raise ProtocolError(LAYOUT_MISMATCH) for pages in a dtype the node cannot cast into its state:
+    a quantized KV cache (vLLM ``--kv-cache-dtype fp8``: e4m3 pages with scales the layout does not
+    carry) or a quantized GDN state."""
+    take = "/".join(STATE_PAGE_DTYPES)
+    for layer in layout.layers:
+        if layer.kind == "attention" and layer.dtype not in STATE_PAGE_DTYPES:
+            raise ProtocolError(Reason.LAYOUT_MISMATCH, (
+                f"layer {layer.index}: KV cache pages in {layer.dtype} (vLLM kv_cache_dtype fp8 / --kv-cache-dtype); "
+                f"NexRT nodes take {take} KV pages and do not dequantize KV caches: start vLLM with "
+                f"--kv-cache-dtype auto"))
+        if layer.kind == "gdn":
+            for what, dt in (("conv", layer.conv_dtype), ("recurrent", layer.rec_dtype)):
+                if dt not in STATE_PAGE_DTYPES:
+                    raise ProtocolError(Reason.LAYOUT_MISMATCH, (
+                        f"layer {layer.index}: GDN {what} state pages in {dt} (vLLM mamba_cache_dtype); NexRT "
+                        f"nodes take {take}"))
+
+
 def check_layout(layout: Layout, cfg) -> None:
     """Raise ProtocolError(LAYOUT_MISMATCH) unless ``layout`` describes ``cfg``'s state exactly."""
     def bad(msg):
         raise ProtocolError(Reason.LAYOUT_MISMATCH, msg)
 
+    check_dtypes(layout)
     ident = model_identity(cfg)
     for k, want in ident.items():
         if k in layout.model and layout.model[k] != want:
@@ -271,5 +295,5 @@ def _layer_from_wire(d: dict) -> LayerLayout:
     raise ProtocolError(Reason.BAD_MESSAGE, f"unknown layer kind {kind!r}")
 
 
-__all__ = ["LAYOUT_VERSION", "LAYOUT_VERSIONS", "DTYPE_SIZES", "CONV_LAYOUTS", "KV_FORMATS", "REC_LAYOUTS", "AttentionLayout",
+__all__ = ["LAYOUT_VERSION", "LAYOUT_VERSIONS", "DTYPE_SIZES", "STATE_PAGE_DTYPES", "check_dtypes", "CONV_LAYOUTS", "KV_FORMATS", "REC_LAYOUTS", "AttentionLayout",
            "GDNLayout", "LayerLayout", "Layout", "span_elems", "contiguous_strides", "model_identity", "check_layout"]

@@ -31,6 +31,7 @@ def check_part(layout: L.Layout, cfg) -> None:
     def bad(msg):
         raise P.ProtocolError(P.Reason.LAYOUT_MISMATCH, f"part {s.tp_rank} of {s.tp_size}: {msg}")
 
+    L.check_dtypes(layout)
     for k, want in L.model_identity(cfg).items():
         if k in layout.model and layout.model[k] != want:
             bad(f"model {k}={layout.model[k]!r}, node serves {want!r}")

@@ -133,6 +133,7 @@ class Endpoints:
             "structured_output": self._structured_caps(),
             "device": self.args.device, "graph": self.args.graph, "load_format": self.args.load_format,
             "dtype": str(self.node.engine.dtype).removeprefix("torch."),
+            "weight_format": self.node.engine.weight_format,
             "layout_versions": list(LAYOUT_VERSIONS), "handoff_parts": True, "tp": self._tp(),
         })
 
@@ -185,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                     help="dummy: random weights from config.json alone (speed runs only, like vLLM's "
                          "--load-format dummy; tokens are meaningless)")
+    ap.add_argument("--fp8-weights", choices=("auto", "keep", "dequantize"), default="auto",
+                    help="FP8 checkpoints: keep the projections e4m3 + block scales (the fused kernels read them; "
+                         "docs/GPU.md) or dequantize them at load; auto = keep on CUDA with bfloat16")
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks, one process each (rank r on cuda:r with --device cuda): rank 0 "
@@ -283,9 +287,9 @@ async def serve(args) -> None:
                                     max_seq_len=args.max_seq_len)
     else:
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                        max_seq_len=args.max_seq_len)
+                                        max_seq_len=args.max_seq_len, fp8_weights=args.fp8_weights)
     cfg = engine.config
-    log.info("weights loaded (%s) in %.1fs", args.load_format, time.monotonic() - t0)
+    log.info("weights loaded (%s, %s) in %.1fs", args.load_format, engine.weight_format, time.monotonic() - t0)
     # GPU graph path: compiled and captured once here, before the node serves (not per request).
     if args.graph == "auto":
         args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 \

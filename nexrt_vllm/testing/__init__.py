@@ -323,26 +323,19 @@ def copy_margins(model, ids: list[int], start: int) -> list[float]:
 
 # --- FP8 versions of the tiny checkpoints (Hugging Face fine-grained FP8) --------------------------
 
-# Modules left in bf16, as the family's published FP8 checkpoints leave them: the head and the
-# small router / shared-expert gates (their errors would move routing and the gate more than weights).
+# Modules left in bf16: the head and the small router / shared-expert gates (their errors would move
+# routing and the gate more than weights). The published checkpoints also keep the GDN in_proj_a / b
+# in bf16 (engine.fp8.PUBLISHED_NOT_CONVERT); this default quantizes them, so every GDN projection
+# of a test checkpoint is fp8.
 FP8_NOT_CONVERT = ("lm_head", "mlp.gate", "mlp.shared_expert_gate")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def quantize_fp8_block(w, block_n: int, block_k: int):
-    """(e4m3 weight, fp32 scale_inv [..., ceil(N/bn), ceil(K/bk)]): scale = block amax / 448."""
-    import torch
-
-    n, k = w.shape[-2:]
-    nb, kb = -(-n // block_n), -(-k // block_k)
-    w = w.float()
-    padded = torch.nn.functional.pad(w, (0, kb * block_k - k, 0, nb * block_n - n))
-    blocks = padded.reshape(*w.shape[:-2], nb, block_n, kb, block_k)
-    amax = blocks.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    full = scale.repeat_interleave(block_n, dim=-2).repeat_interleave(block_k, dim=-1)[..., :n, :k]
-    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale.contiguous()
+    """(e4m3 weight, fp32 scale_inv [..., ceil(N/bn), ceil(K/bk)]): scale = block amax / 448
+    (engine.fp8.quantize_block, which decode_bench's fp8 runs use too)."""
+    from ..engine.fp8 import quantize_block
+    return quantize_block(w, block_n, block_k)
 
 
 def _write_safetensors(path: str, tensors: dict, shards: int) -> None:

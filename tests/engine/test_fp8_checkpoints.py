@@ -210,10 +210,21 @@ def test_wrong_scale_shape_named(single_fp8, tmp_path):
 
 def test_wrong_scale_dtype_named(single_fp8, tmp_path):
     def edit(t):
-        t[W + "_scale_inv"] = t[W + "_scale_inv"].to(torch.bfloat16)
+        t[W + "_scale_inv"] = t[W + "_scale_inv"].to(torch.float16)
     bad = _variant(single_fp8, str(tmp_path / "bad"), edit_tensors=edit)
-    with pytest.raises(WeightsError, match=f"{W}_scale_inv: BF16"):
+    with pytest.raises(WeightsError, match=f"{W}_scale_inv: F16 \\(scales must be F32 or BF16\\)"):
         _load(bad)
+
+
+def test_bf16_scales_load(single_fp8, tmp_path):
+    """Qwen's FP8 releases store weight_scale_inv in bf16: widened exactly to fp32 at load."""
+    def edit(t):
+        for k in [k for k in t if k.endswith("_scale_inv")]:
+            t[k] = t[k].to(torch.bfloat16)
+    bf = _variant(single_fp8, str(tmp_path / "bf16_scales"), edit_tensors=edit)
+    raw = _tensors(bf)
+    got = _load(bf).model.layers[0].mixer.out_proj
+    assert torch.equal(got, _reference_dequant(raw[W], raw[W + "_scale_inv"].float(), *BLOCK))
 
 
 def test_orphan_scale_named(single_fp8, tmp_path):
@@ -254,3 +265,66 @@ def test_config_round_trip(single_fp8):
     cfg = ModelConfig.from_pretrained(single_fp8)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.quantization.modules_to_not_convert == FP8_NOT_CONVERT
+
+
+# --- kept in fp8 (the GPU path's format) ------------------------------------------------------------
+
+@pytest.mark.parametrize("family", [f for f, _, _ in LAYOUTS])
+def test_kept_fp8_dequantizes_to_the_oracle(fp8_ckpts, family):
+    """load_checkpoint(keep_fp8): the projections stay e4m3 + scales (experts stacked from per-expert
+    tensors, each keeping its gate / up scale grid) and dequantize to exactly the tensors the
+    dequantize-at-load path returns; everything else is returned as before."""
+    from nexrt_vllm.engine.fp8 import FP8Weight
+    _, fp8, _ = fp8_ckpts[family]
+    cfg = ModelConfig.from_pretrained(fp8)
+    kept, _ = load_checkpoint(fp8, cfg, torch.bfloat16, progress=False, keep_fp8=True)
+    want, _ = load_checkpoint(fp8, cfg, torch.bfloat16, progress=False)
+    assert kept.keys() == want.keys()
+    n_kept = 0
+    for k, w in kept.items():
+        if isinstance(w, FP8Weight):
+            n_kept += 1
+            assert w.q.dtype == torch.float8_e4m3fn and torch.equal(w.dequant(torch.bfloat16), want[k]), k
+        else:
+            assert torch.equal(w, want[k]), k
+    assert n_kept > 10 and not isinstance(kept["embed_tokens.weight"], FP8Weight)
+    if cfg.num_experts:
+        layer = next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+        gu = kept[f"layers.{layer}.mlp.experts.gate_up_proj"]
+        I, bn = cfg.moe_intermediate_size, BLOCK[0]
+        assert isinstance(gu, FP8Weight) and gu.q.shape == (cfg.num_experts, 2 * I, cfg.hidden_size)
+        assert gu.srow.tolist() == [r // bn for r in range(I)] + [-(-I // bn) + r // bn for r in range(I)]
+
+
+def test_fp8_weights_switch(fp8_ckpts):
+    from nexrt_vllm.engine.engine import keep_fp8
+    _, fp8, _ = fp8_ckpts["qwen3_5"]
+    cfg = ModelConfig.from_pretrained(fp8)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert keep_fp8("auto", cfg, cuda, torch.bfloat16) and not keep_fp8("auto", cfg, cuda, torch.float32)
+    assert not keep_fp8("auto", cfg, cpu, torch.bfloat16) and keep_fp8("keep", cfg, cpu, torch.float32)
+    assert not keep_fp8("dequantize", cfg, cuda, torch.bfloat16)
+    assert not keep_fp8("keep", ModelConfig.from_pretrained(fp8_ckpts["qwen3_5"][0]), cuda, torch.bfloat16)
+    # auto on CPU: dequantized at load, the oracle
+    assert Engine.from_pretrained(fp8, device="cpu", max_seq_len=16, progress=False).weight_format == "bfloat16"
+    with pytest.raises(ConfigError, match="fp8_weights must be one of"):
+        Engine.from_pretrained(fp8, device="cpu", max_seq_len=16, progress=False, fp8_weights="fp8")
+
+
+def test_mixed_expert_formats_dequantize_the_stack(tmp_path, ckpt_factory):
+    """One expert's up_proj stored in bf16 among fp8 experts: that layer's stack is dequantized (the
+    kernels take one format per stack), the rest stays fp8."""
+    from nexrt_vllm.engine.fp8 import FP8Weight
+    src = make_fp8_checkpoint(ckpt_factory("qwen3_5_moe", "bfloat16"), str(tmp_path / "moe"), block=BLOCK)
+    name = next(k for k in _tensors(src) if k.endswith("layers.0.mlp.experts.1.up_proj.weight"))
+
+    def edit(t):
+        s = t.pop(name + "_scale_inv")
+        t[name] = _reference_dequant(t[name], s, *BLOCK).to(torch.bfloat16)
+    mixed = _variant(src, str(tmp_path / "mixed"), edit_tensors=edit)
+    cfg = ModelConfig.from_pretrained(mixed)
+    kept, _ = load_checkpoint(mixed, cfg, torch.bfloat16, progress=False, keep_fp8=True)
+    assert not isinstance(kept["layers.0.mlp.experts.gate_up_proj"], FP8Weight)
+    assert isinstance(kept["layers.1.mlp.experts.gate_up_proj"], FP8Weight)
+    want, _ = load_checkpoint(mixed, cfg, torch.bfloat16, progress=False)
+    assert torch.equal(kept["layers.0.mlp.experts.gate_up_proj"], want["layers.0.mlp.experts.gate_up_proj"])

@@ -36,7 +36,7 @@ LP_TYPES = {"logits_ptr": "*fp32", "tmax_ptr": "*fp32", "tsum_ptr": "*fp32", "to
             "flag_ptr": "*i64", "status_ptr": "*i64"}
 
 
-def compile_(fn, consts, num_warps=4, types=None):
+def compile_(fn, consts, num_warps=4, types=None, aligned=()):
     names = list(fn.arg_names)
     sig = {}
     for n in names:
@@ -50,17 +50,54 @@ def compile_(fn, consts, num_warps=4, types=None):
             sig[n] = "fp32" if n in FP32_SCALARS else "i32"
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts]
     assert not missing, f"{fn.__name__}: constexprs not given: {missing}"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    # `aligned`: arguments the launcher specializes as multiples of 16 (pointers, strides), as the
+    # runtime does for the real shapes: what lets loads vectorize.
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     ptx = k.asm["ptx"]
     return {"griddep": ptx.count("griddepcontrol"), "cubin_bytes": len(k.asm["cubin"]),
-            "fence_sys": ptx.count("fence.sc.sys"), "volatile_loads": ptx.count("ld.volatile")}
+            "fence_sys": ptx.count("fence.sc.sys"), "volatile_loads": ptx.count("ld.volatile"),
+            "e4m3_cvt": ptx.count("cvt.rn.f16x2.e4m3x2"),
+            "evict_first_v4": ptx.count("ld.global.L1::evict_first.L2::cache_hint.v4.b32")}
 
 
 G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True)
 A = dict(NSPLIT=256, MIN_PER=32, G=8, GP=16, HD=256, BLOCK=32, DOT_F32=False)
 FIN = dict(BLOCK=1024, LP=False, CHECK=False, KMAX=sampling.KMAX, TB=128, CB=4096, ASM=True)
 TAIL = dict(CHUNK=2048, KMAX=sampling.KMAX, MASK=False, TOPK=False, WRITE=False, SPIN=1 << 21, ASM=True)
+# FP8 (fp8.FP8Weight): e4m3 weights, fp32 scales, int32 scale-row map; routed / shared expert weights.
+F8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "aux0_ptr": "*bf16", "aux1_ptr": "*bf16",
+      "gu_ptr": "*fp8e4nv", "gus_ptr": "*fp32", "gur_ptr": "*i32", "sgu_ptr": "*fp8e4nv", "sgus_ptr": "*fp32",
+      "sgur_ptr": "*i32", "dn_ptr": "*fp8e4nv", "dns_ptr": "*fp32", "dnr_ptr": "*i32", "sdn_ptr": "*fp8e4nv",
+      "sdns_ptr": "*fp32", "sdnr_ptr": "*i32"}
+F8_ARGMAX = dict(F8, aux0_ptr="*fp32", aux1_ptr="*i32")
+GF = dict(G, BLOCK_N=2, BLOCK_K=2048, SUBK=128, BKS=128, UNIFORM=True, ROUND_W=False, TAIL=False)
+MF = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=512, E=256, EP=256, NORM=True, SUBK=128, BKS=128,
+          FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False)
+MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, SUBK=128, BKS=128, FP8_E=True,
+           FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False)
+ALIGN_G = ("x_ptr", "w_ptr", "s_ptr", "srow_ptr", "t_ptr", "y_ptr", "nw_ptr", "z_ptr", "K", "stride_w", "stride_t")
+ALIGN_M = ("x_ptr", "gu_ptr", "sgu_ptr", "act_ptr", "stride_ge", "act_ptr", "dn_ptr", "sdn_ptr", "stride_de")
+FP8_VARIANTS = [
+    # the 2B / 35B-A3B step's FP8 launches at the graph.Tuning fp8 defaults
+    ("fp8_qkv", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=0), 4, F8, ALIGN_G),
+    ("fp8_in_proj_conv_tail", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=3, BLOCK_N=16, BLOCK_K=512, TAIL=True), 4, F8,
+     ALIGN_G),
+    ("fp8_gated_residual", gemv.gemv_fp8_kernel, dict(GF, PRO=2, EPI=1, GROUP=128, BLOCK_N=8), 8, F8, ALIGN_G),
+    ("fp8_swiglu", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=2, BLOCK_N=8, BLOCK_K=512), 4, F8, ALIGN_G),
+    ("fp8_residual", gemv.gemv_fp8_kernel, dict(GF, PRO=0, EPI=1), 4, F8, ALIGN_G),
+    ("fp8_lm_head_argmax", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=4, BLOCK_N=32, BLOCK_K=512), 4, F8_ARGMAX, ALIGN_G),
+    ("fp8_router_xn", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=0, STORE_XN=True, BLOCK_N=4), 8, F8, ALIGN_G),
+    ("fp8_rows_per_row_scales", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=2, BLOCK_N=16, BLOCK_K=512, UNIFORM=False),
+     4, F8, ALIGN_G),
+    ("fp8_round_weights", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=0, ROUND_W=True), 4, F8, ALIGN_G),
+    ("fp8_moe_gate_up", moe.moe_gate_up_fp8_kernel, MF, 1, F8, ALIGN_M),
+    ("fp8_moe_gate_up_bf16_shared", moe.moe_gate_up_fp8_kernel, dict(MF, FP8_S=False), 1,
+     dict(F8, sgu_ptr="*bf16"), ALIGN_M),
+    ("fp8_moe_down", moe.moe_down_fp8_kernel, MDF, 1, F8, ALIGN_M),
+    ("fp8_moe_down_round", moe.moe_down_fp8_kernel, dict(MDF, ROUND_W=True, UNI_E=False, BLOCK_N=2), 1, F8, ALIGN_M),
+]
 out = {}
 for pdl in (False, True):
     on = dict(PDL=pdl)
@@ -94,6 +131,9 @@ for pdl in (False, True):
         ("tail_mask_logprobs_write", sampling.tail_kernel, dict(TAIL, MASK=True, TOPK=True, WRITE=True), 4),
     ]:
         out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, dict(consts, **on), nw, LP_TYPES)
+    for name, fn, consts, nw, types, aligned in FP8_VARIANTS:
+        out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, dict(consts, **on), nw, types,
+                                                         [a for a in aligned if a in fn.arg_names])
 json.dump(out, sys.stdout)
 '''
 
@@ -108,7 +148,16 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 42 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 42 + 26 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+
+
+def test_fp8_kernels_stream_e4m3_in_16_byte_loads(compiled):
+    """Every FP8 variant converts e4m3 in the kernel (weight-only: no bf16 copy of the weights) and, at
+    the aligned real shapes, reads its weight stream with 16-byte evict-first loads."""
+    fp8 = {k: v for k, v in compiled.items() if k.startswith("fp8_")}
+    assert len(fp8) == 26
+    for name, v in fp8.items():
+        assert v["e4m3_cvt"] > 0 and v["evict_first_v4"] > 0, (name, v)
 
 
 def test_host_memory_ordering_is_compiled_in(compiled):

@@ -59,6 +59,17 @@ def test_layout_of_another_model(node, cfgs, sender):
     assert ei.value.reason is P.Reason.LAYOUT_MISMATCH and "architecture" in ei.value.message
 
 
+def test_fp8_kv_cache_refused_at_hello(node, cfgs, sender):
+    """vLLM --kv-cache-dtype fp8: the node says so at hello instead of decoding scaled e4m3 pages."""
+    before = node.metric("nexrt_refusals_total", 'reason="layout_mismatch"') or 0
+    with pytest.raises(HandoffError) as ei:
+        sender.hello(node.control_addr, layout_for(cfgs[0], kv_dtype="float8_e4m3fn"))
+    assert ei.value.reason is P.Reason.LAYOUT_MISMATCH
+    assert "KV cache pages in float8_e4m3fn" in ei.value.message and "kv_cache_dtype" in ei.value.message
+    assert node.metric("nexrt_refusals_total", 'reason="layout_mismatch"') == before + 1
+    assert node.health()["busy_slots"] == 0
+
+
 def test_prompt_over_capacity_at_admit(node):
     status, body = node.call("POST", "/v1/admit", {"rid": "long-1", "prompt_len": MAX_SEQ})
     assert status == 413 and body["error"]["type"] == "too_long"

@@ -12,6 +12,13 @@ Epilogues (EPI): 0 store y; 1 residual add `y_ptr += y`; 2 SwiGLU over W = [gate
 3 causal depthwise conv + SiLU on rows < CONV_N (GDN in_proj: updates the conv state in place),
 4 store fp32 logits plus a per-program (max, argmax) pair for the sampler. With `xn_out`, program 0
 also stores the normed input (PRO 1) for a later launch (the MoE experts).
+
+FP8 (`gemv_fp8_kernel`, chosen by `gemv` for an fp8.FP8Weight): the weight stays e4m3, each
+[BLOCK_N, BLOCK_K] tile is read as NKB sub-blocks of SUBK columns that each lie in one 128 x 128
+scale block, and the block scale multiplies the (bf16-valued) input, so the weight stream is one
+byte per element plus a scale per tile row-block and K sub-block; accumulation in fp32 as in bf16.
+Rows after the fp8 ones may be bf16 (a fused projection whose last parts the checkpoint keeps in
+bf16); those programs run the bf16 loop.
 """
 import triton
 import triton.language as tl
@@ -45,16 +52,7 @@ def _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO: tl.constexpr, GRO
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
-                N, K, stride_w, eps, CONV_N,
-                PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
-                STORE_XN: tl.constexpr, KP: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    offs_k = tl.arange(0, BLOCK_K)
+def _rstd(x_ptr, K, eps, PRO: tl.constexpr, KP: tl.constexpr, BLOCK_K: tl.constexpr):
     rstd = 0.0
     if PRO == 1:
         # The whole of x in one load where it fits (KP = next power of two of K): a loop over K
@@ -64,11 +62,21 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
             xa = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xa * xa, 0) / K + eps)
         else:
+            offs_k = tl.arange(0, BLOCK_K)
             ss = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 xv = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
                 ss += xv * xv
             rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+    return rstd
+
+
+@triton.jit
+def _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps, rstd,
+              PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """(y, y_up) of `rows` of a bf16 W (y_up: the SwiGLU up rows N + rows; 0 otherwise), fp32."""
+    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if EPI == 2:
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -89,13 +97,22 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
             wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
             acc_u += wu.to(tl.float32) * xv[None, :]
     y = tl.sum(acc, 1)
+    y_up = 0.0
+    if EPI == 2:
+        y_up = tl.sum(acc_u, 1)
+    return y, y_up
+
+
+@triton.jit
+def _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N,
+              EPI: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
     if EPI == 0:
         tl.store(y_ptr + rows, _bf16(y).to(y_ptr.dtype.element_ty), mask=rmask)
     elif EPI == 1:
         r = tl.load(y_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, _bf16(r + _bf16(y)).to(y_ptr.dtype.element_ty), mask=rmask)
     elif EPI == 2:
-        u = _bf16(tl.sum(acc_u, 1))
+        u = _bf16(y_up)
         tl.store(y_ptr + rows, _bf16(_bf16(_silu(_bf16(y))) * u).to(y_ptr.dtype.element_ty), mask=rmask)
     elif EPI == 3:
         # aux0: conv state [CONV_N, KC-1] (oldest first), aux1: conv weight [CONV_N, KC].
@@ -125,9 +142,152 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
         tl.store(aux1_ptr + pid, idx)
 
 
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
+                N, K, stride_w, eps, CONV_N,
+                PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
+                STORE_XN: tl.constexpr, KP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
+    y, y_up = _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps, rstd,
+                        PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K)
+    _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
+
+
+@triton.jit
+def _load_x2(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO: tl.constexpr, GROUP: tl.constexpr,
+             NKB: tl.constexpr, SUBK: tl.constexpr):
+    """`_load_x` over a [NKB, SUBK] tile of columns (the fp8 kernel's K block, one scale column per
+    row of it): the same values, element for element."""
+    x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    if PRO == 1:
+        w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        x = _bf16((x * rstd) * (1.0 + w))
+    elif PRO == 2:
+        NH: tl.constexpr = NKB * SUBK // GROUP
+        x2 = tl.reshape(x, (NH, GROUP))
+        r = tl.rsqrt(tl.sum(x2 * x2, 1) / GROUP + eps)
+        xn = tl.reshape(_bf16(x2 * r[:, None]), (NKB, SUBK))
+        w = tl.load(nw_ptr + (cols % GROUP), mask=cmask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        x = _bf16(_bf16(w * xn) * _silu(z))
+    return x
+
+
+@triton.jit
+def _scaled_dot(w, xv, sbase, sr, stride_s, sc, smask, rmask, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
+    """w [BN, NKB, SUBK] (e4m3) times x [NKB, SUBK] with the weights' block scales (scale row sr:
+    one, or one per row), elementwise in fp32: the scale multiplies x (one product per x element),
+    or with ROUND_W the weight, rounded to bf16."""
+    if UNIFORM:
+        s = tl.load(sbase + sr * stride_s + sc, mask=smask, other=0.0)
+        if ROUND_W:
+            out = _bf16(w.to(tl.float32) * s[None, :, None]) * xv[None, :, :]
+        else:
+            out = w.to(tl.float32) * (xv * s[:, None])[None, :, :]
+    else:
+        s = tl.load(sbase + sr[:, None] * stride_s + sc[None, :], mask=rmask[:, None] & smask[None, :], other=0.0)
+        if ROUND_W:
+            out = _bf16(w.to(tl.float32) * s[:, :, None]) * xv[None, :, :]
+        else:
+            out = w.to(tl.float32) * (xv[None, :, :] * s[:, :, None])
+    return out
+
+
+@triton.jit
+def _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, stride_s, eps, rstd,
+             PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr,
+             UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, EVEN_K: tl.constexpr):
+    """(y, y_up) of `rows` of an e4m3 W with block scales, fp32. A K block is [NKB, SUBK]: each of its
+    NKB sub-blocks lies in one scale column (SUBK divides the scale block BKS), so a program loads
+    one scale per (scale row, sub-block) per K block and scales x by it, never a weight element.
+    UNIFORM: all the program's rows share one scale row (srow of the first row); else per row.
+    ROUND_W: each weight is e4m3 * scale rounded to bf16 instead (the eager oracle's dequantized
+    weights, so the two differ only in the order of sums; a diagnostic mode, more ALU per byte)."""
+    NKB: tl.constexpr = BLOCK_K // SUBK
+    kb = tl.arange(0, NKB)
+    kk = kb[:, None] * SUBK + tl.arange(0, SUBK)[None, :]
+    if UNIFORM:
+        srow = tl.load(srow_ptr + pid * BLOCK_N)
+    else:
+        srow = tl.load(srow_ptr + rows, mask=rmask, other=0)
+    srow_u = srow
+    if EPI == 2:  # the up rows N + rows: their own scale rows
+        if UNIFORM:
+            srow_u = tl.load(srow_ptr + N + pid * BLOCK_N)
+        else:
+            srow_u = tl.load(srow_ptr + N + rows, mask=rmask, other=0)
+    acc = tl.zeros([BLOCK_N, NKB, SUBK], dtype=tl.float32)
+    if EPI == 2:
+        acc_u = tl.zeros([BLOCK_N, NKB, SUBK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + kk
+        cmask = cols < K
+        xv = _load_x2(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, NKB, SUBK)
+        if STORE_XN:
+            tl.store(z_ptr + cols, xv.to(z_ptr.dtype.element_ty), mask=cmask & ((tl.zeros_like(cols) + pid) == 0))
+        sc = (k0 + kb * SUBK) // BKS
+        smask = (k0 + kb * SUBK) < K
+        wp = w_ptr + rows[:, None, None] * stride_w + cols[None, :, :]
+        if EVEN_K:
+            wmask = rmask[:, None, None]
+        else:
+            wmask = rmask[:, None, None] & cmask[None, :, :]
+        w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
+        acc += _scaled_dot(w, xv, s_ptr, srow, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
+        if EPI == 2:
+            wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
+            acc_u += _scaled_dot(wu, xv, s_ptr, srow_u, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
+    y = tl.sum(tl.sum(acc, 2), 1)
+    y_up = 0.0
+    if EPI == 2:
+        y_up = tl.sum(tl.sum(acc_u, 2), 1)
+    return y, y_up
+
+
+@triton.jit
+def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
+                    N, K, N8, stride_w, stride_s, stride_t, eps, CONV_N,
+                    PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr,
+                    KCP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr,
+                    UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr,
+                    PDL: tl.constexpr):
+    """`gemv_kernel` over an FP8 weight: rows < N8 e4m3 (w_ptr) with fp32 block scales (s_ptr, row
+    map srow_ptr), rows >= N8 (TAIL) bf16 (t_ptr); N8 is a multiple of BLOCK_N, so each program
+    reads one of the two. Same prologues and epilogues."""
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
+    if TAIL and pid * BLOCK_N >= N8:
+        trows = rows - N8
+        y, y_up = _acc_bf16(x_ptr, t_ptr, nw_ptr, z_ptr, trows, rmask, pid, N - N8, K, stride_t, eps, rstd,
+                            PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K)
+    else:
+        y, y_up = _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask & (rows < N8), pid, N8, K,
+                           stride_w, stride_s, eps, rstd, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, SUBK, BKS,
+                           UNIFORM, ROUND_W, EVEN_K)
+    _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
+
+
+def sub_k(block_k: int, bk: int) -> int:
+    """Columns of an fp8 K sub-block: the largest power of two dividing the scale block bk, at most block_k."""
+    return min(block_k, bk & -bk)
+
+
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
-         conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None):
-    """Launch `gemv_kernel`. `w` is [N, K] ([2N, K] for SwiGLU, N = rows of y); returns the grid size."""
+         conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False):
+    """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
+    optionally a bf16 tail; `round_w`: see _acc_fp8's ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
+    N = rows of y); returns the grid size."""
+    fp8 = hasattr(w, "scale")
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
     block_k = min(block_k or 512, triton.next_power_of_2(k))
@@ -138,14 +298,34 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     dummy = y
     if xn_out is not None:
         z = xn_out
-    gemv_kernel[(grid,)](
-        x, w, y, norm_w if norm_w is not None else dummy, z if z is not None else dummy,
-        aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy, n, k, w.stride(0), eps, conv_n,
-        PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
-        STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
+    args = (norm_w if norm_w is not None else dummy, z if z is not None else dummy,
+            aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy)
+    common = dict(PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
+                  STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
+                  EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
+    if not fp8:
+        gemv_kernel[(grid,)](x, w, y, *args, n, k, w.stride(0), eps, conv_n, **common)
+        return grid
+    n8 = w.n8
+    tail = w.tail
+    if tail is not None:
+        if epi == EPI_SWIGLU:
+            raise ValueError("gemv: a SwiGLU weight cannot have bf16 tail rows")
+        if n8 % block_n:
+            raise ValueError(f"gemv: {n8} fp8 rows before the bf16 tail are not a multiple of block_n {block_n}")
+    elif n8 != w.shape[0]:
+        raise AssertionError("FP8Weight rows")
+    bk = w.block[1]
+    subk = sub_k(block_k, bk)
+    if block_k % subk:
+        raise ValueError(f"gemv: block_k {block_k} is not a multiple of the fp8 sub-block {subk} (scale block {bk})")
+    uniform = w.row_uniform(block_n) and (epi != EPI_SWIGLU or w.row_uniform(block_n, n))
+    gemv_fp8_kernel[(grid,)](
+        x, w.q, w.scale, w.srow, tail if tail is not None else dummy, y, *args, n, k, n8 if tail is not None else n,
+        w.q.stride(0), w.scale.stride(0), tail.stride(0) if tail is not None else 0, eps, conv_n,
+        SUBK=subk, BKS=bk, UNIFORM=uniform, ROUND_W=round_w, TAIL=tail is not None, **common)
     return grid
 
 
-__all__ = ["gemv", "gemv_kernel", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
+__all__ = ["gemv", "gemv_kernel", "gemv_fp8_kernel", "sub_k", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
            "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX"]

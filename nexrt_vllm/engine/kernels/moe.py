@@ -7,12 +7,14 @@ routed program repeats the top-k selection (softmax over E in fp32, top-k, renor
 ascending) from the router logits before its first weight load, which costs less than a launch of
 its own; grid column 0 is the shared expert (its act row is the last). Launch 3 (`moe_down_kernel`)
 sums the down projections in ascending expert id (the eager order, with its bf16 rounding), adds
-the sigmoid-gated shared expert and the residual.
+the sigmoid-gated shared expert and the residual. With fp8 weights (fp8.FP8Weight) launches 2 and 3
+are `moe_gate_up_fp8_kernel` / `moe_down_fp8_kernel`: the same design reading e4m3 + block scales.
 """
 import triton
 import triton.language as tl
 
 from .common import LAUNCH, pdl_begin
+from .gemv import _scaled_dot
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 
@@ -141,22 +143,270 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
-                norm_topk=True):
+                norm_topk=True, round_w=False):
     """Routed + shared experts for one token, after the router launch (`gemv`, xn_out) has left the
     normed input xn [H] and logits [E+1] (router logits, then the shared-expert gate logit). The
     gate_up launch routes and writes ids / wts [top_k] (ascending ids) for the down launch.
     `res` (the residual, [H]) is updated in place. gate_up [E, 2I, H], down [E, H, I],
-    shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch."""
+    shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch. Any of the
+    four weights may be an fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8
+    kernels, which read each weight in its own format (`round_w`: gemv._acc_fp8's ROUND_W)."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
     bk = min(block_k or 512, triton.next_power_of_2(hidden))
-    moe_gate_up_kernel[(triton.cdiv(imax, block_n), 1 + top_k)](
-        xn, gate_up, shared_gate_up, act, ids, logits, wts, gate_up.stride(0), K=hidden, I=inter, IS=inter_s,
-        TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, E=n_exp, EP=triton.next_power_of_2(n_exp),
-        NORM=norm_topk, **LAUNCH, num_warps=num_warps)
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
-    moe_down_kernel[(triton.cdiv(hidden, down_block_n),)](
-        act, down, shared_down, ids, wts, logits, res, hidden, down.stride(0), I=inter, IS=inter_s,
-        E=n_exp, TOPK=top_k, TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd,
-        **LAUNCH, num_warps=down_num_warps)
+    up_fp8, down_fp8 = _fp8(gate_up, shared_gate_up), _fp8(down, shared_down)
+    grid_up = (triton.cdiv(imax, block_n), 1 + top_k)
+    if up_fp8 is None:
+        moe_gate_up_kernel[grid_up](
+            xn, gate_up, shared_gate_up, act, ids, logits, wts, gate_up.stride(0), K=hidden, I=inter, IS=inter_s,
+            TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, E=n_exp, EP=triton.next_power_of_2(n_exp),
+            NORM=norm_topk, **LAUNCH, num_warps=num_warps)
+    else:
+        (ge, gs, gr, sge, uni_e), (sg, ss, sr, sgs, uni_s), subk, bks = up_fp8(block_n, bk, inter, inter_s, swiglu=True)
+        moe_gate_up_fp8_kernel[grid_up](
+            xn, ge, gs, gr, sg, ss, sr, act, ids, logits, wts, ge.stride(0), gs.stride(0) if gs.dim() == 3 else 0,
+            sge, sgs, K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk,
+            E=n_exp, EP=triton.next_power_of_2(n_exp), NORM=norm_topk, SUBK=subk, BKS=bks,
+            FP8_E=_is_fp8(gate_up), FP8_S=_is_fp8(shared_gate_up), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
+            **LAUNCH, num_warps=num_warps)
+    grid_dn = (triton.cdiv(hidden, down_block_n),)
+    if down_fp8 is None:
+        moe_down_kernel[grid_dn](
+            act, down, shared_down, ids, wts, logits, res, hidden, down.stride(0), I=inter, IS=inter_s,
+            E=n_exp, TOPK=top_k, TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n,
+            BLOCK_K=bkd, **LAUNCH, num_warps=down_num_warps)
+    else:
+        (de, ds, dr, sde, uni_e), (sd, sds, sdr, ssd, uni_s), subk, bks = down_fp8(down_block_n, bkd, hidden, hidden)
+        moe_down_fp8_kernel[grid_dn](
+            act, de, ds, dr, sd, sds, sdr, ids, wts, logits, res, hidden, de.stride(0),
+            ds.stride(0) if ds.dim() == 3 else 0, sde, ssd, I=inter, IS=inter_s, E=n_exp, TOPK=top_k,
+            TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, SUBK=subk, BKS=bks,
+            FP8_E=_is_fp8(down), FP8_S=_is_fp8(shared_down), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
+            **LAUNCH, num_warps=down_num_warps)
+
+
+def _is_fp8(w) -> bool:
+    return hasattr(w, "scale")
+
+
+def _fp8(routed, shared):
+    """None when both weights are bf16; else a function (block_n, block_k, rows_e, rows_s, swiglu) ->
+    the fp8 kernel's pointer groups (weight, scales, row map, scale row stride, uniform rows) for the
+    routed and the shared weight (a bf16 weight: itself and dummies), the K sub-block and scale block."""
+    fp8 = [w for w in (routed, shared) if _is_fp8(w)]
+    if not fp8:
+        return None
+    if len({w.block for w in fp8}) != 1:
+        raise ValueError(f"moe_experts: fp8 weights with different block sizes {[w.block for w in fp8]}")
+    if any(w.tail is not None for w in fp8):
+        raise ValueError("moe_experts: expert weights cannot have bf16 tail rows")
+    bks = fp8[0].block[1]
+
+    def groups(block_n, block_k, rows_e, rows_s, swiglu=False):
+        from .gemv import sub_k
+        subk = sub_k(block_k, bks)
+        if block_k % subk:
+            raise ValueError(f"moe_experts: block_k {block_k} is not a multiple of the fp8 sub-block {subk}")
+        out = []
+        for w, n in ((routed, rows_e), (shared, rows_s)):
+            if _is_fp8(w):
+                uni = w.row_uniform(block_n) and (not swiglu or w.row_uniform(block_n, n))
+                out.append((w.q, w.scale, w.srow, w.scale.stride(-2), uni))
+            else:
+                out.append((w, w, w, 0, True))
+        return out[0], out[1], subk, bks
+    return groups
+
+
+# ---- FP8 experts (fp8.FP8Weight: e4m3 [.., N, K] + fp32 block scales + row map) -------------------
+# The same three-launch design and rounding points; the routed experts and the shared expert may each
+# be fp8 or bf16 (FP8_E / FP8_S). A K block is [NKB, SUBK] columns, each SUBK run inside one scale
+# block, so the scale multiplies the bf16-valued input per (row-block, K sub-block), not the weights.
+
+
+@triton.jit
+def _swiglu_rows_fp8(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr,
+                     ROUND_W: tl.constexpr):
+    """`_swiglu_rows` of an e4m3 [2 n_rows, K] expert with block scales (sbase, row map srow_ptr)."""
+    NKB: tl.constexpr = BLOCK_K // SUBK
+    rmask = rows < n_rows
+    kb = tl.arange(0, NKB)
+    kk = kb[:, None] * SUBK + tl.arange(0, SUBK)[None, :]
+    ok = row0 < n_rows  # a program past this expert's rows (a wider shared expert) reads no scale row
+    if UNIFORM:
+        sr_g = tl.load(srow_ptr + row0, mask=ok, other=0)
+        sr_u = tl.load(srow_ptr + n_rows + row0, mask=ok, other=0)
+    else:
+        sr_g = tl.load(srow_ptr + rows, mask=rmask, other=0)
+        sr_u = tl.load(srow_ptr + n_rows + rows, mask=rmask, other=0)
+    acc_g = tl.zeros([rows.shape[0], NKB, SUBK], dtype=tl.float32)
+    acc_u = tl.zeros([rows.shape[0], NKB, SUBK], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        cols = k0 + kk
+        cmask = cols < K
+        wp = wbase + rows[:, None, None] * K + cols[None, :, :]
+        m3 = rmask[:, None, None] & cmask[None, :, :]
+        wg = tl.load(wp, mask=m3, other=0.0, eviction_policy="evict_first")
+        wu = tl.load(wp + n_rows * K, mask=m3, other=0.0, eviction_policy="evict_first")
+        xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        sc = (k0 + kb * SUBK) // BKS
+        smask = ((k0 + kb * SUBK) < K) & ((kb * 0 + row0) < n_rows)  # (a scalar & a vector trips the interpreter)
+        acc_g += _scaled_dot(wg, xv, sbase, sr_g, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
+        acc_u += _scaled_dot(wu, xv, sbase, sr_u, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
+    g = _bf16(tl.sum(tl.sum(acc_g, 2), 1))
+    u = _bf16(tl.sum(tl.sum(acc_u, 2), 1))
+    return _bf16(_bf16(_silu(g)) * u)
+
+
+@triton.jit
+def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr,
+                           logits_ptr, wts_ptr, stride_ge, stride_gse, stride_gs, stride_sgs,
+                           K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
+                           TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, SUBK: tl.constexpr,
+                           BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
+                           UNI_S: tl.constexpr, ROUND_W: tl.constexpr, PDL: tl.constexpr):
+    """`moe_gate_up_kernel` with fp8 routed experts (FP8_E: gu e4m3 [E, 2I, K], scales gus
+    [E, S, ceil(K/bk)], row map gur [2I]) and / or an fp8 shared expert (FP8_S: sgu, sgus, sgur)."""
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    slot = tl.program_id(1) - 1
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if slot >= 0:
+        e, sel, rank, w = topk_select(logits_ptr, E, EP, TOPK, NORM)
+        mine = sel & (rank == slot)
+        eid = tl.sum(tl.where(mine, e, 0), 0)
+        if pid == 0:
+            tl.store(ids_ptr + slot, eid)
+            tl.store(wts_ptr + slot, tl.sum(tl.where(mine, w, 0.0), 0))
+        if FP8_E:
+            a = _swiglu_rows_fp8(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, gus_ptr + eid.to(tl.int64) * stride_gse,
+                                 gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, SUBK, BKS, UNI_E, ROUND_W)
+        else:
+            a = _swiglu_rows(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, I, rows, K, BLOCK_K)
+        tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < I)
+    else:
+        if FP8_S:
+            a = _swiglu_rows_fp8(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, pid * BLOCK_N, K, BLOCK_K,
+                                 SUBK, BKS, UNI_S, ROUND_W)
+        else:
+            a = _swiglu_rows(x_ptr, sgu_ptr, IS, rows, K, BLOCK_K)
+        tl.store(act_ptr + TOPK * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < IS)
+
+
+@triton.jit
+def _down_shared(act_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, stride_sds, rows, rmask, row0, IS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr,
+                 FP8: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
+    """The shared expert's down rows `rows` · act (its row of act_ptr), fp32 [BLOCK_N]."""
+    if FP8:
+        NKB: tl.constexpr = BLOCK_K // SUBK
+        kb = tl.arange(0, NKB)
+        kk = kb[:, None] * SUBK + tl.arange(0, SUBK)[None, :]
+        if UNIFORM:
+            sr = tl.load(sdnr_ptr + row0)
+        else:
+            sr = tl.load(sdnr_ptr + rows, mask=rmask, other=0)
+        acc3 = tl.zeros([BLOCK_N, NKB, SUBK], dtype=tl.float32)
+        for k0 in tl.static_range(0, IS, BLOCK_K):
+            cols = k0 + kk
+            cm = cols < IS
+            a = tl.load(act_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+            wv = tl.load(sdn_ptr + rows[:, None, None] * IS + cols[None, :, :],
+                         mask=rmask[:, None, None] & cm[None, :, :], other=0.0, eviction_policy="evict_first")
+            acc3 += _scaled_dot(wv, a, sdns_ptr, sr, stride_sds, (k0 + kb * SUBK) // BKS, (k0 + kb * SUBK) < IS,
+                                rmask, UNIFORM, ROUND_W)
+        out = tl.sum(tl.sum(acc3, 2), 1)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, IS, BLOCK_K):
+            cols = k0 + offs_k
+            cm = cols < IS
+            a = tl.load(act_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+            wv = tl.load(sdn_ptr + rows[:, None] * IS + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
+                         eviction_policy="evict_first")
+            acc += wv.to(tl.float32) * a[None, :]
+        out = tl.sum(acc, 1)
+    return out
+
+
+@triton.jit
+def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr,
+                        res_ptr, N, stride_de, stride_dse, stride_ds, stride_sds,
+                        I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
+                        IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr,
+                        BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
+                        UNI_S: tl.constexpr, ROUND_W: tl.constexpr, PDL: tl.constexpr):
+    """`moe_down_kernel` with fp8 routed down projections (FP8_E: dn e4m3 [E, H, I], scales dns, row
+    map dnr [H]) and / or an fp8 shared down (FP8_S). Same gather load over the selected experts."""
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    row0 = pid * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    shared = _down_shared(act_ptr + TOPK * IMAX, sdn_ptr, sdns_ptr, sdnr_ptr, stride_sds, rows, rmask, row0, IS,
+                          BLOCK_N, BLOCK_K, SUBK, BKS, FP8_S, UNI_S, ROUND_W)
+    s = tl.arange(0, TOPKP)
+    sm = s < TOPK
+    eid = tl.load(ids_ptr + s, mask=sm, other=0)
+    if FP8_E:
+        NKB: tl.constexpr = BLOCK_K // SUBK
+        kb = tl.arange(0, NKB)
+        kk = kb[:, None] * SUBK + tl.arange(0, SUBK)[None, :]
+        base = dn_ptr + eid.to(tl.int64)[:, None, None, None] * stride_de + rows[None, :, None, None] * I
+        sbase = dns_ptr + eid.to(tl.int64) * stride_dse
+        if UNI_E:
+            sr = tl.load(dnr_ptr + row0)
+        else:
+            sr = tl.load(dnr_ptr + rows, mask=rmask, other=0)
+        acc4 = tl.zeros([TOPKP, BLOCK_N, NKB, SUBK], dtype=tl.float32)
+        for k0 in tl.static_range(0, I, BLOCK_K):
+            cols = k0 + kk
+            cm = cols < I
+            a = tl.load(act_ptr + s[:, None, None] * IMAX + cols[None, :, :], mask=sm[:, None, None] & cm[None, :, :],
+                        other=0.0).to(tl.float32)
+            wv = tl.load(base + cols[None, None, :, :],
+                         mask=sm[:, None, None, None] & rmask[None, :, None, None] & cm[None, None, :, :],
+                         other=0.0, eviction_policy="evict_first")
+            sc = (k0 + kb * SUBK) // BKS
+            scm = (k0 + kb * SUBK) < I
+            if UNI_E:
+                sv = tl.load(sbase[:, None] + sr * stride_ds + sc[None, :], mask=sm[:, None] & scm[None, :], other=0.0)
+                if ROUND_W:
+                    acc4 += _bf16(wv.to(tl.float32) * sv[:, None, :, None]) * a[:, None, :, :]
+                else:
+                    acc4 += wv.to(tl.float32) * (a * sv[:, :, None])[:, None, :, :]
+            else:
+                sv = tl.load(sbase[:, None, None] + sr[None, :, None] * stride_ds + sc[None, None, :],
+                             mask=sm[:, None, None] & rmask[None, :, None] & scm[None, None, :], other=0.0)
+                if ROUND_W:
+                    acc4 += _bf16(wv.to(tl.float32) * sv[:, :, :, None]) * a[:, None, :, :]
+                else:
+                    acc4 += wv.to(tl.float32) * (a[:, None, :, :] * sv[:, :, :, None])
+        racc = tl.sum(tl.sum(acc4, 3), 2)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        base = dn_ptr + eid.to(tl.int64)[:, None, None] * stride_de + rows[None, :, None] * I
+        acc = tl.zeros([TOPKP, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, I, BLOCK_K):
+            cols = k0 + offs_k
+            cm = cols < I
+            a = tl.load(act_ptr + s[:, None] * IMAX + cols[None, :], mask=sm[:, None] & cm[None, :], other=0.0)
+            wv = tl.load(base + cols[None, None, :], mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :],
+                         other=0.0, eviction_policy="evict_first")
+            acc += wv.to(tl.float32) * a.to(tl.float32)[:, None, :]
+        racc = tl.sum(acc, 2)
+    w = tl.load(wts_ptr + s, mask=sm, other=0.0)
+    part = _bf16(_bf16(racc) * w[:, None])  # [TOPKP, BLOCK_N]: each expert's bf16 output
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in tl.static_range(TOPK):  # the eager order: ascending expert id, bf16 after every add
+        out = _bf16(out + tl.sum(tl.where(s[:, None] == i, part, 0.0), 0))
+    sg = tl.load(logits_ptr + E).to(tl.float32)
+    gate = _bf16(1.0 / (1.0 + tl.exp(-sg)))
+    moe = _bf16(out + _bf16(gate * _bf16(shared)))
+    r = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(res_ptr + rows, _bf16(r + moe).to(res_ptr.dtype.element_ty), mask=rmask)
