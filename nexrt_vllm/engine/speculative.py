@@ -153,27 +153,26 @@ class Speculator:
                 gen.seed()
             else:
                 gen.manual_seed(params.seed)
-        token, produced = first_token, 1
+        produced = 1
         full = self._ctx_len == state.seq_len and self._ctx_hidden is not None
         ctx_hidden = self._ctx_hidden
         self.drop_context()  # one stream per prefill
-        if engine._stops(token, params):
+        if engine._stops(first_token, params):
             engine.finish_reason = "stop"
             return
         drafts = q = None
+        pending = torch.tensor([first_token], device=dev)  # the next round's first token, on the device
         if full and state.seq_len + M <= engine.max_seq_len:
             # the head's row N-1 (H_{N-1}, first_token) drafts the first round
             base = state.position - 1
-            drafts, q = self._draft(ctx_hidden, torch.tensor([token], device=dev), base,
-                                    torch.zeros(1, dtype=torch.long, device=dev), params, gen)
+            drafts, q = self._draft(ctx_hidden, pending, base, torch.zeros(1, dtype=torch.long, device=dev),
+                                    params, gen)
         while produced < params.max_tokens:
             n = state.seq_len
             if n >= engine.max_seq_len:
                 break
             T = M if drafts is not None else 1
-            tokens = torch.tensor([token], device=dev)
-            if drafts is not None:
-                tokens = torch.cat((tokens, drafts))
+            tokens = pending if drafts is None else torch.cat((pending, drafts))
             base = state.position.clone()
             logits, hidden = model.verify(tokens, state, self.scratch)
             if params.greedy:
@@ -204,7 +203,7 @@ class Speculator:
                 if produced >= params.max_tokens:
                     engine.finish_reason = "length"
                     return
-            token = emitted[-1]
+            pending = out.index_select(0, a)
             drafts = q = None
             if state.seq_len + M <= engine.max_seq_len:
                 if T == 1 and not full:
