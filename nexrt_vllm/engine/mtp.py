@@ -131,12 +131,6 @@ class Drafter:
         e = rms_norm(F.embedding(tokens, w.embed), w.pre_fc_norm_embedding, eps)
         return F.linear(torch.cat((e, rms_norm(hidden, w.pre_fc_norm_hidden, eps)), dim=-1), w.fc)
 
-    def _output(self, x: torch.Tensor, ffn_rows) -> tuple[torch.Tensor, torch.Tensor]:
-        eps, layer = self.config.rms_norm_eps, self.w.layer
-        x = x + ffn_rows(rms_norm(x, layer.post_norm, eps))
-        g = rms_norm(x, self.w.norm, eps)
-        return g, F.linear(g, self.lm_head).float()
-
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """Rows at `positions` (int64 [T], device, consecutive): hidden [T, H], tokens [T] (the token
@@ -149,13 +143,13 @@ class Drafter:
         visible = (self.kv_index.unsqueeze(0) <= pos) & (self.kv_index.unsqueeze(0) >= self.start)
         x = x + attention_decode(layer.mixer, cfg, rms_norm(x, layer.input_norm, eps), cos, sin, self.k, self.v,
                                  positions, visible)
-        if isinstance(layer.ffn, MoEWeights):
-            def ffn(y):
-                return torch.cat([moe_decode(layer.ffn, cfg, y[j:j + 1]) for j in range(y.shape[0])])
+        y = rms_norm(x, layer.post_norm, eps)
+        if isinstance(layer.ffn, MoEWeights):  # per row, as decode picks experts (static shapes)
+            y = torch.cat([moe_decode(layer.ffn, cfg, y[j:j + 1]) for j in range(y.shape[0])])
         else:
-            def ffn(y):
-                return mlp(layer.ffn, y)
-        return self._output(x, ffn)
+            y = mlp(layer.ffn, y)
+        g = rms_norm(x + y, self.w.norm, eps)
+        return g, F.linear(g, self.lm_head).float()
 
     @torch.no_grad()
     def prefill(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
