@@ -59,7 +59,19 @@ def ckpt_factory(tmp_path_factory):
         key = (arch, dtype, tuple(sorted(overrides.items())))
         if key not in cache:
             d = tmp_path_factory.mktemp(f"ckpt_{arch}_{dtype}")
-            cache[key] = make_checkpoint(str(d), arch=arch, dtype=dtype, **overrides)
+            if overrides.get("mtp"):
+                # the same checkpoint as make_checkpoint(mtp=True) writes, from the cached one without
+                # the head: a trained model is trained once per session
+                import shutil
+
+                from nexrt_vllm.testing.mtp_head import add_mtp_head
+                rest = {k: v for k, v in overrides.items() if k != "mtp"}
+                shutil.copytree(make(arch, dtype, **rest), str(d), dirs_exist_ok=True)
+                add_mtp_head(str(d), train=rest.get("train") == "periodic", seed=rest.get("seed", 0),
+                             init_std=rest.get("init_std", 0.06))
+                cache[key] = str(d)
+            else:
+                cache[key] = make_checkpoint(str(d), arch=arch, dtype=dtype, **overrides)
         return cache[key]
 
     return make

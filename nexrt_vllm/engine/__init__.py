@@ -7,11 +7,13 @@ Importing this package imports torch; `import nexrt_vllm` alone does not.
 """
 from .config import ModelConfig
 from .engine import Engine
-from .errors import ConfigError, EngineError, InputError, SamplingParamsError, StateError, WeightsError
+from .errors import (ConfigError, EngineError, InputError, NotBuiltError, SamplingParamsError, StateError,
+                     WeightsError)
 from .sampling import Sampler, SamplingParams, sampling_probs
 from .state import AttentionState, DecodeState, GDNState
 
 __all__ = [
     "AttentionState", "ConfigError", "DecodeState", "Engine", "EngineError", "GDNState", "InputError", "ModelConfig",
+    "NotBuiltError",
     "Sampler", "SamplingParams", "SamplingParamsError", "StateError", "WeightsError", "sampling_probs",
 ]

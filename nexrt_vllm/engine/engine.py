@@ -7,7 +7,7 @@ import torch
 
 from .config import ModelConfig
 from .dtypes import MODEL_DTYPES, TORCH_DTYPES
-from .errors import ConfigError, EngineError, InputError, StateError
+from .errors import ConfigError, EngineError, InputError, NotBuiltError, StateError
 from .model import Model
 from .sampling import Sampled, Sampler, SamplingParams, token_logprobs
 from .state import DecodeState
@@ -53,6 +53,7 @@ class Engine:
         self.state = DecodeState(model.config, max_seq_len, model.dtype, model.device)
         self.finish_reason: str | None = None
         self.graph = None  # GPU graph path (use_graph); None: `stream` runs the eager decode loop
+        self.speculative = None  # speculative.Speculator (enable_speculative); None: one token per step
 
     @property
     def weight_format(self) -> str:
@@ -105,7 +106,12 @@ class Engine:
             raise InputError(f"prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}")
         self._check_ids(ids, "prompt")
         self.state.reset()
-        logits = self.model.prefill(torch.tensor(ids, dtype=torch.long, device=self.device), self.state)
+        t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if self.speculative is None:
+            logits = self.model.prefill(t, self.state)
+        else:  # the MTP head sees the prompt too: the next stream drafts with the full context
+            logits, hidden = self.model.prefill(t, self.state, hidden=True)
+            self.speculative.prefill_context(hidden, t)
         self.state.set_seq_len(len(ids))
         return logits
 
@@ -131,12 +137,38 @@ class Engine:
         when the control memory could not be host-mapped (`graph.masks` False)."""
         if self.device.type != "cuda":
             raise EngineError(f"the graph path needs a CUDA device (engine is on {self.device})")
+        if self.speculative is not None:
+            raise NotBuiltError("speculative decoding (MTP) on the CUDA graph path is not built: "
+                                "run the eager loop (--graph off)")
         from .graph import FusedDecoder, GraphRunner  # triton: imported by the GPU path only
         runner = GraphRunner(FusedDecoder(self.model, self.state, mode=mode))
         for sample, logprobs, mask in runner.VARIANTS:
             if runner.masks or not mask:
                 runner.capture(sample, logprobs, mask)
         self.graph = runner
+
+    # ---- speculative decoding (engine/speculative.py) ---------------------------------------------
+    def enable_speculative(self, method: str = "mtp", num_speculative_tokens: int = 3) -> None:
+        """Decode with the checkpoint's MTP head drafting `num_speculative_tokens` tokens per round,
+        verified in one pass of M = num_speculative_tokens + 1 positions (greedy and sampled output
+        distributed exactly as without; docs/NODE.md). ConfigError if the checkpoint has no MTP head
+        or the method is unknown; NotBuiltError on the GPU graph path. Grammar-constrained requests
+        keep the one-token loop."""
+        from .mtp import Drafter, mtp_weights
+        from .speculative import Speculator
+
+        if method != "mtp":
+            raise ConfigError(f"unknown speculative method {method!r}; supported: 'mtp'")
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+                or not 1 <= num_speculative_tokens <= 15:
+            raise ConfigError(f"num_speculative_tokens must be an int in [1, 15], got {num_speculative_tokens!r}")
+        if self.graph is not None:
+            raise NotBuiltError("speculative decoding (MTP) on the CUDA graph path is not built: "
+                                "run the eager loop (--graph off)")
+        w = mtp_weights(self.config, self.model.mtp, self.model.embed)
+        M = num_speculative_tokens + 1
+        drafter = Drafter(self.model.config, w, self.model.lm_head, self.max_seq_len, extra=M)
+        self.speculative = Speculator(self.model, drafter, num_speculative_tokens)
 
     # ---- generation -----------------------------------------------------------------------------
     def _stops(self, token: int, params: SamplingParams) -> bool:
@@ -170,6 +202,8 @@ class Engine:
         self.finish_reason = None
         if self.graph is not None and (constraint is None or self.graph.masks):
             return self._graph_stream(first_token, params, constraint)
+        if self.speculative is not None and constraint is None:
+            return self.speculative.steps(self, first_token, params)
         return self._stream(first_token, params, constraint)  # checked above, at call time; decoding is lazy
 
     def _graph_stream(self, first_token: int, params: SamplingParams, constraint) -> Iterator[Sampled]:
@@ -223,5 +257,9 @@ class Engine:
         return self.state.export()
 
     def import_state(self, seq_len: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Load a state in the native layout (validated: names, shapes, dtypes; StateError otherwise)."""
+        """Load a state in the native layout (validated: names, shapes, dtypes; StateError otherwise).
+        With speculative decoding the MTP head then has no context: its first rows come from the
+        positions this engine decodes (docs/NODE.md, "Speculative decoding")."""
         self.state.load(seq_len, tensors)
+        if self.speculative is not None:
+            self.speculative.drop_context()

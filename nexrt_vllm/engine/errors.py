@@ -23,3 +23,7 @@ class InputError(EngineError, ValueError):
 
 class SamplingParamsError(EngineError, ValueError):
     """A sampling parameter is out of range or of the wrong type."""
+
+
+class NotBuiltError(EngineError):
+    """A combination of features the engine does not implement yet (named in the message)."""

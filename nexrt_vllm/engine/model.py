@@ -326,6 +326,36 @@ def gdn_decode(w: GDNWeights, cfg: ModelConfig, x: torch.Tensor, conv_state: tor
     return _gdn_out(w, cfg, core.unsqueeze(0), z)
 
 
+def gdn_verify(w: GDNWeights, cfg: ModelConfig, x: torch.Tensor, conv_state: torch.Tensor,
+               rec_state: torch.Tensor, window: torch.Tensor, rec_after: torch.Tensor) -> torch.Tensor:
+    """T tokens x [T, H] in order from the live state, which stays untouched: the state after each
+    position is kept instead, so a speculative round commits any prefix without recompute
+    (`gdn_commit`). window [conv_dim, kernel-1+T] receives the conv inputs (the conv state after
+    position j is window[:, j+1 : j+kernel]); rec_after [T, nv, dk, dv] fp32 the recurrent state
+    after each position. Per position the same ops as `gdn_decode`."""
+    T = x.shape[0]
+    mixed, z, b, a = gdn_in_proj(w, cfg, x)
+    window.copy_(torch.cat((conv_state, mixed.transpose(0, 1)), dim=-1))
+    conv = F.conv1d(window.unsqueeze(0).to(w.conv1d.dtype), w.conv1d.unsqueeze(1), groups=cfg.conv_dim)
+    mixed = F.silu(conv).to(x.dtype)[0].transpose(0, 1)  # [T, conv_dim]
+    q, k, v = _split_heads(mixed, cfg)
+    beta, g = _gdn_gates(w, b, a)
+    prev, core = rec_state, []
+    for j in range(T):
+        rec_after[j].copy_(prev)
+        core.append(recurrent_gated_delta_step(q[j], k[j], v[j], g[j], beta[j], rec_after[j]))
+        prev = rec_after[j]
+    return _gdn_out(w, cfg, torch.stack(core), z)
+
+
+def gdn_commit(cfg: ModelConfig, conv_state: torch.Tensor, rec_state: torch.Tensor, window: torch.Tensor,
+               rec_after: torch.Tensor, last: torch.Tensor) -> None:
+    """Make the state after verified position `last` (int64 [1], device) the live GDN state."""
+    cols = last + 1 + torch.arange(cfg.conv_kernel - 1, device=last.device)
+    conv_state.copy_(window.index_select(1, cols))
+    rec_state.copy_(rec_after.index_select(0, last)[0])
+
+
 # ---------------------------------------------------------------------------------------------
 # feed-forward
 # ---------------------------------------------------------------------------------------------
@@ -392,6 +422,30 @@ def _mlp(t: dict[str, torch.Tensor], prefix: str) -> MLPWeights:
     return MLPWeights(*(t[prefix + n + ".weight"] for n in ("gate_proj", "up_proj", "down_proj")))
 
 
+def layer_weights(cfg: ModelConfig, t: dict[str, torch.Tensor], p: str, kind: str, moe: bool) -> LayerWeights:
+    """One decoder layer's weights from canonical tensors named `p` + HF's names (a model layer, or
+    the MTP head's layer with its `layers.0.` names)."""
+    if kind == "full_attention":
+        a = p + "self_attn."
+        mixer = AttentionWeights(*(t[a + n + ".weight"] for n in
+                                   ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")))
+    else:
+        g = p + "linear_attn."
+        proj = ("in_proj_qkvz", "in_proj_ba") if cfg.family == "qwen3_next" else \
+            ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        mixer = GDNWeights(conv1d=t[g + "conv1d.weight"].squeeze(1), dt_bias=t[g + "dt_bias"],
+                           A_log=t[g + "A_log"], norm=t[g + "norm.weight"],
+                           out_proj=t[g + "out_proj.weight"], **{n: t[g + n + ".weight"] for n in proj})
+    m = p + "mlp."
+    if moe:
+        ffn = MoEWeights(router=t[m + "gate.weight"], gate_up_proj=t[m + "experts.gate_up_proj"],
+                         down_proj=t[m + "experts.down_proj"], shared=_mlp(t, m + "shared_expert."),
+                         shared_gate=t[m + "shared_expert_gate.weight"])
+    else:
+        ffn = _mlp(t, m)
+    return LayerWeights(kind, t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"], mixer, ffn)
+
+
 class Model:
     """Weights + the prefill / decode passes over a DecodeState."""
 
@@ -403,30 +457,9 @@ class Model:
         self.final_norm = t["norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
         self.dtype, self.device = self.embed.dtype, self.embed.device
-        self.mtp = mtp or {}  # multi-token-prediction head: loaded, not used yet
-        self.layers: list[LayerWeights] = []
-        for i, kind in enumerate(cfg.layer_types):
-            p = f"layers.{i}."
-            if kind == "full_attention":
-                a = p + "self_attn."
-                mixer = AttentionWeights(*(t[a + n + ".weight"] for n in
-                                           ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")))
-            else:
-                g = p + "linear_attn."
-                proj = ("in_proj_qkvz", "in_proj_ba") if cfg.family == "qwen3_next" else \
-                    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-                mixer = GDNWeights(conv1d=t[g + "conv1d.weight"].squeeze(1), dt_bias=t[g + "dt_bias"],
-                                   A_log=t[g + "A_log"], norm=t[g + "norm.weight"],
-                                   out_proj=t[g + "out_proj.weight"], **{n: t[g + n + ".weight"] for n in proj})
-            m = p + "mlp."
-            if cfg.is_moe_layer(i):
-                ffn = MoEWeights(router=t[m + "gate.weight"], gate_up_proj=t[m + "experts.gate_up_proj"],
-                                 down_proj=t[m + "experts.down_proj"], shared=_mlp(t, m + "shared_expert."),
-                                 shared_gate=t[m + "shared_expert_gate.weight"])
-            else:
-                ffn = _mlp(t, m)
-            self.layers.append(LayerWeights(kind, t[p + "input_layernorm.weight"],
-                                            t[p + "post_attention_layernorm.weight"], mixer, ffn))
+        self.mtp = mtp or {}  # the multi-token-prediction head's raw tensors (engine/mtp.py builds it)
+        self.layers = [layer_weights(cfg, t, f"layers.{i}.", kind, cfg.is_moe_layer(i))
+                       for i, kind in enumerate(cfg.layer_types)]
         self.rope_cos, self.rope_sin = rope_tables(cfg, max_seq_len, self.dtype, self.device)
         self.kv_index = torch.arange(max_seq_len, device=self.device)
 
@@ -446,8 +479,9 @@ class Model:
         return linear(h, self.lm_head)[0].float()
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """ids int64 [T] on the device, state freshly reset. Fills the state; returns the last logits."""
+    def prefill(self, ids: torch.Tensor, state: DecodeState, hidden: bool = False):
+        """ids int64 [T] on the device, state freshly reset. Fills the state; returns the last logits,
+        with `hidden` also every position's final-normed hidden state [T, H] (the MTP head's input)."""
         cfg, eps = self.config, self.config.rms_norm_eps
         h = F.embedding(ids, self.embed)
         for i, layer in enumerate(self.layers):
@@ -460,6 +494,9 @@ class Model:
                 x = gdn_prefill(layer.mixer, cfg, x, s.conv, s.rec)
             h = h + self.reduce(x)
             h = h + self.reduce(self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=False))
+        if hidden:
+            hn = rms_norm(h, self.final_norm, eps)
+            return F.linear(hn[-1:], self.lm_head)[0].float(), hn
         return self.logits(h)
 
     @torch.no_grad()
@@ -482,3 +519,60 @@ class Model:
             h = h + self.reduce(self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=True))
         pos.add_(1)
         return self.logits(h)
+
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor, state: DecodeState, scratch: "VerifyScratch"):
+        """T tokens int64 [T] at positions state.position .. +T-1 in one pass: attention writes their
+        K/V rows and attends causally among them; GDN layers keep the state after each position in
+        `scratch` (the live GDN state is untouched); MoE picks experts per position. state.position
+        does not move: `commit` advances it. Returns (fp32 logits [T, vocab], final-normed hidden
+        [T, H]). No host syncs: capturable."""
+        cfg, eps, T = self.config, self.config.rms_norm_eps, tokens.shape[0]
+        positions = state.position + torch.arange(T, device=self.device)
+        cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
+        visible = self.kv_index.unsqueeze(0) <= positions.unsqueeze(1)  # [T, max_seq_len], causal
+        h = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, eps)
+            if layer.kind == "full_attention":
+                kv = state.attention(i)
+                x = attention_decode(layer.mixer, cfg, x, cos, sin, kv.k, kv.v, positions, visible)
+            else:
+                s = state.gdn(i)
+                x = gdn_verify(layer.mixer, cfg, x, s.conv, s.rec, scratch.window(i, T), scratch.rec_after[i][:T])
+            h = h + self.reduce(x)
+            y = rms_norm(h, layer.post_norm, eps)
+            if isinstance(layer.ffn, MoEWeights):  # per position, as decode picks them (static shapes)
+                y = torch.cat([self.ffn(i, y[j:j + 1], decode=True) for j in range(T)])
+            else:
+                y = self.ffn(i, y, decode=True)
+            h = h + self.reduce(y)
+        hn = rms_norm(h, self.final_norm, eps)
+        return F.linear(hn, self.lm_head).float(), hn
+
+    @torch.no_grad()
+    def commit(self, state: DecodeState, scratch: "VerifyScratch", accepted: torch.Tensor, T: int) -> None:
+        """Keep verified positions 0..accepted (int64 [1], device) of the last `verify` of T tokens:
+        the GDN state after position `accepted` becomes live, state.position += accepted + 1. K/V rows
+        after it stay written but masked (at or after seq_len)."""
+        for i in self.config.gdn_layers:
+            s = state.gdn(i)
+            gdn_commit(self.config, s.conv, s.rec, scratch.window(i, T), scratch.rec_after[i][:T], accepted)
+        state.position.add_(accepted + 1)
+
+
+class VerifyScratch:
+    """Static buffers of a verify pass of up to `width` positions: per GDN layer the conv inputs and
+    the recurrent state after each position (what `Model.commit` selects from)."""
+
+    def __init__(self, cfg: ModelConfig, width: int, dtype: torch.dtype, device):
+        self.width = width
+        km1 = cfg.conv_kernel - 1
+        self._window = {i: torch.zeros(cfg.conv_dim, km1 + width, dtype=dtype, device=device) for i in cfg.gdn_layers}
+        self.rec_after = {i: torch.zeros(width, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                         cfg.linear_value_head_dim, dtype=torch.float32, device=device)
+                          for i in cfg.gdn_layers}
+        self.km1 = km1
+
+    def window(self, i: int, T: int) -> torch.Tensor:
+        return self._window[i][:, :self.km1 + T]

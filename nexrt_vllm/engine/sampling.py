@@ -91,18 +91,19 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, tup
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The distribution a non-greedy step samples from: softmax(logits / T) restricted to the top_k
-    tokens, then to the smallest set of most likely tokens whose mass reaches top_p; renormalised."""
+    tokens, then to the smallest set of most likely tokens whose mass reaches top_p; renormalised.
+    logits [vocab], or [rows, vocab] for one distribution per row."""
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
-        vals, idx = torch.topk(logits, top_k)
-        logits = torch.full_like(logits, float("-inf")).scatter(0, idx, vals)
+        vals, idx = torch.topk(logits, top_k, dim=-1)
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, vals)
     if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
         p = torch.softmax(sorted_logits, dim=-1)
         mass_before = torch.cumsum(p, dim=-1) - p
         drop = mass_before >= top_p
-        drop[0] = False  # always keep the most likely token
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
+        drop[..., 0] = False  # always keep the most likely token
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 

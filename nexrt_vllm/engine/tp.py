@@ -54,7 +54,7 @@ from nexrt_vllm.handoff.sharding import Sharding, kv_heads_of, split, vllm_shard
 
 from .config import ModelConfig
 from .engine import Engine, _resolve_dtype
-from .errors import ConfigError, EngineError, StateError
+from .errors import ConfigError, EngineError, NotBuiltError, StateError
 from .model import Model, rms_norm
 from .weights import load_checkpoint, random_weights
 
@@ -382,6 +382,9 @@ class TPEngine(Engine):
 
     def use_graph(self, mode: str = "fused") -> None:
         raise EngineError("the CUDA graph path is single-device; TP > 1 runs the eager step (--graph off)")
+
+    def enable_speculative(self, method: str = "mtp", num_speculative_tokens: int = 3) -> None:
+        raise NotBuiltError("speculative decoding (MTP) with tensor parallelism (--tp > 1) is not built")
 
     def import_state(self, seq_len, tensors):
         raise StateError("a TP engine takes its state as shards: import_shards(seq_len, shards), "

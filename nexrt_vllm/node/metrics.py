@@ -24,8 +24,18 @@ class NodeMetrics:
         self.step_seconds = Histogram("nexrt_decode_step_seconds", "Decode step latency", buckets=_STEP_BUCKETS,
                                       registry=r)
         self.busy = Gauge("nexrt_busy_slots", "Admitted requests in flight (0 or 1)", registry=r)
+        self.acceptance_length = None  # speculative decoding only (speculative())
         self.graph = Gauge("nexrt_decode_graph", "1 for the decode path in use (fused | eager graph, or off)",
                            ["mode", "device"], registry=r)
+
+    def speculative(self, method: str, num_tokens: int) -> None:
+        """Speculative decoding is on: tokens emitted per verify round (1 .. num_tokens + 1)."""
+        r = self.registry
+        Gauge("nexrt_speculative", "1 for the speculative method in use", ["method", "num_speculative_tokens"],
+              registry=r).labels(method=method, num_speculative_tokens=str(num_tokens)).set(1)
+        self.acceptance_length = Histogram(
+            "nexrt_spec_acceptance_length", "Tokens emitted per speculative verify round (accepted drafts + 1)",
+            buckets=tuple(float(k) for k in range(1, num_tokens + 2)), registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

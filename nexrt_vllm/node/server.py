@@ -135,7 +135,14 @@ class Endpoints:
             "dtype": str(self.node.engine.dtype).removeprefix("torch."),
             "weight_format": self.node.engine.weight_format,
             "layout_versions": list(LAYOUT_VERSIONS), "handoff_parts": True, "tp": self._tp(),
+            "speculative": self._speculative(),
         })
+
+    def _speculative(self) -> dict | None:
+        spec = self.node.engine.speculative
+        if spec is None:
+            return None
+        return {"method": self.args.speculative, "num_speculative_tokens": spec.num_speculative_tokens}
 
     def _structured_caps(self) -> dict:
         if self.node.grammars is None:
@@ -197,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPU decode path (docs/GPU.md): one CUDA graph per token, captured at start-up; "
                          "fused = Triton kernels, eager = the eager ops in the graph, off = eager loop; "
                          "auto = fused on CUDA with bfloat16, off otherwise")
+    ap.add_argument("--speculative", choices=("off", "mtp"), default="off",
+                    help="mtp: speculative decoding with the checkpoint's MTP head (exact: the same greedy "
+                         "tokens, the same sampling distribution; docs/NODE.md); eager loop only")
+    ap.add_argument("--num-speculative-tokens", type=int, default=3,
+                    help="tokens the MTP head drafts per round (verify width = this + 1)")
     ap.add_argument("--recv-memory", choices=("host", "pinned", "device"), default=None,
                     help="receive buffer memory (default: host on CPU, pinned on CUDA)")
     ap.add_argument("--recv-buffers", type=int, default=2,
@@ -227,6 +239,15 @@ def _positive(ap, args) -> None:
         ap.error(f"--graph {args.graph} needs --device cuda")
     if args.tp > 1 and args.graph in ("fused", "eager"):
         ap.error("--tp > 1 runs the eager step: the CUDA graph path is single-device (--graph off or auto)")
+    if args.speculative != "off":
+        if args.tp > 1:
+            ap.error(f"--speculative {args.speculative} with --tp > 1 is not built (tensor-parallel ranks run "
+                     f"the one-token step)")
+        if args.graph in ("fused", "eager"):
+            ap.error(f"--speculative {args.speculative} on the CUDA graph path (--graph {args.graph}) is not "
+                     f"built: the speculative round runs the eager loop (--graph off)")
+        if not 1 <= args.num_speculative_tokens <= 15:
+            ap.error("--num-speculative-tokens must be in [1, 15]")
     if args.tp > 1 and args.device not in ("cpu", "cuda"):
         ap.error(f"--tp > 1 places rank r on cuda:r: give --device cuda or cpu, not {args.device!r}")
     for name in ("admit_timeout", "transfer_timeout", "start_timeout", "write_timeout"):
@@ -263,6 +284,13 @@ async def serve(args) -> None:
     disable_created_metrics()
     torch.set_num_threads(int(os.environ.get("NEXRT_THREADS", torch.get_num_threads())))
     memory = args.recv_memory = args.recv_memory or ("pinned" if args.device.startswith("cuda") else "host")
+    if args.speculative != "off" and args.graph == "auto" and args.device.startswith("cuda"):
+        from nexrt_vllm.engine.config import ModelConfig
+        if (args.dtype or ModelConfig.from_pretrained(args.model).dtype).removeprefix("torch.") == "bfloat16":
+            # auto would pick the graph path, which has no speculative round: refuse, never fall back
+            raise RuntimeError(f"--speculative {args.speculative}: speculative decoding on the CUDA graph path "
+                               f"(--graph auto picks fused for a bfloat16 model on CUDA) is not built; run the "
+                               f"eager loop with --graph off")
     t0 = time.monotonic()
     group = None
     if args.tp > 1:
@@ -294,6 +322,13 @@ async def serve(args) -> None:
     if args.graph == "auto":
         args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 \
             and args.tp == 1 else "off"
+    if args.speculative != "off":
+        from nexrt_vllm.engine import EngineError
+        try:
+            engine.enable_speculative(args.speculative, args.num_speculative_tokens)
+        except EngineError as e:
+            raise ValueError(f"--speculative {args.speculative}: {e}") from None
+        log.info("speculative decoding: %s, %d draft tokens per round", args.speculative, args.num_speculative_tokens)
     if args.graph != "off":
         from nexrt_vllm.engine import EngineError
         log.info("compiling kernels and capturing the %s decode graph (greedy + sampling; the first start "
@@ -334,6 +369,9 @@ async def serve(args) -> None:
                       model_name=os.path.basename(os.path.abspath(args.model)),
                       grammars=grammars, grammars_missing=missing)
     node.metrics.graph.labels(mode=args.graph, device=args.device).set(1)
+    if engine.speculative is not None:
+        node.metrics.speculative(args.speculative, args.num_speculative_tokens)
+        engine.speculative.on_round = node.metrics.acceptance_length.observe
     svc = Endpoints(node, args)
     app = web.Application(client_max_size=1 << 20)
     app.router.add_post("/v1/admit", svc.admit)

@@ -147,7 +147,8 @@ def _model_class(arch: str):
 
 def make_checkpoint(path: str, arch: str = "qwen3_next", dtype: str = "bfloat16",
                     sharded: bool = False, seed: int = 0, init_std: float = 0.06,
-                    train: str | None = None, final_norm_fixed: bool = False, **overrides) -> str:
+                    train: str | None = None, final_norm_fixed: bool = False, mtp: bool = False,
+                    **overrides) -> str:
     """Write a tiny checkpoint (config.json, safetensors, tokenizer) to `path`; return it.
 
     Random weights, or with ``train="periodic"`` trained to copy periodic text (see
@@ -157,6 +158,8 @@ def make_checkpoint(path: str, arch: str = "qwen3_next", dtype: str = "bfloat16"
     num_key_value_heads=1, num_experts=4, num_experts_per_tok=1, tie_word_embeddings=True).
     `final_norm_fixed`: the final norm's weight stays 0 (scale 1), also in training, so the model can be
     rotated into a larger hidden size with its embeddings tied (benchmarks/graft.py).
+    `mtp`: also an MTP head (`mtp.*`, vLLM's names; testing/mtp_head.py), trained after the model
+    (which it fine-tunes) when ``train="periodic"``, else random.
     """
     import torch
 
@@ -192,6 +195,9 @@ def make_checkpoint(path: str, arch: str = "qwen3_next", dtype: str = "bfloat16"
     model = model.to(getattr(torch, dtype))
     model.config.dtype = dtype
     model.save_pretrained(path, max_shard_size="300KB" if sharded else "10GB")
+    if mtp:
+        from .mtp_head import add_mtp_head
+        add_mtp_head(path, train=train == "periodic", seed=seed, init_std=init_std)
     return path
 
 

@@ -11,6 +11,8 @@ answers one ``@@`` + JSON line on stdout (vLLM's own logs go to stderr/stdout ar
 - ``{"op": "settle", "timeout": s}``: steps the engine until no connector work is pending (held
   blocks released), -> ``{"free_blocks": n, "pending": bool}``;
 - ``{"op": "free_blocks"}`` -> ``{"free_blocks": n}``;
+- ``{"op": "metrics", "prefix"}`` -> vLLM's own metrics whose names start with ``prefix`` (with
+  ``llm_kwargs`` ``disable_log_stats: false``);
 - ``{"op": "abort_midway", "request_id", "request", "steps"}``: add, step ``steps`` times, abort;
 - ``{"op": "preempt_midway", ...}``: same, but preempt instead and run the request to its end.
 
@@ -119,6 +121,9 @@ def _child(cfg: dict) -> None:
             reply({"free_blocks": free_blocks(), "pending": sched.has_requests()})
         elif op == "free_blocks":
             reply({"free_blocks": free_blocks()})
+        elif op == "metrics":  # needs llm_kwargs disable_log_stats=False
+            reply({m.name: getattr(m, "values", None) or getattr(m, "value", None)
+                   for m in llm.get_metrics() if m.name.startswith(cmd.get("prefix", ""))})
         elif op == "exit":
             reply({"bye": True})
             return
@@ -186,6 +191,14 @@ class VLLMProc:
 # text (testing.train_periodic), so greedy decoding is confident (top-1 margins of several nats)
 # and decided by the context: bf16-vs-fp32 noise cannot flip a token, a wrong state does.
 TRAINED = {"num_experts": 2, "num_experts_per_tok": 2, "train": "periodic"}
+# With a trained MTP head (testing/mtp_head.py), per family: qwen3_next extends TRAINED (its model is
+# derived from the same cached one); the MoE family routes 2 of 4 experts, so the head's experts are
+# really selected.
+TRAINED_MTP = {
+    "qwen3_next": {**TRAINED, "mtp": True},
+    "qwen3_5": {"train": "periodic", "mtp": True},
+    "qwen3_5_moe": {"num_experts": 4, "num_experts_per_tok": 2, "train": "periodic", "mtp": True},
+}
 
 
 def vllm_with_node(ckpt: str, d, transport: str, kv_transfer_config: dict):

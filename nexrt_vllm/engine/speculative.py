@@ -1,0 +1,213 @@
+"""MTP speculative decoding, eager (docs/NODE.md, "Speculative decoding").
+
+One round with M = num_speculative_tokens + 1 verify positions, committed length n, pending token t
+(the last emitted, not yet run) and drafts d_1..d_{M-1}:
+
+1. verify: the target runs [t, d_1, ..., d_{M-1}] at positions n..n+M-1 in one pass
+   (`Model.verify`), giving logits L_0..L_{M-1} and final-normed hidden states;
+2. accept (`accept_greedy` / `accept_sampled`): a = the drafts accepted, the round emits a + 1 tokens
+   (out[0..a]: the accepted drafts, then the target's own token at a);
+3. commit (`Model.commit`): the GDN state after position n+a becomes live, position += a + 1;
+4. draft the next round: the MTP head runs rows n..n+M-1 with (hidden_j, out_j) (rows past a are
+   junk that later rows overwrite and no valid row attends to), its row a drafts d'_1, then M - 2
+   chained steps one row each (`Drafter.forward`).
+
+Every step has fixed shapes and reads positions / the accepted count from device tensors, so a round
+can be captured whole (the GPU path; not built). The host reads `out` and `a` to emit tokens.
+
+Exactness does not depend on the drafts: greedy emits the target's argmax at every position;
+sampling is the standard speculative (rejection) sampler (Leviathan et al. 2023, Chen et al. 2023):
+draft d ~ q, accepted with probability min(1, p(d) / q(d)), else the token is drawn from
+norm(max(0, p - q)); all accepted: a bonus token from the last p. p and q are the distributions the
+plain sampler uses (temperature, top-k, top-p: `sampling.sampling_probs`), so each emitted token
+is distributed exactly as plain sampling's. The random stream differs from the plain sampler's.
+
+Where the drafter's context comes from: `Engine.prefill` runs the head over the prompt (the full
+context vLLM's proposer would have); after a hand-off (`import_state`) the head has none, so the
+first step is a plain one and the head's context starts at the node's first decoded position
+(rows before it masked) - exact either way, only acceptance differs.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from .model import Model, VerifyScratch
+from .mtp import Drafter
+from .sampling import Sampled, SamplingParams, sampling_probs, token_logprobs
+
+
+def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [M, V], drafts [M-1] -> (a int64 [1], out [M]): out[j] = argmax L_j, and since the
+    accepted drafts equal it, out[0..a] is the round's tokens."""
+    y = torch.argmax(logits, dim=-1)
+    a = torch.cumprod((drafts == y[:-1]).long(), dim=0).sum().reshape(1)
+    return a, y
+
+
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """p [M, V] target distributions, q [M-1, V] the draft distributions the drafts were drawn
+    from, drafts [M-1] -> (a int64 [1], out [M]) with out[0..a] the round's tokens. Fixed work per
+    round (M-1 uniforms, M categorical draws) whatever is accepted."""
+    M = p.shape[0]
+    u = torch.rand(M - 1, generator=generator, device=p.device)
+    pd = p[:-1].gather(1, drafts[:, None])[:, 0]
+    qd = q.gather(1, drafts[:, None])[:, 0]
+    accept = u * qd < pd  # u < p(d) / q(d); q(d) > 0 for a drawn d
+    a = torch.cumprod(accept.long(), dim=0).sum().reshape(1)
+    residual = (p[:-1] - q).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    # p == q leaves no residual, but then the draft is always accepted: any row will do
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:-1])
+    fresh = torch.cat((torch.multinomial(residual, 1, generator=generator)[:, 0],
+                       torch.multinomial(p[-1:], 1, generator=generator)[:, 0]))
+    j = torch.arange(M, device=p.device)
+    out = torch.where(j < a, torch.cat((drafts, drafts[:1])), fresh)
+    return a, out
+
+
+class Speculator:
+    """Drafter + verify scratch of one engine; `rounds[k]` counts verify rounds that emitted k tokens
+    (1..M); `on_round(k)` (optional) is called after each."""
+
+    def __init__(self, model: Model, drafter: Drafter, num_speculative_tokens: int):
+        self.model, self.drafter = model, drafter
+        self.num_speculative_tokens = num_speculative_tokens
+        self.M = num_speculative_tokens + 1
+        self.scratch = VerifyScratch(model.config, self.M, model.dtype, model.device)
+        self.rounds = [0] * (self.M + 1)
+        self.on_round = None
+        self._ctx_len, self._ctx_hidden = -1, None
+
+    # ---- drafter context ----------------------------------------------------------------------
+    def prefill_context(self, hidden: torch.Tensor, ids: torch.Tensor) -> None:
+        """After a prefill of `ids` with final-normed hidden rows [T, H]: the head's rows 0..T-2 and
+        the last hidden state, so the stream that follows drafts with the full prompt context."""
+        self.drafter.prefill(hidden[:-1], ids[1:])
+        self._ctx_len, self._ctx_hidden = ids.shape[0], hidden[-1:].clone()
+
+    def drop_context(self) -> None:
+        self._ctx_len, self._ctx_hidden = -1, None
+
+    def export_context(self) -> dict[str, torch.Tensor] | None:
+        """The armed full context (after a prefill of N tokens) as copies: {"hidden": [1, H] the
+        target's last hidden state, "k", "v": the head's K/V rows 0..N-2} - what a prefill side would
+        ship for option (b) of docs/NODE.md. None when no context is armed."""
+        if self._ctx_hidden is None:
+            return None
+        n = self._ctx_len - 1
+        return {"hidden": self._ctx_hidden.clone(), "k": self.drafter.k[:, :n].clone(),
+                "v": self.drafter.v[:, :n].clone()}
+
+    def import_context(self, seq_len: int, ctx: dict[str, torch.Tensor]) -> None:
+        """Arm a full context for a state of `seq_len` tokens (call after import_state)."""
+        from .errors import StateError
+
+        d, n = self.drafter, seq_len - 1
+        want = {"hidden": (1, self.model.config.hidden_size), "k": (d.k.shape[0], n, d.k.shape[2]),
+                "v": (d.k.shape[0], n, d.k.shape[2])}
+        bad = [f"{k}: {tuple(ctx[k].shape) if k in ctx else None}, expected {s}" for k, s in want.items()
+               if k not in ctx or tuple(ctx[k].shape) != s]
+        if bad:
+            raise StateError("MTP context does not match: " + "; ".join(bad))
+        d.k[:, :n].copy_(ctx["k"])
+        d.v[:, :n].copy_(ctx["v"])
+        d.start.zero_()
+        self._ctx_len, self._ctx_hidden = seq_len, ctx["hidden"].to(d.k.dtype).clone()
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, gen):
+        """Draft token(s) from head logits [R, V]: argmax when greedy, else drawn from q (returned)."""
+        if params.greedy:
+            return torch.argmax(logits, dim=-1), None
+        q = sampling_probs(logits, params.temperature, params.top_k, params.top_p)
+        return torch.multinomial(q, 1, generator=gen)[:, 0], q
+
+    def _draft(self, hidden: torch.Tensor, tokens: torch.Tensor, base: torch.Tensor, a: torch.Tensor,
+               params: SamplingParams, gen):
+        """Head rows base..base+T-1 with (hidden, tokens); row a drafts d_1, then M - 2 chained steps.
+        Returns (drafts [M-1], q [M-1, V] or None)."""
+        T = tokens.shape[0]
+        g, lg = self.drafter.forward(hidden, tokens, base + torch.arange(T, device=base.device))
+        g, lg = g.index_select(0, a), lg.index_select(0, a)
+        d, q = self._pick(lg, params, gen)
+        drafts, qs = [d], [q]
+        for k in range(1, self.M - 1):
+            g, lg = self.drafter.forward(g, d, base + a + k)
+            d, q = self._pick(lg, params, gen)
+            drafts.append(d)
+            qs.append(q)
+        return torch.cat(drafts), (None if params.greedy else torch.cat(qs))
+
+    # ---- the decode loop ------------------------------------------------------------------------
+    def steps(self, engine, first_token: int, params: SamplingParams) -> Iterator[Sampled]:
+        """Engine.steps' contract (no grammar): tokens after `first_token`, stop/EOS yielded, at most
+        max_tokens - 1, until the context is full. After a stop, state.seq_len may count accepted
+        positions past the stop token (their tokens are discarded)."""
+        model, state, M, dev = self.model, engine.state, self.M, engine.device
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=dev)
+            if params.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(params.seed)
+        produced = 1
+        full = self._ctx_len == state.seq_len and self._ctx_hidden is not None
+        ctx_hidden = self._ctx_hidden
+        self.drop_context()  # one stream per prefill
+        if engine._stops(first_token, params):
+            engine.finish_reason = "stop"
+            return
+        drafts = q = None
+        pending = torch.tensor([first_token], device=dev)  # the next round's first token, on the device
+        if full and state.seq_len + M <= engine.max_seq_len:
+            # the head's row N-1 (H_{N-1}, first_token) drafts the first round
+            base = state.position - 1
+            drafts, q = self._draft(ctx_hidden, pending, base, torch.zeros(1, dtype=torch.long, device=dev),
+                                    params, gen)
+        while produced < params.max_tokens:
+            n = state.seq_len
+            if n >= engine.max_seq_len:
+                break
+            T = M if drafts is not None else 1
+            tokens = pending if drafts is None else torch.cat((pending, drafts))
+            base = state.position.clone()
+            logits, hidden = model.verify(tokens, state, self.scratch)
+            if params.greedy:
+                a, out = accept_greedy(logits, tokens[1:])
+            else:
+                p = sampling_probs(logits, params.temperature, params.top_k, params.top_p)
+                if T == 1:
+                    a, out = torch.zeros(1, dtype=torch.long, device=dev), torch.multinomial(p, 1, generator=gen)[:, 0]
+                else:
+                    a, out = accept_sampled(p, q, tokens[1:], gen)
+            model.commit(state, self.scratch, a, T)
+            n_acc = int(a) + 1
+            state.seq_len += n_acc
+            if T == M:
+                self.rounds[n_acc] += 1
+                if self.on_round is not None:
+                    self.on_round(n_acc)
+            emitted = out[:n_acc].tolist()
+            for j, tok in enumerate(emitted):
+                produced += 1
+                if params.logprobs is None:
+                    yield Sampled(tok)
+                else:
+                    yield Sampled(tok, *token_logprobs(logits[j], tok, params.logprobs))
+                if engine._stops(tok, params):
+                    engine.finish_reason = "stop"
+                    return
+                if produced >= params.max_tokens:
+                    engine.finish_reason = "length"
+                    return
+            pending = out.index_select(0, a)
+            drafts = q = None
+            if state.seq_len + M <= engine.max_seq_len:
+                if T == 1 and not full:
+                    self.drafter.start.copy_(base)  # the head's context begins at the node's first position
+                    full = True
+                drafts, q = self._draft(hidden, out, base, a, params, gen)
+        engine.finish_reason = "length"

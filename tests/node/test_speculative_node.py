@@ -1,0 +1,94 @@
+"""`nexrt-decode --speculative mtp`: a real node decodes a handed-off request with the checkpoint's
+MTP head (no MTP context shipped: the head starts at the node's first position) and streams the
+prefill engine's own greedy tokens; /metrics has the acceptance-length histogram, /capabilities the
+method; the flag is refused clearly without an MTP head, with --tp > 1 and on the CUDA graph path."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nexrt_vllm.testing.connector_harness import TRAINED_MTP, period_continuation, periodic_prompt
+from nexrt_vllm.testing.node_process import NodeProcess, PrefillSide
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def ckpt(ckpt_factory):
+    return ckpt_factory("qwen3_next", "bfloat16", **TRAINED_MTP["qwen3_next"])
+
+
+@pytest.fixture(scope="module")
+def node(ckpt):
+    n = NodeProcess(ckpt, "mooncake", "--speculative", "mtp", "--num-speculative-tokens", "3", max_seq_len=512)
+    yield n
+    assert n.wait_free()["busy_slots"] == 0
+    n.stop()
+
+
+@pytest.fixture(scope="module")
+def side(ckpt):
+    s = PrefillSide(ckpt, "mooncake", max_seq_len=512)
+    yield s
+    s.close()
+
+
+def _request(node, side, rid, prompt, max_tokens, **sampling):
+    prep = side.prepare(prompt)
+    adm = node.admit(rid)
+    side.send(node, rid, adm["generation"], prep)
+    return prep["first"], node.generate(rid, adm["generation"], prep["first"], max_tokens, **sampling)
+
+
+def test_greedy_tokens_and_acceptance_histogram(node, side):
+    caps = node.call("GET", "/capabilities")[1]
+    assert caps["speculative"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert node.metric("nexrt_speculative", 'method="mtp",num_speculative_tokens="3"') == 1
+    def hist():
+        return (node.metric("nexrt_spec_acceptance_length_count"), node.metric("nexrt_spec_acceptance_length_sum"),
+                [node.metric("nexrt_spec_acceptance_length_bucket", f'le="{k}.0"') for k in range(1, 5)])
+
+    count0, sum0, b0 = hist()
+    prompt = periodic_prompt(60, seed=4)
+    first, (tokens, end) = _request(node, side, "spec-greedy", prompt, 257, ignore_eos=True)
+    assert end["finish_reason"] == "length"
+    want = side.reference(prompt, 257)  # the prefill engine's own one-token loop
+    assert [first, *tokens] == want == period_continuation(prompt, 257)
+    count, total, b = hist()
+    rounds, emitted, b = count - count0, total - sum0, [x - y for x, y in zip(b, b0)]
+    assert rounds > 0 and emitted / rounds > 1.5, (rounds, emitted)
+    # one plain step first (no MTP context), then verify rounds (the last may be cut by max_tokens)
+    assert len(tokens) <= emitted + 1 <= len(tokens) + 4
+    # buckets le=1..4: cumulative, the last holds every round
+    assert b == sorted(b) and b[-1] == rounds
+
+
+def test_sampled_request_is_reproducible(node, side):
+    prompt = periodic_prompt(30, seed=9)
+    runs = [_request(node, side, f"spec-sample-{i}", prompt, 40, temperature=3.0, top_k=4, seed=123, ignore_eos=True)
+            for i in range(2)]
+    (f1, (t1, e1)), (f2, (t2, e2)) = runs
+    assert len(t1) == 39 and e1["finish_reason"] == "length"
+    assert (f1, t1) == (f2, t2)  # same seed, same tokens
+    other = _request(node, side, "spec-sample-x", prompt, 40, temperature=3.0, top_k=4, seed=124, ignore_eos=True)
+    assert other[1][0] != t1
+
+
+def _start(model, *flags):
+    return subprocess.run([sys.executable, "-m", "nexrt_vllm.node.server", "--model", model, "--port", "0",
+                           "--max-seq-len", "64", *flags], capture_output=True, text=True, timeout=120)
+
+
+def test_refusals(ckpt_factory, ckpt):
+    r = _start(ckpt_factory("qwen3_5", "bfloat16"), "--speculative", "mtp")
+    assert r.returncode == 1 and "--speculative mtp: the checkpoint has no MTP head" in r.stderr, r.stderr[-2000:]
+    r = _start(ckpt, "--speculative", "mtp", "--tp", "2")
+    assert r.returncode == 2 and "--speculative mtp with --tp > 1 is not built" in r.stderr
+    r = _start(ckpt, "--speculative", "mtp", "--device", "cuda", "--graph", "fused")
+    assert r.returncode == 2 and "on the CUDA graph path (--graph fused) is not built" in r.stderr
+    # --graph auto would pick the graph path for this bfloat16 checkpoint on CUDA: refused before loading
+    r = _start(ckpt, "--speculative", "mtp", "--device", "cuda")
+    assert r.returncode == 1 and "speculative decoding on the CUDA graph path" in r.stderr and "--graph off" in r.stderr
+    r = _start(ckpt, "--speculative", "mtp", "--num-speculative-tokens", "0")
+    assert r.returncode == 2 and "--num-speculative-tokens must be in [1, 15]" in r.stderr
