@@ -5,47 +5,17 @@ masking, rounding points, the in-place state updates) is checked without a GPU. 
 NEXRT_KERNEL_DEVICE=cuda (benchmarks/gpu_check.py on the H200) the same tests run the compiled
 kernels. Outputs are poisoned (NaN) before each launch so an unwritten element fails the comparison.
 """
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-DEV = os.environ.get("NEXRT_KERNEL_DEVICE", "cpu")
-
 from nexrt_vllm.engine import kernels
+from nexrt_vllm.testing.kernel_calls import DEV, call, rel, rms1p
 
 attention, gdn, gemv, moe, sampling = kernels.load(interpret=DEV == "cpu")
 
 torch.set_num_threads(1)
 BF = torch.bfloat16
-
-
-def call(fn, *args, **kw):
-    """Run a kernel wrapper on DEV: tensor arguments go there, and come back in place afterwards
-    (outputs and in-place state included). Aliasing views are not supported (tests pass none)."""
-    moved = {}
-
-    def mv(t):
-        if not isinstance(t, torch.Tensor) or DEV == "cpu":
-            return t
-        moved.setdefault(id(t), (t, t.to(DEV)))
-        return moved[id(t)][1]
-
-    out = fn(*[mv(a) for a in args], **{k: mv(v) for k, v in kw.items()})
-    for t, d in moved.values():
-        t.copy_(d.cpu())
-    return out
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def rms1p(x, w, eps=1e-6):  # zero-centred RMSNorm as the eager model computes it
-    xf = x.float()
-    return ((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)) * (1.0 + w.float())).to(x.dtype)
 
 
 def lin(x, w):  # bf16 linear with fp32 accumulation, as a GPU GEMM

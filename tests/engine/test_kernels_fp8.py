@@ -7,57 +7,19 @@ NEXRT_KERNEL_DEVICE=cuda (benchmarks/gpu_check.py) the compiled kernels. Block s
 from block to block, so reading a wrong scale row or column is an error of order one, far outside the
 bounds below; outputs are poisoned (NaN) before each launch.
 """
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-DEV = os.environ.get("NEXRT_KERNEL_DEVICE", "cpu")
-
 from nexrt_vllm.engine import kernels
 from nexrt_vllm.engine.fp8 import FP8Weight, cat_rows, quantize_weight
+from nexrt_vllm.testing.kernel_calls import DEV, call, rel, rms1p
 
 attention, gdn, gemv, moe, sampling = kernels.load(interpret=DEV == "cpu")
 
 torch.set_num_threads(1)
 BF = torch.bfloat16
 B128 = (128, 128)
-
-
-def _mv(t):
-    if DEV == "cpu":
-        return t
-    if isinstance(t, FP8Weight):
-        return FP8Weight(t.q.to(DEV), t.scale.to(DEV), t.srow.to(DEV), t.block,
-                         None if t.tail is None else t.tail.to(DEV))
-    return t.to(DEV) if isinstance(t, torch.Tensor) else t
-
-
-def call(fn, *args, **kw):
-    """Run a kernel wrapper on DEV; tensors (not FP8Weights: read-only here) come back in place."""
-    moved = {}
-
-    def mv(t):
-        if isinstance(t, torch.Tensor) and DEV != "cpu":
-            moved.setdefault(id(t), (t, t.to(DEV)))
-            return moved[id(t)][1]
-        return _mv(t)
-
-    out = fn(*[mv(a) for a in args], **{k: mv(v) for k, v in kw.items()})
-    for t, d in moved.values():
-        t.copy_(d.cpu())
-    return out
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def rms1p(x, w, eps=1e-6):
-    xf = x.float()
-    return ((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)) * (1.0 + w.float())).to(x.dtype)
 
 
 def lin(x, w):  # the eager engine on the dequantized weights: bf16 weight, fp32 accumulation
