@@ -35,7 +35,7 @@ import torch
 
 from .model import Model, VerifyScratch
 from .mtp import Drafter
-from .sampling import Sampled, SamplingParams, sampling_probs, token_logprobs
+from .sampling import Sampled, Sampler, SamplingParams, sampling_probs, token_logprobs
 
 
 def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,13 +146,7 @@ class Speculator:
         max_tokens - 1, until the context is full. After a stop, state.seq_len may count accepted
         positions past the stop token (their tokens are discarded)."""
         model, state, M, dev = self.model, engine.state, self.M, engine.device
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator(device=dev)
-            if params.seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(params.seed)
+        gen = Sampler(params, dev).generator  # seeded as the plain sampler's (None when greedy)
         produced = 1
         full = self._ctx_len == state.seq_len and self._ctx_hidden is not None
         ctx_hidden = self._ctx_hidden
