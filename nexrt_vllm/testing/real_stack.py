@@ -181,3 +181,39 @@ def text_of(ckpt: str, prompt_ids: list[int], ids: list[int]) -> str:
     tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
     full = tok.decode(prompt_ids + ids, skip_special_tokens=True)
     return full[len(tok.decode(prompt_ids, skip_special_tokens=True)):]
+
+
+def assert_router_equals_vllm_only(stack: RealStack, router_url: str, n: int, prompts=None) -> None:
+    """Through the router with the `openai` client, greedy for n tokens ignoring EOS, for each prompt
+    (periodic_texts by default): completions and chat, not streamed (token ids, text, usage) and
+    streamed (text; the completion's usage, the chat's finish reason) equal vLLM-only's answer."""
+    import openai
+
+    c = openai.OpenAI(base_url=router_url + "/v1", api_key="none", max_retries=0)
+    greedy = {"temperature": 0, "max_tokens": n}
+    extra = {"ignore_eos": True}
+    for prompt in prompts or periodic_texts(stack.ckpt):
+        pids, ref, _ = vllm_only(stack, "completion", prompt, n)
+        assert len(ref) == n
+        text = text_of(stack.ckpt, pids, ref)
+        r = c.completions.create(model=stack.ckpt, prompt=prompt, **greedy,
+                                 extra_body={**extra, "return_token_ids": True})
+        assert r.choices[0].token_ids == ref
+        assert r.choices[0].text == text and r.usage.completion_tokens == n
+        assert r.usage.prompt_tokens == len(pids)
+        chunks = list(c.completions.create(model=stack.ckpt, prompt=prompt, **greedy, stream=True,
+                                           stream_options={"include_usage": True}, extra_body=extra))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+        assert chunks[-1].usage.completion_tokens == n
+
+        pids, ref, _ = vllm_only(stack, "chat", prompt, n)
+        text = text_of(stack.ckpt, pids, ref)
+        msgs = [{"role": "user", "content": prompt}]
+        r = c.chat.completions.create(model=stack.ckpt, messages=msgs, **greedy,
+                                      extra_body={**extra, "return_token_ids": True})
+        assert r.choices[0].token_ids == ref
+        assert r.choices[0].message.content == text and r.usage.completion_tokens == n
+        chunks = list(c.chat.completions.create(model=stack.ckpt, messages=msgs, **greedy, stream=True,
+                                                extra_body=extra))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+        assert chunks[-1].choices[0].finish_reason == "length"

@@ -15,12 +15,12 @@ import signal
 import socket
 import time
 
-import openai
 import pytest
 import requests
 
 from nexrt_vllm.testing.connector_harness import TRAINED
-from nexrt_vllm.testing.real_stack import MAX_LEN, RealStack, assert_idle, metric, periodic_texts, text_of
+from nexrt_vllm.testing.real_stack import (MAX_LEN, RealStack, assert_idle, assert_router_equals_vllm_only, metric,
+                                          periodic_texts)
 from nexrt_vllm.testing.real_stack import vllm_only as _vllm_only
 
 
@@ -46,36 +46,7 @@ def test_openai_client_over_the_real_path(real, router):
     vLLM-only greedy generation's tokens, as text and as ids, for chat and completions, streaming
     and not."""
     url, _ = router
-    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    n = 32
-    greedy = {"temperature": 0, "max_tokens": n}
-    extra = {"ignore_eos": True}
-    for prompt in periodic_texts(real.ckpt):
-        pids, ref = vllm_only(real, "completion", prompt, n)
-        assert len(ref) == n
-        text = text_of(real.ckpt, pids, ref)
-        r = c.completions.create(model=real.ckpt, prompt=prompt, **greedy,
-                                 extra_body={**extra, "return_token_ids": True})
-        assert r.choices[0].token_ids == ref
-        assert r.choices[0].text == text and r.usage.completion_tokens == n
-        assert r.usage.prompt_tokens == len(pids)
-        chunks = list(c.completions.create(model=real.ckpt, prompt=prompt, **greedy, stream=True,
-                                           stream_options={"include_usage": True},
-                                           extra_body=extra))
-        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
-        assert chunks[-1].usage.completion_tokens == n
-
-        pids, ref = vllm_only(real, "chat", prompt, n)
-        text = text_of(real.ckpt, pids, ref)
-        msgs = [{"role": "user", "content": prompt}]
-        r = c.chat.completions.create(model=real.ckpt, messages=msgs, **greedy,
-                                      extra_body={**extra, "return_token_ids": True})
-        assert r.choices[0].token_ids == ref
-        assert r.choices[0].message.content == text and r.usage.completion_tokens == n
-        chunks = list(c.chat.completions.create(model=real.ckpt, messages=msgs, **greedy,
-                                                stream=True, extra_body=extra))
-        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
-        assert chunks[-1].choices[0].finish_reason == "length"
+    assert_router_equals_vllm_only(real, url, 32)
     assert_idle(real, url)
 
 
