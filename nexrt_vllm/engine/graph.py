@@ -393,9 +393,7 @@ class FusedDecoder:
     def _shape(self, w, n: int) -> dict:
         """Launch shape of a GEMV over `w` with n output rows (Tuning.gemv / gemv_fp8); fp8 rows before
         a bf16 tail must fill whole programs."""
-        if not isinstance(w, FP8Weight):
-            return self.t.shape(n)
-        return self._fit(w, self.t.shape(n, fp8=True))
+        return self._fit(w, self.t.shape(n, fp8=isinstance(w, FP8Weight)))
 
     def _fit(self, w, shape: dict) -> dict:
         if isinstance(w, FP8Weight):
