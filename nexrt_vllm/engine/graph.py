@@ -42,8 +42,8 @@ class Tuning:
     few rows per program and long K blocks, so that enough programs stream enough bytes each."""
     gemv: tuple = ((4096, 2, 1024, 4), (10000, 8, 256, 4), (1 << 62, 16, 256, 4))
     gemv_gated: tuple = (8, 1024, 8)  # GDN out_proj (gated-norm prologue), by the same sweep
-    gemv_router: tuple = (4, 1024, 8)  # MoE router (E+1 rows)
-    block_n_lm: int = 32
+    gemv_router: tuple = (4, 1024, 4)  # MoE router (E+1 rows)
+    block_n_lm: int = 16
     attn_splits: int = 128
     attn_block: int = 64
     attn_min_per: int = 64
@@ -63,6 +63,11 @@ class Tuning:
     # it (`pdl_enabled`); None: the process default (NEXRT_PDL). With the small programs above, a
     # kernel's CTAs can be resident while its predecessor drains.
     pdl: bool | None = True
+    # With PDL: K blocks of its bf16 weight rows each GEMV program loads before it waits on the
+    # previous kernel, and (when > 0) the GDN step's state slice too; what neither depends on the
+    # previous kernel streams while it drains. 0: every load after the wait.
+    prefetch: int = 2
+    prefetch_conv: int = 0  # the same for the GDN in_proj + conv launches (their own measured best)
     # Logprobs / grammar masks: logits per program of the tail launch, and how many reads of the
     # host's mask flag a step makes before it gives up on the mask (each read crosses PCIe, ~1 us).
     tail_chunk: int = 2048
@@ -400,7 +405,8 @@ class FusedDecoder:
             shape = {**shape, "round_w": self.t.fp8_round_weights}
             if w.tail is not None:
                 shape["block_n"] = min(shape["block_n"], w.n8 & -w.n8)
-        return shape
+            return shape
+        return {**shape, "prefetch": self.t.prefetch}
 
     def _rule(self, w, bf16: tuple, fp8: tuple) -> dict:
         return self._fit(w, dict(zip(("block_n", "block_k", "num_warps"), fp8 if isinstance(w, FP8Weight) else bf16)))
@@ -426,11 +432,12 @@ class FusedDecoder:
             ("gdn_in_proj+conv", lambda: g.gemv(
                 self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
                 aux0=m.state.conv, aux1=m.conv_w, eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel,
-                **self._shape(m.w_in, m.w_in.shape[0]))),
+                **{**self._shape(m.w_in, m.w_in.shape[0]), "prefetch": t.prefetch_conv})),
             ("gdn_step", lambda: self.k_gdn.gdn_step(
                 self.buf, m.state.rec, self.o, m.a_log, m.dt_bias, num_k_heads=c.linear_num_key_heads,
                 num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
-                head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v, num_warps=t.gdn_warps)),
+                head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v, num_warps=t.gdn_warps,
+                prefetch=t.prefetch > 0)),
             ("gdn_out_proj", lambda: g.gemv(
                 self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
                 z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim,

@@ -26,35 +26,42 @@ def nan_like(t):
     return torch.full_like(t, float("nan"))
 
 
+# prefetch: K blocks each program loads before it waits on the previous kernel (head, then the loop)
+PREFETCH = pytest.mark.parametrize("prefetch", [0, 2])
+
+
+@PREFETCH
 @pytest.mark.parametrize("k,block_k", [(96, 32), (8200, 1024)])  # x in one load / K > 8192: looped
-def test_gemv_rmsnorm_prologue_store(k, block_k):
+def test_gemv_rmsnorm_prologue_store(k, block_k, prefetch):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(k, generator=g).to(BF)
     w = (torch.randn(70, k, generator=g) * 0.1).to(BF)
     nw = (torch.randn(k, generator=g) * 0.1).to(BF)
     y = nan_like(torch.empty(70, dtype=BF))
-    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=block_k)
+    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=block_k, prefetch=prefetch)
     ref = lin(rms1p(x, nw), w)
     assert rel(y, ref) < 8e-3 and not y.isnan().any()
 
 
-def test_gemv_residual_and_swiglu_epilogues():
+@pytest.mark.parametrize("prefetch", [0, 1, 2])  # 2: the head is all of K, the loop runs no block
+def test_gemv_residual_and_swiglu_epilogues(prefetch):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(64, generator=g).to(BF)
     wgu = (torch.randn(2 * 40, 64, generator=g) * 0.2).to(BF)
     act = nan_like(torch.empty(40, dtype=BF))
-    call(gemv.gemv, x, wgu, act, epi=gemv.EPI_SWIGLU, block_n=16, block_k=32)
+    call(gemv.gemv, x, wgu, act, epi=gemv.EPI_SWIGLU, block_n=16, block_k=32, prefetch=prefetch)
     gate, up = lin(x, wgu[:40]), lin(x, wgu[40:])
     ref = F.silu(gate) * up
     assert rel(act, ref) < 8e-3 and not act.isnan().any()
     res = torch.randn(50, generator=g).to(BF)
     wd = (torch.randn(50, 40, generator=g) * 0.2).to(BF)
     ref_res = res + lin(act, wd)
-    call(gemv.gemv, act, wd, res, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=32)
+    call(gemv.gemv, act, wd, res, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=32, prefetch=prefetch)
     assert rel(res, ref_res) < 8e-3
 
 
-def test_gemv_conv_epilogue_updates_state():
+@PREFETCH
+def test_gemv_conv_epilogue_updates_state(prefetch):
     g = torch.Generator().manual_seed(3)
     conv_n, extra, kc = 48, 20, 4
     x = torch.randn(64, generator=g).to(BF)
@@ -63,7 +70,8 @@ def test_gemv_conv_epilogue_updates_state():
     st = torch.randn(conv_n, kc - 1, generator=g).to(BF)
     st_ref = st.clone()
     y = nan_like(torch.empty(conv_n + extra, dtype=BF))
-    call(gemv.gemv, x, w, y, epi=gemv.EPI_CONV, aux0=st, aux1=cw, conv_n=conv_n, kc=kc, block_n=16, block_k=32)
+    call(gemv.gemv, x, w, y, epi=gemv.EPI_CONV, aux0=st, aux1=cw, conv_n=conv_n, kc=kc, block_n=16, block_k=32,
+         prefetch=prefetch)
     proj = lin(x, w)
     window = torch.cat([st_ref, proj[:conv_n, None]], 1)  # oldest first, newest last
     conv = (window.float() * cw.float()).sum(1).to(BF)
@@ -73,8 +81,9 @@ def test_gemv_conv_epilogue_updates_state():
     assert rel(st[:, -1], proj[:conv_n]) < 8e-3
 
 
+@PREFETCH
 @pytest.mark.parametrize("block_k", [32, 64])  # one head, two heads per K block
-def test_gemv_gated_norm_prologue(block_k):
+def test_gemv_gated_norm_prologue(block_k, prefetch):
     g = torch.Generator().manual_seed(4)
     heads, dv, n = 4, 32, 24
     o = torch.randn(heads * dv, generator=g).to(BF)
@@ -87,18 +96,19 @@ def test_gemv_gated_norm_prologue(block_k):
     gated = ((nw * normed).float() * F.silu(z.view(heads, dv).float())).to(BF).view(-1)
     ref = res + lin(gated, w)
     call(gemv.gemv, o, w, res, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=8,
-         block_k=block_k)
+         block_k=block_k, prefetch=prefetch)
     assert rel(res, ref) < 8e-3
 
 
-def test_gemv_argmax_epilogue_partials():
+@PREFETCH
+def test_gemv_argmax_epilogue_partials(prefetch):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(64, generator=g).to(BF)
     w = (torch.randn(300, 64, generator=g) * 0.3).to(BF)
     logits = nan_like(torch.empty(300))
     npart = -(-300 // 32)
     pmax, pidx = torch.empty(npart), torch.empty(npart, dtype=torch.int32)
-    call(gemv.gemv, x, w, logits, epi=gemv.EPI_ARGMAX, aux0=pmax, aux1=pidx, block_n=32, block_k=32)
+    call(gemv.gemv, x, w, logits, epi=gemv.EPI_ARGMAX, aux0=pmax, aux1=pidx, block_n=32, block_k=32, prefetch=prefetch)
     ref = lin(x, w).float()
     assert rel(logits, ref) < 8e-3
     tok, pos, step = torch.zeros(1, dtype=torch.int64), torch.tensor([7]), torch.tensor([41])
@@ -125,9 +135,10 @@ def _gdn_ref(qkv, b, a, a_log, dt_bias, S, hk, hv, dk, dv):
     return (S * q[:, :, None]).sum(1).to(BF).reshape(-1), S
 
 
+@pytest.mark.parametrize("prefetch", [False, True])  # the state slice read before the PDL wait
 @pytest.mark.parametrize("warps", [4, 1])  # one warp: the default on the GPU (Tuning.gdn_warps)
 @pytest.mark.parametrize("hk,hv", [(2, 4), (2, 2)])
-def test_gdn_step_matches_delta_rule(hk, hv, warps):
+def test_gdn_step_matches_delta_rule(hk, hv, warps, prefetch):
     g = torch.Generator().manual_seed(6)
     dk = dv = 32
     kd, vd = hk * dk, hv * dv
@@ -140,7 +151,7 @@ def test_gdn_step_matches_delta_rule(hk, hv, warps):
                             hk, hv, dk, dv)
     out = nan_like(torch.empty(vd, dtype=BF))
     call(gdn.gdn_step, buf, S, out, a_log, dt_bias, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
-         block_v=16, num_warps=warps)
+         block_v=16, num_warps=warps, prefetch=prefetch)
     assert rel(S, S_ref) < 1e-5
     assert rel(out, o_ref) < 8e-3
 
@@ -254,7 +265,8 @@ def test_moe_experts_selected_only(topk, shape):
     lg = nan_like(torch.empty(E + 1, dtype=BF))
     ids, wts = torch.full((topk,), -1, dtype=torch.int32), nan_like(torch.empty(topk))
     xn = nan_like(torch.empty(hid, dtype=BF))
-    call(gemv.gemv, res, wr, lg, pro=gemv.PRO_RMSNORM, norm_w=norm_w, xn_out=xn, block_n=8, block_k=32)
+    # prefetch 1: the normed input is stored from the head block and from the loop
+    call(gemv.gemv, res, wr, lg, pro=gemv.PRO_RMSNORM, norm_w=norm_w, xn_out=xn, block_n=8, block_k=32, prefetch=1)
     assert torch.equal(xn, h)
     act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
     # the gate_up launch routes from the logits and publishes ids (ascending) / weights for the down launch

@@ -56,7 +56,9 @@ def compile_(fn, consts, num_warps=4, types=None, aligned=()):
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     ptx = k.asm["ptx"]
-    return {"griddep": ptx.count("griddepcontrol"), "cubin_bytes": len(k.asm["cubin"]),
+    wait = ptx.find("griddepcontrol.wait")
+    return {"griddep": ptx.count("griddepcontrol"),
+            "loads_before_wait": ptx[:wait].count("ld.global") if wait >= 0 else None, "cubin_bytes": len(k.asm["cubin"]),
             "fence_sys": ptx.count("fence.sc.sys"), "volatile_loads": ptx.count("ld.volatile"),
             "e4m3_cvt": ptx.count("cvt.rn.f16x2.e4m3x2"),
             "evict_first_v4": ptx.count("ld.global.L1::evict_first.L2::cache_hint.v4.b32")}
@@ -102,11 +104,17 @@ out = {}
 for pdl in (False, True):
     on = dict(PDL=pdl)
     for name, fn, consts, nw in [
-        ("gemv_rmsnorm_swiglu", gemv.gemv_kernel, dict(G, PRO=1, EPI=2), 4),
-        ("gemv_rmsnorm_conv", gemv.gemv_kernel, dict(G, PRO=1, EPI=3), 4),
-        ("gemv_gated_residual", gemv.gemv_kernel, dict(G, PRO=2, EPI=1, GROUP=128, BLOCK_N=8, BLOCK_K=1024), 8),
-        ("gemv_lm_head_argmax", gemv.gemv_kernel, dict(G, PRO=1, EPI=4, BLOCK_N=32), 4),
-        ("gemv_router_xn", gemv.gemv_kernel, dict(G, PRO=1, EPI=0, STORE_XN=True, BLOCK_N=4, BLOCK_K=1024), 8),
+        ("gemv_rmsnorm_swiglu", gemv.gemv_kernel, dict(G, PRE=0, PRO=1, EPI=2), 4),
+        ("gemv_rmsnorm_conv", gemv.gemv_kernel, dict(G, PRE=0, PRO=1, EPI=3), 4),
+        ("gemv_gated_residual", gemv.gemv_kernel, dict(G, PRE=0, PRO=2, EPI=1, GROUP=128, BLOCK_N=8, BLOCK_K=1024), 8),
+        ("gemv_lm_head_argmax", gemv.gemv_kernel, dict(G, PRE=0, PRO=1, EPI=4, BLOCK_N=32), 4),
+        ("gemv_router_xn", gemv.gemv_kernel, dict(G, PRE=0, PRO=1, EPI=0, STORE_XN=True, BLOCK_N=4, BLOCK_K=1024),
+         8),
+        # weights (and the GDN state) loaded ahead of the PDL wait (Tuning.prefetch)
+        ("gemv_swiglu_prefetch", gemv.gemv_kernel, dict(G, PRE=2, PRO=1, EPI=2), 4),
+        ("gemv_residual_prefetch", gemv.gemv_kernel, dict(G, PRE=4, PRO=0, EPI=1, BLOCK_N=2, BLOCK_K=1024), 4),
+        ("gemv_gated_prefetch", gemv.gemv_kernel, dict(G, PRE=1, PRO=2, EPI=1, GROUP=128, BLOCK_N=8, BLOCK_K=1024), 8),
+        ("gdn_step_prefetch", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1),
         ("moe_gate_up", moe.moe_gate_up_kernel, dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=16,
                                                      BLOCK_K=256, E=256, EP=256, NORM=True), 4),
         ("moe_down", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2,
@@ -116,8 +124,8 @@ for pdl in (False, True):
                                                            BLOCK_K=256, E=256, EP=256, NORM=True), 1),
         ("moe_down_1warp", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1,
                                                      BLOCK_K=512), 1),
-        ("gdn_step_1warp", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16), 1),
-        ("gdn_step", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16), 4),
+        ("gdn_step_1warp", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1),
+        ("gdn_step", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 4),
         ("qk_rope_cache", attention.qk_rope_cache_kernel, dict(H=16, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2),
         ("attn_scores", attention.attn_scores_kernel, A, 4),
         ("attn_pv", attention.attn_pv_kernel, A, 4),
@@ -148,7 +156,7 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 42 + 26 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 50 + 26 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_fp8_kernels_stream_e4m3_in_16_byte_loads(compiled):
@@ -177,3 +185,14 @@ def test_pdl_emits_the_grid_dependency_pair_and_only_with_pdl(compiled):
             assert v["griddep"] >= 2, (name, v)  # wait + launch_dependents
         else:
             assert v["griddep"] == 0, (name, v)
+
+
+def test_only_prefetch_variants_load_before_the_pdl_wait(compiled):
+    """With PDL a kernel may start while its predecessor still writes: nothing is read before the wait
+    but what the prefetch variants read there on purpose (weights, the GDN state slice)."""
+    for name, v in compiled.items():
+        if name.endswith("_pdl"):
+            if "_prefetch" in name:
+                assert v["loads_before_wait"] > 0, (name, v)
+            else:
+                assert v["loads_before_wait"] == 0, (name, v)

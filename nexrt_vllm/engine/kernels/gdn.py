@@ -17,13 +17,20 @@ from .common import bf16_round as _bf16
 def gdn_step_kernel(buf_ptr, state_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
                     KEY_DIM, VALUE_DIM, OFF_B, OFF_A, q_scale,
                     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    BLOCK_V: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
+                    BLOCK_V: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     vh = tl.program_id(0)
     jb = tl.program_id(1)
     kh = vh // (HV // HK)  # key heads repeat_interleave onto value heads
     offs_k = tl.arange(0, DK)
     offs_v = jb * BLOCK_V + tl.arange(0, BLOCK_V)
+    sp = state_ptr + vh * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    if PRE:
+        # The state slice is written only by this kernel (the previous token's step of this layer,
+        # long complete), never by the kernel this one waits on: read it before the wait.
+        s = tl.load(sp)
+    pdl_begin(PDL)
+    if not PRE:
+        s = tl.load(sp)
     q = tl.load(buf_ptr + kh * DK + offs_k).to(tl.float32)
     k = tl.load(buf_ptr + KEY_DIM + kh * DK + offs_k).to(tl.float32)
     v = tl.load(buf_ptr + 2 * KEY_DIM + vh * DV + offs_v).to(tl.float32)
@@ -39,8 +46,7 @@ def gdn_step_kernel(buf_ptr, state_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
     u = 1.0 + y
     softplus = tl.where(a > 20.0, a, tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0))))
     g = -tl.exp(tl.load(a_log_ptr + vh).to(tl.float32)) * softplus
-    sp = state_ptr + vh * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    s = tl.load(sp) * tl.exp(g)
+    s = s * tl.exp(g)
     kv = tl.sum(s * k[:, None], 0)
     delta = (v - kv) * beta
     s = s + k[:, None] * delta[None, :]
@@ -50,12 +56,13 @@ def gdn_step_kernel(buf_ptr, state_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
 
 
 def gdn_step(buf, state, out, a_log, dt_bias, *, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
-             block_v=32, num_warps=4):
-    """One decode step for one GDN layer. `buf` = [q|k|v|z|b|a] (conv applied), `state` [HV, dk, dv] fp32."""
+             block_v=32, num_warps=4, prefetch=False):
+    """One decode step for one GDN layer. `buf` = [q|k|v|z|b|a] (conv applied), `state` [HV, dk, dv] fp32;
+    `prefetch`: read the state slice before waiting on the previous kernel (PDL)."""
     key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     off_b = 2 * key_dim + 2 * value_dim
     block_v = min(block_v, head_v_dim)
     gdn_step_kernel[(num_v_heads, head_v_dim // block_v)](
         buf, state, out, a_log, dt_bias, key_dim, value_dim, off_b, off_b + num_v_heads,
         float(head_k_dim) ** 0.5, HV=num_v_heads, HK=num_k_heads, DK=head_k_dim, DV=head_v_dim,
-        BLOCK_V=block_v, **LAUNCH, num_warps=num_warps)
+        BLOCK_V=block_v, PRE=bool(prefetch), **LAUNCH, num_warps=num_warps)

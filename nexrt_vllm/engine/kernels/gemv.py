@@ -72,15 +72,46 @@ def _rstd(x_ptr, K, eps, PRO: tl.constexpr, KP: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
-def _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps, rstd,
+def _w_head(w_ptr, rows, rmask, N, K, stride_w, EPI: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr):
+    """The first PRE K blocks of the program's rows of a bf16 W (and of the SwiGLU up rows): loaded
+    before the program waits on its predecessor kernel (weights never depend on it), so they stream
+    while that kernel drains. PRE * BLOCK_K <= K (`head_blocks`): no column mask."""
+    wh = 0.0
+    wuh = 0.0
+    if PRE > 0:
+        HK: tl.constexpr = PRE * BLOCK_K
+        hcols = tl.arange(0, HK)
+        wp = w_ptr + rows[:, None] * stride_w + hcols[None, :]
+        wmask = rmask[:, None]
+        wh = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
+        if EPI == 2:
+            wuh = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
+    return wh, wuh
+
+
+@triton.jit
+def _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps, rstd, wh, wuh,
               PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """(y, y_up) of `rows` of a bf16 W (y_up: the SwiGLU up rows N + rows; 0 otherwise), fp32."""
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr):
+    """(y, y_up) of `rows` of a bf16 W (y_up: the SwiGLU up rows N + rows; 0 otherwise), fp32.
+    (wh, wuh): the first PRE K blocks, already loaded (`_w_head`); the loop reads the rest."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if EPI == 2:
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    y_up = 0.0
+    if PRE > 0:
+        HK: tl.constexpr = PRE * BLOCK_K
+        hcols = tl.arange(0, HK)
+        hmask = hcols < HK
+        xh = _load_x(x_ptr, hcols, hmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, HK)
+        if STORE_XN:
+            tl.store(z_ptr + hcols, xh.to(z_ptr.dtype.element_ty), mask=hmask & ((tl.zeros_like(hcols) + pid) == 0))
+        y = tl.sum(wh.to(tl.float32) * xh[None, :], 1)
+        if EPI == 2:
+            y_up = tl.sum(wuh.to(tl.float32) * xh[None, :], 1)
+    for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
         cols = k0 + offs_k
         cmask = cols < K
         xv = _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, BLOCK_K)
@@ -96,10 +127,9 @@ def _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps
         if EPI == 2:
             wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
             acc_u += wu.to(tl.float32) * xv[None, :]
-    y = tl.sum(acc, 1)
-    y_up = 0.0
+    y += tl.sum(acc, 1)
     if EPI == 2:
-        y_up = tl.sum(acc_u, 1)
+        y_up += tl.sum(acc_u, 1)
     return y, y_up
 
 
@@ -147,14 +177,16 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                 N, K, stride_w, eps, CONV_N,
                 PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
                 STORE_XN: tl.constexpr, KP: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
+                PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    wh, wuh = _w_head(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
+    pdl_begin(PDL)
     rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
-    y, y_up = _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps, rstd,
-                        PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K)
+    y, y_up = _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps, rstd, wh, wuh,
+                        PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, PRE)
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
 
 
@@ -269,12 +301,18 @@ def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, 
     if TAIL and pid * BLOCK_N >= N8:
         trows = rows - N8
         y, y_up = _acc_bf16(x_ptr, t_ptr, nw_ptr, z_ptr, trows, rmask, pid, N - N8, K, stride_t, eps, rstd,
-                            PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K)
+                            0.0, 0.0, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, 0)
     else:
         y, y_up = _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask & (rows < N8), pid, N8, K,
                            stride_w, stride_s, eps, rstd, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, SUBK, BKS,
                            UNIFORM, ROUND_W, EVEN_K)
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
+
+
+def head_blocks(prefetch: int, k: int, block_k: int) -> int:
+    """K blocks a program loads ahead of its wait: at most `prefetch` and the whole blocks of K, a power of two."""
+    n = min(prefetch, k // block_k)
+    return 1 << (n.bit_length() - 1) if n > 0 else 0
 
 
 def sub_k(block_k: int, bk: int) -> int:
@@ -283,10 +321,12 @@ def sub_k(block_k: int, bk: int) -> int:
 
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
-         conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False):
+         conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False,
+         prefetch=0):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
     optionally a bf16 tail; `round_w`: see _acc_fp8's ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
-    N = rows of y); returns the grid size."""
+    N = rows of y); `prefetch`: K blocks of a bf16 W each program loads before it waits on the
+    previous kernel (PDL), cut to a power of two within K; returns the grid size."""
     fp8 = hasattr(w, "scale")
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
@@ -304,7 +344,8 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
                   STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
                   EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
     if not fp8:
-        gemv_kernel[(grid,)](x, w, y, *args, n, k, w.stride(0), eps, conv_n, **common)
+        gemv_kernel[(grid,)](x, w, y, *args, n, k, w.stride(0), eps, conv_n, PRE=head_blocks(prefetch, k, block_k),
+                             **common)
         return grid
     n8 = w.n8
     tail = w.tail
@@ -327,5 +368,5 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     return grid
 
 
-__all__ = ["gemv", "gemv_kernel", "gemv_fp8_kernel", "sub_k", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
+__all__ = ["gemv", "gemv_kernel", "gemv_fp8_kernel", "head_blocks", "sub_k", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
            "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX"]

@@ -1,0 +1,118 @@
+"""Launch-option sweep of the fused step on the GPU (one shape built once, random weights, then every
+candidate graph.Tuning timed, per kernel group as decode_bench's kernel_groups does and as a whole
+captured step at one context).
+
+Each candidate overrides one or more Tuning fields of the defaults; the JSON holds every candidate's
+step and group times and the candidate with the least step time summed over the shapes.
+`--dtype fp8` sweeps the FP8 kernels' launch shapes on block-quantized weights, `bf16` the
+prefetch ahead of the PDL wait with the GEMV shapes around it.
+
+    python3 benchmarks/tuning_sweep.py --dtype bf16 --shapes 2b,35b --context 8192 --json $OUT/sweep.json
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_bench as D  # noqa: E402
+
+# candidates: Tuning overrides, each timed against the defaults
+_GEMV_FP8 = [((4096, 2, 2048, 4), (10000, 8, 512, 4), (1 << 62, 16, 512, 4)),
+             ((4096, 4, 2048, 4), (10000, 8, 1024, 4), (1 << 62, 16, 1024, 4)),
+             ((4096, 2, 2048, 8), (10000, 8, 1024, 8), (1 << 62, 16, 1024, 8)),
+             ((4096, 4, 1024, 4), (10000, 16, 512, 4), (1 << 62, 32, 512, 4)),
+             ((4096, 2, 1024, 2), (10000, 4, 1024, 4), (1 << 62, 8, 1024, 4)),
+             ((4096, 1, 2048, 4), (10000, 4, 2048, 4), (1 << 62, 8, 2048, 4)),
+             ((4096, 2, 4096, 8), (10000, 8, 2048, 8), (1 << 62, 16, 2048, 8))]
+CANDIDATES = {
+    "fp8": [{"gemv_fp8": v} for v in _GEMV_FP8]
+    + [{"gemv_gated_fp8": v} for v in [(8, 1024, 8), (4, 2048, 4), (16, 2048, 8), (8, 2048, 4), (4, 1024, 4)]]
+    + [{"gemv_router_fp8": v} for v in [(4, 1024, 8), (2, 2048, 4), (8, 2048, 8)]]
+    + [{"block_n_lm_fp8": 16}, {"block_n_lm_fp8": 64}, {"block_k_lm_fp8": 1024}, {"block_k_lm_fp8": 256}]
+    + [{"moe_fp8": v} for v in [(2, 256, 1), (4, 512, 1), (2, 512, 2), (4, 512, 2), (1, 512, 1), (8, 512, 4)]]
+    + [{"moe_down_fp8": v} for v in [(2, 512, 1), (1, 256, 1), (2, 512, 2), (4, 512, 4)]],
+    # the defaults before the prefetch (A/B), and the fields it was chosen with one at a time
+    "bf16": [{"prefetch": 0, "block_n_lm": 32, "gemv_router": (4, 1024, 8)}, {"prefetch": 0},
+             {"prefetch": 1}, {"prefetch_conv": 1}, {"block_n_lm": 32}, {"gemv_router": (4, 1024, 8)}],
+}
+
+
+def build(key: str, max_len: int, dtype: str):
+    from nexrt_vllm.engine import Engine
+    from nexrt_vllm.engine.config import ModelConfig
+    from nexrt_vllm.engine.model import Model
+    from nexrt_vllm.engine.weights import random_weights
+    cfg = ModelConfig.from_dict(D.SHAPES[key])
+    tensors = random_weights(cfg, torch.bfloat16, "cuda", seed=0)
+    if dtype == "fp8":
+        tensors = D.fp8_weights(tensors, cfg)
+    return Engine(cfg, Model(cfg, tensors, max_len), max_len)
+
+
+def measure(eng, tuning, ctx: int) -> dict:
+    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
+    fused.state.position.fill_(ctx)
+    groups = D.kernel_groups(fused)
+    runner = GraphRunner(fused)
+    runner.capture()
+    g = runner._graph(False)
+    fused.state.position.fill_(ctx)
+    D.time_replays(g, 5)
+    fused.state.position.fill_(ctx)
+    step = sorted(D.time_replays(g, 100))[50]
+    del runner, g, fused
+    return {"step_us": step * 1e6, "groups": {k: v["us_per_step"] for k, v in groups.items()}}
+
+
+def main(argv=None) -> int:
+    from nexrt_vllm.engine.graph import Tuning
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", choices=sorted(CANDIDATES), default="bf16")
+    ap.add_argument("--shapes", default="2b,35b")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args(argv)
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    out = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dtype": a.dtype,
+           "context": a.context, "default": dataclasses.asdict(Tuning()), "shapes": {}}
+    for key in a.shapes.split(","):
+        t0 = time.time()
+        eng = build(key, a.context + 64, a.dtype)
+        D.fill_context(eng, a.context, gen)
+        eng.state.set_seq_len(a.context)
+        res = {"default": measure(eng, Tuning(), a.context), "candidates": []}
+        D.log(f"[{key}] built in {time.time() - t0:.0f}s; default step {res['default']['step_us']:.1f} us")
+        for over in CANDIDATES[a.dtype]:
+            try:
+                m = measure(eng, dataclasses.replace(Tuning(), **over), a.context)
+            except Exception as e:  # noqa: BLE001 - a shape the kernels reject is a result too
+                m = {"error": f"{type(e).__name__}: {e}"}
+            res["candidates"].append({"override": over, **m})
+            D.log(f"[{key}] {over}: {m.get('step_us', m.get('error'))}")
+        out["shapes"][key] = res
+        del eng
+        torch.cuda.empty_cache()
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    # the candidate with the least step time summed over the shapes (the defaults included)
+    totals = {"default": sum(r["default"]["step_us"] for r in out["shapes"].values())}
+    for i, over in enumerate(CANDIDATES[a.dtype]):
+        ts = [r["candidates"][i].get("step_us") for r in out["shapes"].values()]
+        if None not in ts:
+            totals[json.dumps(over)] = sum(ts)
+    out["best"] = min(totals, key=totals.get)
+    out["totals_us"] = totals
+    D.log(f"best: {out['best']} ({totals[out['best']]:.1f} us vs default {totals['default']:.1f})")
+    with open(a.json, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
