@@ -10,7 +10,7 @@ carried into the real shape, benchmarks/graft.py) and times each kernel group. W
 (tok/s and MBU vs context with the roofline).
 
     python benchmarks/decode_bench.py --shapes 35b,2b --contexts 1024,8192,32768,131072 --eager-steps 5 \\
-        --graft .work/graft --json $OUT/decode_h200_r6.json --png $OUT/decode_h200_r6.png
+        --graft .work/graft --json $OUT/decode_h200.json --png $OUT/decode_h200.png
 
 `--dtype bf16,fp8` runs each shape with its weights as they are and quantized into the published FP8
 checkpoints' block format (e4m3 + 128 x 128 fp32 scales, read natively by the fp8 kernels); the

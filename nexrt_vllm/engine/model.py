@@ -499,24 +499,36 @@ class Model:
             return F.linear(hn[-1:], self.lm_head)[0].float(), hn
         return self.logits(h)
 
-    @torch.no_grad()
-    def decode(self, token: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """token int64 [1] on the device, placed at state.position; advances state.position by one
-        on the device. Returns fp32 logits [vocab]. No host syncs: capturable in a CUDA graph."""
-        cfg, eps, pos = self.config, self.config.rms_norm_eps, state.position
-        cos, sin = self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
-        visible = (self.kv_index <= pos).unsqueeze(0)
-        h = F.embedding(token, self.embed)
+    def _step_layers(self, h: torch.Tensor, state: DecodeState, cos, sin, positions, visible, gdn) -> torch.Tensor:
+        """Every layer over the T = h.shape[0] new positions after the cached ones (decode: T = 1;
+        verify: the speculated tokens): attention writes their K/V rows and attends under `visible`;
+        `gdn(i, mixer, x, gdn_state)` runs a GDN layer; MoE picks experts per position."""
+        cfg, eps = self.config, self.config.rms_norm_eps
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
             if layer.kind == "full_attention":
                 kv = state.attention(i)
-                x = attention_decode(layer.mixer, cfg, x, cos, sin, kv.k, kv.v, pos, visible)
+                x = attention_decode(layer.mixer, cfg, x, cos, sin, kv.k, kv.v, positions, visible)
             else:
-                s = state.gdn(i)
-                x = gdn_decode(layer.mixer, cfg, x, s.conv, s.rec)
+                x = gdn(i, layer.mixer, x, state.gdn(i))
             h = h + self.reduce(x)
-            h = h + self.reduce(self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=True))
+            y = rms_norm(h, layer.post_norm, eps)
+            if isinstance(layer.ffn, MoEWeights) and y.shape[0] > 1:  # as decode picks them (static shapes)
+                y = torch.cat([self.ffn(i, y[j:j + 1], decode=True) for j in range(y.shape[0])])
+            else:
+                y = self.ffn(i, y, decode=True)
+            h = h + self.reduce(y)
+        return h
+
+    @torch.no_grad()
+    def decode(self, token: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """token int64 [1] on the device, placed at state.position; advances state.position by one
+        on the device. Returns fp32 logits [vocab]. No host syncs: capturable in a CUDA graph."""
+        cfg, pos = self.config, state.position
+        cos, sin = self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
+        visible = (self.kv_index <= pos).unsqueeze(0)
+        h = self._step_layers(F.embedding(token, self.embed), state, cos, sin, pos, visible,
+                              lambda i, m, x, s: gdn_decode(m, cfg, x, s.conv, s.rec))
         pos.add_(1)
         return self.logits(h)
 
@@ -527,27 +539,14 @@ class Model:
         `scratch` (the live GDN state is untouched); MoE picks experts per position. state.position
         does not move: `commit` advances it. Returns (fp32 logits [T, vocab], final-normed hidden
         [T, H]). No host syncs: capturable."""
-        cfg, eps, T = self.config, self.config.rms_norm_eps, tokens.shape[0]
+        cfg, T = self.config, tokens.shape[0]
         positions = state.position + torch.arange(T, device=self.device)
         cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
         visible = self.kv_index.unsqueeze(0) <= positions.unsqueeze(1)  # [T, max_seq_len], causal
-        h = F.embedding(tokens, self.embed)
-        for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, eps)
-            if layer.kind == "full_attention":
-                kv = state.attention(i)
-                x = attention_decode(layer.mixer, cfg, x, cos, sin, kv.k, kv.v, positions, visible)
-            else:
-                s = state.gdn(i)
-                x = gdn_verify(layer.mixer, cfg, x, s.conv, s.rec, scratch.window(i, T), scratch.rec_after[i][:T])
-            h = h + self.reduce(x)
-            y = rms_norm(h, layer.post_norm, eps)
-            if isinstance(layer.ffn, MoEWeights):  # per position, as decode picks them (static shapes)
-                y = torch.cat([self.ffn(i, y[j:j + 1], decode=True) for j in range(T)])
-            else:
-                y = self.ffn(i, y, decode=True)
-            h = h + self.reduce(y)
-        hn = rms_norm(h, self.final_norm, eps)
+        h = self._step_layers(
+            F.embedding(tokens, self.embed), state, cos, sin, positions, visible,
+            lambda i, m, x, s: gdn_verify(m, cfg, x, s.conv, s.rec, scratch.window(i, T), scratch.rec_after[i][:T]))
+        hn = rms_norm(h, self.final_norm, self.config.rms_norm_eps)
         return F.linear(hn, self.lm_head).float(), hn
 
     @torch.no_grad()
