@@ -385,13 +385,24 @@ def periodic_prompt(vocab: int, period: int = 7, n: int = 40, seed: int = 7) -> 
     return [seg[i % period] for i in range(n)], seg
 
 
-def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eager_steps: int, bw: float,
-              breakdown_ctx: int, tuning=None, graft_dir: str = "", dtype: str = "bf16", controls: bool = True) -> dict:
+def random_engine(key: str, max_len: int, dtype: str = "bf16"):
+    """An engine of shape `key` with random bf16 weights on the GPU (seed 0), quantized as the published
+    FP8 checkpoints with dtype "fp8"."""
     from nexrt_vllm.engine import Engine
     from nexrt_vllm.engine.config import ModelConfig
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
     from nexrt_vllm.engine.model import Model
     from nexrt_vllm.engine.weights import random_weights
+
+    if dtype != "fp8":
+        return Engine.from_config(SHAPES[key], device="cuda", dtype="bfloat16", max_seq_len=max_len, seed=0)
+    cfg = ModelConfig.from_dict(SHAPES[key])
+    tensors = fp8_weights(random_weights(cfg, torch.bfloat16, "cuda", seed=0), cfg)
+    return Engine(cfg, Model(cfg, tensors, max_len), max_len)
+
+
+def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eager_steps: int, bw: float,
+              breakdown_ctx: int, tuning=None, graft_dir: str = "", dtype: str = "bf16", controls: bool = True) -> dict:
+    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
 
     t0 = time.time()
     tag = key if dtype == "bf16" else f"{key}/{dtype}"
@@ -400,12 +411,8 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
     if graft_dir:
         eng, tcfg = graft_engine(key, graft_dir, max_len, dtype=dtype)
         prompt, seg = periodic_prompt(tcfg.vocab_size)
-    elif dtype == "fp8":
-        cfg = ModelConfig.from_dict(SHAPES[key])
-        tensors = fp8_weights(random_weights(cfg, torch.bfloat16, "cuda", seed=0), cfg)
-        eng = Engine(cfg, Model(cfg, tensors, max_len), max_len)
     else:
-        eng = Engine.from_config(SHAPES[key], device="cuda", dtype="bfloat16", max_seq_len=max_len, seed=0)
+        eng = random_engine(key, max_len, dtype)
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
     runner = GraphRunner(fused)
     runner.capture()

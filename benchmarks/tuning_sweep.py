@@ -42,18 +42,6 @@ CANDIDATES = {
 }
 
 
-def build(key: str, max_len: int, dtype: str):
-    from nexrt_vllm.engine import Engine
-    from nexrt_vllm.engine.config import ModelConfig
-    from nexrt_vllm.engine.model import Model
-    from nexrt_vllm.engine.weights import random_weights
-    cfg = ModelConfig.from_dict(D.SHAPES[key])
-    tensors = random_weights(cfg, torch.bfloat16, "cuda", seed=0)
-    if dtype == "fp8":
-        tensors = D.fp8_weights(tensors, cfg)
-    return Engine(cfg, Model(cfg, tensors, max_len), max_len)
-
-
 def measure(eng, tuning, ctx: int) -> dict:
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
@@ -83,7 +71,7 @@ def main(argv=None) -> int:
            "context": a.context, "default": dataclasses.asdict(Tuning()), "shapes": {}}
     for key in a.shapes.split(","):
         t0 = time.time()
-        eng = build(key, a.context + 64, a.dtype)
+        eng = D.random_engine(key, a.context + 64, a.dtype)
         D.fill_context(eng, a.context, gen)
         eng.state.set_seq_len(a.context)
         res = {"default": measure(eng, Tuning(), a.context), "candidates": []}

@@ -395,18 +395,18 @@ class FusedDecoder:
         w_gate_up, (f.gate_proj, f.up_proj) = _concat_shared([f.gate_proj, f.up_proj], tail_ok=False)
         return DenseFFN(w_gate_up, f.down_proj)
 
-    def _shape(self, w, n: int) -> dict:
+    def _shape(self, w, n: int, prefetch: int | None = None) -> dict:
         """Launch shape of a GEMV over `w` with n output rows (Tuning.gemv / gemv_fp8); fp8 rows before
-        a bf16 tail must fill whole programs."""
-        return self._fit(w, self.t.shape(n, fp8=isinstance(w, FP8Weight)))
+        a bf16 tail must fill whole programs. `prefetch`: K blocks ahead of the wait (None: Tuning's)."""
+        return self._fit(w, self.t.shape(n, fp8=isinstance(w, FP8Weight)), prefetch)
 
-    def _fit(self, w, shape: dict) -> dict:
+    def _fit(self, w, shape: dict, prefetch: int | None = None) -> dict:
         if isinstance(w, FP8Weight):
             shape = {**shape, "round_w": self.t.fp8_round_weights}
             if w.tail is not None:
                 shape["block_n"] = min(shape["block_n"], w.n8 & -w.n8)
             return shape
-        return {**shape, "prefetch": self.t.prefetch}
+        return {**shape, "prefetch": self.t.prefetch if prefetch is None else prefetch}
 
     def _rule(self, w, bf16: tuple, fp8: tuple) -> dict:
         return self._fit(w, dict(zip(("block_n", "block_k", "num_warps"), fp8 if isinstance(w, FP8Weight) else bf16)))
@@ -432,7 +432,7 @@ class FusedDecoder:
             ("gdn_in_proj+conv", lambda: g.gemv(
                 self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
                 aux0=m.state.conv, aux1=m.conv_w, eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel,
-                **{**self._shape(m.w_in, m.w_in.shape[0]), "prefetch": t.prefetch_conv})),
+                **self._shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv))),
             ("gdn_step", lambda: self.k_gdn.gdn_step(
                 self.buf, m.state.rec, self.o, m.a_log, m.dt_bias, num_k_heads=c.linear_num_key_heads,
                 num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
