@@ -495,8 +495,7 @@ class Model:
             h = h + self.reduce(x)
             h = h + self.reduce(self.ffn(i, rms_norm(h, layer.post_norm, eps), decode=False))
         if hidden:
-            hn = rms_norm(h, self.final_norm, eps)
-            return F.linear(hn[-1:], self.lm_head)[0].float(), hn
+            return self.logits(h), rms_norm(h, self.final_norm, eps)
         return self.logits(h)
 
     def _step_layers(self, h: torch.Tensor, state: DecodeState, cos, sin, positions, visible, gdn) -> torch.Tensor:
@@ -547,7 +546,7 @@ class Model:
             F.embedding(tokens, self.embed), state, cos, sin, positions, visible,
             lambda i, m, x, s: gdn_verify(m, cfg, x, s.conv, s.rec, scratch.window(i, T), scratch.rec_after[i][:T]))
         hn = rms_norm(h, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(hn, self.lm_head).float(), hn
+        return linear(hn, self.lm_head).float(), hn
 
     @torch.no_grad()
     def commit(self, state: DecodeState, scratch: "VerifyScratch", accepted: torch.Tensor, T: int) -> None:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .errors import ConfigError, WeightsError
+from .fp8 import linear
 from .model import (LayerWeights, MoEWeights, _attn_qkv, attention_decode, layer_weights, mlp, moe_decode, rms_norm,
                     rope_tables)
 
@@ -116,7 +117,7 @@ class Drafter:
     decoding (rows before it were never written and are masked). The cache has `extra` rows past
     max_seq_len for the chained steps of the last rounds."""
 
-    def __init__(self, cfg: ModelConfig, w: MTPWeights, lm_head: torch.Tensor, max_seq_len: int, extra: int):
+    def __init__(self, cfg: ModelConfig, w: MTPWeights, lm_head, max_seq_len: int, extra: int):
         self.config, self.w, self.lm_head = cfg, w, lm_head
         dtype, device = w.fc.dtype, w.fc.device
         rows = max_seq_len + extra
@@ -149,7 +150,7 @@ class Drafter:
         else:
             y = mlp(layer.ffn, y)
         g = rms_norm(x + y, self.w.norm, eps)
-        return g, F.linear(g, self.lm_head).float()
+        return g, linear(g, self.lm_head).float()
 
     @torch.no_grad()
     def prefill(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
