@@ -4,8 +4,8 @@ captured step at one context).
 
 Each candidate overrides one or more Tuning fields of the defaults; the JSON holds every candidate's
 step and group times and the candidate with the least step time summed over the shapes.
-`--dtype fp8` sweeps the FP8 kernels' launch shapes on block-quantized weights, `bf16` the
-prefetch ahead of the PDL wait with the GEMV shapes around it.
+`--dtype fp8` sweeps the FP8 kernels' launch shapes on block-quantized weights, `bf16` the bf16
+ones; the first candidate of each (`vec` 1) is the kernels' elementwise accumulators of before.
 
     python3 benchmarks/tuning_sweep.py --dtype bf16 --shapes 2b,35b --context 8192 --json $OUT/sweep.json
 """
@@ -22,23 +22,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_bench as D  # noqa: E402
 
 # candidates: Tuning overrides, each timed against the defaults
-_GEMV_FP8 = [((4096, 2, 2048, 4), (10000, 8, 512, 4), (1 << 62, 16, 512, 4)),
-             ((4096, 4, 2048, 4), (10000, 8, 1024, 4), (1 << 62, 16, 1024, 4)),
-             ((4096, 2, 2048, 8), (10000, 8, 1024, 8), (1 << 62, 16, 1024, 8)),
-             ((4096, 4, 1024, 4), (10000, 16, 512, 4), (1 << 62, 32, 512, 4)),
-             ((4096, 2, 1024, 2), (10000, 4, 1024, 4), (1 << 62, 8, 1024, 4)),
-             ((4096, 1, 2048, 4), (10000, 4, 2048, 4), (1 << 62, 8, 2048, 4)),
-             ((4096, 2, 4096, 8), (10000, 8, 2048, 8), (1 << 62, 16, 2048, 8))]
+_BIG = 1 << 62
 CANDIDATES = {
-    "fp8": [{"gemv_fp8": v} for v in _GEMV_FP8]
-    + [{"gemv_gated_fp8": v} for v in [(8, 1024, 8), (4, 2048, 4), (16, 2048, 8), (8, 2048, 4), (4, 1024, 4)]]
-    + [{"gemv_router_fp8": v} for v in [(4, 1024, 8), (2, 2048, 4), (8, 2048, 8)]]
-    + [{"block_n_lm_fp8": 16}, {"block_n_lm_fp8": 64}, {"block_k_lm_fp8": 1024}, {"block_k_lm_fp8": 256}]
-    + [{"moe_fp8": v} for v in [(2, 256, 1), (4, 512, 1), (2, 512, 2), (4, 512, 2), (1, 512, 1), (8, 512, 4)]]
-    + [{"moe_down_fp8": v} for v in [(2, 512, 1), (1, 256, 1), (2, 512, 2), (4, 512, 4)]],
-    # the defaults before the prefetch (A/B), and the fields it was chosen with one at a time
-    "bf16": [{"prefetch": 0, "block_n_lm": 32, "gemv_router": (4, 1024, 8)}, {"prefetch": 0},
-             {"prefetch": 1}, {"prefetch_conv": 1}, {"block_n_lm": 32}, {"gemv_router": (4, 1024, 8)}],
+    # vec 1: the elementwise accumulators of before (A/B); then one field at a time around the defaults
+    "fp8": [{"vec": 1}, {"prefetch": 0}, {"prefetch": 1}, {"prefetch": 4}]
+    + [{"gemv_fp8": v} for v in [((4096, 4, 2048, 4), (10000, 8, 2048, 4), (_BIG, 16, 512, 4)),
+                                 ((4096, 2, 2048, 4), (10000, 8, 1024, 4), (_BIG, 8, 2048, 4)),
+                                 ((4096, 2, 1024, 4), (10000, 8, 256, 4), (_BIG, 16, 256, 4)),
+                                 ((4096, 4, 2048, 4), (10000, 8, 512, 4), (_BIG, 16, 1024, 4))]]
+    + [{"gemv_gated_fp8": v} for v in [(8, 2048, 4), (4, 2048, 8)]] + [{"gemv_router_fp8": (2, 2048, 4)}]
+    + [{"moe_fp8": v} for v in [(4, 256, 1), (4, 512, 1), (2, 256, 1), (8, 512, 1)]]
+    + [{"moe_down_fp8": v} for v in [(2, 256, 1), (2, 512, 1), (1, 1024, 1)]],
+    "bf16": [{"vec": 1}, {"prefetch": 1}, {"prefetch": 4}]
+    + [{"gemv": v} for v in [((4096, 4, 1024, 4), (10000, 8, 512, 4), (_BIG, 16, 512, 4)),
+                             ((4096, 2, 2048, 4), (10000, 8, 1024, 4), (_BIG, 16, 256, 4)),
+                             ((4096, 4, 1024, 4), (10000, 8, 256, 4), (_BIG, 4, 1024, 4))]]
+    + [{"gemv_gated": (8, 1024, 4)}, {"block_n_lm": 8}, {"moe_block_n": 4}, {"moe_block_k": 512},
+       {"moe_down_block_n": 2}],
 }
 
 

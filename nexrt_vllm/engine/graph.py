@@ -68,6 +68,11 @@ class Tuning:
     # previous kernel streams while it drains. 0: every load after the wait.
     prefetch: int = 2
     prefetch_conv: int = 0  # the same for the GDN in_proj + conv launches (their own measured best)
+    # Columns each GEMV / MoE thread sums in registers before accumulating (kernels/gemv.py `_fold`):
+    # 0 the elements of one 16-byte load (8 bf16, 16 e4m3), 1 elementwise accumulators. `vec` for
+    # bf16 weights (the fold measured mixed there: +40 / -7 us per step), `vec_fp8` for fp8 ones
+    # (-198 / -94 us: their fp32 accumulators were what limited the bytes in flight).
+    vec: int = 1
     # Logprobs / grammar masks: logits per program of the tail launch, and how many reads of the
     # host's mask flag a step makes before it gives up on the mask (each read crosses PCIe, ~1 us).
     tail_chunk: int = 2048
@@ -75,13 +80,15 @@ class Tuning:
     # FP8 weights (fp8.FP8Weight, e4m3 + block scales; docs/GPU.md "FP8"): the same rules for the
     # fp8 kernels. At one byte per element each shape streams the bf16 rule's bytes per program with
     # twice the K block (16 bytes per thread and load; a K block is whole 128-column scale blocks).
-    gemv_fp8: tuple = ((4096, 2, 2048, 4), (10000, 8, 512, 4), (1 << 62, 16, 512, 4))
+    gemv_fp8: tuple = ((4096, 4, 2048, 4), (10000, 8, 512, 4), (1 << 62, 16, 512, 4))
     gemv_gated_fp8: tuple = (8, 2048, 8)
     gemv_router_fp8: tuple = (4, 2048, 8)
     block_n_lm_fp8: int = 32
     block_k_lm_fp8: int = 512
-    moe_fp8: tuple = (2, 512, 1)  # gate_up: rows, K block, warps
-    moe_down_fp8: tuple = (1, 512, 1)  # down: rows, K block, warps
+    moe_fp8: tuple = (4, 512, 1)  # gate_up: rows, K block, warps
+    moe_down_fp8: tuple = (2, 512, 1)  # down: rows, K block, warps
+    vec_fp8: int = 0
+    prefetch_fp8: int = 0  # `prefetch` for fp8 weights: measured to cost them (-42 / +45 us per step without)
     # Round every e4m3 * scale to bf16 in the kernels, as the eager oracle's dequantized weights are:
     # the fp8 step then differs from the eager one only in the order of sums (parity diagnostics).
     fp8_round_weights: bool = False
@@ -397,16 +404,18 @@ class FusedDecoder:
 
     def _shape(self, w, n: int, prefetch: int | None = None) -> dict:
         """Launch shape of a GEMV over `w` with n output rows (Tuning.gemv / gemv_fp8); fp8 rows before
-        a bf16 tail must fill whole programs. `prefetch`: K blocks ahead of the wait (None: Tuning's)."""
+        a bf16 tail must fill whole programs. `prefetch`: K blocks of a bf16 `w` ahead of the wait (None:
+        Tuning's; fp8 weights take Tuning.prefetch_fp8)."""
         return self._fit(w, self.t.shape(n, fp8=isinstance(w, FP8Weight)), prefetch)
 
     def _fit(self, w, shape: dict, prefetch: int | None = None) -> dict:
         if isinstance(w, FP8Weight):
-            shape = {**shape, "round_w": self.t.fp8_round_weights}
+            shape = {**shape, "prefetch": self.t.prefetch_fp8, "vec": self.t.vec_fp8,
+                     "round_w": self.t.fp8_round_weights}
             if w.tail is not None:
                 shape["block_n"] = min(shape["block_n"], w.n8 & -w.n8)
             return shape
-        return {**shape, "prefetch": self.t.prefetch if prefetch is None else prefetch}
+        return {**shape, "prefetch": self.t.prefetch if prefetch is None else prefetch, "vec": self.t.vec}
 
     def _rule(self, w, bf16: tuple, fp8: tuple) -> dict:
         return self._fit(w, dict(zip(("block_n", "block_k", "num_warps"), fp8 if isinstance(w, FP8Weight) else bf16)))
@@ -474,7 +483,7 @@ class FusedDecoder:
                 self.xn, self.res, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down,
                 self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=bn, block_k=bk,
                 down_block_n=dbn, down_block_k=dbk, num_warps=nw, down_num_warps=dnw, norm_topk=c.norm_topk_prob,
-                round_w=t.fp8_round_weights))]
+                round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec))]
 
     def _dense(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
         c, g, f = self.cfg, self.k_gemv, L.ffn

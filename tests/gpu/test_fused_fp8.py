@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from nexrt_vllm.engine import Engine, kernels
 from nexrt_vllm.engine.fp8 import PUBLISHED_NOT_CONVERT, FP8Weight
-from nexrt_vllm.engine.graph import FusedDecoder, Tuning
+from nexrt_vllm.engine.graph import FusedDecoder, MoEFFN, Tuning
 from nexrt_vllm.testing import FP8_NOT_CONVERT, make_fp8_checkpoint
 from nexrt_vllm.testing.connector_harness import period_continuation, periodic_prompt
 
@@ -86,9 +86,10 @@ def test_fused_fp8_step_matches_eager_dequantized(fp8_ckpt, arch, variant, round
     first = int(torch.argmax(lg := eng.prefill(prompt)))
     assert torch.equal(lg, deq.prefill(prompt))
     n0, snap = eng.export_state()
-    eager_logits, inputs, tok = [], [], first
+    eager_logits, inputs, tok, starts = [], [], first, []
     for _ in range(STEPS):
         inputs.append(tok)
+        starts.append(eng.export_state())
         lg = eng.decode_step(tok)
         assert torch.equal(lg, deq.decode_step(tok))
         eager_logits.append(lg)
@@ -106,6 +107,11 @@ def test_fused_fp8_step_matches_eager_dequantized(fp8_ckpt, arch, variant, round
     for k, t in enumerate(inputs):
         if k and bound[1] is None:
             break
+        if k and isinstance(dec.layers[0].ffn, MoEFFN):
+            # MoE: every step from the eager state. The router's top-k on random weights is full of
+            # near ties, and the kernels' fp32 summation order moves a bf16 rounding now and then:
+            # one flipped choice, carried on, would be the only difference measured.
+            eng.import_state(*starts[k])
         dec.tok.fill_(t)
         dec.launch()
         assert rel(dec.logits, eager_logits[k]) < bound[min(k, 1)], f"step {k}"

@@ -64,7 +64,7 @@ def compile_(fn, consts, num_warps=4, types=None, aligned=()):
             "evict_first_v4": ptx.count("ld.global.L1::evict_first.L2::cache_hint.v4.b32")}
 
 
-G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True)
+G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8)
 A = dict(NSPLIT=256, MIN_PER=32, G=8, GP=16, HD=256, BLOCK=32, DOT_F32=False)
 FIN = dict(BLOCK=1024, LP=False, CHECK=False, KMAX=sampling.KMAX, TB=128, CB=4096, ASM=True)
 TAIL = dict(CHUNK=2048, KMAX=sampling.KMAX, MASK=False, TOPK=False, WRITE=False, SPIN=1 << 21, ASM=True)
@@ -74,11 +74,11 @@ F8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "aux0_ptr": "*b
       "sgur_ptr": "*i32", "dn_ptr": "*fp8e4nv", "dns_ptr": "*fp32", "dnr_ptr": "*i32", "sdn_ptr": "*fp8e4nv",
       "sdns_ptr": "*fp32", "sdnr_ptr": "*i32"}
 F8_ARGMAX = dict(F8, aux0_ptr="*fp32", aux1_ptr="*i32")
-GF = dict(G, BLOCK_N=2, BLOCK_K=2048, SUBK=128, BKS=128, UNIFORM=True, ROUND_W=False, TAIL=False)
-MF = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=512, E=256, EP=256, NORM=True, SUBK=128, BKS=128,
-          FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False)
-MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, SUBK=128, BKS=128, FP8_E=True,
-           FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False)
+GF = dict(G, BLOCK_N=2, BLOCK_K=2048, BKS=128, UNIFORM=True, ROUND_W=False, TAIL=False, PRE=0, VEC=16, VEC_T=8)
+MF = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=512, E=256, EP=256, NORM=True, BKS=128,
+          FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16)
+MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, BKS=128, FP8_E=True,
+           FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16)
 ALIGN_G = ("x_ptr", "w_ptr", "s_ptr", "srow_ptr", "t_ptr", "y_ptr", "nw_ptr", "z_ptr", "K", "stride_w", "stride_t")
 ALIGN_M = ("x_ptr", "gu_ptr", "sgu_ptr", "act_ptr", "stride_ge", "act_ptr", "dn_ptr", "sdn_ptr", "stride_de")
 FP8_VARIANTS = [
@@ -94,8 +94,12 @@ FP8_VARIANTS = [
     ("fp8_rows_per_row_scales", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=2, BLOCK_N=16, BLOCK_K=512, UNIFORM=False),
      4, F8, ALIGN_G),
     ("fp8_round_weights", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=0, ROUND_W=True), 4, F8, ALIGN_G),
+    # e4m3 rows loaded ahead of the PDL wait (Tuning.prefetch)
+    ("fp8_swiglu_prefetch", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=2, BLOCK_N=16, BLOCK_K=512, PRE=2), 4, F8,
+     ALIGN_G),
+    ("fp8_residual_prefetch", gemv.gemv_fp8_kernel, dict(GF, PRE=1, PRO=0, EPI=1), 4, F8, ALIGN_G),
     ("fp8_moe_gate_up", moe.moe_gate_up_fp8_kernel, MF, 1, F8, ALIGN_M),
-    ("fp8_moe_gate_up_bf16_shared", moe.moe_gate_up_fp8_kernel, dict(MF, FP8_S=False), 1,
+    ("fp8_moe_gate_up_bf16_shared", moe.moe_gate_up_fp8_kernel, dict(MF, FP8_S=False, VEC_S=8), 1,
      dict(F8, sgu_ptr="*bf16"), ALIGN_M),
     ("fp8_moe_down", moe.moe_down_fp8_kernel, MDF, 1, F8, ALIGN_M),
     ("fp8_moe_down_round", moe.moe_down_fp8_kernel, dict(MDF, ROUND_W=True, UNI_E=False, BLOCK_N=2), 1, F8, ALIGN_M),
@@ -116,14 +120,14 @@ for pdl in (False, True):
         ("gemv_gated_prefetch", gemv.gemv_kernel, dict(G, PRE=1, PRO=2, EPI=1, GROUP=128, BLOCK_N=8, BLOCK_K=1024), 8),
         ("gdn_step_prefetch", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1),
         ("moe_gate_up", moe.moe_gate_up_kernel, dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=16,
-                                                     BLOCK_K=256, E=256, EP=256, NORM=True), 4),
+                                                     BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8), 4),
         ("moe_down", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2,
-                                               BLOCK_K=512), 4),
+                                               BLOCK_K=512, VEC=8), 4),
         # the GPU defaults (graph.Tuning): one-warp MoE and GDN programs
         ("moe_gate_up_1warp", moe.moe_gate_up_kernel, dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2,
-                                                           BLOCK_K=256, E=256, EP=256, NORM=True), 1),
+                                                           BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8), 1),
         ("moe_down_1warp", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1,
-                                                     BLOCK_K=512), 1),
+                                                     BLOCK_K=512, VEC=8), 1),
         ("gdn_step_1warp", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1),
         ("gdn_step", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 4),
         ("qk_rope_cache", attention.qk_rope_cache_kernel, dict(H=16, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2),
@@ -156,14 +160,14 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 50 + 26 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 50 + 30 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_fp8_kernels_stream_e4m3_in_16_byte_loads(compiled):
     """Every FP8 variant converts e4m3 in the kernel (weight-only: no bf16 copy of the weights) and, at
     the aligned real shapes, reads its weight stream with 16-byte evict-first loads."""
     fp8 = {k: v for k, v in compiled.items() if k.startswith("fp8_")}
-    assert len(fp8) == 26
+    assert len(fp8) == 30
     for name, v in fp8.items():
         assert v["e4m3_cvt"] > 0 and v["evict_first_v4"] > 0, (name, v)
 

@@ -13,12 +13,11 @@ Epilogues (EPI): 0 store y; 1 residual add `y_ptr += y`; 2 SwiGLU over W = [gate
 4 store fp32 logits plus a per-program (max, argmax) pair for the sampler. With `xn_out`, program 0
 also stores the normed input (PRO 1) for a later launch (the MoE experts).
 
-FP8 (`gemv_fp8_kernel`, chosen by `gemv` for an fp8.FP8Weight): the weight stays e4m3, each
-[BLOCK_N, BLOCK_K] tile is read as NKB sub-blocks of SUBK columns that each lie in one 128 x 128
-scale block, and the block scale multiplies the (bf16-valued) input, so the weight stream is one
-byte per element plus a scale per tile row-block and K sub-block; accumulation in fp32 as in bf16.
-Rows after the fp8 ones may be bf16 (a fused projection whose last parts the checkpoint keeps in
-bf16); those programs run the bf16 loop.
+FP8 (`gemv_fp8_kernel`, chosen by `gemv` for an fp8.FP8Weight): the weight stays e4m3 and is read in
+the bf16 kernel's [BLOCK_N, BLOCK_K] tiles; each column's block scale (one per 128 x 128 block,
+gathered from L1) multiplies the (bf16-valued) input, so the weight stream is one byte per element;
+accumulation in fp32 as in bf16. Rows after the fp8 ones may be bf16 (a fused projection whose last
+parts the checkpoint keeps in bf16); those programs run the bf16 loop.
 """
 import triton
 import triton.language as tl
@@ -90,15 +89,24 @@ def _w_head(w_ptr, rows, rmask, N, K, stride_w, EPI: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
+def _fold(p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] products summed over runs of VEC adjacent columns. A run is one thread's
+    16-byte load, so the sum stays in its registers: the accumulator is VEC times smaller, and the
+    registers it frees hold more weight bytes in flight (VEC 1: elementwise)."""
+    return tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // VEC, VEC)), 2)
+
+
+@triton.jit
 def _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps, rstd, wh, wuh,
               PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
+              VEC: tl.constexpr):
     """(y, y_up) of `rows` of a bf16 W (y_up: the SwiGLU up rows N + rows; 0 otherwise), fp32.
     (wh, wuh): the first PRE K blocks, already loaded (`_w_head`); the loop reads the rest."""
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     if EPI == 2:
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
     y_up = 0.0
     if PRE > 0:
@@ -123,10 +131,10 @@ def _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps
         else:
             wmask = rmask[:, None] & cmask[None, :]
         w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * xv[None, :]
+        acc += _fold(w.to(tl.float32) * xv[None, :], BLOCK_N, BLOCK_K, VEC)
         if EPI == 2:
             wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
-            acc_u += wu.to(tl.float32) * xv[None, :]
+            acc_u += _fold(wu.to(tl.float32) * xv[None, :], BLOCK_N, BLOCK_K, VEC)
     y += tl.sum(acc, 1)
     if EPI == 2:
         y_up += tl.sum(acc_u, 1)
@@ -178,7 +186,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                 PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
                 STORE_XN: tl.constexpr, KP: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
-                PDL: tl.constexpr):
+                VEC: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -186,64 +194,52 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     pdl_begin(PDL)
     rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
     y, y_up = _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps, rstd, wh, wuh,
-                        PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, PRE)
+                        PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, PRE, VEC)
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
 
 
 @triton.jit
-def _load_x2(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO: tl.constexpr, GROUP: tl.constexpr,
-             NKB: tl.constexpr, SUBK: tl.constexpr):
-    """`_load_x` over a [NKB, SUBK] tile of columns (the fp8 kernel's K block, one scale column per
-    row of it): the same values, element for element."""
-    x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    if PRO == 1:
-        w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        x = _bf16((x * rstd) * (1.0 + w))
-    elif PRO == 2:
-        NH: tl.constexpr = NKB * SUBK // GROUP
-        x2 = tl.reshape(x, (NH, GROUP))
-        r = tl.rsqrt(tl.sum(x2 * x2, 1) / GROUP + eps)
-        xn = tl.reshape(_bf16(x2 * r[:, None]), (NKB, SUBK))
-        w = tl.load(nw_ptr + (cols % GROUP), mask=cmask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        x = _bf16(_bf16(w * xn) * _silu(z))
-    return x
+def _col_scales(sbase, sr, stride_s, cols, cmask, rmask, BKS: tl.constexpr, UNIFORM: tl.constexpr):
+    """The block scale of every column of a [BLOCK_N, BLOCK_K] tile: [BLOCK_K] when the program's rows
+    share scale row sr (UNIFORM), else [BLOCK_N, BLOCK_K] (sr per row). BKS columns share an address,
+    so the gather is L1 traffic, not HBM."""
+    if UNIFORM:
+        s = tl.load(sbase + sr * stride_s + cols // BKS, mask=cmask, other=0.0)
+    else:
+        s = tl.load(sbase + sr[:, None] * stride_s + (cols // BKS)[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0)
+    return s
 
 
 @triton.jit
-def _scaled_dot(w, xv, sbase, sr, stride_s, sc, smask, rmask, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
-    """w [BN, NKB, SUBK] (e4m3) times x [NKB, SUBK] with the weights' block scales (scale row sr:
-    one, or one per row), elementwise in fp32: the scale multiplies x (one product per x element),
-    or with ROUND_W the weight, rounded to bf16."""
+def _scaled_dot(w, xv, s, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
+    """w [BN, BK] (e4m3) times x [BK] with the block scales s (`_col_scales`), elementwise in fp32: the
+    scale multiplies x (one product per column), or with ROUND_W the weight, rounded to bf16."""
     if UNIFORM:
-        s = tl.load(sbase + sr * stride_s + sc, mask=smask, other=0.0)
         if ROUND_W:
-            out = _bf16(w.to(tl.float32) * s[None, :, None]) * xv[None, :, :]
+            out = _bf16(w.to(tl.float32) * s[None, :]) * xv[None, :]
         else:
-            out = w.to(tl.float32) * (xv * s[:, None])[None, :, :]
+            out = w.to(tl.float32) * (xv * s)[None, :]
     else:
-        s = tl.load(sbase + sr[:, None] * stride_s + sc[None, :], mask=rmask[:, None] & smask[None, :], other=0.0)
         if ROUND_W:
-            out = _bf16(w.to(tl.float32) * s[:, :, None]) * xv[None, :, :]
+            out = _bf16(w.to(tl.float32) * s) * xv[None, :]
         else:
-            out = w.to(tl.float32) * (xv[None, :, :] * s[:, :, None])
+            out = w.to(tl.float32) * (xv[None, :] * s)
     return out
 
 
 @triton.jit
 def _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, stride_s, eps, rstd,
-             PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr,
-             UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, EVEN_K: tl.constexpr):
-    """(y, y_up) of `rows` of an e4m3 W with block scales, fp32. A K block is [NKB, SUBK]: each of its
-    NKB sub-blocks lies in one scale column (SUBK divides the scale block BKS), so a program loads
-    one scale per (scale row, sub-block) per K block and scales x by it, never a weight element.
-    UNIFORM: all the program's rows share one scale row (srow of the first row); else per row.
-    ROUND_W: each weight is e4m3 * scale rounded to bf16 instead (the eager oracle's dequantized
-    weights, so the two differ only in the order of sums; a diagnostic mode, more ALU per byte)."""
-    NKB: tl.constexpr = BLOCK_K // SUBK
-    kb = tl.arange(0, NKB)
-    kk = kb[:, None] * SUBK + tl.arange(0, SUBK)[None, :]
+             wh, wuh, PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr,
+             ROUND_W: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr, VEC: tl.constexpr):
+    """(y, y_up) of `rows` of an e4m3 W with block scales, fp32; the tile is [BLOCK_N, BLOCK_K] as in
+    `_acc_bf16` (whose 2-D layout keeps the loads 16 bytes wide and the accumulator small), the
+    scale of each column gathered beside it. UNIFORM: all the program's rows share one scale row
+    (srow of the first row); else per row. ROUND_W: each weight is e4m3 * scale rounded to bf16
+    instead (the eager oracle's dequantized weights, so the two differ only in the order of sums; a
+    diagnostic mode, more ALU per byte). (wh, wuh): the first PRE K blocks, loaded ahead (`_w_head`)."""
+    offs_k = tl.arange(0, BLOCK_K)
     if UNIFORM:
         srow = tl.load(srow_ptr + pid * BLOCK_N)
     else:
@@ -254,31 +250,44 @@ def _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, 
             srow_u = tl.load(srow_ptr + N + pid * BLOCK_N)
         else:
             srow_u = tl.load(srow_ptr + N + rows, mask=rmask, other=0)
-    acc = tl.zeros([BLOCK_N, NKB, SUBK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     if EPI == 2:
-        acc_u = tl.zeros([BLOCK_N, NKB, SUBK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + kk
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    y_up = 0.0
+    if PRE > 0:
+        HK: tl.constexpr = PRE * BLOCK_K
+        hcols = tl.arange(0, HK)
+        hmask = hcols < HK
+        xh = _load_x(x_ptr, hcols, hmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, HK)
+        if STORE_XN:
+            tl.store(z_ptr + hcols, xh.to(z_ptr.dtype.element_ty), mask=hmask & ((tl.zeros_like(hcols) + pid) == 0))
+        s = _col_scales(s_ptr, srow, stride_s, hcols, hmask, rmask, BKS, UNIFORM)
+        y = tl.sum(_scaled_dot(wh, xh, s, UNIFORM, ROUND_W), 1)
+        if EPI == 2:
+            su = _col_scales(s_ptr, srow_u, stride_s, hcols, hmask, rmask, BKS, UNIFORM)
+            y_up = tl.sum(_scaled_dot(wuh, xh, su, UNIFORM, ROUND_W), 1)
+    for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
+        cols = k0 + offs_k
         cmask = cols < K
-        xv = _load_x2(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, NKB, SUBK)
+        xv = _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, BLOCK_K)
         if STORE_XN:
             tl.store(z_ptr + cols, xv.to(z_ptr.dtype.element_ty), mask=cmask & ((tl.zeros_like(cols) + pid) == 0))
-        sc = (k0 + kb * SUBK) // BKS
-        smask = (k0 + kb * SUBK) < K
-        wp = w_ptr + rows[:, None, None] * stride_w + cols[None, :, :]
+        wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
         if EVEN_K:
-            wmask = rmask[:, None, None]
+            wmask = rmask[:, None]
         else:
-            wmask = rmask[:, None, None] & cmask[None, :, :]
+            wmask = rmask[:, None] & cmask[None, :]
         w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
-        acc += _scaled_dot(w, xv, s_ptr, srow, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
+        acc += _fold(_scaled_dot(w, xv, _col_scales(s_ptr, srow, stride_s, cols, cmask, rmask, BKS, UNIFORM),
+                                 UNIFORM, ROUND_W), BLOCK_N, BLOCK_K, VEC)
         if EPI == 2:
             wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
-            acc_u += _scaled_dot(wu, xv, s_ptr, srow_u, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
-    y = tl.sum(tl.sum(acc, 2), 1)
-    y_up = 0.0
+            acc_u += _fold(_scaled_dot(wu, xv, _col_scales(s_ptr, srow_u, stride_s, cols, cmask, rmask, BKS,
+                                                           UNIFORM), UNIFORM, ROUND_W), BLOCK_N, BLOCK_K, VEC)
+    y += tl.sum(acc, 1)
     if EPI == 2:
-        y_up = tl.sum(tl.sum(acc_u, 2), 1)
+        y_up += tl.sum(acc_u, 1)
     return y, y_up
 
 
@@ -287,25 +296,30 @@ def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, 
                     N, K, N8, stride_w, stride_s, stride_t, eps, CONV_N,
                     PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr,
                     KCP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr,
                     UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PRE: tl.constexpr, VEC: tl.constexpr, VEC_T: tl.constexpr, PDL: tl.constexpr):
     """`gemv_kernel` over an FP8 weight: rows < N8 e4m3 (w_ptr) with fp32 block scales (s_ptr, row
     map srow_ptr), rows >= N8 (TAIL) bf16 (t_ptr); N8 is a multiple of BLOCK_N, so each program
-    reads one of the two. Same prologues and epilogues."""
-    pdl_begin(PDL)
+    reads one of the two. Same prologues and epilogues; the e4m3 programs load their first PRE K
+    blocks before the PDL wait, as the bf16 kernel does."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
     if TAIL and pid * BLOCK_N >= N8:
+        pdl_begin(PDL)
+        rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
         trows = rows - N8
         y, y_up = _acc_bf16(x_ptr, t_ptr, nw_ptr, z_ptr, trows, rmask, pid, N - N8, K, stride_t, eps, rstd,
-                            0.0, 0.0, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, 0)
+                            0.0, 0.0, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, 0, VEC_T)
     else:
-        y, y_up = _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask & (rows < N8), pid, N8, K,
-                           stride_w, stride_s, eps, rstd, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, SUBK, BKS,
-                           UNIFORM, ROUND_W, EVEN_K)
+        r8 = rmask & (rows < N8)
+        wh, wuh = _w_head(w_ptr, rows, r8, N8, K, stride_w, EPI, BLOCK_K, PRE)
+        pdl_begin(PDL)
+        rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
+        y, y_up = _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, r8, pid, N8, K,
+                           stride_w, stride_s, eps, rstd, wh, wuh, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, BKS,
+                           UNIFORM, ROUND_W, EVEN_K, PRE, VEC)
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
 
 
@@ -315,18 +329,19 @@ def head_blocks(prefetch: int, k: int, block_k: int) -> int:
     return 1 << (n.bit_length() - 1) if n > 0 else 0
 
 
-def sub_k(block_k: int, bk: int) -> int:
-    """Columns of an fp8 K sub-block: the largest power of two dividing the scale block bk, at most block_k."""
-    return min(block_k, bk & -bk)
+def fold_vec(vec: int, elem_bytes: int, block_k: int) -> int:
+    """`_fold`'s run length: `vec`, or with 0 the elements of one 16-byte load; within block_k."""
+    return min(vec or 16 // elem_bytes, block_k)
 
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
          conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False,
-         prefetch=0):
+         prefetch=0, vec=0):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
     optionally a bf16 tail; `round_w`: see _acc_fp8's ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
-    N = rows of y); `prefetch`: K blocks of a bf16 W each program loads before it waits on the
-    previous kernel (PDL), cut to a power of two within K; returns the grid size."""
+    N = rows of y); `prefetch`: K blocks of W (bf16 or e4m3) each program loads before it waits on the
+    previous kernel (PDL), cut to a power of two within K; `vec`: columns each thread sums in
+    registers before accumulating (`_fold`; 0: a 16-byte load's, 1: elementwise); returns the grid size."""
     fp8 = hasattr(w, "scale")
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
@@ -345,7 +360,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
                   EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
     if not fp8:
         gemv_kernel[(grid,)](x, w, y, *args, n, k, w.stride(0), eps, conv_n, PRE=head_blocks(prefetch, k, block_k),
-                             **common)
+                             VEC=fold_vec(vec, 2, block_k), **common)
         return grid
     n8 = w.n8
     tail = w.tail
@@ -356,17 +371,15 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
             raise ValueError(f"gemv: {n8} fp8 rows before the bf16 tail are not a multiple of block_n {block_n}")
     elif n8 != w.shape[0]:
         raise AssertionError("FP8Weight rows")
-    bk = w.block[1]
-    subk = sub_k(block_k, bk)
-    if block_k % subk:
-        raise ValueError(f"gemv: block_k {block_k} is not a multiple of the fp8 sub-block {subk} (scale block {bk})")
     uniform = w.row_uniform(block_n) and (epi != EPI_SWIGLU or w.row_uniform(block_n, n))
     gemv_fp8_kernel[(grid,)](
         x, w.q, w.scale, w.srow, tail if tail is not None else dummy, y, *args, n, k, n8 if tail is not None else n,
         w.q.stride(0), w.scale.stride(0), tail.stride(0) if tail is not None else 0, eps, conv_n,
-        SUBK=subk, BKS=bk, UNIFORM=uniform, ROUND_W=round_w, TAIL=tail is not None, **common)
+        BKS=w.block[1], UNIFORM=uniform, ROUND_W=round_w, TAIL=tail is not None,
+        PRE=head_blocks(prefetch, k, block_k), VEC=fold_vec(vec, 1, block_k), VEC_T=fold_vec(vec, 2, block_k),
+        **common)
     return grid
 
 
-__all__ = ["gemv", "gemv_kernel", "gemv_fp8_kernel", "head_blocks", "sub_k", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
+__all__ = ["gemv", "gemv_kernel", "gemv_fp8_kernel", "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
            "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX"]

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import LAUNCH, pdl_begin
-from .gemv import _scaled_dot
+from .gemv import _col_scales, _fold, _scaled_dot, fold_vec
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 
@@ -43,15 +43,16 @@ def topk_select(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexp
 
 
 @triton.jit
-def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """SiLU(W_gate x)·(W_up x) for `rows` of a [2 n_rows, K] matrix. K is a compile-time constant and
     the loop is unrolled: no K block's loads wait for the previous block's arithmetic, so a
     program's whole slice can be in flight at once (a rolled loop costs one dependent HBM round
     trip per block)."""
     rmask = rows < n_rows
     offs_k = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
+    BN: tl.constexpr = rows.shape[0]
+    acc_g = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         cols = k0 + offs_k
         cmask = cols < K
@@ -60,8 +61,8 @@ def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.conste
         wg = tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first")
         wu = tl.load(wp + n_rows * K, mask=m2, other=0.0, eviction_policy="evict_first")
         xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        acc_g += wg.to(tl.float32) * xv[None, :]
-        acc_u += wu.to(tl.float32) * xv[None, :]
+        acc_g += _fold(wg.to(tl.float32) * xv[None, :], BN, BLOCK_K, VEC)
+        acc_u += _fold(wu.to(tl.float32) * xv[None, :], BN, BLOCK_K, VEC)
     g = _bf16(tl.sum(acc_g, 1))
     u = _bf16(tl.sum(acc_u, 1))
     return _bf16(_bf16(_silu(g)) * u)
@@ -71,7 +72,8 @@ def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.conste
 def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr, stride_ge,
                        K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                       E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
+                       PDL: tl.constexpr):
     pdl_begin(PDL)
     pid = tl.program_id(0)
     # Grid column 0 is the shared expert (scheduled first: it needs no routing, so its loads start
@@ -93,14 +95,21 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
         n_rows = IS
         slot = TOPK  # the shared expert's act row is the last
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    a = _swiglu_rows(x_ptr, wbase, n_rows, rows, K, BLOCK_K)
+    a = _swiglu_rows(x_ptr, wbase, n_rows, rows, K, BLOCK_K, VEC)
     tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < n_rows)
+
+
+@triton.jit
+def _fold3(p, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """`gemv._fold` of [S, BLOCK_N, BLOCK_K] products (one slice per selected expert)."""
+    return tl.sum(tl.reshape(p, (S, BLOCK_N, BLOCK_K // VEC, VEC)), 3)
 
 
 @triton.jit
 def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N, stride_de,
                     I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
-                    IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                    PDL: tl.constexpr):
     pdl_begin(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,26 +118,26 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
     # The shared expert's rows first (no routing needed), then every routed expert's rows in one
     # gather load [TOPKP, BLOCK_N, BLOCK_K] per K block: all of the program's weight bytes can be in
     # flight together. (Expert after expert, each bf16 sum waits for its own round trip.)
-    acc_s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_s = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.static_range(0, IS, BLOCK_K):
         cols = k0 + offs_k
         cm = cols < IS
         a = tl.load(act_ptr + TOPK * IMAX + cols, mask=cm, other=0.0).to(tl.float32)
         wv = tl.load(sdn_ptr + rows[:, None] * IS + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
                      eviction_policy="evict_first")
-        acc_s += wv.to(tl.float32) * a[None, :]
+        acc_s += _fold(wv.to(tl.float32) * a[None, :], BLOCK_N, BLOCK_K, VEC)
     s = tl.arange(0, TOPKP)
     sm = s < TOPK
     eid = tl.load(ids_ptr + s, mask=sm, other=0)
     base = dn_ptr + eid.to(tl.int64)[:, None, None] * stride_de + rows[None, :, None] * I
-    acc = tl.zeros([TOPKP, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([TOPKP, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.static_range(0, I, BLOCK_K):
         cols = k0 + offs_k
         cm = cols < I
         a = tl.load(act_ptr + s[:, None] * IMAX + cols[None, :], mask=sm[:, None] & cm[None, :], other=0.0)
         wv = tl.load(base + cols[None, None, :], mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :],
                      other=0.0, eviction_policy="evict_first")
-        acc += wv.to(tl.float32) * a.to(tl.float32)[:, None, :]
+        acc += _fold3(wv.to(tl.float32) * a.to(tl.float32)[:, None, :], TOPKP, BLOCK_N, BLOCK_K, VEC)
     w = tl.load(wts_ptr + s, mask=sm, other=0.0)
     part = _bf16(_bf16(tl.sum(acc, 2)) * w[:, None])  # [TOPKP, BLOCK_N]: each expert's bf16 output
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -143,14 +152,15 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
-                norm_topk=True, round_w=False):
+                norm_topk=True, round_w=False, vec=0):
     """Routed + shared experts for one token, after the router launch (`gemv`, xn_out) has left the
     normed input xn [H] and logits [E+1] (router logits, then the shared-expert gate logit). The
     gate_up launch routes and writes ids / wts [top_k] (ascending ids) for the down launch.
     `res` (the residual, [H]) is updated in place. gate_up [E, 2I, H], down [E, H, I],
     shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch. Any of the
     four weights may be an fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8
-    kernels, which read each weight in its own format (`round_w`: gemv._acc_fp8's ROUND_W)."""
+    kernels, which read each weight in its own format (`round_w`: gemv._acc_fp8's ROUND_W; `vec`:
+    gemv.gemv's)."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
@@ -162,39 +172,43 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
         moe_gate_up_kernel[grid_up](
             xn, gate_up, shared_gate_up, act, ids, logits, wts, gate_up.stride(0), K=hidden, I=inter, IS=inter_s,
             TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, E=n_exp, EP=triton.next_power_of_2(n_exp),
-            NORM=norm_topk, **LAUNCH, num_warps=num_warps)
+            NORM=norm_topk, VEC=fold_vec(vec, 2, bk), **LAUNCH, num_warps=num_warps)
     else:
-        (ge, gs, gr, sge, uni_e), (sg, ss, sr, sgs, uni_s), subk, bks = up_fp8(block_n, bk, inter, inter_s, swiglu=True)
+        (ge, gs, gr, sge, uni_e), (sg, ss, sr, sgs, uni_s), bks = up_fp8(block_n, inter, inter_s, swiglu=True)
         moe_gate_up_fp8_kernel[grid_up](
             xn, ge, gs, gr, sg, ss, sr, act, ids, logits, wts, ge.stride(0), gs.stride(0) if gs.dim() == 3 else 0,
             sge, sgs, K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk,
-            E=n_exp, EP=triton.next_power_of_2(n_exp), NORM=norm_topk, SUBK=subk, BKS=bks,
+            E=n_exp, EP=triton.next_power_of_2(n_exp), NORM=norm_topk, BKS=bks,
             FP8_E=_is_fp8(gate_up), FP8_S=_is_fp8(shared_gate_up), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
-            **LAUNCH, num_warps=num_warps)
+            VEC_E=_vec(vec, gate_up, bk), VEC_S=_vec(vec, shared_gate_up, bk), **LAUNCH, num_warps=num_warps)
     grid_dn = (triton.cdiv(hidden, down_block_n),)
     if down_fp8 is None:
         moe_down_kernel[grid_dn](
             act, down, shared_down, ids, wts, logits, res, hidden, down.stride(0), I=inter, IS=inter_s,
             E=n_exp, TOPK=top_k, TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n,
-            BLOCK_K=bkd, **LAUNCH, num_warps=down_num_warps)
+            BLOCK_K=bkd, VEC=fold_vec(vec, 2, bkd), **LAUNCH, num_warps=down_num_warps)
     else:
-        (de, ds, dr, sde, uni_e), (sd, sds, sdr, ssd, uni_s), subk, bks = down_fp8(down_block_n, bkd, hidden, hidden)
+        (de, ds, dr, sde, uni_e), (sd, sds, sdr, ssd, uni_s), bks = down_fp8(down_block_n, hidden, hidden)
         moe_down_fp8_kernel[grid_dn](
             act, de, ds, dr, sd, sds, sdr, ids, wts, logits, res, hidden, de.stride(0),
             ds.stride(0) if ds.dim() == 3 else 0, sde, ssd, I=inter, IS=inter_s, E=n_exp, TOPK=top_k,
-            TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, SUBK=subk, BKS=bks,
+            TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, BKS=bks,
             FP8_E=_is_fp8(down), FP8_S=_is_fp8(shared_down), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
-            **LAUNCH, num_warps=down_num_warps)
+            VEC_E=_vec(vec, down, bkd), VEC_S=_vec(vec, shared_down, bkd), **LAUNCH, num_warps=down_num_warps)
 
 
 def _is_fp8(w) -> bool:
     return hasattr(w, "scale")
 
 
+def _vec(vec: int, w, block_k: int) -> int:
+    return fold_vec(vec, 1 if _is_fp8(w) else 2, block_k)
+
+
 def _fp8(routed, shared):
-    """None when both weights are bf16; else a function (block_n, block_k, rows_e, rows_s, swiglu) ->
-    the fp8 kernel's pointer groups (weight, scales, row map, scale row stride, uniform rows) for the
-    routed and the shared weight (a bf16 weight: itself and dummies), the K sub-block and scale block."""
+    """None when both weights are bf16; else a function (block_n, rows_e, rows_s, swiglu) -> the fp8
+    kernel's pointer groups (weight, scales, row map, scale row stride, uniform rows) for the routed
+    and the shared weight (a bf16 weight: itself and dummies), and the scale block's columns."""
     fp8 = [w for w in (routed, shared) if _is_fp8(w)]
     if not fp8:
         return None
@@ -204,11 +218,7 @@ def _fp8(routed, shared):
         raise ValueError("moe_experts: expert weights cannot have bf16 tail rows")
     bks = fp8[0].block[1]
 
-    def groups(block_n, block_k, rows_e, rows_s, swiglu=False):
-        from .gemv import sub_k
-        subk = sub_k(block_k, bks)
-        if block_k % subk:
-            raise ValueError(f"moe_experts: block_k {block_k} is not a multiple of the fp8 sub-block {subk}")
+    def groups(block_n, rows_e, rows_s, swiglu=False):
         out = []
         for w, n in ((routed, rows_e), (shared, rows_s)):
             if _is_fp8(w):
@@ -216,25 +226,23 @@ def _fp8(routed, shared):
                 out.append((w.q, w.scale, w.srow, w.scale.stride(-2), uni))
             else:
                 out.append((w, w, w, 0, True))
-        return out[0], out[1], subk, bks
+        return out[0], out[1], bks
     return groups
 
 
 # ---- FP8 experts (fp8.FP8Weight: e4m3 [.., N, K] + fp32 block scales + row map) -------------------
 # The same three-launch design and rounding points; the routed experts and the shared expert may each
-# be fp8 or bf16 (FP8_E / FP8_S). A K block is [NKB, SUBK] columns, each SUBK run inside one scale
-# block, so the scale multiplies the bf16-valued input per (row-block, K sub-block), not the weights.
+# be fp8 or bf16 (FP8_E / FP8_S). Tiles are the bf16 kernels' 2-D ones; each column's block scale is
+# gathered beside it and multiplies the bf16-valued input, not the weights.
 
 
 @triton.jit
 def _swiglu_rows_fp8(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr,
-                     ROUND_W: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr,
+                     VEC: tl.constexpr):
     """`_swiglu_rows` of an e4m3 [2 n_rows, K] expert with block scales (sbase, row map srow_ptr)."""
-    NKB: tl.constexpr = BLOCK_K // SUBK
     rmask = rows < n_rows
-    kb = tl.arange(0, NKB)
-    kk = kb[:, None] * SUBK + tl.arange(0, SUBK)[None, :]
+    offs_k = tl.arange(0, BLOCK_K)
     ok = row0 < n_rows  # a program past this expert's rows (a wider shared expert) reads no scale row
     if UNIFORM:
         sr_g = tl.load(srow_ptr + row0, mask=ok, other=0)
@@ -242,22 +250,24 @@ def _swiglu_rows_fp8(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0
     else:
         sr_g = tl.load(srow_ptr + rows, mask=rmask, other=0)
         sr_u = tl.load(srow_ptr + n_rows + rows, mask=rmask, other=0)
-    acc_g = tl.zeros([rows.shape[0], NKB, SUBK], dtype=tl.float32)
-    acc_u = tl.zeros([rows.shape[0], NKB, SUBK], dtype=tl.float32)
+    BN: tl.constexpr = rows.shape[0]
+    acc_g = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
-        cols = k0 + kk
+        cols = k0 + offs_k
         cmask = cols < K
-        wp = wbase + rows[:, None, None] * K + cols[None, :, :]
-        m3 = rmask[:, None, None] & cmask[None, :, :]
-        wg = tl.load(wp, mask=m3, other=0.0, eviction_policy="evict_first")
-        wu = tl.load(wp + n_rows * K, mask=m3, other=0.0, eviction_policy="evict_first")
+        wp = wbase + rows[:, None] * K + cols[None, :]
+        m2 = rmask[:, None] & cmask[None, :]
+        wg = tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first")
+        wu = tl.load(wp + n_rows * K, mask=m2, other=0.0, eviction_policy="evict_first")
         xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        sc = (k0 + kb * SUBK) // BKS
-        smask = ((k0 + kb * SUBK) < K) & ((kb * 0 + row0) < n_rows)  # (a scalar & a vector trips the interpreter)
-        acc_g += _scaled_dot(wg, xv, sbase, sr_g, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
-        acc_u += _scaled_dot(wu, xv, sbase, sr_u, stride_s, sc, smask, rmask, UNIFORM, ROUND_W)
-    g = _bf16(tl.sum(tl.sum(acc_g, 2), 1))
-    u = _bf16(tl.sum(tl.sum(acc_u, 2), 1))
+        smask = cmask & ((offs_k * 0 + row0) < n_rows)  # (a scalar & a vector trips the interpreter)
+        acc_g += _fold(_scaled_dot(wg, xv, _col_scales(sbase, sr_g, stride_s, cols, smask, rmask, BKS, UNIFORM),
+                                   UNIFORM, ROUND_W), BN, BLOCK_K, VEC)
+        acc_u += _fold(_scaled_dot(wu, xv, _col_scales(sbase, sr_u, stride_s, cols, smask, rmask, BKS, UNIFORM),
+                                   UNIFORM, ROUND_W), BN, BLOCK_K, VEC)
+    g = _bf16(tl.sum(acc_g, 1))
+    u = _bf16(tl.sum(acc_u, 1))
     return _bf16(_bf16(_silu(g)) * u)
 
 
@@ -266,9 +276,10 @@ def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, s
                            logits_ptr, wts_ptr, stride_ge, stride_gse, stride_gs, stride_sgs,
                            K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                            TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, SUBK: tl.constexpr,
+                           E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
                            BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
-                           UNI_S: tl.constexpr, ROUND_W: tl.constexpr, PDL: tl.constexpr):
+                           UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
+                           PDL: tl.constexpr):
     """`moe_gate_up_kernel` with fp8 routed experts (FP8_E: gu e4m3 [E, 2I, K], scales gus
     [E, S, ceil(K/bk)], row map gur [2I]) and / or an fp8 shared expert (FP8_S: sgu, sgus, sgur)."""
     pdl_begin(PDL)
@@ -284,63 +295,54 @@ def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, s
             tl.store(wts_ptr + slot, tl.sum(tl.where(mine, w, 0.0), 0))
         if FP8_E:
             a = _swiglu_rows_fp8(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, gus_ptr + eid.to(tl.int64) * stride_gse,
-                                 gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, SUBK, BKS, UNI_E, ROUND_W)
+                                 gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, BKS, UNI_E, ROUND_W, VEC_E)
         else:
-            a = _swiglu_rows(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, I, rows, K, BLOCK_K)
+            a = _swiglu_rows(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, I, rows, K, BLOCK_K, VEC_E)
         tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < I)
     else:
         if FP8_S:
             a = _swiglu_rows_fp8(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, pid * BLOCK_N, K, BLOCK_K,
-                                 SUBK, BKS, UNI_S, ROUND_W)
+                                 BKS, UNI_S, ROUND_W, VEC_S)
         else:
-            a = _swiglu_rows(x_ptr, sgu_ptr, IS, rows, K, BLOCK_K)
+            a = _swiglu_rows(x_ptr, sgu_ptr, IS, rows, K, BLOCK_K, VEC_S)
         tl.store(act_ptr + TOPK * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < IS)
 
 
 @triton.jit
 def _down_shared(act_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, stride_sds, rows, rmask, row0, IS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr, BKS: tl.constexpr,
-                 FP8: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr,
+                 FP8: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, VEC: tl.constexpr):
     """The shared expert's down rows `rows` · act (its row of act_ptr), fp32 [BLOCK_N]."""
+    offs_k = tl.arange(0, BLOCK_K)
     if FP8:
-        NKB: tl.constexpr = BLOCK_K // SUBK
-        kb = tl.arange(0, NKB)
-        kk = kb[:, None] * SUBK + tl.arange(0, SUBK)[None, :]
         if UNIFORM:
             sr = tl.load(sdnr_ptr + row0)
         else:
             sr = tl.load(sdnr_ptr + rows, mask=rmask, other=0)
-        acc3 = tl.zeros([BLOCK_N, NKB, SUBK], dtype=tl.float32)
-        for k0 in tl.static_range(0, IS, BLOCK_K):
-            cols = k0 + kk
-            cm = cols < IS
-            a = tl.load(act_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-            wv = tl.load(sdn_ptr + rows[:, None, None] * IS + cols[None, :, :],
-                         mask=rmask[:, None, None] & cm[None, :, :], other=0.0, eviction_policy="evict_first")
-            acc3 += _scaled_dot(wv, a, sdns_ptr, sr, stride_sds, (k0 + kb * SUBK) // BKS, (k0 + kb * SUBK) < IS,
-                                rmask, UNIFORM, ROUND_W)
-        out = tl.sum(tl.sum(acc3, 2), 1)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.static_range(0, IS, BLOCK_K):
-            cols = k0 + offs_k
-            cm = cols < IS
-            a = tl.load(act_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-            wv = tl.load(sdn_ptr + rows[:, None] * IS + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
-                         eviction_policy="evict_first")
-            acc += wv.to(tl.float32) * a[None, :]
-        out = tl.sum(acc, 1)
-    return out
+    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    for k0 in tl.static_range(0, IS, BLOCK_K):
+        cols = k0 + offs_k
+        cm = cols < IS
+        a = tl.load(act_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        wv = tl.load(sdn_ptr + rows[:, None] * IS + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
+                     eviction_policy="evict_first")
+        if FP8:
+            p = _scaled_dot(wv, a, _col_scales(sdns_ptr, sr, stride_sds, cols, cm, rmask, BKS, UNIFORM), UNIFORM,
+                            ROUND_W)
+        else:
+            p = wv.to(tl.float32) * a[None, :]
+        acc += _fold(p, BLOCK_N, BLOCK_K, VEC)
+    return tl.sum(acc, 1)
 
 
 @triton.jit
 def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr,
                         res_ptr, N, stride_de, stride_dse, stride_ds, stride_sds,
                         I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
-                        IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBK: tl.constexpr,
+                        IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
-                        UNI_S: tl.constexpr, ROUND_W: tl.constexpr, PDL: tl.constexpr):
+                        UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
+                        PDL: tl.constexpr):
     """`moe_down_kernel` with fp8 routed down projections (FP8_E: dn e4m3 [E, H, I], scales dns, row
     map dnr [H]) and / or an fp8 shared down (FP8_S). Same gather load over the selected experts."""
     pdl_begin(PDL)
@@ -349,57 +351,45 @@ def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sd
     rows = row0 + tl.arange(0, BLOCK_N)
     rmask = rows < N
     shared = _down_shared(act_ptr + TOPK * IMAX, sdn_ptr, sdns_ptr, sdnr_ptr, stride_sds, rows, rmask, row0, IS,
-                          BLOCK_N, BLOCK_K, SUBK, BKS, FP8_S, UNI_S, ROUND_W)
+                          BLOCK_N, BLOCK_K, BKS, FP8_S, UNI_S, ROUND_W, VEC_S)
     s = tl.arange(0, TOPKP)
     sm = s < TOPK
     eid = tl.load(ids_ptr + s, mask=sm, other=0)
+    offs_k = tl.arange(0, BLOCK_K)
+    base = dn_ptr + eid.to(tl.int64)[:, None, None] * stride_de + rows[None, :, None] * I
     if FP8_E:
-        NKB: tl.constexpr = BLOCK_K // SUBK
-        kb = tl.arange(0, NKB)
-        kk = kb[:, None] * SUBK + tl.arange(0, SUBK)[None, :]
-        base = dn_ptr + eid.to(tl.int64)[:, None, None, None] * stride_de + rows[None, :, None, None] * I
         sbase = dns_ptr + eid.to(tl.int64) * stride_dse
         if UNI_E:
             sr = tl.load(dnr_ptr + row0)
         else:
             sr = tl.load(dnr_ptr + rows, mask=rmask, other=0)
-        acc4 = tl.zeros([TOPKP, BLOCK_N, NKB, SUBK], dtype=tl.float32)
-        for k0 in tl.static_range(0, I, BLOCK_K):
-            cols = k0 + kk
-            cm = cols < I
-            a = tl.load(act_ptr + s[:, None, None] * IMAX + cols[None, :, :], mask=sm[:, None, None] & cm[None, :, :],
-                        other=0.0).to(tl.float32)
-            wv = tl.load(base + cols[None, None, :, :],
-                         mask=sm[:, None, None, None] & rmask[None, :, None, None] & cm[None, None, :, :],
-                         other=0.0, eviction_policy="evict_first")
-            sc = (k0 + kb * SUBK) // BKS
-            scm = (k0 + kb * SUBK) < I
-            if UNI_E:
-                sv = tl.load(sbase[:, None] + sr * stride_ds + sc[None, :], mask=sm[:, None] & scm[None, :], other=0.0)
+    acc = tl.zeros([TOPKP, BLOCK_N, BLOCK_K // VEC_E], dtype=tl.float32)
+    for k0 in tl.static_range(0, I, BLOCK_K):
+        cols = k0 + offs_k
+        cm = cols < I
+        a = tl.load(act_ptr + s[:, None] * IMAX + cols[None, :], mask=sm[:, None] & cm[None, :], other=0.0)
+        a = a.to(tl.float32)
+        wv = tl.load(base + cols[None, None, :], mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :],
+                     other=0.0, eviction_policy="evict_first")
+        if FP8_E:
+            if UNI_E:  # [TOPKP, BLOCK_K]: each selected expert's scale of every column
+                sv = tl.load(sbase[:, None] + sr * stride_ds + (cols // BKS)[None, :], mask=sm[:, None] & cm[None, :],
+                             other=0.0)
                 if ROUND_W:
-                    acc4 += _bf16(wv.to(tl.float32) * sv[:, None, :, None]) * a[:, None, :, :]
+                    p = _bf16(wv.to(tl.float32) * sv[:, None, :]) * a[:, None, :]
                 else:
-                    acc4 += wv.to(tl.float32) * (a * sv[:, :, None])[:, None, :, :]
-            else:
-                sv = tl.load(sbase[:, None, None] + sr[None, :, None] * stride_ds + sc[None, None, :],
-                             mask=sm[:, None, None] & rmask[None, :, None] & scm[None, None, :], other=0.0)
+                    p = wv.to(tl.float32) * (a * sv)[:, None, :]
+            else:  # [TOPKP, BLOCK_N, BLOCK_K]
+                sv = tl.load(sbase[:, None, None] + sr[None, :, None] * stride_ds + (cols // BKS)[None, None, :],
+                             mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :], other=0.0)
                 if ROUND_W:
-                    acc4 += _bf16(wv.to(tl.float32) * sv[:, :, :, None]) * a[:, None, :, :]
+                    p = _bf16(wv.to(tl.float32) * sv) * a[:, None, :]
                 else:
-                    acc4 += wv.to(tl.float32) * (a[:, None, :, :] * sv[:, :, :, None])
-        racc = tl.sum(tl.sum(acc4, 3), 2)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        base = dn_ptr + eid.to(tl.int64)[:, None, None] * stride_de + rows[None, :, None] * I
-        acc = tl.zeros([TOPKP, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.static_range(0, I, BLOCK_K):
-            cols = k0 + offs_k
-            cm = cols < I
-            a = tl.load(act_ptr + s[:, None] * IMAX + cols[None, :], mask=sm[:, None] & cm[None, :], other=0.0)
-            wv = tl.load(base + cols[None, None, :], mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :],
-                         other=0.0, eviction_policy="evict_first")
-            acc += wv.to(tl.float32) * a.to(tl.float32)[:, None, :]
-        racc = tl.sum(acc, 2)
+                    p = wv.to(tl.float32) * (a[:, None, :] * sv)
+        else:
+            p = wv.to(tl.float32) * a[:, None, :]
+        acc += _fold3(p, TOPKP, BLOCK_N, BLOCK_K, VEC_E)
+    racc = tl.sum(acc, 2)
     w = tl.load(wts_ptr + s, mask=sm, other=0.0)
     part = _bf16(_bf16(racc) * w[:, None])  # [TOPKP, BLOCK_N]: each expert's bf16 output
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
