@@ -42,6 +42,10 @@ CANDIDATES = {
 }
 
 
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
 def measure(eng, tuning, ctx: int) -> dict:
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
@@ -65,7 +69,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="2b,35b")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--json", required=True)
+    ap.add_argument("--candidates", default="", help="a JSON list of Tuning overrides to time instead of the "
+                    "dtype's built-in list (lists become tuples), e.g. '[{\"moe_fp8\": [4, 1024, 1]}]'")
     a = ap.parse_args(argv)
+    cands = [{k: _tuples(v) for k, v in c.items()} for c in json.loads(a.candidates)] if a.candidates else \
+        CANDIDATES[a.dtype]
     gen = torch.Generator(device="cuda").manual_seed(1234)
     out = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dtype": a.dtype,
            "context": a.context, "default": dataclasses.asdict(Tuning()), "shapes": {}}
@@ -76,7 +84,7 @@ def main(argv=None) -> int:
         eng.state.set_seq_len(a.context)
         res = {"default": measure(eng, Tuning(), a.context), "candidates": []}
         D.log(f"[{key}] built in {time.time() - t0:.0f}s; default step {res['default']['step_us']:.1f} us")
-        for over in CANDIDATES[a.dtype]:
+        for over in cands:
             try:
                 m = measure(eng, dataclasses.replace(Tuning(), **over), a.context)
             except Exception as e:  # noqa: BLE001 - a shape the kernels reject is a result too
@@ -90,7 +98,7 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1)
     # the candidate with the least step time summed over the shapes (the defaults included)
     totals = {"default": sum(r["default"]["step_us"] for r in out["shapes"].values())}
-    for i, over in enumerate(CANDIDATES[a.dtype]):
+    for i, over in enumerate(cands):
         ts = [r["candidates"][i].get("step_us") for r in out["shapes"].values()]
         if None not in ts:
             totals[json.dumps(over)] = sum(ts)
