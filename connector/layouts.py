@@ -52,6 +52,7 @@ KV_DTYPES = {TORCH_DTYPES[n]: n for n in ("bfloat16", "float16", "float32")}  # 
 STATE_DTYPES = KV_DTYPES
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_MTP_RE = re.compile(r"(?:^|\.)mtp\.")  # vLLM's MTP drafter (Qwen3NextMTP / Qwen3_5MTP: "mtp.layers.<i>.")
 _warned: set[tuple[str, str]] = set()
 
 
@@ -73,6 +74,7 @@ class PagedLayer:
     stride: int  # bytes between consecutive (kernel) blocks
     sub: int
     layout: L.AttentionLayout | L.GDNLayout
+    spare: int = 0  # GDN: state blocks after the request's running one (vLLM's speculative scratch)
 
     @property
     def index(self) -> int:
@@ -175,9 +177,10 @@ def attention_layer(name: str, group: int, t: torch.Tensor, spec, backend: str, 
 
 
 def gdn_layer(name: str, group: int, t: torch.Tensor, spec, hf, platform: str, *,
-              override: str | None = None, tp: int = 1) -> PagedLayer:
+              override: str | None = None, tp: int = 1, spec_tokens: int = 0) -> PagedLayer:
     """``t``: vLLM's ``[blocks, 1, 1, page]`` byte view; ``spec``: the group's MambaSpec; ``hf``: the
-    model's text config (linear_* sizes); ``tp``: the TP size (a rank holds 1/tp of the heads)."""
+    model's text config (linear_* sizes); ``tp``: the TP size (a rank holds 1/tp of the heads);
+    ``spec_tokens``: vLLM's speculative tokens, which widen the conv allocation by as many positions."""
     shapes, dtypes = [tuple(s) for s in spec.shapes], tuple(spec.dtypes)
     if len(shapes) != 2:
         raise LayoutError(f"{name}: {len(shapes)} GDN states {shapes}; NexRT hands off (conv, recurrent) only "
@@ -191,13 +194,26 @@ def gdn_layer(name: str, group: int, t: torch.Tensor, spec, hf, platform: str, *
     hk, hv = hf.linear_num_key_heads // tp, hf.linear_num_value_heads // tp
     conv_dim, width = 2 * hk * kd + hv * vd, hf.linear_conv_kernel_dim - 1
     conv_shape, rec_shape = shapes
-    if conv_shape == (width, conv_dim):
-        conv_layout = "SD"
-    elif conv_shape == (conv_dim, width):
-        conv_layout = "DS"
+    alloc = width + spec_tokens if width + spec_tokens in conv_shape else width
+    if conv_shape == (alloc, conv_dim):
+        conv_layout, cshape, cstrides = "SD", (width, conv_dim), (conv_dim, 1)
+    elif conv_shape == (conv_dim, alloc):
+        conv_layout, cshape, cstrides = "DS", (conv_dim, width), (alloc, 1)
     else:
-        raise LayoutError(f"{name}: conv state {conv_shape} is neither (kernel-1={width}, conv_dim={conv_dim}) nor "
-                          "its transpose (speculative decoding widens it; not supported)")
+        raise LayoutError(f"{name}: conv state {conv_shape} is neither (kernel-1={width}"
+                          f"{f' + {spec_tokens} speculative tokens' if spec_tokens else ''}, conv_dim={conv_dim}) "
+                          "nor its transpose")
+    rec_offset = 0
+    if alloc > width:
+        # vLLM's prefill kernels write the state into the first kernel-1 positions of the wider
+        # allocation (the rest is verify scratch). Read so on vLLM-CPU (causal_conv1d_fn_cpu,
+        # checked end to end); on other platforms not yet checked.
+        if platform != "cpu":
+            raise LayoutError(f"{name}: conv state {conv_shape} widened by {spec_tokens} speculative tokens is "
+                              f"read on vLLM-CPU only, not yet characterised on {platform!r} (run the prefill "
+                              "vLLM without --speculative-config)")
+        rec_offset = alloc * conv_dim * L.DTYPE_SIZES[STATE_DTYPES[dtypes[0]]]
+    spare = getattr(spec, "num_speculative_blocks", 0) or 0
     if rec_shape != (hv, vd, kd):
         raise LayoutError(f"{name}: recurrent state {rec_shape}, vLLM declares (v_heads, v_dim, k_dim) = "
                           f"{(hv, vd, kd)}")
@@ -205,12 +221,13 @@ def gdn_layer(name: str, group: int, t: torch.Tensor, spec, hf, platform: str, *
                          "gdn_rec_layout")
     rshape = (hv, vd, kd) if rec_layout == "HVK" else (hv, kd, vd)  # the same bytes, as the kernels index them
     layout = L.GDNLayout(index=layer_index(name), conv_layout=conv_layout, conv_dtype=STATE_DTYPES[dtypes[0]],
-                         conv_shape=conv_shape, conv_strides=L.contiguous_strides(conv_shape), rec_layout=rec_layout,
-                         rec_dtype=STATE_DTYPES[dtypes[1]], rec_shape=rshape, rec_strides=L.contiguous_strides(rshape))
+                         conv_shape=cshape, conv_strides=cstrides, rec_layout=rec_layout,
+                         rec_dtype=STATE_DTYPES[dtypes[1]], rec_shape=rshape, rec_strides=L.contiguous_strides(rshape),
+                         rec_offset=rec_offset)
     if layout.page_bytes > t.shape[-1] or t.stride(0) < t.shape[-1]:
         raise LayoutError(f"{name}: GDN state ({layout.page_bytes} B) larger than its page ({t.shape[-1]} B, "
                           f"block stride {t.stride(0)} B)")
-    return PagedLayer(name, group, t.data_ptr(), t.stride(0), 1, layout)
+    return PagedLayer(name, group, t.data_ptr(), t.stride(0), 1, layout, spare)
 
 
 def tp_rank_and_size(vllm_config) -> tuple[int, int]:
@@ -235,13 +252,20 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
     platform = platform or platform_name()
     backend_of = backend_of or (lambda name: _backend_of(vllm_config, name))
     hf = vllm_config.model_config.hf_text_config
+    spec_tokens = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None) or 0
+    if spec_tokens and getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align":
+        raise LayoutError("speculative decoding with prefix caching of GDN state (mamba_cache_mode 'align'): where "
+                          "the running state sits among the request's blocks is not characterised")
     sharding, held = _sharding(hf, rank, size) if size > 1 else (None, None)
     group_of = {}
     for g, grp in enumerate(kv_cache_config.kv_cache_groups):
         for name in grp.layer_names:
             group_of[name] = (g, grp.kv_cache_spec)
-    attn, gdn, storages, backends = [], [], {}, set()
+    attn, gdn, storages, backends, drafter = [], [], {}, set(), []
     for name, t in kv_caches.items():
+        if _MTP_RE.search(name):  # the drafter's own cache: not the target's state; the node drafts without it
+            drafter.append(name)
+            continue
         if name not in group_of:
             raise LayoutError(f"KV cache {name!r} belongs to no KV-cache group")
         g, spec = group_of[name]
@@ -250,7 +274,8 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
         st = t.untyped_storage()
         storages.setdefault(st.data_ptr(), st)
         if isinstance(spec, MambaSpec):
-            gdn.append(gdn_layer(name, g, t, spec, hf, platform, override=gdn_rec_layout, tp=size))
+            gdn.append(gdn_layer(name, g, t, spec, hf, platform, override=gdn_rec_layout, tp=size,
+                                 spec_tokens=spec_tokens))
         elif isinstance(spec, AttentionSpec):
             backend, isa = backend_of(name)
             backends.add(backend if isa is None else f"{backend}/{isa}")
@@ -280,6 +305,9 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
         g0 = gdn[0].layout
         summary += (f"; GDN {len(gdn)} layers: conv {g0.conv_layout} {g0.conv_dtype}, recurrent {g0.rec_layout} "
                     f"{g0.rec_dtype}, page stride {gdn[0].stride} B")
+    if spec_tokens:
+        summary += (f"; speculative decoding ({spec_tokens} tokens): conv state in the first "
+                    f"{hf.linear_conv_kernel_dim - 1} positions, drafter layers not shipped ({len(drafter)})")
     if sharding is not None:
         summary += (f"; TP rank {rank} of {size}: KV heads {sharding.kv_heads or 'none shipped (a replica)'}, "
                     f"GDN key heads {sharding.k_heads}, value heads {sharding.v_heads}")

@@ -283,7 +283,7 @@ class NexRTWorker:
             n_pages = -(-s.prompt_len // self._layout.block_size)
             for layer in self._attn:  # any layer that did not call save_kv_layer
                 self._queue_attention(job, s, layer, n_pages, ready)
-            job.write([(g.index, 0, g.page_addr([_state_block(s.block_ids[g.group])], 0)) for g in self._gdn], ready)
+            job.write([(g.index, 0, g.page_addr([_state_block(s.block_ids[g.group], g.spare)], 0)) for g in self._gdn], ready)
             job.finish()
         self._steps = {}
 
@@ -334,7 +334,9 @@ class NexRTWorker:
             self._sender.close()
 
 
-def _state_block(blocks: list[int]) -> int:
+def _state_block(blocks: list[int], spare: int = 0) -> int:
     # Without prefix caching a GDN group holds one block per request; in "align" mode the list is
-    # position-indexed with null (0) placeholders and the running state is the last entry.
-    return blocks[-1]
+    # position-indexed with null (0) placeholders and the running state is the last entry. With
+    # speculative decoding `spare` scratch blocks follow the running one (vLLM's prefill and
+    # accepted-token state go to the first of the 1 + spare).
+    return blocks[-1 - spare]

@@ -17,6 +17,9 @@ the node's receive buffer.
 * GDN layer: one page = conv bytes then recurrent ("temporal") bytes. Conv ``"SD"`` is
   ``(kernel-1, conv_dim)``, ``"DS"`` is ``(conv_dim, kernel-1)``; recurrent ``"HVK"`` is
   ``(v_heads, head_v_dim, head_k_dim)``, ``"HKV"`` is ``(v_heads, head_k_dim, head_v_dim)``.
+  ``rec_offset`` (version 3, optional): where the recurrent bytes start when the conv allocation is
+  wider than the conv state it holds (vLLM with speculative decoding: its first kernel-1
+  positions; ``conv_strides`` step over the whole width); 0 means right after ``conv_shape``.
 * ``sharding`` (version 2, optional): the part of a TP = N prefill this layout describes, as the
   global head ranges it holds (``nexrt_vllm.handoff.sharding``); its pages have that part's head
   counts, and a part without KV heads (a replica's) lists no attention layer.
@@ -34,9 +37,10 @@ from nexrt_vllm.handoff.protocol import ProtocolError, Reason, Region, align_up
 from nexrt_vllm.handoff.sharding import Sharding
 
 # Versions: 1 the unsharded descriptor; 2 adds ``sharding`` (a TP part: which heads it holds;
-# done/abort name the part). A node speaking 2 still takes 1 (= 2 without sharding).
-LAYOUT_VERSION = 2
-LAYOUT_VERSIONS = (1, 2)
+# done/abort name the part); 3 adds the GDN ``rec_offset``. A node takes every earlier version
+# (an absent field is its default); an older node refuses a newer layout at hello.
+LAYOUT_VERSION = 3
+LAYOUT_VERSIONS = (1, 2, 3)
 
 # Bytes per element of every dtype a layout may name.
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
@@ -87,6 +91,10 @@ class GDNLayout:
     rec_shape: tuple[int, int, int]
     rec_strides: tuple[int, int, int]
     kind: str = "gdn"
+    # Byte offset of the recurrent state in the page; 0: right after the conv state. A conv state
+    # allocated wider than kernel-1 (vLLM with speculative decoding) holds the state in its first
+    # kernel-1 positions, and the recurrent state starts after the whole allocation.
+    rec_offset: int = 0
 
     @property
     def conv_bytes(self) -> int:
@@ -97,8 +105,12 @@ class GDNLayout:
         return span_elems(self.rec_shape, self.rec_strides) * DTYPE_SIZES[self.rec_dtype]
 
     @property
+    def rec_start(self) -> int:
+        return self.rec_offset or self.conv_bytes
+
+    @property
     def page_bytes(self) -> int:
-        return self.conv_bytes + self.rec_bytes
+        return self.rec_start + self.rec_bytes
 
     @property
     def conv_dim(self) -> int:
@@ -285,13 +297,18 @@ def _layer_from_wire(d: dict) -> LayerLayout:
         if d.get("conv_layout") not in CONV_LAYOUTS or d.get("rec_layout") not in REC_LAYOUTS:
             raise ProtocolError(Reason.BAD_MESSAGE,
                                 f"gdn layer {d.get('index')}: conv_layout in {CONV_LAYOUTS}, rec_layout in {REC_LAYOUTS}")
-        return GDNLayout(index=int(d["index"]), conv_layout=d["conv_layout"],
+        layer = GDNLayout(index=int(d["index"]), conv_layout=d["conv_layout"],
                          conv_dtype=_dtype(d["conv_dtype"], "conv_dtype"),
                          conv_shape=_ints(d["conv_shape"], 2, "conv_shape"),
                          conv_strides=_ints(d["conv_strides"], 2, "conv_strides"),
                          rec_layout=d["rec_layout"], rec_dtype=_dtype(d["rec_dtype"], "rec_dtype"),
                          rec_shape=_ints(d["rec_shape"], 3, "rec_shape"),
-                         rec_strides=_ints(d["rec_strides"], 3, "rec_strides"))
+                         rec_strides=_ints(d["rec_strides"], 3, "rec_strides"),
+                         rec_offset=_ints([d.get("rec_offset", 0)], 1, "rec_offset")[0])
+        if layer.rec_offset and layer.rec_offset < layer.conv_bytes:
+            raise ProtocolError(Reason.BAD_MESSAGE, f"gdn layer {layer.index}: rec_offset {layer.rec_offset} inside "
+                                f"the conv state ({layer.conv_bytes} B)")
+        return layer
     raise ProtocolError(Reason.BAD_MESSAGE, f"unknown layer kind {kind!r}")
 
 

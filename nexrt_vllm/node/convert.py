@@ -44,7 +44,7 @@ def unpack_state(buf: torch.Tensor, layout: L.Layout, regions: list[P.Region], s
                                     layer.conv_shape, layer.conv_strides)
             if layer.conv_layout == "SD":
                 conv = conv.t()
-            rec = torch.as_strided(raw[layer.conv_bytes: layer.page_bytes].view(TORCH_DTYPES[layer.rec_dtype]),
+            rec = torch.as_strided(raw[layer.rec_start: layer.page_bytes].view(TORCH_DTYPES[layer.rec_dtype]),
                                    layer.rec_shape, layer.rec_strides)
             if layer.rec_layout == "HVK":
                 rec = rec.transpose(1, 2)

@@ -85,7 +85,7 @@ def pack_state(state: Mapping[str, torch.Tensor], seq_len: int, layout: L.Layout
             off = blocks.pop() * stride
             _write_strided(cache, off, conv.t() if layer.conv_layout == "SD" else conv, layer.conv_dtype,
                            layer.conv_strides)
-            _write_strided(cache, off + layer.conv_bytes, rec.transpose(1, 2) if layer.rec_layout == "HVK" else rec,
+            _write_strided(cache, off + layer.rec_start, rec.transpose(1, 2) if layer.rec_layout == "HVK" else rec,
                            layer.rec_dtype, layer.rec_strides)
             pages[i] = [off]
     return cache, pages

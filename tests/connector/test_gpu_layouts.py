@@ -299,8 +299,64 @@ def test_unreadable_caches_are_refused_naming_what_was_met(models):
     _refusal("attn_kv_format='cpu_vec' contradicts attention backend FLASH_ATTN", cfg, attn_kv_format="cpu_vec")
     _refusal("gdn_rec_layout='HKV' contradicts the GDN kernels of platform 'cuda'", cfg, gdn_rec_layout="HKV")
     _refusal("3 GDN states", cfg, gdn_states=((3, cfg.conv_dim), (4, 64, 64), (4, 64)))
-    _refusal("conv state .*speculative decoding", cfg, gdn_states=((4, cfg.conv_dim), (4, 64, 64)))
+    _refusal(r"conv state \(4, \d+\) is neither \(kernel-1=3, conv_dim", cfg, gdn_states=((4, cfg.conv_dim), (4, 64, 64)))
     _refusal("KV cache dtype torch.uint8", cfg, kv_dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("conv", ["SD", "DS"])
+def test_speculative_widened_conv_state(models, conv):
+    """vLLM with 3 speculative tokens allocates the conv state 3 positions wider; its prefill keeps the
+    state in the first kernel-1 (vLLM-CPU's causal_conv1d_fn_cpu, Triton's causal_conv1d_fn). Read so
+    on CPU (the end-to-end check is tests/connector/test_state_parity.py); refused on CUDA until
+    characterised there; drafter ("mtp.") caches are not shipped."""
+    cfg, prompt, state = models["qwen3_next"]
+    seq_len, w, spec = len(prompt), cfg.conv_kernel - 1, 3
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    wide = (w + spec, cfg.conv_dim) if conv == "SD" else (cfg.conv_dim, w + spec)
+    cache = Cache(cfg, "LBHNC", "CPU_ATTN", conv, gdn_states=(wide, (hv, dv, dk)))
+    cache.vllm_config.speculative_config = types.SimpleNamespace(num_speculative_tokens=spec)
+    a0 = cache.layer_name(cfg.attention_layers[0])
+    tensors = {**cache.tensors, "mtp.layers.0.self_attn.attn": cache.tensors[a0]}
+    with pytest.raises(LayoutError, match="widened by 3 speculative tokens is read on vLLM-CPU only"):
+        detect(tensors, cache.kv_cache_config, cache.vllm_config, platform="cuda",
+               backend_of=lambda name: ("FLASH_ATTN", None))
+    found = detect(tensors, cache.kv_cache_config, cache.vllm_config, platform="cpu",
+                   backend_of=lambda name: ("CPU_ATTN", "vec"))
+    assert "drafter layers not shipped (1)" in found.summary
+    assert {lay.index for lay in found.layout.layers} == set(range(cfg.num_layers))
+    gdn = [lay for lay in found.layout.layers if lay.kind == "gdn"]
+    assert {(lay.conv_width, lay.rec_offset) for lay in gdn} == {(w, (w + spec) * cfg.conv_dim * 2)}
+    blocks = _blocks(cache, seq_len)
+    from vllm import _custom_ops as ops
+    for i in cfg.attention_layers:  # the CPU kernel's interior, as test_vllm_cpu_pages_through_detect
+        t = cache.tensors[cache.layer_name(i)]
+        nb, h, bs, c = t.shape
+        k_cache, v_cache = t.view(nb, h, 2 * bs, c // 2).chunk(2, dim=2)
+        b = blocks[cache.group[cache.layer_name(i)]]
+        slots = torch.tensor([b[p // bs] * bs + p % bs for p in range(seq_len)])
+        ops.cpu_attn_reshape_and_cache(state[f"layers.{i}.k"].transpose(0, 1).bfloat16().contiguous(),
+                                       state[f"layers.{i}.v"].transpose(0, 1).bfloat16().contiguous(),
+                                       k_cache, v_cache, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "full_attention":
+            continue
+        name = cache.layer_name(i)
+        spec_ = cache.specs[name]
+        t = cache.tensors[name]
+        page = t[blocks[cache.group[name]][-1], 0, 0]
+        conv_state = page[:math.prod(spec_.shapes[0]) * 2].view(torch.bfloat16).view(spec_.shapes[0])
+        rec_state = page[math.prod(spec_.shapes[0]) * 2:][:math.prod(spec_.shapes[1]) * 2].view(torch.bfloat16)
+        conv_state.fill_(7.0)  # the speculative positions: scratch the node must not read
+        x = state[f"layers.{i}.conv"]  # [conv_dim, kernel-1]
+        if conv == "SD":
+            conv_state[:w] = x.t().to(torch.bfloat16)
+        else:
+            conv_state[:, :w] = x.to(torch.bfloat16)
+        rec_state.view(hv, dk, dv).copy_(state[f"layers.{i}.rec"].to(torch.bfloat16))  # vLLM-CPU: [h, k, v]
+    buf, regions = cache.ship(found, seq_len, blocks)
+    got = unpack_state(buf, found.layout, regions, seq_len, F32)
+    for name, want in state.items():
+        assert torch.equal(got[name], _bf16(want)), name
 
 
 def test_a_forced_reading_is_taken_only_where_nothing_was_detected(models):

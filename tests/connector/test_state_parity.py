@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from nexrt_vllm.testing.connector_harness import TRAINED, RecordingReceiver, VLLMProc, nexrt_kv_config, periodic_prompt
+from nexrt_vllm.testing.connector_harness import (TRAINED, TRAINED_MTP, RecordingReceiver, VLLMProc, nexrt_kv_config,
+                                                  periodic_prompt)
 from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.node.convert import unpack_state
 
@@ -19,22 +20,34 @@ pytestmark = pytest.mark.timeout(600)
 F32 = {"kv": torch.float32, "conv": torch.float32, "rec": torch.float32}
 
 
-@pytest.fixture(scope="module")
-def received(ckpt_factory, tmp_path_factory):
-    ckpt = ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
+def _receive(ckpt, log, llm_kwargs=None):
     rx = RecordingReceiver()
     prompts = {"short": periodic_prompt(7, 21), "long": periodic_prompt(1000, 22)}
-    v = VLLMProc({"model": ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": nexrt_kv_config("mooncake")},
-                 str(tmp_path_factory.mktemp("state") / "vllm.log"))
+    v = VLLMProc({"model": ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": nexrt_kv_config("mooncake"),
+                  "llm_kwargs": llm_kwargs or {}}, log)
     try:
         v.generate([{"prompt_token_ids": p, "max_tokens": 1,
                      "kv_transfer_params": {"nexrt": {"rid": rid, "generation": 1, "control_addr": rx.addr}}}
                     for rid, p in prompts.items()])
         assert v.call({"op": "settle", "timeout": 30})["pending"] is False
-        yield ckpt, prompts, {rid: _received(rx, rid) for rid in prompts}
+        return ckpt, prompts, {rid: _received(rx, rid) for rid in prompts}
     finally:
         v.close()
         rx.close()
+
+
+@pytest.fixture(scope="module")
+def received(ckpt_factory, tmp_path_factory):
+    return _receive(ckpt_factory("qwen3_next", "bfloat16", **TRAINED), str(tmp_path_factory.mktemp("state") / "vllm.log"))
+
+
+@pytest.fixture(scope="module")
+def received_spec(ckpt_factory, tmp_path_factory):
+    """vLLM running its own MTP speculative decoding (3 tokens): conv states 3 positions wider, scratch
+    GDN blocks per request after the running one, the drafter's own attention cache."""
+    return _receive(ckpt_factory("qwen3_next", "bfloat16", **TRAINED_MTP["qwen3_next"]),
+                    str(tmp_path_factory.mktemp("state_spec") / "vllm.log"),
+                    {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}})
 
 
 def _received(rx, rid):
@@ -53,11 +66,15 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("rid", ["short", "long"])
-def test_received_state_matches_engine(received, rid):
+@pytest.mark.parametrize("vllm_run", ["received", "received_spec"])
+def test_received_state_matches_engine(request, vllm_run, rid):
     from nexrt_vllm.engine import Engine
 
-    ckpt, prompts, states = received
+    ckpt, prompts, states = request.getfixturevalue(vllm_run)
     layout, got, misread = states[rid]
+    if vllm_run == "received_spec":
+        assert {(lay.conv_shape[0], lay.rec_offset > lay.conv_bytes) for lay in layout.layers if lay.kind == "gdn"} \
+            == {(3, True)}
     assert {lay.kv_format for lay in layout.layers if lay.kind == "attention"} == {"cpu_vec"}
     assert {(lay.conv_layout, lay.rec_layout) for lay in layout.layers if lay.kind == "gdn"} == {("SD", "HKV")}
     eng = Engine.from_pretrained(ckpt, device="cpu", dtype="float32", max_seq_len=2048)

@@ -27,12 +27,46 @@ def test_every_message_round_trips():
     assert L.Layout.from_wire(lay) == _layout()
 
 
+@pytest.mark.parametrize("conv_layout", ["SD", "DS"])
+def test_wide_conv_allocation_rec_offset(conv_layout):
+    """A conv allocation wider than kernel-1 (vLLM with 3 speculative tokens: 6 positions, the state
+    in the first 3): the layout names the first 3 with strides over all 6 and where the recurrent
+    state starts; it round-trips (a version-2 wire without the field is still taken) and the node's
+    conversion reads both states back from pages packed that way."""
+    import torch
+
+    from nexrt_vllm.engine.state import GDNState
+    from nexrt_vllm.node.convert import unpack_state
+    from nexrt_vllm.testing.senders import pack_state
+
+    dim, width, alloc = 96, 3, 6
+    shape, strides = ((width, dim), (dim, 1)) if conv_layout == "SD" else ((dim, width), (alloc, 1))
+    gdn = L.GDNLayout(0, conv_layout, "bfloat16", shape, strides, "HKV", "float32", (4, 16, 8), (128, 8, 1),
+                      rec_offset=alloc * dim * 2)
+    lay = L.Layout({"num_hidden_layers": 1, "hidden_size": 64, "vocab_size": 100}, 16, (gdn,))
+    assert gdn.page_bytes == alloc * dim * 2 + 4 * 16 * 8 * 4 > gdn.conv_bytes + gdn.rec_bytes
+    wire = lay.to_wire()
+    assert L.Layout.from_wire(wire) == lay
+    old = {**wire, "version": 2, "layers": [{k: v for k, v in wire["layers"][0].items() if k != "rec_offset"}]}
+    assert L.Layout.from_wire(old).layers[0].rec_start == gdn.conv_bytes
+    bad = {**wire, "layers": [{**wire["layers"][0], "rec_offset": 8}]}
+    with pytest.raises(P.ProtocolError, match="rec_offset 8 inside the conv state"):
+        L.Layout.from_wire(bad)
+    want = GDNState(conv=torch.randn(dim, width).to(torch.bfloat16), rec=torch.randn(4, 16, 8))
+    cache, pages = pack_state(want.named(0), 5, lay)
+    (reg,) = lay.regions(5)
+    buf = torch.zeros(P.align_up(reg.offset + reg.nbytes), dtype=torch.uint8)
+    buf[reg.offset: reg.offset + reg.page_bytes] = cache[pages[0][0]: pages[0][0] + reg.page_bytes]
+    got = GDNState.from_named(unpack_state(buf, lay, (reg,), 5, {"conv": torch.bfloat16, "rec": torch.float32}), 0)
+    assert torch.equal(got.conv, want.conv) and torch.equal(got.rec, want.rec)
+
+
 def test_sharded_layouts_and_parts_round_trip():
     from nexrt_vllm.handoff.sharding import Sharding
 
     lay = _layout(sharding=Sharding(4, 3, None, (3, 4), (6, 8)))
     wire = lay.to_wire()
-    assert wire["version"] == L.LAYOUT_VERSION == 2 and wire["sharding"]["kv_heads"] is None
+    assert wire["version"] == L.LAYOUT_VERSION == 3 and wire["sharding"]["kv_heads"] is None
     assert L.Layout.from_wire(wire) == lay
     unsharded = _layout().to_wire()
     assert "sharding" not in unsharded
