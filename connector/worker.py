@@ -283,7 +283,8 @@ class NexRTWorker:
             n_pages = -(-s.prompt_len // self._layout.block_size)
             for layer in self._attn:  # any layer that did not call save_kv_layer
                 self._queue_attention(job, s, layer, n_pages, ready)
-            job.write([(g.index, 0, g.page_addr([_state_block(s.block_ids[g.group], g.spare)], 0)) for g in self._gdn], ready)
+            job.write([(g.index, 0, g.page_addr([_state_block(s.block_ids[g.group], g.spare)], 0))
+                       for g in self._gdn], ready)
             job.finish()
         self._steps = {}
 
@@ -334,7 +335,7 @@ class NexRTWorker:
             self._sender.close()
 
 
-def _state_block(blocks: list[int], spare: int = 0) -> int:
+def _state_block(blocks: list[int], spare: int) -> int:
     # Without prefix caching a GDN group holds one block per request; in "align" mode the list is
     # position-indexed with null (0) placeholders and the running state is the last entry. With
     # speculative decoding `spare` scratch blocks follow the running one (vLLM's prefill and
