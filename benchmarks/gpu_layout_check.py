@@ -24,6 +24,8 @@ Variants (each one vLLM start):
   flex         --attention-backend FLEX_ATTENTION
   flashinfer   --attention-backend FLASHINFER (kernel blocks of 16 inside each block; needs flashinfer)
   staged       fa3 with staging "always": pages sent through the pinned host pool
+  mtp          fa3 with vLLM's own MTP speculative decoding (3 tokens): conv states 3 positions wider,
+               scratch GDN blocks after the running one (--model needs an MTP head: --make-tiny-mtp)
 The JSON has, per variant: the layout the connector logged, per prompt and tensor the error and the
 misread error, the hand-off bytes, and ok; a top-level "ok" is true only if every variant passed.
 """
@@ -56,6 +58,7 @@ VARIANTS = {
     "flex": ({}, ["--attention-backend", "FLEX_ATTENTION"], {}),
     "flashinfer": ({}, ["--attention-backend", "FLASHINFER"], {}),
     "staged": ({}, [], {"staging": "always"}),
+    "mtp": ({}, ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 3})], {}),
 }
 
 
@@ -230,6 +233,8 @@ def main() -> int:
     ap.add_argument("--make-tiny", default=None, metavar="ARCH",
                     help="if --model has no config.json, write the connector tests' trained tiny checkpoint of ARCH "
                          "(qwen3_next, qwen3_5, qwen3_5_moe) there first")
+    ap.add_argument("--make-tiny-mtp", action="store_true",
+                    help="with --make-tiny: the checkpoint with a trained MTP head (for the mtp variant)")
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--variants", default="fa3,hnd_ds_fp32,triton,staged")
     ap.add_argument("--transport", default="mooncake", choices=TRANSPORTS)
@@ -260,10 +265,11 @@ def main() -> int:
 
     if args.make_tiny and not os.path.exists(os.path.join(args.model, "config.json")):
         from nexrt_vllm.testing import make_checkpoint
-        from nexrt_vllm.testing.connector_harness import TRAINED
+        from nexrt_vllm.testing.connector_harness import TRAINED, TRAINED_MTP
 
         log(f"training the tiny {args.make_tiny} checkpoint into {args.model}")
-        make_checkpoint(args.model, arch=args.make_tiny, dtype="bfloat16", **TRAINED)
+        kw = TRAINED_MTP[args.make_tiny] if args.make_tiny_mtp else TRAINED
+        make_checkpoint(args.model, arch=args.make_tiny, dtype="bfloat16", **kw)
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts = {f"p{n}": periodic_prompt(n, 30 + i) for i, n in enumerate(lengths)}
     eng = Engine.from_pretrained(args.model, device=args.device, dtype="float32", max_seq_len=max(lengths) + 8,

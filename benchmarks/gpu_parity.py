@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -26,6 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.gpu_layout_check import ensure_package_links  # noqa: E402
 from nexrt_vllm.demo.cli import Procs, _free_port, vllm_argv, wait_file, wait_http  # noqa: E402
 from nexrt_vllm.handoff.transport import TRANSPORTS  # noqa: E402
 from nexrt_vllm.testing.connector_harness import periodic_prompt  # noqa: E402
@@ -73,7 +75,11 @@ def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int,
         rurl = f"http://127.0.0.1:{rport}"
         asyncio.run(wait_http(rurl + "/health", procs, 60, "router"))
         with open(os.path.join(work, "vllm.log"), errors="replace") as f:
-            out["connector_log"] = [ln.strip() for ln in f if "NexRTConnector" in ln][:6]
+            lines = f.readlines()
+        out["connector_log"] = [ln.strip() for ln in lines if "NexRTConnector" in ln][:6]
+        # vLLM's engine line names the quantization it serves the checkpoint with (fp8 for FP8 ones)
+        out["vllm_quantization"] = next((m.group(1) for ln in lines
+                                         for m in [re.search(r"quantization=(\w+)", ln)] if m), None)
         router = openai.OpenAI(base_url=rurl + "/v1", api_key="x", timeout=120)
         plain = openai.OpenAI(base_url=vurl + "/v1", api_key="x", timeout=120)
         model = plain.models.list().data[0].id
@@ -122,6 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
+    ensure_package_links()  # vLLM imports the connector as nexrt_vllm.connector, also from a bare checkout
     res = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": a.device,
            "prompt_lengths": LENGTHS, "max_num_batched_tokens": CHUNK, "tokens": a.tokens, "runs": []}
     if a.device == "cuda":

@@ -48,6 +48,9 @@ logger = logging.getLogger("vllm.nexrt_connector")
 PACKED_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER")
 CPU_ISA_FORMATS = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}
 REC_BY_PLATFORM = {"cuda": "HVK", "cpu": "HKV"}
+# Where a conv state widened by vLLM's speculative tokens has been read end to end: vLLM-CPU
+# (tests/connector/test_state_parity.py), CUDA (benchmarks/gpu_layout_check.py, variant mtp).
+SPEC_CONV_PLATFORMS = ("cpu", "cuda")
 KV_DTYPES = {TORCH_DTYPES[n]: n for n in ("bfloat16", "float16", "float32")}  # the dtypes the node takes
 STATE_DTYPES = KV_DTYPES
 
@@ -206,12 +209,11 @@ def gdn_layer(name: str, group: int, t: torch.Tensor, spec, hf, platform: str, *
     rec_offset = 0
     if alloc > width:
         # vLLM's prefill kernels write the state into the first kernel-1 positions of the wider
-        # allocation (the rest is verify scratch). Read so on vLLM-CPU (causal_conv1d_fn_cpu,
-        # checked end to end); on other platforms not yet checked.
-        if platform != "cpu":
+        # allocation (the rest is verify scratch). Checked end to end on the platforms listed.
+        if platform not in SPEC_CONV_PLATFORMS:
             raise LayoutError(f"{name}: conv state {conv_shape} widened by {spec_tokens} speculative tokens is "
-                              f"read on vLLM-CPU only, not yet characterised on {platform!r} (run the prefill "
-                              "vLLM without --speculative-config)")
+                              f"read on {', '.join(SPEC_CONV_PLATFORMS)} only, not yet characterised on "
+                              f"{platform!r} (run the prefill vLLM without --speculative-config)")
         rec_offset = alloc * conv_dim * L.DTYPE_SIZES[STATE_DTYPES[dtypes[0]]]
     spare = getattr(spec, "num_speculative_blocks", 0) or 0
     if rec_shape != (hv, vd, kd):

@@ -312,8 +312,8 @@ def test_unreadable_caches_are_refused_naming_what_was_met(models):
 def test_speculative_widened_conv_state(models, conv):
     """vLLM with 3 speculative tokens allocates the conv state 3 positions wider; its prefill keeps the
     state in the first kernel-1 (vLLM-CPU's causal_conv1d_fn_cpu, Triton's causal_conv1d_fn). Read so
-    on CPU (the end-to-end check is tests/connector/test_state_parity.py); refused on CUDA until
-    characterised there; drafter ("mtp.") caches are not shipped."""
+    on CPU and CUDA (end to end: tests/connector/test_state_parity.py, benchmarks/gpu_layout_check.py);
+    refused on a platform not characterised; drafter ("mtp.") caches are not shipped."""
     cfg, prompt, state = models["qwen3_next"]
     seq_len, w, spec = len(prompt), cfg.conv_kernel - 1, 3
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -322,8 +322,8 @@ def test_speculative_widened_conv_state(models, conv):
     cache.vllm_config.speculative_config = types.SimpleNamespace(num_speculative_tokens=spec)
     a0 = cache.layer_name(cfg.attention_layers[0])
     tensors = {**cache.tensors, "mtp.layers.0.self_attn.attn": cache.tensors[a0]}
-    with pytest.raises(LayoutError, match="widened by 3 speculative tokens is read on vLLM-CPU only"):
-        detect(tensors, cache.kv_cache_config, cache.vllm_config, platform="cuda",
+    with pytest.raises(LayoutError, match="widened by 3 speculative tokens is read on cpu, cuda only"):
+        detect(tensors, cache.kv_cache_config, cache.vllm_config, platform="xpu",
                backend_of=lambda name: ("FLASH_ATTN", None))
     found = detect(tensors, cache.kv_cache_config, cache.vllm_config, platform="cpu",
                    backend_of=lambda name: ("CPU_ATTN", "vec"))
