@@ -97,51 +97,6 @@ def _fold(p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps, rstd, wh, wuh,
-              PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
-              VEC: tl.constexpr):
-    """(y, y_up) of `rows` of a bf16 W (y_up: the SwiGLU up rows N + rows; 0 otherwise), fp32.
-    (wh, wuh): the first PRE K blocks, already loaded (`_w_head`); the loop reads the rest."""
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-    if EPI == 2:
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-    y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    y_up = 0.0
-    if PRE > 0:
-        HK: tl.constexpr = PRE * BLOCK_K
-        hcols = tl.arange(0, HK)
-        hmask = hcols < HK
-        xh = _load_x(x_ptr, hcols, hmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, HK)
-        if STORE_XN:
-            tl.store(z_ptr + hcols, xh.to(z_ptr.dtype.element_ty), mask=hmask & ((tl.zeros_like(hcols) + pid) == 0))
-        y = tl.sum(wh.to(tl.float32) * xh[None, :], 1)
-        if EPI == 2:
-            y_up = tl.sum(wuh.to(tl.float32) * xh[None, :], 1)
-    for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
-        cols = k0 + offs_k
-        cmask = cols < K
-        xv = _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, BLOCK_K)
-        if STORE_XN:  # program 0 leaves the normed input (z_ptr) for a later launch (MoE experts)
-            tl.store(z_ptr + cols, xv.to(z_ptr.dtype.element_ty), mask=cmask & ((tl.zeros_like(cols) + pid) == 0))
-        wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
-        if EVEN_K:
-            wmask = rmask[:, None]
-        else:
-            wmask = rmask[:, None] & cmask[None, :]
-        w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
-        acc += _fold(w.to(tl.float32) * xv[None, :], BLOCK_N, BLOCK_K, VEC)
-        if EPI == 2:
-            wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
-            acc_u += _fold(wu.to(tl.float32) * xv[None, :], BLOCK_N, BLOCK_K, VEC)
-    y += tl.sum(acc, 1)
-    if EPI == 2:
-        y_up += tl.sum(acc_u, 1)
-    return y, y_up
-
-
-@triton.jit
 def _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N,
               EPI: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
     if EPI == 0:
@@ -193,8 +148,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     wh, wuh = _w_head(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
     pdl_begin(PDL)
     rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
-    y, y_up = _acc_bf16(x_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, eps, rstd, wh, wuh,
-                        PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, PRE, VEC)
+    y, y_up = _acc(x_ptr, w_ptr, w_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, 0, eps, rstd, wh, wuh,
+                   PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, PRE, VEC, False, 1, True, False)
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
 
 
@@ -229,27 +184,47 @@ def _scaled_dot(w, xv, s, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
 
 
 @triton.jit
-def _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, stride_s, eps, rstd,
-             wh, wuh, PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr,
-             ROUND_W: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr, VEC: tl.constexpr):
-    """(y, y_up) of `rows` of an e4m3 W with block scales, fp32; the tile is [BLOCK_N, BLOCK_K] as in
-    `_acc_bf16` (whose 2-D layout keeps the loads 16 bytes wide and the accumulator small), the
-    scale of each column gathered beside it. UNIFORM: all the program's rows share one scale row
-    (srow of the first row); else per row. ROUND_W: each weight is e4m3 * scale rounded to bf16
-    instead (the eager oracle's dequantized weights, so the two differ only in the order of sums; a
-    diagnostic mode, more ALU per byte). (wh, wuh): the first PRE K blocks, loaded ahead (`_w_head`)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    if UNIFORM:
-        srow = tl.load(srow_ptr + pid * BLOCK_N)
+def _scale_row(srow_ptr, row0, rows, rmask, FP8: tl.constexpr, UNIFORM: tl.constexpr):
+    """The scale row of the program's rows of an e4m3 W: srow of the first row (UNIFORM) or per row."""
+    sr = 0
+    if FP8:
+        if UNIFORM:
+            sr = tl.load(srow_ptr + row0)
+        else:
+            sr = tl.load(srow_ptr + rows, mask=rmask, other=0)
+    return sr
+
+
+@triton.jit
+def _w_dot(w, xv, s_ptr, srow, stride_s, cols, cmask, rmask, BKS: tl.constexpr, FP8: tl.constexpr,
+           UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
+    """Elementwise products of a [BN, BK] weight tile with x [BK], fp32: bf16 W, or e4m3 W times the
+    block scale of each column (`_col_scales`, `_scaled_dot`)."""
+    if FP8:
+        p = _scaled_dot(w, xv, _col_scales(s_ptr, srow, stride_s, cols, cmask, rmask, BKS, UNIFORM), UNIFORM, ROUND_W)
     else:
-        srow = tl.load(srow_ptr + rows, mask=rmask, other=0)
+        p = w.to(tl.float32) * xv[None, :]
+    return p
+
+
+@triton.jit
+def _acc(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, stride_s, eps, rstd, wh, wuh,
+         PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
+         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr, VEC: tl.constexpr,
+         FP8: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
+    """(y, y_up) of `rows` of W, fp32 (y_up: the SwiGLU up rows N + rows; 0 otherwise). W is bf16, or
+    with FP8 e4m3 with block scales (s_ptr, row map srow_ptr) read in the same [BLOCK_N, BLOCK_K]
+    tiles (whose 2-D layout keeps the loads 16 bytes wide and the accumulator small), the scale of
+    each column gathered beside the tile. UNIFORM: all the program's rows share one scale row (srow
+    of the first row); else per row. ROUND_W: each weight is e4m3 * scale rounded to bf16 instead
+    (the eager oracle's dequantized weights, so the two differ only in the order of sums; a
+    diagnostic mode, more ALU per byte). (wh, wuh): the first PRE K blocks, already loaded
+    (`_w_head`); the loop reads the rest."""
+    offs_k = tl.arange(0, BLOCK_K)
+    srow = _scale_row(srow_ptr, pid * BLOCK_N, rows, rmask, FP8, UNIFORM)
     srow_u = srow
     if EPI == 2:  # the up rows N + rows: their own scale rows
-        if UNIFORM:
-            srow_u = tl.load(srow_ptr + N + pid * BLOCK_N)
-        else:
-            srow_u = tl.load(srow_ptr + N + rows, mask=rmask, other=0)
+        srow_u = _scale_row(srow_ptr + N, pid * BLOCK_N, rows, rmask, FP8, UNIFORM)
     acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     if EPI == 2:
         acc_u = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
@@ -262,16 +237,14 @@ def _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, 
         xh = _load_x(x_ptr, hcols, hmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, HK)
         if STORE_XN:
             tl.store(z_ptr + hcols, xh.to(z_ptr.dtype.element_ty), mask=hmask & ((tl.zeros_like(hcols) + pid) == 0))
-        s = _col_scales(s_ptr, srow, stride_s, hcols, hmask, rmask, BKS, UNIFORM)
-        y = tl.sum(_scaled_dot(wh, xh, s, UNIFORM, ROUND_W), 1)
+        y = tl.sum(_w_dot(wh, xh, s_ptr, srow, stride_s, hcols, hmask, rmask, BKS, FP8, UNIFORM, ROUND_W), 1)
         if EPI == 2:
-            su = _col_scales(s_ptr, srow_u, stride_s, hcols, hmask, rmask, BKS, UNIFORM)
-            y_up = tl.sum(_scaled_dot(wuh, xh, su, UNIFORM, ROUND_W), 1)
+            y_up = tl.sum(_w_dot(wuh, xh, s_ptr, srow_u, stride_s, hcols, hmask, rmask, BKS, FP8, UNIFORM, ROUND_W), 1)
     for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
         cols = k0 + offs_k
         cmask = cols < K
         xv = _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO, GROUP, BLOCK_K)
-        if STORE_XN:
+        if STORE_XN:  # program 0 leaves the normed input (z_ptr) for a later launch (MoE experts)
             tl.store(z_ptr + cols, xv.to(z_ptr.dtype.element_ty), mask=cmask & ((tl.zeros_like(cols) + pid) == 0))
         wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
         if EVEN_K:
@@ -279,12 +252,12 @@ def _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, 
         else:
             wmask = rmask[:, None] & cmask[None, :]
         w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
-        acc += _fold(_scaled_dot(w, xv, _col_scales(s_ptr, srow, stride_s, cols, cmask, rmask, BKS, UNIFORM),
-                                 UNIFORM, ROUND_W), BLOCK_N, BLOCK_K, VEC)
+        acc += _fold(_w_dot(w, xv, s_ptr, srow, stride_s, cols, cmask, rmask, BKS, FP8, UNIFORM, ROUND_W),
+                     BLOCK_N, BLOCK_K, VEC)
         if EPI == 2:
             wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
-            acc_u += _fold(_scaled_dot(wu, xv, _col_scales(s_ptr, srow_u, stride_s, cols, cmask, rmask, BKS,
-                                                           UNIFORM), UNIFORM, ROUND_W), BLOCK_N, BLOCK_K, VEC)
+            acc_u += _fold(_w_dot(wu, xv, s_ptr, srow_u, stride_s, cols, cmask, rmask, BKS, FP8, UNIFORM, ROUND_W),
+                           BLOCK_N, BLOCK_K, VEC)
     y += tl.sum(acc, 1)
     if EPI == 2:
         y_up += tl.sum(acc_u, 1)
@@ -310,16 +283,16 @@ def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, 
         pdl_begin(PDL)
         rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
         trows = rows - N8
-        y, y_up = _acc_bf16(x_ptr, t_ptr, nw_ptr, z_ptr, trows, rmask, pid, N - N8, K, stride_t, eps, rstd,
-                            0.0, 0.0, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, 0, VEC_T)
+        y, y_up = _acc(x_ptr, t_ptr, t_ptr, t_ptr, nw_ptr, z_ptr, trows, rmask, pid, N - N8, K, stride_t, 0, eps, rstd,
+                       0.0, 0.0, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, 0, VEC_T, False, 1, True, False)
     else:
         r8 = rmask & (rows < N8)
         wh, wuh = _w_head(w_ptr, rows, r8, N8, K, stride_w, EPI, BLOCK_K, PRE)
         pdl_begin(PDL)
         rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
-        y, y_up = _acc_fp8(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, r8, pid, N8, K,
-                           stride_w, stride_s, eps, rstd, wh, wuh, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, BKS,
-                           UNIFORM, ROUND_W, EVEN_K, PRE, VEC)
+        y, y_up = _acc(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, r8, pid, N8, K, stride_w, stride_s, eps,
+                       rstd, wh, wuh, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, PRE, VEC, True, BKS, UNIFORM,
+                       ROUND_W)
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
 
 
@@ -338,7 +311,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
          conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False,
          prefetch=0, vec=0):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
-    optionally a bf16 tail; `round_w`: see _acc_fp8's ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
+    optionally a bf16 tail; `round_w`: see _acc's ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
     N = rows of y); `prefetch`: K blocks of W (bf16 or e4m3) each program loads before it waits on the
     previous kernel (PDL), cut to a power of two within K; `vec`: columns each thread sums in
     registers before accumulating (`_fold`; 0: a 16-byte load's, 1: elementwise); returns the grid size."""

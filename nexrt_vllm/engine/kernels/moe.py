@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import LAUNCH, pdl_begin
-from .gemv import _col_scales, _fold, _scaled_dot, fold_vec
+from .gemv import _col_scales, _fold, _scaled_dot, _w_dot, fold_vec
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 
@@ -43,13 +43,25 @@ def topk_select(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexp
 
 
 @triton.jit
-def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """SiLU(W_gate x)·(W_up x) for `rows` of a [2 n_rows, K] matrix. K is a compile-time constant and
-    the loop is unrolled: no K block's loads wait for the previous block's arithmetic, so a
-    program's whole slice can be in flight at once (a rolled loop costs one dependent HBM round
-    trip per block)."""
+def _swiglu_rows(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BKS: tl.constexpr, FP8: tl.constexpr, UNIFORM: tl.constexpr,
+                 ROUND_W: tl.constexpr, VEC: tl.constexpr):
+    """SiLU(W_gate x)·(W_up x) for `rows` of a [2 n_rows, K] expert: bf16, or with FP8 e4m3 with block
+    scales (sbase, row map srow_ptr). K is a compile-time constant and the loop is unrolled: no K
+    block's loads wait for the previous block's arithmetic, so a program's whole slice can be in
+    flight at once (a rolled loop costs one dependent HBM round trip per block)."""
     rmask = rows < n_rows
     offs_k = tl.arange(0, BLOCK_K)
+    sr_g = 0
+    sr_u = 0
+    if FP8:
+        ok = row0 < n_rows  # a program past this expert's rows (a wider shared expert) reads no scale row
+        if UNIFORM:
+            sr_g = tl.load(srow_ptr + row0, mask=ok, other=0)
+            sr_u = tl.load(srow_ptr + n_rows + row0, mask=ok, other=0)
+        else:
+            sr_g = tl.load(srow_ptr + rows, mask=rmask, other=0)
+            sr_u = tl.load(srow_ptr + n_rows + rows, mask=rmask, other=0)
     BN: tl.constexpr = rows.shape[0]
     acc_g = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
     acc_u = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
@@ -61,11 +73,66 @@ def _swiglu_rows(x_ptr, wbase, n_rows, rows, K: tl.constexpr, BLOCK_K: tl.conste
         wg = tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first")
         wu = tl.load(wp + n_rows * K, mask=m2, other=0.0, eviction_policy="evict_first")
         xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        acc_g += _fold(wg.to(tl.float32) * xv[None, :], BN, BLOCK_K, VEC)
-        acc_u += _fold(wu.to(tl.float32) * xv[None, :], BN, BLOCK_K, VEC)
+        smask = cmask & ((offs_k * 0 + row0) < n_rows)  # (a scalar & a vector trips the interpreter)
+        acc_g += _fold(_w_dot(wg, xv, sbase, sr_g, stride_s, cols, smask, rmask, BKS, FP8, UNIFORM, ROUND_W),
+                       BN, BLOCK_K, VEC)
+        acc_u += _fold(_w_dot(wu, xv, sbase, sr_u, stride_s, cols, smask, rmask, BKS, FP8, UNIFORM, ROUND_W),
+                       BN, BLOCK_K, VEC)
     g = _bf16(tl.sum(acc_g, 1))
     u = _bf16(tl.sum(acc_u, 1))
     return _bf16(_bf16(_silu(g)) * u)
+
+
+@triton.jit
+def _route_slot(logits_ptr, ids_ptr, wts_ptr, pid, slot, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
+                NORM: tl.constexpr):
+    """The expert of routed slot `slot` (ascending ids); the programs with pid 0 publish its id and
+    weight for the down launch."""
+    e, sel, rank, w = topk_select(logits_ptr, E, EP, TOPK, NORM)
+    mine = sel & (rank == slot)
+    eid = tl.sum(tl.where(mine, e, 0), 0)
+    if pid == 0:
+        tl.store(ids_ptr + slot, eid)
+        tl.store(wts_ptr + slot, tl.sum(tl.where(mine, w, 0.0), 0))
+    return eid
+
+
+@triton.jit
+def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
+             stride_ge, stride_gse, stride_gs, stride_sgs, K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
+             TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E: tl.constexpr,
+             EP: tl.constexpr, NORM: tl.constexpr, BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr,
+             UNI_E: tl.constexpr, UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr,
+             VEC_S: tl.constexpr, PDL: tl.constexpr):
+    """Launch 2 (bf16 and fp8 alike). Grid column 0 is the shared expert (scheduled first: it needs no
+    routing, so its loads start while the routed programs select their experts); columns 1..TOPK
+    are routed slots 0..TOPK-1: each routed program selects its own slot's expert (`_route_slot`)."""
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    slot = tl.program_id(1) - 1
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if FP8_E or FP8_S:  # one expert loop per format (the routed and the shared one may differ)
+        if slot >= 0:
+            eid = _route_slot(logits_ptr, ids_ptr, wts_ptr, pid, slot, E, EP, TOPK, NORM)
+            a = _swiglu_rows(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, gus_ptr + eid.to(tl.int64) * stride_gse,
+                             gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, BKS, FP8_E, UNI_E, ROUND_W, VEC_E)
+            tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < I)
+        else:
+            a = _swiglu_rows(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, pid * BLOCK_N, K, BLOCK_K, BKS,
+                             FP8_S, UNI_S, ROUND_W, VEC_S)
+            tl.store(act_ptr + TOPK * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < IS)
+    else:  # bf16: one loop over the selected weight (half the code)
+        if slot >= 0:
+            eid = _route_slot(logits_ptr, ids_ptr, wts_ptr, pid, slot, E, EP, TOPK, NORM)
+            wbase = gu_ptr + eid.to(tl.int64) * stride_ge
+            n_rows = I
+        else:
+            wbase = sgu_ptr
+            n_rows = IS
+            slot = TOPK  # the shared expert's act row is the last
+        a = _swiglu_rows(x_ptr, wbase, wbase, gur_ptr, 0, n_rows, rows, pid * BLOCK_N, K, BLOCK_K, BKS, False, True,
+                         False, VEC_E)
+        tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < n_rows)
 
 
 @triton.jit
@@ -74,29 +141,10 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
                        PDL: tl.constexpr):
-    pdl_begin(PDL)
-    pid = tl.program_id(0)
-    # Grid column 0 is the shared expert (scheduled first: it needs no routing, so its loads start
-    # while the routed programs select their experts); columns 1..TOPK are routed slots 0..TOPK-1.
-    slot = tl.program_id(1) - 1
-    if slot >= 0:
-        # Each routed program selects its own slot's expert; the programs with pid 0 publish ids /
-        # weights for the down launch.
-        e, sel, rank, w = topk_select(logits_ptr, E, EP, TOPK, NORM)
-        mine = sel & (rank == slot)
-        eid = tl.sum(tl.where(mine, e, 0), 0)
-        if pid == 0:
-            tl.store(ids_ptr + slot, eid)
-            tl.store(wts_ptr + slot, tl.sum(tl.where(mine, w, 0.0), 0))
-        wbase = gu_ptr + eid.to(tl.int64) * stride_ge
-        n_rows = I
-    else:
-        wbase = sgu_ptr
-        n_rows = IS
-        slot = TOPK  # the shared expert's act row is the last
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    a = _swiglu_rows(x_ptr, wbase, n_rows, rows, K, BLOCK_K, VEC)
-    tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < n_rows)
+    """Launch 2 over bf16 weights (`_gate_up`)."""
+    _gate_up(x_ptr, gu_ptr, gu_ptr, ids_ptr, sgu_ptr, sgu_ptr, ids_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
+             stride_ge, 0, 0, 0, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, 1, False, False, True, True, False,
+             VEC, VEC, PDL)
 
 
 @triton.jit
@@ -106,38 +154,120 @@ def _fold3(p, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC
 
 
 @triton.jit
-def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N, stride_de,
-                    I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
-                    IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                    PDL: tl.constexpr):
+def _shared_tile(sdn_ptr, sdns_ptr, sr, stride_sds, rows, rmask, k0, IS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BKS: tl.constexpr, FP8: tl.constexpr, UNIFORM: tl.constexpr):
+    """K block k0 of the shared expert's down rows `rows` [BLOCK_N, BLOCK_K] and, when FP8, each
+    column's block scale (`gemv._col_scales`)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    cm = cols < IS
+    wv = tl.load(sdn_ptr + rows[:, None] * IS + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
+                 eviction_policy="evict_first")
+    sv = 0.0
+    if FP8:
+        sv = _col_scales(sdns_ptr, sr, stride_sds, cols, cm, rmask, BKS, UNIFORM)
+    return wv, sv
+
+
+@triton.jit
+def _shared_dot(wv, sv, a, FP8: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
+    if FP8:
+        p = _scaled_dot(wv, a, sv, UNIFORM, ROUND_W)
+    else:
+        p = wv.to(tl.float32) * a[None, :]
+    return p
+
+
+@triton.jit
+def _routed_tile(base, sbase, sr, stride_ds, sm, rmask, k0, I: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BKS: tl.constexpr, FP8: tl.constexpr, UNIFORM: tl.constexpr):
+    """K block k0 of every selected expert's down rows in one gather load [TOPKP, BLOCK_N, BLOCK_K]
+    (all of a program's weight bytes can be in flight together) and, when FP8, their column scales
+    ([TOPKP, BLOCK_K] for UNIFORM rows, else [TOPKP, BLOCK_N, BLOCK_K])."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    cm = cols < I
+    wv = tl.load(base + cols[None, None, :], mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :],
+                 other=0.0, eviction_policy="evict_first")
+    sv = 0.0
+    if FP8:
+        if UNIFORM:
+            sv = tl.load(sbase[:, None] + sr * stride_ds + (cols // BKS)[None, :], mask=sm[:, None] & cm[None, :],
+                         other=0.0)
+        else:
+            sv = tl.load(sbase[:, None, None] + sr[None, :, None] * stride_ds + (cols // BKS)[None, None, :],
+                         mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :], other=0.0)
+    return wv, sv
+
+
+@triton.jit
+def _routed_dot(wv, sv, a, FP8: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
+    """Products of a `_routed_tile` with the selected experts' act rows a [TOPKP, BLOCK_K] (fp32)."""
+    if FP8:
+        if UNIFORM:
+            if ROUND_W:
+                p = _bf16(wv.to(tl.float32) * sv[:, None, :]) * a[:, None, :]
+            else:
+                p = wv.to(tl.float32) * (a * sv)[:, None, :]
+        else:
+            if ROUND_W:
+                p = _bf16(wv.to(tl.float32) * sv) * a[:, None, :]
+            else:
+                p = wv.to(tl.float32) * (a[:, None, :] * sv)
+    else:
+        p = wv.to(tl.float32) * a[:, None, :]
+    return p
+
+
+@triton.jit
+def _scale_rows(srow_ptr, row0, rows, rmask, FP8: tl.constexpr, UNIFORM: tl.constexpr):
+    """The block-scale row of the program's rows: one (UNIFORM) or one per row; 0 for bf16 weights."""
+    sr = 0
+    if FP8:
+        if UNIFORM:
+            sr = tl.load(srow_ptr + row0)
+        else:
+            sr = tl.load(srow_ptr + rows, mask=rmask, other=0)
+    return sr
+
+
+@triton.jit
+def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
+          stride_de, stride_dse, stride_ds, stride_sds, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr,
+          TOPK: tl.constexpr, TOPKP: tl.constexpr, IMAX: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr, FP8_E: tl.constexpr,
+          FP8_S: tl.constexpr, UNI_E: tl.constexpr, UNI_S: tl.constexpr, ROUND_W: tl.constexpr,
+          VEC_E: tl.constexpr, VEC_S: tl.constexpr, PDL: tl.constexpr):
+    """The down launch (bf16 and fp8 alike): shared expert rows, then every selected expert's rows in
+    one gather load per K block (`_routed_tile`: all of the program's weight bytes can be in flight
+    together; expert after expert, each bf16 sum would wait for its own round trip), summed in
+    ascending expert id (the eager order, with its bf16 rounding); the sigmoid-gated shared expert
+    and the residual."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0 = pid * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
     rmask = rows < N
     offs_k = tl.arange(0, BLOCK_K)
-    # The shared expert's rows first (no routing needed), then every routed expert's rows in one
-    # gather load [TOPKP, BLOCK_N, BLOCK_K] per K block: all of the program's weight bytes can be in
-    # flight together. (Expert after expert, each bf16 sum waits for its own round trip.)
-    acc_s = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    ssr = _scale_rows(sdnr_ptr, row0, rows, rmask, FP8_S, UNI_S)
+    act_s = act_ptr + TOPK * IMAX
+    acc_s = tl.zeros([BLOCK_N, BLOCK_K // VEC_S], dtype=tl.float32)
     for k0 in tl.static_range(0, IS, BLOCK_K):
         cols = k0 + offs_k
-        cm = cols < IS
-        a = tl.load(act_ptr + TOPK * IMAX + cols, mask=cm, other=0.0).to(tl.float32)
-        wv = tl.load(sdn_ptr + rows[:, None] * IS + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
-                     eviction_policy="evict_first")
-        acc_s += _fold(wv.to(tl.float32) * a[None, :], BLOCK_N, BLOCK_K, VEC)
+        a = tl.load(act_s + cols, mask=cols < IS, other=0.0).to(tl.float32)
+        wv, sv = _shared_tile(sdn_ptr, sdns_ptr, ssr, stride_sds, rows, rmask, k0, IS, BLOCK_K, BKS, FP8_S, UNI_S)
+        acc_s += _fold(_shared_dot(wv, sv, a, FP8_S, UNI_S, ROUND_W), BLOCK_N, BLOCK_K, VEC_S)
     s = tl.arange(0, TOPKP)
     sm = s < TOPK
     eid = tl.load(ids_ptr + s, mask=sm, other=0)
     base = dn_ptr + eid.to(tl.int64)[:, None, None] * stride_de + rows[None, :, None] * I
-    acc = tl.zeros([TOPKP, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    sbase = dns_ptr + eid.to(tl.int64) * stride_dse
+    sr = _scale_rows(dnr_ptr, row0, rows, rmask, FP8_E, UNI_E)
+    acc = tl.zeros([TOPKP, BLOCK_N, BLOCK_K // VEC_E], dtype=tl.float32)
     for k0 in tl.static_range(0, I, BLOCK_K):
         cols = k0 + offs_k
-        cm = cols < I
-        a = tl.load(act_ptr + s[:, None] * IMAX + cols[None, :], mask=sm[:, None] & cm[None, :], other=0.0)
-        wv = tl.load(base + cols[None, None, :], mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :],
-                     other=0.0, eviction_policy="evict_first")
-        acc += _fold3(wv.to(tl.float32) * a.to(tl.float32)[:, None, :], TOPKP, BLOCK_N, BLOCK_K, VEC)
+        a = tl.load(act_ptr + s[:, None] * IMAX + cols[None, :], mask=sm[:, None] & (cols < I)[None, :],
+                    other=0.0).to(tl.float32)
+        wv, sv = _routed_tile(base, sbase, sr, stride_ds, sm, rmask, k0, I, BLOCK_K, BKS, FP8_E, UNI_E)
+        acc += _fold3(_routed_dot(wv, sv, a, FP8_E, UNI_E, ROUND_W), TOPKP, BLOCK_N, BLOCK_K, VEC_E)
     w = tl.load(wts_ptr + s, mask=sm, other=0.0)
     part = _bf16(_bf16(tl.sum(acc, 2)) * w[:, None])  # [TOPKP, BLOCK_N]: each expert's bf16 output
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -150,6 +280,17 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
     tl.store(res_ptr + rows, _bf16(r + moe).to(res_ptr.dtype.element_ty), mask=rmask)
 
 
+@triton.jit
+def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N, stride_de,
+                    I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
+                    IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                    PDL: tl.constexpr):
+    """Launch 3 over bf16 weights (`_down`)."""
+    _down(act_ptr, dn_ptr, dn_ptr, ids_ptr, sdn_ptr, sdn_ptr, ids_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
+          stride_de, 0, 0, 0, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N, BLOCK_K, 1, False, False, True, True, False,
+          VEC, VEC, PDL)
+
+
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
                 norm_topk=True, round_w=False, vec=0):
@@ -159,7 +300,7 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     `res` (the residual, [H]) is updated in place. gate_up [E, 2I, H], down [E, H, I],
     shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch. Any of the
     four weights may be an fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8
-    kernels, which read each weight in its own format (`round_w`: gemv._acc_fp8's ROUND_W; `vec`:
+    kernels, which read each weight in its own format (`round_w`: gemv._acc's ROUND_W; `vec`:
     gemv.gemv's)."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
@@ -237,41 +378,6 @@ def _fp8(routed, shared):
 
 
 @triton.jit
-def _swiglu_rows_fp8(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr,
-                     VEC: tl.constexpr):
-    """`_swiglu_rows` of an e4m3 [2 n_rows, K] expert with block scales (sbase, row map srow_ptr)."""
-    rmask = rows < n_rows
-    offs_k = tl.arange(0, BLOCK_K)
-    ok = row0 < n_rows  # a program past this expert's rows (a wider shared expert) reads no scale row
-    if UNIFORM:
-        sr_g = tl.load(srow_ptr + row0, mask=ok, other=0)
-        sr_u = tl.load(srow_ptr + n_rows + row0, mask=ok, other=0)
-    else:
-        sr_g = tl.load(srow_ptr + rows, mask=rmask, other=0)
-        sr_u = tl.load(srow_ptr + n_rows + rows, mask=rmask, other=0)
-    BN: tl.constexpr = rows.shape[0]
-    acc_g = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        cols = k0 + offs_k
-        cmask = cols < K
-        wp = wbase + rows[:, None] * K + cols[None, :]
-        m2 = rmask[:, None] & cmask[None, :]
-        wg = tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first")
-        wu = tl.load(wp + n_rows * K, mask=m2, other=0.0, eviction_policy="evict_first")
-        xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        smask = cmask & ((offs_k * 0 + row0) < n_rows)  # (a scalar & a vector trips the interpreter)
-        acc_g += _fold(_scaled_dot(wg, xv, _col_scales(sbase, sr_g, stride_s, cols, smask, rmask, BKS, UNIFORM),
-                                   UNIFORM, ROUND_W), BN, BLOCK_K, VEC)
-        acc_u += _fold(_scaled_dot(wu, xv, _col_scales(sbase, sr_u, stride_s, cols, smask, rmask, BKS, UNIFORM),
-                                   UNIFORM, ROUND_W), BN, BLOCK_K, VEC)
-    g = _bf16(tl.sum(acc_g, 1))
-    u = _bf16(tl.sum(acc_u, 1))
-    return _bf16(_bf16(_silu(g)) * u)
-
-
-@triton.jit
 def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr,
                            logits_ptr, wts_ptr, stride_ge, stride_gse, stride_gs, stride_sgs,
                            K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
@@ -282,57 +388,9 @@ def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, s
                            PDL: tl.constexpr):
     """`moe_gate_up_kernel` with fp8 routed experts (FP8_E: gu e4m3 [E, 2I, K], scales gus
     [E, S, ceil(K/bk)], row map gur [2I]) and / or an fp8 shared expert (FP8_S: sgu, sgus, sgur)."""
-    pdl_begin(PDL)
-    pid = tl.program_id(0)
-    slot = tl.program_id(1) - 1
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if slot >= 0:
-        e, sel, rank, w = topk_select(logits_ptr, E, EP, TOPK, NORM)
-        mine = sel & (rank == slot)
-        eid = tl.sum(tl.where(mine, e, 0), 0)
-        if pid == 0:
-            tl.store(ids_ptr + slot, eid)
-            tl.store(wts_ptr + slot, tl.sum(tl.where(mine, w, 0.0), 0))
-        if FP8_E:
-            a = _swiglu_rows_fp8(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, gus_ptr + eid.to(tl.int64) * stride_gse,
-                                 gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, BKS, UNI_E, ROUND_W, VEC_E)
-        else:
-            a = _swiglu_rows(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, I, rows, K, BLOCK_K, VEC_E)
-        tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < I)
-    else:
-        if FP8_S:
-            a = _swiglu_rows_fp8(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, pid * BLOCK_N, K, BLOCK_K,
-                                 BKS, UNI_S, ROUND_W, VEC_S)
-        else:
-            a = _swiglu_rows(x_ptr, sgu_ptr, IS, rows, K, BLOCK_K, VEC_S)
-        tl.store(act_ptr + TOPK * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < IS)
-
-
-@triton.jit
-def _down_shared(act_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, stride_sds, rows, rmask, row0, IS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr,
-                 FP8: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, VEC: tl.constexpr):
-    """The shared expert's down rows `rows` · act (its row of act_ptr), fp32 [BLOCK_N]."""
-    offs_k = tl.arange(0, BLOCK_K)
-    if FP8:
-        if UNIFORM:
-            sr = tl.load(sdnr_ptr + row0)
-        else:
-            sr = tl.load(sdnr_ptr + rows, mask=rmask, other=0)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-    for k0 in tl.static_range(0, IS, BLOCK_K):
-        cols = k0 + offs_k
-        cm = cols < IS
-        a = tl.load(act_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        wv = tl.load(sdn_ptr + rows[:, None] * IS + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
-                     eviction_policy="evict_first")
-        if FP8:
-            p = _scaled_dot(wv, a, _col_scales(sdns_ptr, sr, stride_sds, cols, cm, rmask, BKS, UNIFORM), UNIFORM,
-                            ROUND_W)
-        else:
-            p = wv.to(tl.float32) * a[None, :]
-        acc += _fold(p, BLOCK_N, BLOCK_K, VEC)
-    return tl.sum(acc, 1)
+    _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
+             stride_ge, stride_gse, stride_gs, stride_sgs, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, BKS,
+             FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, PDL)
 
 
 @triton.jit
@@ -344,59 +402,7 @@ def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sd
                         UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
                         PDL: tl.constexpr):
     """`moe_down_kernel` with fp8 routed down projections (FP8_E: dn e4m3 [E, H, I], scales dns, row
-    map dnr [H]) and / or an fp8 shared down (FP8_S). Same gather load over the selected experts."""
-    pdl_begin(PDL)
-    pid = tl.program_id(0)
-    row0 = pid * BLOCK_N
-    rows = row0 + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    shared = _down_shared(act_ptr + TOPK * IMAX, sdn_ptr, sdns_ptr, sdnr_ptr, stride_sds, rows, rmask, row0, IS,
-                          BLOCK_N, BLOCK_K, BKS, FP8_S, UNI_S, ROUND_W, VEC_S)
-    s = tl.arange(0, TOPKP)
-    sm = s < TOPK
-    eid = tl.load(ids_ptr + s, mask=sm, other=0)
-    offs_k = tl.arange(0, BLOCK_K)
-    base = dn_ptr + eid.to(tl.int64)[:, None, None] * stride_de + rows[None, :, None] * I
-    if FP8_E:
-        sbase = dns_ptr + eid.to(tl.int64) * stride_dse
-        if UNI_E:
-            sr = tl.load(dnr_ptr + row0)
-        else:
-            sr = tl.load(dnr_ptr + rows, mask=rmask, other=0)
-    acc = tl.zeros([TOPKP, BLOCK_N, BLOCK_K // VEC_E], dtype=tl.float32)
-    for k0 in tl.static_range(0, I, BLOCK_K):
-        cols = k0 + offs_k
-        cm = cols < I
-        a = tl.load(act_ptr + s[:, None] * IMAX + cols[None, :], mask=sm[:, None] & cm[None, :], other=0.0)
-        a = a.to(tl.float32)
-        wv = tl.load(base + cols[None, None, :], mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :],
-                     other=0.0, eviction_policy="evict_first")
-        if FP8_E:
-            if UNI_E:  # [TOPKP, BLOCK_K]: each selected expert's scale of every column
-                sv = tl.load(sbase[:, None] + sr * stride_ds + (cols // BKS)[None, :], mask=sm[:, None] & cm[None, :],
-                             other=0.0)
-                if ROUND_W:
-                    p = _bf16(wv.to(tl.float32) * sv[:, None, :]) * a[:, None, :]
-                else:
-                    p = wv.to(tl.float32) * (a * sv)[:, None, :]
-            else:  # [TOPKP, BLOCK_N, BLOCK_K]
-                sv = tl.load(sbase[:, None, None] + sr[None, :, None] * stride_ds + (cols // BKS)[None, None, :],
-                             mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :], other=0.0)
-                if ROUND_W:
-                    p = _bf16(wv.to(tl.float32) * sv) * a[:, None, :]
-                else:
-                    p = wv.to(tl.float32) * (a[:, None, :] * sv)
-        else:
-            p = wv.to(tl.float32) * a[:, None, :]
-        acc += _fold3(p, TOPKP, BLOCK_N, BLOCK_K, VEC_E)
-    racc = tl.sum(acc, 2)
-    w = tl.load(wts_ptr + s, mask=sm, other=0.0)
-    part = _bf16(_bf16(racc) * w[:, None])  # [TOPKP, BLOCK_N]: each expert's bf16 output
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for i in tl.static_range(TOPK):  # the eager order: ascending expert id, bf16 after every add
-        out = _bf16(out + tl.sum(tl.where(s[:, None] == i, part, 0.0), 0))
-    sg = tl.load(logits_ptr + E).to(tl.float32)
-    gate = _bf16(1.0 / (1.0 + tl.exp(-sg)))
-    moe = _bf16(out + _bf16(gate * _bf16(shared)))
-    r = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(res_ptr + rows, _bf16(r + moe).to(res_ptr.dtype.element_ty), mask=rmask)
+    map dnr [H]) and / or an fp8 shared down (FP8_S)."""
+    _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
+          stride_de, stride_dse, stride_ds, stride_sds, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N, BLOCK_K, BKS,
+          FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, PDL)
