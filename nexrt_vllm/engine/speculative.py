@@ -23,8 +23,10 @@ plain sampler uses (temperature, top-k, top-p: `sampling.sampling_probs`), so ea
 is distributed exactly as plain sampling's. The random stream differs from the plain sampler's.
 
 Where the drafter's context comes from: `Engine.prefill` runs the head over the prompt (the full
-context vLLM's proposer would have); after a hand-off (`import_state`) the head has none, so the
-first step is a plain one and the head's context starts at the node's first decoded position
+context vLLM's proposer would have); after a hand-off (`import_state`) from a speculating prefill
+vLLM, its MTP cache's rows 0..N-1 (`import_context` without the hidden state): the first step is a
+plain one, the drafts after it see the whole prompt; from any other prefill the head has none, so
+the first step is a plain one and the head's context starts at the node's first decoded position
 (rows before it masked) - exact either way, only acceptance differs.
 """
 from __future__ import annotations
@@ -102,12 +104,18 @@ class Speculator:
                 "v": self.drafter.v[:, :n].clone()}
 
     def import_context(self, seq_len: int, ctx: dict[str, torch.Tensor]) -> None:
-        """Arm a full context for a state of `seq_len` tokens (call after import_state)."""
+        """Arm a context for a state of `seq_len` tokens (call after import_state): {"hidden", "k",
+        "v" of rows 0..N-2} (export_context: the first round drafts at once), or {"k", "v" of rows
+        0..N-1} without the hidden state (what a speculating prefill vLLM's MTP cache holds: its row
+        N-1 is (H_{N-1}, the first token)): the first step is a plain one, the drafts after it
+        attend to every row."""
         from .errors import StateError
 
-        d, n = self.drafter, seq_len - 1
-        want = {"hidden": (1, self.model.config.hidden_size), "k": (d.k.shape[0], n, d.k.shape[2]),
-                "v": (d.k.shape[0], n, d.k.shape[2])}
+        d = self.drafter
+        n = seq_len - 1 if "hidden" in ctx else seq_len
+        want = {"k": (d.k.shape[0], n, d.k.shape[2]), "v": (d.k.shape[0], n, d.k.shape[2])}
+        if "hidden" in ctx:
+            want["hidden"] = (1, self.model.config.hidden_size)
         bad = [f"{k}: {tuple(ctx[k].shape) if k in ctx else None}, expected {s}" for k, s in want.items()
                if k not in ctx or tuple(ctx[k].shape) != s]
         if bad:
@@ -115,7 +123,8 @@ class Speculator:
         d.k[:, :n].copy_(ctx["k"])
         d.v[:, :n].copy_(ctx["v"])
         d.start.zero_()
-        self._ctx_len, self._ctx_hidden = seq_len, ctx["hidden"].to(d.k.dtype).clone()
+        self._ctx_len = seq_len
+        self._ctx_hidden = ctx["hidden"].to(d.k.dtype).clone() if "hidden" in ctx else None
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, gen):
         """Draft token(s) from head logits [R, V]: argmax when greedy, else drawn from q (returned)."""
@@ -148,7 +157,8 @@ class Speculator:
         model, state, M, dev = self.model, engine.state, self.M, engine.device
         gen = Sampler(params, dev).generator  # seeded as the plain sampler's (None when greedy)
         produced = 1
-        full = self._ctx_len == state.seq_len and self._ctx_hidden is not None
+        rows = self._ctx_len == state.seq_len  # the head's rows 0..N-2 or 0..N-1 are armed
+        full = rows and self._ctx_hidden is not None
         ctx_hidden = self._ctx_hidden
         self.drop_context()  # one stream per prefill
         if engine._stops(first_token, params):
@@ -201,7 +211,8 @@ class Speculator:
             drafts = q = None
             if state.seq_len + M <= engine.max_seq_len:
                 if T == 1 and not full:
-                    self.drafter.start.copy_(base)  # the head's context begins at the node's first position
+                    if not rows:  # the head's context begins at the node's first position
+                        self.drafter.start.copy_(base)
                     full = True
                 drafts, q = self._draft(hidden, out, base, a, params, gen)
         engine.finish_reason = "length"

@@ -37,10 +37,11 @@ from nexrt_vllm.handoff.protocol import ProtocolError, Reason, Region, align_up
 from nexrt_vllm.handoff.sharding import Sharding
 
 # Versions: 1 the unsharded descriptor; 2 adds ``sharding`` (a TP part: which heads it holds;
-# done/abort name the part); 3 adds the GDN ``rec_offset``. A node takes every earlier version
-# (an absent field is its default); an older node refuses a newer layout at hello.
-LAYOUT_VERSION = 3
-LAYOUT_VERSIONS = (1, 2, 3)
+# done/abort name the part); 3 adds the GDN ``rec_offset``; 4 adds the MTP drafter's attention
+# layers (index num_hidden_layers + i for MTP layer i; `drafter_layers`). A node takes every earlier
+# version (an absent field is its default); an older node refuses a newer layout at hello.
+LAYOUT_VERSION = 4
+LAYOUT_VERSIONS = (1, 2, 3, 4)
 
 # Bytes per element of every dtype a layout may name.
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
@@ -241,10 +242,21 @@ def check_layout(layout: Layout, cfg) -> None:
             bad(f"model {k}={layout.model[k]!r}, node serves {want!r}")
     if "num_hidden_layers" not in layout.model:
         bad("layout.model lacks num_hidden_layers")
-    got = sorted(layer.index for layer in layout.layers)
+    got = sorted(layer.index for layer in layout.layers if layer.index < cfg.num_layers)
     if got != list(range(cfg.num_layers)):
         bad(f"layout covers layers {got}, node needs 0..{cfg.num_layers - 1}")
+    for layer in drafter_layers(layout, cfg.num_layers):
+        # the MTP drafter's own KV (a speculating prefill vLLM): its attention has the target's heads
+        i = layer.index - cfg.num_layers
+        if cfg.mtp_num_layers and i >= cfg.mtp_num_layers:
+            bad(f"layer {layer.index}: MTP layer {i}, the node's checkpoint has {cfg.mtp_num_layers}")
+        want = (cfg.num_kv_heads, layout.block_size, 2 * cfg.head_dim)
+        if layer.kind != "attention" or tuple(layer.shape) != want:
+            bad(f"layer {layer.index} (MTP layer {i}): {layer.kind} page {tuple(getattr(layer, 'shape', ()))}, "
+                f"expected attention {want}")
     for layer in layout.layers:
+        if layer.index >= cfg.num_layers:
+            continue
         kind = cfg.layer_types[layer.index]
         if kind == "full_attention":
             if layer.kind != "attention":
@@ -261,6 +273,11 @@ def check_layout(layout: Layout, cfg) -> None:
             want = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
             if layer.rec_dims != want:
                 bad(f"layer {layer.index}: recurrent (heads, dk, dv) {layer.rec_dims}, expected {want}")
+
+
+def drafter_layers(layout: Layout, num_layers: int) -> list[LayerLayout]:
+    """The layers past the target's `num_layers`: the MTP drafter's (layout version 4)."""
+    return [layer for layer in layout.layers if layer.index >= num_layers]
 
 
 def _layer_to_wire(layer: LayerLayout) -> dict:
@@ -312,5 +329,5 @@ def _layer_from_wire(d: dict) -> LayerLayout:
     raise ProtocolError(Reason.BAD_MESSAGE, f"unknown layer kind {kind!r}")
 
 
-__all__ = ["LAYOUT_VERSION", "LAYOUT_VERSIONS", "DTYPE_SIZES", "STATE_PAGE_DTYPES", "check_dtypes", "CONV_LAYOUTS", "KV_FORMATS", "REC_LAYOUTS", "AttentionLayout",
+__all__ = ["LAYOUT_VERSION", "LAYOUT_VERSIONS", "DTYPE_SIZES", "drafter_layers", "STATE_PAGE_DTYPES", "check_dtypes", "CONV_LAYOUTS", "KV_FORMATS", "REC_LAYOUTS", "AttentionLayout",
            "GDNLayout", "LayerLayout", "Layout", "span_elems", "contiguous_strides", "model_identity", "check_layout"]

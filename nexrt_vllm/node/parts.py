@@ -134,17 +134,30 @@ class PartSet:
 
 
 def load_parts(engine, raw, parts: PartSet, dtypes) -> None:
-    """Convert the received parts and load them into the engine (TP = 1 or a TPEngine's M shards)."""
+    """Convert the received parts and load them into the engine (TP = 1 or a TPEngine's M shards).
+    The MTP drafter's K/V (layout version 4, a speculating prefill vLLM) become the context of the
+    engine's own drafter when it speculates (`Speculator.import_context`), else are dropped."""
     cfg, tp = engine.config, getattr(engine, "tp", 1)
     if parts.n == 1 and tp == 1:  # the unsharded hand-off: no re-sharding
         p = parts.parts[0]
-        engine.import_state(parts.seq_len, unpack_state(raw, p.layout, p.regions, parts.seq_len, dtypes))
+        state = unpack_state(raw, p.layout, p.regions, parts.seq_len, dtypes)
+        drafter = {lay.index - cfg.num_layers: (state[f"layers.{lay.index}.k"], state[f"layers.{lay.index}.v"])
+                   for lay in L.drafter_layers(p.layout, cfg.num_layers)}
+        engine.import_state(parts.seq_len, _target(state, p.layout, cfg))
+        spec = getattr(engine, "speculative", None)
+        if spec is not None and 0 in drafter:
+            spec.import_context(parts.seq_len, {"k": drafter[0][0], "v": drafter[0][1]})
         return
-    states = [(p.layout.sharding or whole(cfg), unpack_state(raw, p.layout, p.regions, parts.seq_len, dtypes))
-              for p in parts.parts.values()]
+    states = [(p.layout.sharding or whole(cfg), _target(unpack_state(raw, p.layout, p.regions, parts.seq_len, dtypes),
+                                                         p.layout, cfg)) for p in parts.parts.values()]
     shards = reshard(cfg, states, node_shards(cfg, tp))
     if tp == 1:
         engine.import_state(parts.seq_len, shards[0])
     else:
         engine.import_shards(parts.seq_len, shards)
 
+
+def _target(state: dict, layout: L.Layout, cfg) -> dict:
+    """The target model's tensors of a converted part (the MTP drafter's left out)."""
+    drop = {f"layers.{lay.index}.{p}" for lay in L.drafter_layers(layout, cfg.num_layers) for p in ("k", "v")}
+    return {k: t for k, t in state.items() if k not in drop}

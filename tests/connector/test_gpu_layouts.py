@@ -63,7 +63,7 @@ class Cache:
     """vLLM 0.33's KV cache for `cfg`, allocated by vLLM's own planning and allocation code."""
 
     def __init__(self, cfg, layout_name="LBNHC", backend="FLASH_ATTN", conv="SD", rec_dtype=torch.bfloat16,
-                 num_blocks=24, kv_dtype=torch.bfloat16, gdn_states=None):
+                 num_blocks=24, kv_dtype=torch.bfloat16, gdn_states=None, mtp_layers=0):
         from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size, get_kv_cache_config_from_groups
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
         from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -90,6 +90,9 @@ class Cache:
             else:
                 specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
                     shapes=shapes, dtypes=dtypes, block_size=self.block, page_size_padded=self.block * tok)
+        for j in range(mtp_layers):  # vLLM's MTP drafter (speculative decoding): attention of its own
+            specs[f"mtp.layers.{j}.self_attn.attn"] = FullAttentionSpec(
+                block_size=self.block, num_kv_heads=h, head_size=d, dtype=kv_dtype)
         groups = _get_kv_cache_groups_uniform_page_size(specs)
         cache_config = types.SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout, num_gpu_blocks_override=None,
                                              prefix_cache_retention_interval=None, kv_cache_layout=layout.name)
@@ -114,7 +117,7 @@ class Cache:
         self.flat = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
 
     def layer_name(self, i):
-        return next(n for n in self.specs if f".layers.{i}." in n)
+        return next(n for n in self.specs if n.startswith(f"model.layers.{i}."))
 
     def write(self, state, seq_len, blocks, rec_order="HVK"):
         """Write the engine state as the CUDA kernels would (rec_order "HKV": as vLLM-CPU's)."""
@@ -254,15 +257,16 @@ def test_gpu_pages_read_back_as_the_engine_state(models, arch, kv_layout, backen
             assert _far(misread[f"layers.{i}.k"], state[f"layers.{i}.k"])
 
 
-def _write_cpu_attention(cache, cfg, state, seq_len, blocks):
-    """The attention pages as vLLM's own CPU cache-write kernel (ISA vec) writes them."""
+def _write_cpu_attention(cache, cfg, state, seq_len, blocks, extra=()):
+    """The attention pages as vLLM's own CPU cache-write kernel (ISA vec) writes them; `extra`:
+    (cache layer name, state layer index) pairs past the target's layers (the MTP drafter's)."""
     from vllm import _custom_ops as ops
 
-    for i in cfg.attention_layers:
-        t = cache.tensors[cache.layer_name(i)]
+    for name, i in [(cache.layer_name(i), i) for i in cfg.attention_layers] + list(extra):
+        t = cache.tensors[name]
         nb, h, bs, c = t.shape
         k_cache, v_cache = t.view(nb, h, 2 * bs, c // 2).chunk(2, dim=2)  # cpu_attn.py
-        b = blocks[cache.group[cache.layer_name(i)]]
+        b = blocks[cache.group[name]]
         slots = torch.tensor([b[p // bs] * bs + p % bs for p in range(seq_len)])
         ops.cpu_attn_reshape_and_cache(state[f"layers.{i}.k"].transpose(0, 1).bfloat16().contiguous(),
                                        state[f"layers.{i}.v"].transpose(0, 1).bfloat16().contiguous(),
@@ -313,26 +317,32 @@ def test_speculative_widened_conv_state(models, conv):
     """vLLM with 3 speculative tokens allocates the conv state 3 positions wider; its prefill keeps the
     state in the first kernel-1 (vLLM-CPU's causal_conv1d_fn_cpu, Triton's causal_conv1d_fn). Read so
     on CPU and CUDA (end to end: tests/connector/test_state_parity.py, benchmarks/gpu_layout_check.py);
-    refused on a platform not characterised; drafter ("mtp.") caches are not shipped."""
+    refused on a platform not characterised. The MTP drafter's own cache ("mtp.layers.0") is shipped as
+    layer num_layers (layout version 4), read back as written."""
     cfg, prompt, state = models["qwen3_next"]
-    seq_len, w, spec = len(prompt), cfg.conv_kernel - 1, 3
+    seq_len, w, spec, n = len(prompt), cfg.conv_kernel - 1, 3, cfg.num_layers
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     wide = (w + spec, cfg.conv_dim) if conv == "SD" else (cfg.conv_dim, w + spec)
-    cache = Cache(cfg, "LBHNC", "CPU_ATTN", conv, gdn_states=(wide, (hv, dv, dk)))
+    cache = Cache(cfg, "LBHNC", "CPU_ATTN", conv, gdn_states=(wide, (hv, dv, dk)), mtp_layers=1)
     cache.vllm_config.speculative_config = types.SimpleNamespace(num_speculative_tokens=spec)
-    a0 = cache.layer_name(cfg.attention_layers[0])
-    tensors = {**cache.tensors, "mtp.layers.0.self_attn.attn": cache.tensors[a0]}
     with pytest.raises(LayoutError, match="widened by 3 speculative tokens is read on cpu, cuda only"):
-        detect(tensors, cache.kv_cache_config, cache.vllm_config, platform="xpu",
+        detect(cache.tensors, cache.kv_cache_config, cache.vllm_config, platform="xpu",
                backend_of=lambda name: ("FLASH_ATTN", None))
-    found = detect(tensors, cache.kv_cache_config, cache.vllm_config, platform="cpu",
+    on_cuda = detect(cache.tensors, cache.kv_cache_config, cache.vllm_config, platform="cuda",
+                     backend_of=lambda name: ("FLASH_ATTN", None), attn_kv_format="packed")
+    assert "drafter layers not shipped (1: not yet checked on cuda)" in on_cuda.summary
+    assert not L.drafter_layers(on_cuda.layout, n)
+    found = detect(cache.tensors, cache.kv_cache_config, cache.vllm_config, platform="cpu",
                    backend_of=lambda name: ("CPU_ATTN", "vec"))
-    assert "drafter layers not shipped (1)" in found.summary
-    assert {lay.index for lay in found.layout.layers} == set(range(cfg.num_layers))
+    assert "drafter layers shipped (1)" in found.summary
+    assert {lay.index for lay in found.layout.layers} == set(range(n + 1)) and found.layout.version == 4
+    assert [lay.index for lay in L.drafter_layers(found.layout, n)] == [n]
     gdn = [lay for lay in found.layout.layers if lay.kind == "gdn"]
     assert {(lay.conv_width, lay.rec_offset) for lay in gdn} == {(w, (w + spec) * cfg.conv_dim * 2)}
+    a0 = cfg.attention_layers[0]
+    state = {**state, f"layers.{n}.k": -state[f"layers.{a0}.k"], f"layers.{n}.v": state[f"layers.{a0}.v"] / 2}
     blocks = _blocks(cache, seq_len)
-    _write_cpu_attention(cache, cfg, state, seq_len, blocks)
+    _write_cpu_attention(cache, cfg, state, seq_len, blocks, extra=[("mtp.layers.0.self_attn.attn", n)])
     for i, kind in enumerate(cfg.layer_types):
         if kind == "full_attention":
             continue

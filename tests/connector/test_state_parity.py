@@ -26,11 +26,12 @@ def _receive(ckpt, log, llm_kwargs=None):
     v = VLLMProc({"model": ckpt, "max_num_batched_tokens": 512, "kv_transfer_config": nexrt_kv_config("mooncake"),
                   "llm_kwargs": llm_kwargs or {}}, log)
     try:
-        v.generate([{"prompt_token_ids": p, "max_tokens": 1,
-                     "kv_transfer_params": {"nexrt": {"rid": rid, "generation": 1, "control_addr": rx.addr}}}
-                    for rid, p in prompts.items()])
+        outs = v.generate([{"prompt_token_ids": p, "max_tokens": 1,
+                            "kv_transfer_params": {"nexrt": {"rid": rid, "generation": 1, "control_addr": rx.addr}}}
+                           for rid, p in prompts.items()])
         assert v.call({"op": "settle", "timeout": 30})["pending"] is False
-        return ckpt, prompts, {rid: _received(rx, rid) for rid in prompts}
+        first = {rid: o["token_ids"][0] for rid, o in zip(prompts, outs)}
+        return ckpt, prompts, {rid: _received(rx, rid) + (first[rid],) for rid in prompts}
     finally:
         v.close()
         rx.close()
@@ -71,16 +72,33 @@ def test_received_state_matches_engine(request, vllm_run, rid):
     from nexrt_vllm.engine import Engine
 
     ckpt, prompts, states = request.getfixturevalue(vllm_run)
-    layout, got, misread = states[rid]
+    layout, got, misread, first = states[rid]
+    eng = Engine.from_pretrained(ckpt, device="cpu", dtype="float32", max_seq_len=2048)
+    N = eng.config.num_layers
+    drafter = {k: got.pop(k) for k in list(got) if int(k.split(".")[1]) >= N}
     if vllm_run == "received_spec":
         assert {(lay.conv_shape[0], lay.rec_offset > lay.conv_bytes) for lay in layout.layers if lay.kind == "gdn"} \
             == {(3, True)}
+        # the MTP drafter's own K/V shipped as layer N (layout version 4)
+        assert [lay.index for lay in L.drafter_layers(layout, N)] == [N] and set(drafter) == {f"layers.{N}.k",
+                                                                                            f"layers.{N}.v"}
+        eng.enable_speculative("mtp", 3)
+    else:
+        assert not drafter
     assert {lay.kv_format for lay in layout.layers if lay.kind == "attention"} == {"cpu_vec"}
     assert {(lay.conv_layout, lay.rec_layout) for lay in layout.layers if lay.kind == "gdn"} == {("SD", "HKV")}
-    eng = Engine.from_pretrained(ckpt, device="cpu", dtype="float32", max_seq_len=2048)
     eng.prefill(prompts[rid])
     n, ref = eng.export_state()
     assert n == len(prompts[rid]) and set(got) == set(ref)
+    if drafter:
+        # vLLM's MTP rows 0..n-1 == the engine's head over the prompt (rows 0..n-2) and row n-1 = the head
+        # on (H_{n-1}, vLLM's first token): what the node's drafter then attends to
+        ctx = eng.speculative.export_context()
+        d = eng.speculative.drafter
+        d.forward(ctx["hidden"], torch.tensor([first]), torch.tensor([n - 1]))
+        for part, rows in (("k", d.k[:, :n]), ("v", d.v[:, :n])):
+            assert _rel(drafter[f"layers.{N}.{part}"], rows) < 0.05, (part, _rel(drafter[f"layers.{N}.{part}"], rows))
+            assert _rel(drafter[f"layers.{N}.{part}"][:, -1], rows[:, -1]) < 0.05, part
     for name in ref:
         # bf16 vLLM vs fp32 engine: ~0.2 % at layer 0, a few % deeper down
         assert _rel(got[name], ref[name]) < 0.05, (name, _rel(got[name], ref[name]))

@@ -66,7 +66,7 @@ def test_sharded_layouts_and_parts_round_trip():
 
     lay = _layout(sharding=Sharding(4, 3, None, (3, 4), (6, 8)))
     wire = lay.to_wire()
-    assert wire["version"] == L.LAYOUT_VERSION == 3 and wire["sharding"]["kv_heads"] is None
+    assert wire["version"] == L.LAYOUT_VERSION == 4 and wire["sharding"]["kv_heads"] is None
     assert L.Layout.from_wire(wire) == lay
     unsharded = _layout().to_wire()
     assert "sharding" not in unsharded

@@ -125,3 +125,25 @@ def test_layout_of_another_model_is_refused(cfg, qwen3_5_ckpt):
         L.check_layout(L.Layout(lay.model, 16, swapped), cfg)
     with pytest.raises(P.ProtocolError, match="covers layers"):
         L.check_layout(L.Layout(lay.model, 16, lay.layers[1:]), cfg)
+
+
+def test_mtp_drafter_layers(cfg):
+    """Layout version 4: the MTP drafter's attention (a speculating prefill vLLM) is layer
+    num_layers + i; taken when shaped as the target's attention, refused otherwise or past the
+    checkpoint's MTP layers (this one has none: any count is taken and the layers dropped)."""
+    import dataclasses
+
+    lay = layout_for(cfg)
+    a = next(x for x in lay.layers if x.kind == "attention")
+    n = cfg.num_layers
+    with_drafter = L.Layout(lay.model, lay.block_size, lay.layers + (dataclasses.replace(a, index=n),))
+    L.check_layout(with_drafter, cfg)
+    assert [x.index for x in L.drafter_layers(with_drafter, n)] == [n]
+    wide = dataclasses.replace(a, index=n, shape=(a.shape[0] + 1,) + tuple(a.shape[1:]))
+    with pytest.raises(P.ProtocolError, match=f"layer {n} \\(MTP layer 0\\): attention page"):
+        L.check_layout(L.Layout(lay.model, lay.block_size, lay.layers + (wide,)), cfg)
+    one = dataclasses.replace(cfg, mtp_num_layers=1)
+    L.check_layout(with_drafter, one)
+    with pytest.raises(P.ProtocolError, match="MTP layer 1, the node's checkpoint has 1"):
+        L.check_layout(L.Layout(lay.model, lay.block_size, with_drafter.layers + (dataclasses.replace(a, index=n + 1),)),
+                       one)
