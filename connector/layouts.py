@@ -49,12 +49,10 @@ logger = logging.getLogger("vllm.nexrt_connector")
 PACKED_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER")
 CPU_ISA_FORMATS = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}
 REC_BY_PLATFORM = {"cuda": "HVK", "cpu": "HKV"}
-# Where a conv state widened by vLLM's speculative tokens has been read end to end: vLLM-CPU
-# (tests/connector/test_state_parity.py), CUDA (benchmarks/gpu_layout_check.py, variant mtp).
-SPEC_CONV_PLATFORMS = ("cpu", "cuda")
-# Where the MTP drafter's own KV cache of a speculating vLLM is shipped (layout version 4): checked
-# end to end on vLLM-CPU (tests/connector/test_state_parity.py, tests/router/test_fullpath_mtp.py).
-DRAFTER_PLATFORMS = ("cpu",)
+# Where a speculating vLLM's state (its conv states widened by the speculative tokens, its MTP
+# drafter's own KV cache) has been read end to end: vLLM-CPU (tests/connector/test_state_parity.py,
+# tests/router/test_fullpath_mtp.py), CUDA (benchmarks/gpu_layout_check.py, variant mtp).
+SPEC_PLATFORMS = ("cpu", "cuda")
 KV_DTYPES = {TORCH_DTYPES[n]: n for n in ("bfloat16", "float16", "float32")}  # the dtypes the node takes
 STATE_DTYPES = KV_DTYPES
 
@@ -214,9 +212,9 @@ def gdn_layer(name: str, group: int, t: torch.Tensor, spec, hf, platform: str, *
     if alloc > width:
         # vLLM's prefill kernels write the state into the first kernel-1 positions of the wider
         # allocation (the rest is verify scratch). Checked end to end on the platforms listed.
-        if platform not in SPEC_CONV_PLATFORMS:
+        if platform not in SPEC_PLATFORMS:
             raise LayoutError(f"{name}: conv state {conv_shape} widened by {spec_tokens} speculative tokens is "
-                              f"read on {', '.join(SPEC_CONV_PLATFORMS)} only, not yet characterised on "
+                              f"read on {', '.join(SPEC_PLATFORMS)} only, not yet characterised on "
                               f"{platform!r} (run the prefill vLLM without --speculative-config)")
         rec_offset = alloc * conv_dim * L.DTYPE_SIZES[STATE_DTYPES[dtypes[0]]]
     spare = getattr(spec, "num_speculative_blocks", 0) or 0
@@ -270,8 +268,8 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
     attn, gdn, storages, backends, drafter, skipped = [], [], {}, set(), [], []
     for name, t in kv_caches.items():
         mtp = _MTP_RE.search(name) is not None
-        if mtp and (size > 1 or platform not in DRAFTER_PLATFORMS):
-            skipped.append(name)  # the drafter's own cache: shipped unsharded, where checked end to end
+        if mtp and size > 1:  # the drafter's own cache: shipped by unsharded hand-offs
+            skipped.append(name)
             continue
         if name not in group_of:
             raise LayoutError(f"KV cache {name!r} belongs to no KV-cache group")
@@ -329,9 +327,7 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
         summary += (f"; speculative decoding ({spec_tokens} tokens): conv state in the first "
                     f"{hf.linear_conv_kernel_dim - 1} positions, "
                     + (f"drafter layers shipped ({len(drafter)})" if drafter else
-                       f"drafter layers not shipped ({len(skipped)}: "
-                       f"{f'TP {size}' if size > 1 else f'not yet checked on {platform}'})" if skipped
-                       else "no drafter layers"))
+                       f"drafter layers not shipped ({len(skipped)}: TP {size})" if skipped else "no drafter layers"))
     if sharding is not None:
         summary += (f"; TP rank {rank} of {size}: KV heads {sharding.kv_heads or 'none shipped (a replica)'}, "
                     f"GDN key heads {sharding.k_heads}, value heads {sharding.v_heads}")

@@ -330,8 +330,7 @@ def test_speculative_widened_conv_state(models, conv):
                backend_of=lambda name: ("FLASH_ATTN", None))
     on_cuda = detect(cache.tensors, cache.kv_cache_config, cache.vllm_config, platform="cuda",
                      backend_of=lambda name: ("FLASH_ATTN", None), attn_kv_format="packed")
-    assert "drafter layers not shipped (1: not yet checked on cuda)" in on_cuda.summary
-    assert not L.drafter_layers(on_cuda.layout, n)
+    assert "drafter layers shipped (1)" in on_cuda.summary and L.drafter_layers(on_cuda.layout, n)
     found = detect(cache.tensors, cache.kv_cache_config, cache.vllm_config, platform="cpu",
                    backend_of=lambda name: ("CPU_ATTN", "vec"))
     assert "drafter layers shipped (1)" in found.summary
