@@ -297,7 +297,7 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
             raise LayoutError(f"{name}: KV-cache spec {type(spec).__name__} is not supported")
     if not attn:
         raise LayoutError("model has no full-attention layer; nothing defines the page size")
-    tokens = {a.layout.shape[1] for a in attn}
+    tokens = {a.layout.shape[1] for a in attn + drafter}
     if len(tokens) != 1:
         raise LayoutError(f"attention layers use different page sizes {sorted(tokens)} (tokens)")
     attn.sort(key=lambda x: x.index)
@@ -307,11 +307,7 @@ def detect(kv_caches: dict[str, torch.Tensor], kv_cache_config, vllm_config, *, 
         raise LayoutError(f"TP rank {rank} of {size}: attention cache holds {a0.kv_heads} KV heads, vLLM's split "
                           f"of {hf.num_key_value_heads} gives {held[1] - held[0]}")
     shipped = attn if sharding is None or sharding.kv_heads is not None else []  # a replica ships no KV
-    drafter.sort(key=lambda x: x.index)
-    if drafter and tokens != {d.layout.shape[1] for d in drafter}:
-        raise LayoutError(f"MTP drafter cache pages of {sorted({d.layout.shape[1] for d in drafter})} tokens, the "
-                          f"target's of {sorted(tokens)}")
-    shipped = shipped + drafter
+    shipped = shipped + sorted(drafter, key=lambda x: x.index)
     model = {"num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size}
     layout = L.Layout(model=model, block_size=tokens.pop(), sharding=sharding,
                       layers=tuple(sorted((x.layout for x in shipped + gdn), key=lambda lay: lay.index)))

@@ -93,15 +93,19 @@ class Speculator:
     def drop_context(self) -> None:
         self._ctx_len, self._ctx_hidden = -1, None
 
-    def export_context(self) -> dict[str, torch.Tensor] | None:
+    def export_context(self, first_token: int | None = None) -> dict[str, torch.Tensor] | None:
         """The armed full context (after a prefill of N tokens) as copies: {"hidden": [1, H] the
-        target's last hidden state, "k", "v": the head's K/V rows 0..N-2} - what a prefill side would
-        ship for option (b) of docs/NODE.md. None when no context is armed."""
+        target's last hidden state, "k", "v": the head's K/V rows 0..N-2}; with `first_token`,
+        {"k", "v": rows 0..N-1}, row N-1 the head on (H_{N-1}, first_token) - what a speculating
+        prefill vLLM's MTP cache ships (`import_context` takes both). None when no context is armed."""
         if self._ctx_hidden is None:
             return None
-        n = self._ctx_len - 1
-        return {"hidden": self._ctx_hidden.clone(), "k": self.drafter.k[:, :n].clone(),
-                "v": self.drafter.v[:, :n].clone()}
+        d, n = self.drafter, self._ctx_len - 1
+        if first_token is None:
+            return {"hidden": self._ctx_hidden.clone(), "k": d.k[:, :n].clone(), "v": d.v[:, :n].clone()}
+        dev = d.k.device
+        d.forward(self._ctx_hidden, torch.tensor([first_token], device=dev), torch.tensor([n], device=dev))
+        return {"k": d.k[:, :n + 1].clone(), "v": d.v[:, :n + 1].clone()}
 
     def import_context(self, seq_len: int, ctx: dict[str, torch.Tensor]) -> None:
         """Arm a context for a state of `seq_len` tokens (call after import_state): {"hidden", "k",

@@ -245,25 +245,23 @@ def check_layout(layout: Layout, cfg) -> None:
     got = sorted(layer.index for layer in layout.layers if layer.index < cfg.num_layers)
     if got != list(range(cfg.num_layers)):
         bad(f"layout covers layers {got}, node needs 0..{cfg.num_layers - 1}")
-    for layer in drafter_layers(layout, cfg.num_layers):
-        # the MTP drafter's own KV (a speculating prefill vLLM): its attention has the target's heads
-        i = layer.index - cfg.num_layers
-        if cfg.mtp_num_layers and i >= cfg.mtp_num_layers:
-            bad(f"layer {layer.index}: MTP layer {i}, the node's checkpoint has {cfg.mtp_num_layers}")
-        want = (cfg.num_kv_heads, layout.block_size, 2 * cfg.head_dim)
-        if layer.kind != "attention" or tuple(layer.shape) != want:
-            bad(f"layer {layer.index} (MTP layer {i}): {layer.kind} page {tuple(getattr(layer, 'shape', ()))}, "
-                f"expected attention {want}")
+    page = (cfg.num_kv_heads, layout.block_size, 2 * cfg.head_dim)  # every attention layer's
     for layer in layout.layers:
         if layer.index >= cfg.num_layers:
+            # the MTP drafter's own KV (a speculating prefill vLLM): its attention has the target's heads
+            i = layer.index - cfg.num_layers
+            if cfg.mtp_num_layers and i >= cfg.mtp_num_layers:
+                bad(f"layer {layer.index}: MTP layer {i}, the node's checkpoint has {cfg.mtp_num_layers}")
+            if layer.kind != "attention" or tuple(layer.shape) != page:
+                bad(f"layer {layer.index} (MTP layer {i}): {layer.kind} page {tuple(getattr(layer, 'shape', ()))}, "
+                    f"expected attention {page}")
             continue
         kind = cfg.layer_types[layer.index]
         if kind == "full_attention":
             if layer.kind != "attention":
                 bad(f"layer {layer.index}: node has full attention, sender says {layer.kind}")
-            want = (cfg.num_kv_heads, layout.block_size, 2 * cfg.head_dim)
-            if tuple(layer.shape) != want:
-                bad(f"layer {layer.index}: page shape {tuple(layer.shape)}, expected {want}")
+            if tuple(layer.shape) != page:
+                bad(f"layer {layer.index}: page shape {tuple(layer.shape)}, expected {page}")
         else:
             if layer.kind != "gdn":
                 bad(f"layer {layer.index}: node has GDN, sender says {layer.kind}")

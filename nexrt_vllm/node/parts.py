@@ -140,16 +140,14 @@ def load_parts(engine, raw, parts: PartSet, dtypes) -> None:
     cfg, tp = engine.config, getattr(engine, "tp", 1)
     if parts.n == 1 and tp == 1:  # the unsharded hand-off: no re-sharding
         p = parts.parts[0]
-        state = unpack_state(raw, p.layout, p.regions, parts.seq_len, dtypes)
-        drafter = {lay.index - cfg.num_layers: (state[f"layers.{lay.index}.k"], state[f"layers.{lay.index}.v"])
-                   for lay in L.drafter_layers(p.layout, cfg.num_layers)}
-        engine.import_state(parts.seq_len, _target(state, p.layout, cfg))
+        target, drafter = _split(unpack_state(raw, p.layout, p.regions, parts.seq_len, dtypes), cfg)
+        engine.import_state(parts.seq_len, target)
         spec = getattr(engine, "speculative", None)
-        if spec is not None and 0 in drafter:
-            spec.import_context(parts.seq_len, {"k": drafter[0][0], "v": drafter[0][1]})
+        if spec is not None and drafter:
+            spec.import_context(parts.seq_len, drafter)
         return
-    states = [(p.layout.sharding or whole(cfg), _target(unpack_state(raw, p.layout, p.regions, parts.seq_len, dtypes),
-                                                         p.layout, cfg)) for p in parts.parts.values()]
+    states = [(p.layout.sharding or whole(cfg), _split(unpack_state(raw, p.layout, p.regions, parts.seq_len, dtypes),
+                                                        cfg)[0]) for p in parts.parts.values()]
     shards = reshard(cfg, states, node_shards(cfg, tp))
     if tp == 1:
         engine.import_state(parts.seq_len, shards[0])
@@ -157,7 +155,9 @@ def load_parts(engine, raw, parts: PartSet, dtypes) -> None:
         engine.import_shards(parts.seq_len, shards)
 
 
-def _target(state: dict, layout: L.Layout, cfg) -> dict:
-    """The target model's tensors of a converted part (the MTP drafter's left out)."""
-    drop = {f"layers.{lay.index}.{p}" for lay in L.drafter_layers(layout, cfg.num_layers) for p in ("k", "v")}
-    return {k: t for k, t in state.items() if k not in drop}
+def _split(state: dict, cfg) -> tuple[dict, dict]:
+    """A converted part's (target model tensors, {"k", "v"} of MTP layer 0 or {}): the MTP drafter's
+    layers are those past the target's (layout version 4)."""
+    target = {k: t for k, t in state.items() if int(k.split(".")[1]) < cfg.num_layers}
+    n = cfg.num_layers
+    return target, {p: state[f"layers.{n}.{p}"] for p in ("k", "v") if f"layers.{n}.{p}" in state}

@@ -44,11 +44,9 @@ def handed_off_with_rows(eng, prompt):
     """The node after a hand-off from a speculating prefill vLLM: the state and the head's K/V rows
     0..N-1 (row N-1: the head on (H_{N-1}, the first token)), no hidden state."""
     first = int(eng.prefill(prompt).argmax())
-    ctx, d, n = eng.speculative.export_context(), eng.speculative.drafter, len(prompt)
-    d.forward(ctx["hidden"], torch.tensor([first]), torch.tensor([n - 1]))
-    rows = {"k": d.k[:, :n].clone(), "v": d.v[:, :n].clone()}
+    rows = eng.speculative.export_context(first)
     eng.import_state(*eng.export_state())
-    eng.speculative.import_context(n, rows)
+    eng.speculative.import_context(len(prompt), rows)
     return first
 
 
