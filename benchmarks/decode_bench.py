@@ -554,6 +554,11 @@ def main(argv=None) -> int:
                     "checkpoints, read natively by the fp8 kernels); both: each shape in each, compared in one JSON")
     ap.add_argument("--no-eager-controls", action="store_true", help="skip the perturbed-eager control of the "
                     "parity (two more eager runs of --parity-steps)")
+    ap.add_argument("--speculative", choices=("off", "mtp"), default="off",
+                    help="mtp: time the captured MTP round (benchmarks/spec_round.py) against the plain step, "
+                         "bytes per round, effective tok/s at acceptance 2.0-3.5 (computed), round-graph parity")
+    ap.add_argument("--num-speculative-tokens", type=int, default=3)
+    ap.add_argument("--draft-vocab", type=int, default=None, help="the head drafts from the first N token ids")
     args = ap.parse_args(argv)
     dtypes = [d for d in args.dtype.split(",") if d]
     if not dtypes or any(d not in ("bf16", "fp8") for d in dtypes):
@@ -588,6 +593,23 @@ def main(argv=None) -> int:
             NAMES[key] = f"{NAMES[key]} ({args.layers} of its layers)"
         results["layers"] = args.layers
     for key in args.shapes.split(","):
+        if args.speculative == "mtp":
+            try:
+                from benchmarks import spec_round
+            except ImportError:  # run as a script
+                import spec_round
+            try:
+                results["shapes"].append(spec_round.run_spec_shape(
+                    key, contexts, args.steps, args.parity_steps, bw, tuning, args.graft, args.num_speculative_tokens,
+                    args.draft_vocab))
+            except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
+                import traceback
+                traceback.print_exc()
+                results.setdefault("errors", {})[key + "/mtp"] = f"{type(e).__name__}: {e}"
+                torch.cuda.empty_cache()
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+            continue
         for dt in dtypes:
             try:
                 results["shapes"].append(run_shape(key, contexts, args.steps, args.parity_steps, args.eager_steps, bw,
@@ -602,6 +624,8 @@ def main(argv=None) -> int:
                 results["fp8_vs_bf16"] = compare_dtypes(results["shapes"])
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
+    if args.speculative == "mtp":
+        return 0
     if args.png:
         plot(results, args.png)
     log(f"{'shape':<22}{'ctx':>7}{'ms/step':>9}{'tok/s':>8}{'e2e':>7}{'GB/tok':>8}{'MBU%':>7}{'xEager':>8}{'xHF':>7}")

@@ -39,7 +39,9 @@ def log(*a):
     print(*a, flush=True)
 
 
-KERNEL_TESTS = {"bf16": ("test_kernels_decode_ops.py", "test_kernels_logprobs.py"), "fp8": ("test_kernels_fp8.py",)}
+KERNEL_TESTS = {"bf16": ("test_kernels_decode_ops.py", "test_kernels_logprobs.py"), "fp8": ("test_kernels_fp8.py",),
+                "spec": ("test_kernels_verify_gemv.py", "test_kernels_verify_attn_gdn.py", "test_kernels_verify_moe.py",
+                         "test_kernels_spec.py")}
 
 
 def kernel_tests(out: str, pdl: bool = False, which: str = "all") -> dict:
@@ -258,6 +260,58 @@ def engine_graph(steps: int) -> dict:
     return out
 
 
+def spec_parity(steps: int, arch: str, checkpoints: str) -> dict:
+    """Greedy tokens of the captured MTP round (`Engine.use_graph("fused")` with `enable_speculative`) ==
+    the eager one-token loop for `steps` tokens, from the full prompt context (prefill) and after a
+    hand-off (no head context); the acceptance length of the trained head; a stop id and a context
+    too short for another round (the plain step graph finishes it)."""
+    from nexrt_vllm.engine import Engine, SamplingParams
+    from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
+
+    path = os.path.join(checkpoints, arch) if checkpoints else None
+    if not path or not os.path.isdir(path):
+        from nexrt_vllm.testing import make_checkpoint
+        path = make_checkpoint(f"/tmp/nexrt_spec_{arch}", arch=arch, dtype="bfloat16", **TRAINED_MTP[arch])
+    max_len = 40 + steps + 16
+    ref = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_seq_len=max_len, progress=False)
+    eng = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_seq_len=max_len, progress=False)
+    eng.enable_speculative("mtp", 3)
+    t0 = time.time()
+    eng.use_graph("fused")
+    out = {"capture_s": time.time() - t0, "launches_per_round": len(eng.spec_graph.d.plan())}
+    prompt = periodic_prompt(40, seed=11)
+    sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    first = int(ref.prefill(prompt).argmax())
+    want = list(ref.stream(first, sp))
+
+    def run(handoff: bool):
+        eng.speculative.rounds = [0] * 5
+        eng.prefill(prompt)
+        if handoff:
+            eng.import_state(*eng.export_state())
+        got = list(eng.stream(first, sp))
+        r = eng.speculative.rounds
+        div = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        return {"equal": got == want, "n": len(got), "first_divergence": div, "rounds": r,
+                "acceptance_length": sum(i * c for i, c in enumerate(r)) / max(1, sum(r))}
+
+    out["full_context"], out["handed_off"] = run(False), run(True)
+    stop = want[20]
+    eng.prefill(prompt)
+    got = list(eng.stream(first, SamplingParams(max_tokens=steps + 1, stop_token_ids=(stop,))))
+    out["stop"] = {"equal": got == want[:want.index(stop) + 1] and eng.finish_reason == "stop"}
+    # the whole context: the last tokens come from the plain step graph (no room for a round)
+    n_fit = max_len - len(prompt)
+    eng.prefill(prompt)
+    got = list(eng.stream(first, SamplingParams(max_tokens=n_fit + 10, ignore_eos=True)))
+    ref.prefill(prompt)
+    full = list(ref.stream(first, SamplingParams(max_tokens=n_fit + 10, ignore_eos=True)))
+    out["full_context_window"] = {"equal": got == full, "n": len(got), "want_n": len(full),
+                                  "finish_reason": eng.finish_reason}
+    log(f"spec parity {arch}: {out}")
+    return out
+
+
 def sampling_check(steps: int = 64) -> dict:
     """The sampling graph (temperature / top-k / top-p on the device): every token drawn must lie in
     the support of the engine's own sampling distribution for the step's logits; a seed reproduces
@@ -319,8 +373,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--kernel-tests-only", action="store_true", help="of the tests, only the kernel tests")
-    ap.add_argument("--kernel-tests", choices=("all", "bf16", "fp8"), default="all",
-                    help="which kernel test files (fp8: tests/engine/test_kernels_fp8.py)")
+    ap.add_argument("--kernel-tests", choices=("all", "bf16", "fp8", "spec"), default="all",
+                    help="which kernel test files (fp8: tests/engine/test_kernels_fp8.py; spec: the speculative "
+                         "round's, test_kernels_verify_*.py and test_kernels_spec.py)")
     ap.add_argument("--tiny-steps", type=int, default=256)
     ap.add_argument("--trained-parity", action="store_true", help="fused vs eager on trained tiny checkpoints")
     ap.add_argument("--checkpoints", default="", help="dir of <arch>/ checkpoints trained beforehand "
@@ -329,6 +384,9 @@ def main() -> int:
     ap.add_argument("--sampling", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="the FP8 path on the trained tiny checkpoints (families: "
                     "--arches; --checkpoints to use ones trained beforehand)")
+    ap.add_argument("--speculative", action="store_true", help="the captured MTP round (Engine.use_graph with "
+                    "speculative decoding) against the eager one-token loop on trained tiny checkpoints with a "
+                    "trained MTP head (--checkpoints: <arch>/ made with connector_harness.TRAINED_MTP)")
     ap.add_argument("--bench-args", default="")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -364,6 +422,15 @@ def main() -> int:
                 import traceback
                 traceback.print_exc()
                 report.setdefault("fp8_parity", {})[arch] = {"error": f"{type(e).__name__}: {e}"}
+            save()
+    if args.speculative:
+        for arch in filter(None, args.arches.split(",")):
+            try:
+                report.setdefault("spec_parity", {})[arch] = spec_parity(args.tiny_steps, arch, args.checkpoints)
+            except Exception as e:  # noqa: BLE001 - report it, go on
+                import traceback
+                traceback.print_exc()
+                report.setdefault("spec_parity", {})[arch] = {"error": f"{type(e).__name__}: {e}"}
             save()
     if args.sampling:
         report["sampling"] = sampling_check()

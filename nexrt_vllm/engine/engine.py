@@ -54,6 +54,8 @@ class Engine:
         self.finish_reason: str | None = None
         self.graph = None  # GPU graph path (use_graph); None: `stream` runs the eager decode loop
         self.speculative = None  # speculative.Speculator (enable_speculative); None: one token per step
+        self.spec_graph = None  # spec_graph.SpecRunner: the speculative round on the graph path (fused + MTP)
+        self.draft_vocab: int | None = None  # the head's lm_head rows on the graph path (None: all)
 
     @property
     def weight_format(self) -> str:
@@ -134,26 +136,38 @@ class Engine:
         start-up, so no request pays for compilation or capture. mode "fused": the Triton
         kernels; "eager": this model's own ops in the graph (bit-equal tokens, slower). Prefill,
         decode_step and the hand-off stay on the eager path; so do grammar-constrained requests
-        when the control memory could not be host-mapped (`graph.masks` False)."""
+        when the control memory could not be host-mapped (`graph.masks` False). With speculative
+        decoding (mode "fused" only) the round graph is captured too (`spec_graph.SpecRunner`): it
+        serves greedy requests without logprobs; the others take the one-token graph."""
         if self.device.type != "cuda":
             raise EngineError(f"the graph path needs a CUDA device (engine is on {self.device})")
-        if self.speculative is not None:
-            raise NotBuiltError("speculative decoding (MTP) on the CUDA graph path is not built: "
-                                "run the eager loop (--graph off)")
+        if self.speculative is not None and mode != "fused":
+            raise NotBuiltError(f"speculative decoding (MTP) on the CUDA graph path runs the fused kernels "
+                                f"(graph mode 'fused'), not {mode!r}")
         from .graph import FusedDecoder, GraphRunner  # triton: imported by the GPU path only
         runner = GraphRunner(FusedDecoder(self.model, self.state, mode=mode))
         for sample, logprobs, mask in runner.VARIANTS:
             if runner.masks or not mask:
                 runner.capture(sample, logprobs, mask)
         self.graph = runner
+        if self.speculative is not None:
+            self._capture_spec()
+
+    def _capture_spec(self) -> None:
+        from .spec_graph import SpecRunner
+        spec = SpecRunner(self.graph, self.speculative, self.draft_vocab)
+        spec.capture()
+        self.spec_graph = spec
 
     # ---- speculative decoding (engine/speculative.py) ---------------------------------------------
-    def enable_speculative(self, method: str = "mtp", num_speculative_tokens: int = 3) -> None:
+    def enable_speculative(self, method: str = "mtp", num_speculative_tokens: int = 3,
+                           draft_vocab: int | None = None) -> None:
         """Decode with the checkpoint's MTP head drafting `num_speculative_tokens` tokens per round,
         verified in one pass of M = num_speculative_tokens + 1 positions (greedy and sampled output
         distributed exactly as without; docs/NODE.md). ConfigError if the checkpoint has no MTP head
-        or the method is unknown; NotBuiltError on the GPU graph path. Grammar-constrained requests
-        keep the one-token loop."""
+        or the method is unknown. Grammar-constrained requests keep the one-token loop. On the graph
+        path (`use_graph("fused")`, before or after this) greedy requests run the captured round,
+        whose head drafts from the first `draft_vocab` token ids only (None: all; exact either way)."""
         from .mtp import Drafter, mtp_weights
         from .speculative import Speculator
 
@@ -162,13 +176,18 @@ class Engine:
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
                 or not 1 <= num_speculative_tokens <= 15:
             raise ConfigError(f"num_speculative_tokens must be an int in [1, 15], got {num_speculative_tokens!r}")
-        if self.graph is not None:
-            raise NotBuiltError("speculative decoding (MTP) on the CUDA graph path is not built: "
-                                "run the eager loop (--graph off)")
+        if draft_vocab is not None and not (isinstance(draft_vocab, int) and 1 <= draft_vocab <= self.config.vocab_size):
+            raise ConfigError(f"draft_vocab must be an int in [1, {self.config.vocab_size}], got {draft_vocab!r}")
+        if self.graph is not None and self.graph.d.mode != "fused":
+            raise NotBuiltError("speculative decoding (MTP) on the CUDA graph path runs the fused kernels "
+                                f"(graph mode 'fused'), not {self.graph.d.mode!r}")
         w = mtp_weights(self.config, self.model.mtp, self.model.embed)
         M = num_speculative_tokens + 1
         drafter = Drafter(self.model.config, w, self.model.lm_head, self.max_seq_len, extra=M)
         self.speculative = Speculator(self.model, drafter, num_speculative_tokens)
+        self.draft_vocab = draft_vocab
+        if self.graph is not None:
+            self._capture_spec()
 
     # ---- generation -----------------------------------------------------------------------------
     def _stops(self, token: int, params: SamplingParams) -> bool:
@@ -201,6 +220,8 @@ class Engine:
                 raise InputError(f"first_token: {e}") from None
         self.finish_reason = None
         if self.graph is not None and (constraint is None or self.graph.masks):
+            if self.spec_graph is not None and constraint is None and params.greedy and params.logprobs is None:
+                return self._spec_graph_stream(first_token, params)
             return self._graph_stream(first_token, params, constraint)
         if self.speculative is not None and constraint is None:
             return self.speculative.steps(self, first_token, params)
@@ -212,6 +233,33 @@ class Engine:
         # replay that ran past it (its token discarded).
         yield from self.graph.stream_steps(first_token, params, constraint)
         self.finish_reason = self.graph.finish_reason
+
+    def _spec_graph_stream(self, first_token: int, params: SamplingParams) -> Iterator[Sampled]:
+        # The eager Speculator's contract and drafter context (speculative.py), rounds from the graph.
+        spec, st = self.speculative, self.state
+        rows = spec._ctx_len == st.seq_len  # the head's rows of the prompt are armed
+        ctx_hidden = spec._ctx_hidden if rows else None
+        spec.drop_context()  # one stream per prefill
+        if self._stops(first_token, params):
+            self.finish_reason = "stop"
+            return
+        n = min(params.max_tokens - 1, self.max_seq_len - st.seq_len)
+        drafts = None
+        if not rows:  # the head's context begins at the node's first decoded position
+            spec.drafter.start.fill_(st.seq_len)
+        elif ctx_hidden is not None and st.seq_len + spec.M <= self.max_seq_len:
+            # the head's row N-1 (H_{N-1}, first_token) drafts the first round
+            dev = self.device
+            drafts, _ = spec._draft(ctx_hidden, torch.tensor([first_token], device=dev),
+                                    torch.tensor([st.seq_len - 1], device=dev), torch.zeros(1, dtype=torch.long,
+                                                                                            device=dev),
+                                    SamplingParams(), None)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
+        self.finish_reason = "length"
+        for tok in self.spec_graph.stream(first_token, n, stops, drafts=drafts):
+            yield Sampled(tok)
+        if self.spec_graph.finish_reason == "stop":
+            self.finish_reason = "stop"
 
     def _stream(self, first_token: int, params: SamplingParams, constraint) -> Iterator[Sampled]:
         sampler = Sampler(params, self.device)

@@ -59,6 +59,9 @@ class Tuning:
     moe_down_block_k: int = 512
     moe_warps: int = 1
     moe_down_warps: int = 1
+    # The speculative verify's MoE launches (M rows, engine/spec_graph.py): (gate_up, down) warps; the
+    # down program holds the rows of all M x top-k (row, slot) pairs in flight (1 warp spills at M = 4).
+    verify_moe_warps: tuple = (2, 4)
     # Programmatic dependent launch for every kernel of the step (kernels/common.py) where the GPU has
     # it (`pdl_enabled`); None: the process default (NEXRT_PDL). With the small programs above, a
     # kernel's CTAs can be resident while its predecessor drains.
@@ -162,9 +165,10 @@ _ALIGN = 128
 def _control_specs(vocab_size: int) -> dict:
     """What the host and the step share, name -> (shape, dtype, initial value): the control ring; the
     logprob ring parallel to it (slot s: the chosen token's logprob then the top KMAX, and their
-    ids); the grammar flag (masks of every step <= flag are written) and two mask slots (step % 2)."""
+    ids); the grammar flag (masks of every step <= flag are written) and two mask slots (step % 2);
+    the speculative round records (round << 32 | tokens emitted, engine/spec_graph.py)."""
     from .kernels.sampling import KMAX
-    return {"ring": ((RING,), torch.int64, -1), "lpv": ((RING, KMAX + 1), torch.float32, 0),
+    return {"ring": ((RING,), torch.int64, -1), "rounds": ((RING,), torch.int64, -1), "lpv": ((RING, KMAX + 1), torch.float32, 0),
             "lpi": ((RING, KMAX), torch.int32, 0), "flag": ((1,), torch.int64, 0),
             "masks": ((2, (vocab_size + 31) // 32), torch.int32, -1)}
 

@@ -206,9 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "auto = fused on CUDA with bfloat16, off otherwise")
     ap.add_argument("--speculative", choices=("off", "mtp"), default="off",
                     help="mtp: speculative decoding with the checkpoint's MTP head (exact: the same greedy "
-                         "tokens, the same sampling distribution; docs/NODE.md); eager loop only")
+                         "tokens, the same sampling distribution; docs/NODE.md); on the CUDA graph path "
+                         "(--graph fused) greedy requests run one captured round per verify")
     ap.add_argument("--num-speculative-tokens", type=int, default=3,
                     help="tokens the MTP head drafts per round (verify width = this + 1)")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="graph path: the MTP head drafts from the first N token ids only (its lm_head reads "
+                         "N rows instead of the whole vocabulary; output is exact either way, acceptance may "
+                         "drop); default: the whole vocabulary")
     ap.add_argument("--recv-memory", choices=("host", "pinned", "device"), default=None,
                     help="receive buffer memory (default: host on CPU, pinned on CUDA)")
     ap.add_argument("--recv-buffers", type=int, default=2,
@@ -243,9 +248,9 @@ def _positive(ap, args) -> None:
         if args.tp > 1:
             ap.error(f"--speculative {args.speculative} with --tp > 1 is not built (tensor-parallel ranks run "
                      f"the one-token step)")
-        if args.graph in ("fused", "eager"):
-            ap.error(f"--speculative {args.speculative} on the CUDA graph path (--graph {args.graph}) is not "
-                     f"built: the speculative round runs the eager loop (--graph off)")
+        if args.graph == "eager":
+            ap.error(f"--speculative {args.speculative} on the CUDA graph path runs the fused kernels "
+                     f"(--graph fused or auto), not --graph eager")
         if not 1 <= args.num_speculative_tokens <= 15:
             ap.error("--num-speculative-tokens must be in [1, 15]")
     if args.tp > 1 and args.device not in ("cpu", "cuda"):
@@ -284,13 +289,6 @@ async def serve(args) -> None:
     disable_created_metrics()
     torch.set_num_threads(int(os.environ.get("NEXRT_THREADS", torch.get_num_threads())))
     memory = args.recv_memory = args.recv_memory or ("pinned" if args.device.startswith("cuda") else "host")
-    if args.speculative != "off" and args.graph == "auto" and args.device.startswith("cuda"):
-        from nexrt_vllm.engine.config import ModelConfig
-        if (args.dtype or ModelConfig.from_pretrained(args.model).dtype).removeprefix("torch.") == "bfloat16":
-            # auto would pick the graph path, which has no speculative round: refuse, never fall back
-            raise RuntimeError(f"--speculative {args.speculative}: speculative decoding on the CUDA graph path "
-                               f"(--graph auto picks fused for a bfloat16 model on CUDA) is not built; run the "
-                               f"eager loop with --graph off")
     t0 = time.monotonic()
     group = None
     if args.tp > 1:
@@ -325,7 +323,7 @@ async def serve(args) -> None:
     if args.speculative != "off":
         from nexrt_vllm.engine import EngineError
         try:
-            engine.enable_speculative(args.speculative, args.num_speculative_tokens)
+            engine.enable_speculative(args.speculative, args.num_speculative_tokens, args.draft_vocab)
         except EngineError as e:
             raise ValueError(f"--speculative {args.speculative}: {e}") from None
         log.info("speculative decoding: %s, %d draft tokens per round", args.speculative, args.num_speculative_tokens)

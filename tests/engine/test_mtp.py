@@ -310,8 +310,14 @@ def test_refusals(ckpt_factory, tmp_path):
     for bad in (0, 16, 2.0, True):
         with pytest.raises(ConfigError, match="num_speculative_tokens"):
             e.enable_speculative("mtp", bad)
-    e.graph = object()  # the GPU graph path is on: not built with speculative decoding
-    with pytest.raises(NotBuiltError, match="CUDA graph path is not built"):
+    for bad in (0, e.config.vocab_size + 1, 2.5):
+        with pytest.raises(ConfigError, match="draft_vocab"):
+            e.enable_speculative("mtp", 3, draft_vocab=bad)
+
+    class EagerGraph:  # a graph path capturing the eager ops: the speculative round needs the fused one
+        d = type("D", (), {"mode": "eager"})()
+    e.graph = EagerGraph()
+    with pytest.raises(NotBuiltError, match="runs the fused kernels"):
         e.enable_speculative("mtp", 3)
     e.graph = None
     bad = dict(e.model.mtp)

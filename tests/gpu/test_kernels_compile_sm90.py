@@ -21,7 +21,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nexrt_vllm.engine.kernels import attention, gdn, gemv, moe, sampling
+from nexrt_vllm.engine.kernels import attention, gdn, gemv, moe, sampling, spec
 
 FP32_PTRS = {"state_ptr", "wts_ptr", "m_ptr", "l_ptr", "acc_ptr", "s_ptr", "pmax_ptr", "cum_ptr", "params_ptr",
              "vals_ptr", "cos_ptr", "sin_ptr"}
@@ -104,6 +104,47 @@ FP8_VARIANTS = [
     ("fp8_moe_down", moe.moe_down_fp8_kernel, MDF, 1, F8, ALIGN_M),
     ("fp8_moe_down_round", moe.moe_down_fp8_kernel, dict(MDF, ROUND_W=True, UNI_E=False, BLOCK_N=2), 1, F8, ALIGN_M),
 ]
+# The speculative round (engine/spec_graph.py) at M = 4 verify rows, the 2B / 35B-A3B shapes at the Tuning defaults.
+R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, M=4, MP=4)
+ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
+ARGMAX = {"y_ptr": "*fp32", "aux0_ptr": "*fp32", "aux1_ptr": "*i32"}
+SPEC_T = {"rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
+          "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
+          "dpos_ptr": "*i64"}
+AV = dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, H=8, G=4, RP=16, HD=256, BLOCK=64, DOT_F32=False)
+UPM = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=1, M=4, MP=4)
+DNM = dict(I=512, IS=512, E=256, TOPK=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, VEC=1, M=4, MP=4, PP=32)
+SPEC_VARIANTS = [
+    ("rows_rmsnorm_store", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=0, PRE=0), 4, {}, ALIGN_R),
+    ("rows_qkv_prefetch", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=0, BLOCK_N=8, PRE=2), 4, {}, ALIGN_R),
+    ("rows_in_proj_conv", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=3, BLOCK_N=8, PRE=0), 4, {}, ALIGN_R),
+    ("rows_gated_residual_prefetch", gemv.gemv_rows_kernel,
+     dict(R, PRO=2, EPI=1, GROUP=128, KP=4096, BLOCK_N=8, BLOCK_K=1024, PRE=2), 8, {}, ALIGN_R),
+    ("rows_residual_prefetch", gemv.gemv_rows_kernel, dict(R, PRO=0, EPI=1, BLOCK_N=2, BLOCK_K=1024, PRE=2), 4, {},
+     ALIGN_R),
+    ("rows_swiglu_prefetch", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=2, BLOCK_N=8, PRE=2), 4, {}, ALIGN_R),
+    ("rows_lm_head_argmax_xn", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=4, STORE_XN=True, PRE=0), 4, ARGMAX, ALIGN_R),
+    ("rows_router_xn_prefetch", gemv.gemv_rows_kernel,
+     dict(R, PRO=1, EPI=0, STORE_XN=True, BLOCK_N=4, BLOCK_K=1024, PRE=2), 4, {}, ALIGN_R),
+    ("rows_m3_conv", gemv.gemv_rows_kernel, dict(R, M=3, MP=4, PRO=1, EPI=3, BLOCK_N=8, PRE=0), 4, {}, ALIGN_R),
+    ("qk_rope_cache_m", attention.qk_rope_cache_m_kernel, dict(H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
+     SPEC_T, ()),
+    ("attn_verify_scores", attention.attn_verify_scores_kernel, AV, 4, SPEC_T, ()),
+    ("attn_verify_pv_35b", attention.attn_verify_pv_kernel, dict(AV, H=16, G=8, RP=32), 4, SPEC_T, ()),
+    ("attn_verify_pv_start_m1", attention.attn_verify_pv_kernel, dict(AV, M=1, HAS_START=True), 4, SPEC_T, ()),
+    ("attn_verify_combine", attention.attn_verify_combine_kernel,
+     dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, BLOCK=64, H=8, HD=256, BLOCK_D=64), 4, SPEC_T, ()),
+    ("gdn_verify_1warp", gdn.gdn_verify_kernel, dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1,
+     SPEC_T, ()),
+    ("gdn_verify_35b_prefetch", gdn.gdn_verify_kernel,
+     dict(M=4, HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1, SPEC_T, ()),
+    ("gdn_commit", gdn.gdn_commit_kernel, dict(KM1=3, KM1P=4, BLOCK=4096, BLOCK_C=256), 4, SPEC_T, ()),
+    ("moe_gate_up_m", moe.moe_gate_up_m_kernel, UPM, 2, {}, ALIGN_M),
+    ("moe_down_m", moe.moe_down_m_kernel, DNM, 4, {}, ALIGN_M),
+    ("accept", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True), 8, SPEC_T, ()),
+    ("mtp_input", spec.mtp_input_kernel, dict(HP=2048), 4, SPEC_T, ()),
+    ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192), 8, SPEC_T, ()),
+]
 out = {}
 for pdl in (False, True):
     on = dict(PDL=pdl)
@@ -143,7 +184,7 @@ for pdl in (False, True):
         ("tail_mask_logprobs_write", sampling.tail_kernel, dict(TAIL, MASK=True, TOPK=True, WRITE=True), 4),
     ]:
         out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, dict(consts, **on), nw, LP_TYPES)
-    for name, fn, consts, nw, types, aligned in FP8_VARIANTS:
+    for name, fn, consts, nw, types, aligned in FP8_VARIANTS + SPEC_VARIANTS:
         out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, dict(consts, **on), nw, types,
                                                          [a for a in aligned if a in fn.arg_names])
 json.dump(out, sys.stdout)
@@ -160,7 +201,7 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 50 + 30 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 50 + 30 + 44 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_fp8_kernels_stream_e4m3_in_16_byte_loads(compiled):
@@ -178,6 +219,7 @@ def test_host_memory_ordering_is_compiled_in(compiled):
     for pdl in ("", "_pdl"):
         assert compiled[f"finish_logprobs_mask{pdl}"]["fence_sys"] >= 1
         assert compiled[f"finish{pdl}"]["fence_sys"] == 0
+        assert compiled[f"accept{pdl}"]["fence_sys"] >= 1  # the round's tokens before its record
         assert compiled[f"tail_logprobs{pdl}"]["volatile_loads"] == 0
         for name in ("tail_mask", "tail_mask_logprobs_write"):
             assert compiled[f"{name}{pdl}"]["volatile_loads"] >= 1 and compiled[f"{name}{pdl}"]["fence_sys"] >= 1

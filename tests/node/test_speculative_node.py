@@ -85,10 +85,9 @@ def test_refusals(ckpt_factory, ckpt):
     assert r.returncode == 1 and "--speculative mtp: the checkpoint has no MTP head" in r.stderr, r.stderr[-2000:]
     r = _start(ckpt, "--speculative", "mtp", "--tp", "2")
     assert r.returncode == 2 and "--speculative mtp with --tp > 1 is not built" in r.stderr
-    r = _start(ckpt, "--speculative", "mtp", "--device", "cuda", "--graph", "fused")
-    assert r.returncode == 2 and "on the CUDA graph path (--graph fused) is not built" in r.stderr
-    # --graph auto would pick the graph path for this bfloat16 checkpoint on CUDA: refused before loading
-    r = _start(ckpt, "--speculative", "mtp", "--device", "cuda")
-    assert r.returncode == 1 and "speculative decoding on the CUDA graph path" in r.stderr and "--graph off" in r.stderr
+    r = _start(ckpt, "--speculative", "mtp", "--device", "cuda", "--graph", "eager")
+    assert r.returncode == 2 and "runs the fused kernels (--graph fused or auto), not --graph eager" in r.stderr
+    r = _start(ckpt, "--speculative", "mtp", "--draft-vocab", "0")
+    assert r.returncode == 1 and "draft_vocab must be an int in [1, " in r.stderr, r.stderr[-2000:]
     r = _start(ckpt, "--speculative", "mtp", "--num-speculative-tokens", "0")
     assert r.returncode == 2 and "--num-speculative-tokens must be in [1, 15]" in r.stderr

@@ -9,7 +9,7 @@ import importlib.util
 import os
 import sys
 
-MODULES = ("attention", "gdn", "gemv", "moe", "sampling")
+MODULES = ("attention", "gdn", "gemv", "moe", "sampling", "spec")
 
 
 def load(interpret: bool = False) -> tuple:

@@ -9,6 +9,10 @@ does (a one-pass flash softmax cannot round there: it only normalises at the end
 splits and apply the sigmoid output gate. K and V are each read once, as in one-pass flash
 decoding; the scores round-trip through a small fp32 scratch. The grid never depends on the length,
 so one captured graph serves every position up to max_seq_len.
+
+The verify pass of speculative decoding (`qk_rope_cache(m=M)`, `attention_verify`) runs M tokens at
+positions pos..pos+M-1 through the same four steps: each (kv head, split) program covers the M*G
+query rows of its group, so K and V are still read once, and row j is masked past pos + j.
 """
 import os
 
@@ -20,15 +24,12 @@ from .common import bf16_round as _bf16
 
 
 @triton.jit
-def qk_rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                         pos_ptr, eps, stride_ch, stride_cs,
-                         H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
-                         RESTP: tl.constexpr, HDP: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
+def _qk_rope_head(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pid, pos, eps,
+                  stride_ch, stride_cs, H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+                  RESTP: tl.constexpr, HDP: tl.constexpr):
+    # One head (pid < H: query head pid, else kv head pid - H) of one token at position pos.
     # qkv layout: [H x (query | gate)] [KVH x k] [KVH x v]; grid H + KVH. Each head vector is read as
     # three pieces [0, ROT/2) [ROT/2, ROT) [ROT, HD) so the NeoX pairs (i, i + ROT/2) line up.
-    pid = tl.program_id(0)
-    pos = tl.load(pos_ptr)
     is_q = pid < H
     src = tl.where(is_q, pid * 2 * HD, H * 2 * HD + (pid - H) * HD)
     half: tl.constexpr = ROT // 2
@@ -62,6 +63,31 @@ def qk_rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, k
         v = tl.load(qkv_ptr + H * 2 * HD + KVH * HD + (pid - H) * HD + d, mask=dm)
         tl.store(v_cache_ptr + (pid - H) * stride_ch + pos * stride_cs + d, v.to(v_cache_ptr.dtype.element_ty),
                  mask=dm)
+
+
+@triton.jit
+def qk_rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
+                         pos_ptr, eps, stride_ch, stride_cs,
+                         H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+                         RESTP: tl.constexpr, HDP: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    pos = tl.load(pos_ptr)
+    _qk_rope_head(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pid, pos, eps,
+                  stride_ch, stride_cs, H, KVH, HD, ROT, RESTP, HDP)
+
+
+@triton.jit
+def qk_rope_cache_m_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
+                           pos_ptr, eps, stride_ch, stride_cs, stride_qkv, stride_q,
+                           H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+                           RESTP: tl.constexpr, HDP: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    # The verify pass: grid (H + KVH, m), token j (qkv row j) at position pos + j, q_out row j.
+    j = tl.program_id(1)
+    _qk_rope_head(qkv_ptr + j * stride_qkv, q_out_ptr + j * stride_q, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr,
+                  cos_ptr, sin_ptr, tl.program_id(0), tl.load(pos_ptr) + j, eps, stride_ch, stride_cs, H, KVH, HD,
+                  ROT, RESTP, HDP)
 
 
 @triton.jit
@@ -167,19 +193,150 @@ def attn_combine_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr,
     tl.store(out_ptr + h * HD + d, _bf16(_bf16(o) * sig).to(out_ptr.dtype.element_ty))
 
 
+# The verify pass (M new tokens at pos..pos+M-1, speculative decoding): the same three passes, each
+# (kv head, split) program covering all M*G query rows of its group, so every K and V row is read once
+# for all of them. Row r of a program is token j = r // G, query head kvh*G + r % G; it sees keys
+# [start, pos + j]. The splits cover the union [start, pos + M); a row may see no key of a split
+# (its max stays -inf, its sum 0, its P.V 0). Scratch rows are indexed j*H + h.
+
+
+@triton.jit
+def _verify_range(pos_ptr, start_ptr, sp, M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr,
+                  MIN_PER: tl.constexpr, BLOCK: tl.constexpr):
+    pos = tl.load(pos_ptr)
+    if HAS_START:
+        base = tl.load(start_ptr)
+    else:
+        base = tl.zeros_like(pos)
+    length = pos + M - base
+    per = tl.maximum(tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK) * BLOCK, MIN_PER)
+    lo = base + sp * per
+    return lo, tl.minimum(lo + per, pos + M), per, length, pos
+
+
+@triton.jit
+def attn_verify_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, scale, stride_q, stride_ch,
+                              stride_cs, max_len, M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr,
+                              MIN_PER: tl.constexpr, H: tl.constexpr, G: tl.constexpr, RP: tl.constexpr,
+                              HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    # attn_scores_kernel for M*G rows; scores past a row's own position are -inf (not stored).
+    kvh = tl.program_id(0)
+    sp = tl.program_id(1)
+    lo, hi, per, length, pos = _verify_range(pos_ptr, start_ptr, sp, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
+    r = tl.arange(0, RP)
+    d = tl.arange(0, HD)
+    rm = r < M * G
+    j = r // G
+    h = kvh * G + r % G
+    row = j * H + h
+    lim = pos + j  # the row's last visible key
+    q = tl.load(q_ptr + j[:, None] * stride_q + h[:, None] * HD + d[None, :], mask=rm[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m = tl.full([RP], float("-inf"), tl.float32)
+    l = tl.zeros([RP], tl.float32)
+    kb = k_cache_ptr + kvh * stride_ch
+    for n0 in range(lo, hi, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        nm = n < hi
+        kt = tl.load(kb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
+        if DOT_F32:
+            kt = kt.to(tl.float32)
+        s = _bf16(_bf16(tl.dot(q, tl.trans(kt))) * scale)
+        vis = rm[:, None] & nm[None, :] & (n[None, :] <= lim[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        tl.store(s_ptr + row[:, None] * max_len + n[None, :], s, mask=vis)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: keep l = 0
+        l = l * tl.exp(m - m_use) + tl.sum(tl.exp(s - m_use[:, None]), 1)
+        m = m_new
+    live = rm & ((tl.zeros_like(r) + lo) < hi)
+    tl.store(m_ptr + row * NSPLIT + sp, m, mask=live)
+    tl.store(l_ptr + row * NSPLIT + sp, l, mask=live)
+
+
+@triton.jit
+def attn_verify_pv_kernel(v_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
+                          M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
+                          H: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
+                          DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    # attn_pv_kernel for M*G rows: V read once for all of them.
+    kvh = tl.program_id(0)
+    sp = tl.program_id(1)
+    lo, hi, per, length, pos = _verify_range(pos_ptr, start_ptr, sp, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
+    r = tl.arange(0, RP)
+    d = tl.arange(0, HD)
+    rm = r < M * G
+    j = r // G
+    row = j * H + kvh * G + r % G
+    lim = pos + j
+    js = tl.arange(0, NSPLIT)
+    jm = rm[:, None] & (js * per < length)[None, :]
+    mj = tl.load(m_ptr + row[:, None] * NSPLIT + js[None, :], mask=jm, other=float("-inf"))
+    lj = tl.load(l_ptr + row[:, None] * NSPLIT + js[None, :], mask=jm, other=0.0)
+    mx = tl.max(mj, 1)
+    mx = tl.where(rm, mx, 0.0)  # padded rows (masked out below): keep them finite
+    inv = 1.0 / tl.where(rm, tl.sum(tl.where(jm, lj * tl.exp(mj - mx[:, None]), 0.0), 1), 1.0)
+    acc = tl.zeros([RP, HD], tl.float32)
+    vb = v_cache_ptr + kvh * stride_ch
+    for n0 in range(lo, hi, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        nm = n < hi
+        vis = rm[:, None] & nm[None, :] & (n[None, :] <= lim[:, None])
+        s = tl.load(s_ptr + row[:, None] * max_len + n[None, :], mask=vis, other=float("-inf"))
+        p = _bf16(tl.exp(s - mx[:, None]) * inv[:, None])
+        vt = tl.load(vb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
+        if DOT_F32:
+            vt = vt.to(tl.float32)
+        acc += tl.dot(p.to(vt.dtype), vt)
+    live = rm & ((tl.zeros_like(r) + lo) < hi)
+    tl.store(acc_ptr + (row * NSPLIT + sp)[:, None] * HD + d[None, :], acc, mask=live[:, None])
+
+
+@triton.jit
+def attn_verify_combine_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_ptr, stride_qkv, stride_out,
+                               M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
+                               BLOCK: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
+                               PDL: tl.constexpr):
+    pdl_begin(PDL)
+    # attn_combine_kernel, grid (M*H, head_dim block): row j*H + h, gate from qkv row j, out row j.
+    rh = tl.program_id(0)
+    j = rh // H
+    h = rh % H
+    s = tl.arange(0, NSPLIT)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    _, _, per, length, _ = _verify_range(pos_ptr, start_ptr, 0, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
+    live = s * per < length
+    acc = tl.load(acc_ptr + (rh * NSPLIT + s)[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
+    o = tl.sum(acc, 0)
+    gate = tl.load(qkv_ptr + j * stride_qkv + h * 2 * HD + HD + d).to(tl.float32)
+    sig = _bf16(1.0 / (1.0 + tl.exp(-gate)))
+    tl.store(out_ptr + j * stride_out + h * HD + d, _bf16(_bf16(o) * sig).to(out_ptr.dtype.element_ty))
+
+
 # The interpreter (CPU tests) multiplies bf16 dot operands as raw integers; give it fp32 there.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def qk_rope_cache(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, pos, *, num_heads,
-                  num_kv_heads, head_dim, rotary_dim, eps):
+                  num_kv_heads, head_dim, rotary_dim, eps, m=1):
     """k_cache/v_cache: [KVH, max_seq_len, head_dim]; writes row `pos` (device scalar); cos/sin
-    [max_seq_len, rotary_dim] in the model dtype."""
-    qk_rope_cache_kernel[(num_heads + num_kv_heads,)](
-        qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, pos, eps,
-        k_cache.stride(0), k_cache.stride(1), H=num_heads, KVH=num_kv_heads, HD=head_dim, ROT=rotary_dim,
-        RESTP=triton.next_power_of_2(head_dim - rotary_dim), HDP=triton.next_power_of_2(head_dim),
-        **LAUNCH, num_warps=2)
+    [max_seq_len, rotary_dim] in the model dtype. m > 1 (verify): qkv [m, qkv rows] and q_out
+    [m, H*HD] (row strides), token j at position pos + j, its K/V at cache row pos + j."""
+    if m == 1:
+        qk_rope_cache_kernel[(num_heads + num_kv_heads,)](
+            qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, pos, eps,
+            k_cache.stride(0), k_cache.stride(1), H=num_heads, KVH=num_kv_heads, HD=head_dim, ROT=rotary_dim,
+            RESTP=triton.next_power_of_2(head_dim - rotary_dim), HDP=triton.next_power_of_2(head_dim),
+            **LAUNCH, num_warps=2)
+        return
+    qk_rope_cache_m_kernel[(num_heads + num_kv_heads, m)](
+        qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, pos, eps, k_cache.stride(0), k_cache.stride(1),
+        qkv.stride(0), q_out.stride(0), H=num_heads, KVH=num_kv_heads, HD=head_dim, ROT=rotary_dim,
+        RESTP=triton.next_power_of_2(head_dim - rotary_dim), HDP=triton.next_power_of_2(head_dim), **LAUNCH,
+        num_warps=2)
 
 
 def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, s_buf, *, num_heads, num_kv_heads,
@@ -200,3 +357,41 @@ def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, 
     attn_combine_kernel[(num_heads, head_dim // block_d)](acc_buf, qkv, out, pos, NSPLIT=nsplit, MIN_PER=min_per,
                                                           BLOCK=block, HD=head_dim, BLOCK_D=block_d, **LAUNCH,
                                                           num_warps=4)
+
+
+def verify_scratch_sizes(m, num_heads, nsplit, max_seq_len, head_dim):
+    """fp32 element counts of `attention_verify`'s scratch for up to m rows over caches of up to
+    max_seq_len rows: {name: count}, the names its keyword arguments take (allocate once)."""
+    rows = m * num_heads
+    return {"m_buf": rows * nsplit, "l_buf": rows * nsplit, "acc_buf": rows * nsplit * head_dim,
+            "s_buf": rows * max_seq_len}
+
+
+def attention_verify(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, s_buf, *, m, num_heads, num_kv_heads,
+                     head_dim, start=None, nsplit, block=32, min_per=128, num_warps=4):
+    """attention_decode for m tokens at positions pos..pos+m-1 (their K/V rows written by
+    qk_rope_cache): query row j (q [m, H*HD], row stride) attends cache rows [start, pos + j]
+    (start: device int64 [1], default 0); out [m, H*HD] (row stride) = that times sigmoid(gate of qkv
+    row j). Each K/V row is read once for all m*G query rows of its kv head; the grid does not depend
+    on pos. Scratch: `verify_scratch_sizes`."""
+    g = num_heads // num_kv_heads
+    max_len = k_cache.shape[1]
+    assert s_buf.numel() >= m * num_heads * max_len and m_buf.numel() >= m * num_heads * nsplit
+    assert acc_buf.numel() >= m * num_heads * nsplit * head_dim
+    sq = q.stride(0) if q.dim() > 1 else 0
+    sqkv = qkv.stride(0) if qkv.dim() > 1 else 0
+    so = out.stride(0) if out.dim() > 1 else 0
+    has_start = start is not None
+    start = start if has_start else pos
+    kw = dict(M=m, HAS_START=has_start, NSPLIT=nsplit, MIN_PER=min_per, H=num_heads, G=g,
+              RP=max(16, triton.next_power_of_2(m * g)), HD=head_dim, BLOCK=block, DOT_F32=_INTERPRETED, **LAUNCH)
+    attn_verify_scores_kernel[(num_kv_heads, nsplit)](
+        q, k_cache, pos, start, s_buf, m_buf, l_buf, head_dim ** -0.5, sq, k_cache.stride(0), k_cache.stride(1),
+        max_len, **kw, num_warps=num_warps)
+    attn_verify_pv_kernel[(num_kv_heads, nsplit)](
+        v_cache, pos, start, s_buf, m_buf, l_buf, acc_buf, v_cache.stride(0), v_cache.stride(1), max_len,
+        **kw, num_warps=num_warps)
+    block_d = min(64, head_dim)
+    attn_verify_combine_kernel[(m * num_heads, head_dim // block_d)](
+        acc_buf, qkv, out, pos, start, sqkv, so, M=m, HAS_START=has_start, NSPLIT=nsplit, MIN_PER=min_per,
+        BLOCK=block, H=num_heads, HD=head_dim, BLOCK_D=block_d, **LAUNCH, num_warps=4)

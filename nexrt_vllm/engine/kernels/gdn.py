@@ -5,6 +5,10 @@ with q, k, v already conv'd and SiLU'd. The update is separable over the value d
 column j of S only needs k, q and v_j), so the grid is (value head, value block) and each program
 reads its [dk, BLOCK_V] slice of S exactly once and writes it once. The gated output norm needs a
 whole head, so it runs in the out_proj prologue (`gemv` PRO_GATED) instead of here.
+
+Verify pass (speculative decoding): `gdn_verify_step` runs M tokens in order from the live state with
+the slice in registers (read once, the live state never written) and stores the state after each
+token; `gdn_commit` then makes the accepted token's state (recurrent and conv window) live.
 """
 import triton
 import triton.language as tl
@@ -14,23 +18,10 @@ from .common import bf16_round as _bf16
 
 
 @triton.jit
-def gdn_step_kernel(buf_ptr, state_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
-                    KEY_DIM, VALUE_DIM, OFF_B, OFF_A, q_scale,
-                    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    BLOCK_V: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
-    vh = tl.program_id(0)
-    jb = tl.program_id(1)
-    kh = vh // (HV // HK)  # key heads repeat_interleave onto value heads
-    offs_k = tl.arange(0, DK)
-    offs_v = jb * BLOCK_V + tl.arange(0, BLOCK_V)
-    sp = state_ptr + vh * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    if PRE:
-        # The state slice is written only by this kernel (the previous token's step of this layer,
-        # long complete), never by the kernel this one waits on: read it before the wait.
-        s = tl.load(sp)
-    pdl_begin(PDL)
-    if not PRE:
-        s = tl.load(sp)
+def _delta_token(s, buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, q_scale,
+                 DK: tl.constexpr, DV: tl.constexpr):
+    # One token of the gated delta rule on the [DK, BLOCK_V] state slice s (fp32, in registers); buf_ptr
+    # is the token's [q|k|v|z|b|a] row. Returns the new slice and the fp32 output columns.
     q = tl.load(buf_ptr + kh * DK + offs_k).to(tl.float32)
     k = tl.load(buf_ptr + KEY_DIM + kh * DK + offs_k).to(tl.float32)
     v = tl.load(buf_ptr + 2 * KEY_DIM + vh * DV + offs_v).to(tl.float32)
@@ -51,6 +42,29 @@ def gdn_step_kernel(buf_ptr, state_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
     delta = (v - kv) * beta
     s = s + k[:, None] * delta[None, :]
     o = tl.sum(s * q[:, None], 0)
+    return s, o
+
+
+@triton.jit
+def gdn_step_kernel(buf_ptr, state_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
+                    KEY_DIM, VALUE_DIM, OFF_B, OFF_A, q_scale,
+                    HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    BLOCK_V: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+    vh = tl.program_id(0)
+    jb = tl.program_id(1)
+    kh = vh // (HV // HK)  # key heads repeat_interleave onto value heads
+    offs_k = tl.arange(0, DK)
+    offs_v = jb * BLOCK_V + tl.arange(0, BLOCK_V)
+    sp = state_ptr + vh * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    if PRE:
+        # The state slice is written only by this kernel (the previous token's step of this layer,
+        # long complete), never by the kernel this one waits on: read it before the wait.
+        s = tl.load(sp)
+    pdl_begin(PDL)
+    if not PRE:
+        s = tl.load(sp)
+    s, o = _delta_token(s, buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, q_scale,
+                        DK, DV)
     tl.store(sp, s)
     tl.store(out_ptr + vh * DV + offs_v, _bf16(o).to(out_ptr.dtype.element_ty))
 
@@ -66,3 +80,84 @@ def gdn_step(buf, state, out, a_log, dt_bias, *, num_k_heads, num_v_heads, head_
         buf, state, out, a_log, dt_bias, key_dim, value_dim, off_b, off_b + num_v_heads,
         float(head_k_dim) ** 0.5, HV=num_v_heads, HK=num_k_heads, DK=head_k_dim, DV=head_v_dim,
         BLOCK_V=block_v, PRE=bool(prefetch), **LAUNCH, num_warps=num_warps)
+
+
+@triton.jit
+def gdn_verify_kernel(buf_ptr, state_ptr, rec_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
+                      KEY_DIM, VALUE_DIM, OFF_B, OFF_A, q_scale, stride_buf, stride_rec, stride_out,
+                      M: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BLOCK_V: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+    # The verify pass's M tokens in order, grid (value head, value block) as gdn_step: the live state
+    # slice is read once and carried in registers; the slice after token j goes to rec_after[j] (what
+    # gdn_commit picks from), the live state is never written.
+    vh = tl.program_id(0)
+    jb = tl.program_id(1)
+    kh = vh // (HV // HK)
+    offs_k = tl.arange(0, DK)
+    offs_v = jb * BLOCK_V + tl.arange(0, BLOCK_V)
+    so = vh * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    if PRE:
+        # Written only by gdn_commit of the previous round, long complete: read it before the wait.
+        s = tl.load(state_ptr + so)
+    pdl_begin(PDL)
+    if not PRE:
+        s = tl.load(state_ptr + so)
+    for j in range(M):
+        s, o = _delta_token(s, buf_ptr + j * stride_buf, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM,
+                            OFF_B, OFF_A, q_scale, DK, DV)
+        tl.store(rec_ptr + j * stride_rec + so, s)
+        tl.store(out_ptr + j * stride_out + vh * DV + offs_v, _bf16(o).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def gdn_commit_kernel(conv_ptr, rec_ptr, window_ptr, rec_after_ptr, a_ptr, N_REC, CONV_DIM, stride_conv, stride_win,
+                      stride_rec, KM1: tl.constexpr, KM1P: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+                      PDL: tl.constexpr):
+    # The first programs copy rec_after[a] onto the live recurrent state (BLOCK floats each), the rest
+    # the conv window's columns a+1 .. a+KM1 onto the conv state (BLOCK_C channels each).
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    a = tl.load(a_ptr)
+    nrec = tl.cdiv(N_REC, BLOCK)
+    if pid < nrec:
+        o = pid * BLOCK + tl.arange(0, BLOCK)
+        om = o < N_REC
+        tl.store(rec_ptr + o, tl.load(rec_after_ptr + a * stride_rec + o, mask=om), mask=om)
+    else:
+        c = (pid - nrec) * BLOCK_C + tl.arange(0, BLOCK_C)
+        t = tl.arange(0, KM1P)
+        cm = (c < CONV_DIM)[:, None] & (t < KM1)[None, :]
+        x = tl.load(window_ptr + c[:, None] * stride_win + (a + 1 + t)[None, :], mask=cm)
+        tl.store(conv_ptr + c[:, None] * stride_conv + t[None, :], x, mask=cm)
+
+
+def gdn_verify_step(buf, state, rec_after, out, a_log, dt_bias, *, m, num_k_heads, num_v_heads, head_k_dim,
+                    head_v_dim, block_v=32, num_warps=4, prefetch=False):
+    """The recurrent part of a verify pass over m tokens. `buf` [m, width] (row stride; rows [q|k|v|z|b|a]
+    as the conv epilogue leaves them), `state` the live [HV, dk, dv] fp32 state (read only),
+    `rec_after` [>= m, HV, dk, dv] fp32 receives the state after each token, `out` [m, value_dim]
+    (row stride). `prefetch` as gdn_step."""
+    key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+    off_b = 2 * key_dim + 2 * value_dim
+    block_v = min(block_v, head_v_dim)
+    assert rec_after.shape[0] >= m and rec_after[0].is_contiguous() and state.is_contiguous()
+    sb = buf.stride(0) if buf.dim() > 1 else 0
+    so = out.stride(0) if out.dim() > 1 else 0
+    gdn_verify_kernel[(num_v_heads, head_v_dim // block_v)](
+        buf, state, rec_after, out, a_log, dt_bias, key_dim, value_dim, off_b, off_b + num_v_heads,
+        float(head_k_dim) ** 0.5, sb, rec_after.stride(0), so, M=m, HV=num_v_heads, HK=num_k_heads, DK=head_k_dim,
+        DV=head_v_dim, BLOCK_V=block_v, PRE=bool(prefetch), **LAUNCH, num_warps=num_warps)
+
+
+def gdn_commit(conv_state, rec_state, window, rec_after, a, *, block=4096, block_c=256, num_warps=4):
+    """Make the state after verified token `a` (int64 [1], device, 0..m-1) live, in one launch:
+    conv_state[:, t] = window[:, a+1+t] (t < kernel-1; window [conv_dim, kernel-1+m], row stride),
+    rec_state = rec_after[a]."""
+    conv_dim, km1 = conv_state.shape
+    n_rec = rec_state.numel()
+    assert rec_state.is_contiguous() and rec_after[0].is_contiguous() and window.stride(1) == 1
+    assert conv_state.stride(1) == 1
+    grid = (triton.cdiv(n_rec, block) + triton.cdiv(conv_dim, block_c),)
+    gdn_commit_kernel[grid](conv_state, rec_state, window, rec_after, a, n_rec, conv_dim, conv_state.stride(0),
+                            window.stride(0), rec_after.stride(0), KM1=km1, KM1P=triton.next_power_of_2(km1),
+                            BLOCK=block, BLOCK_C=block_c, **LAUNCH, num_warps=num_warps)

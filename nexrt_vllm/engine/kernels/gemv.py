@@ -18,6 +18,11 @@ the bf16 kernel's [BLOCK_N, BLOCK_K] tiles; each column's block scale (one per 1
 gathered from L1) multiplies the (bf16-valued) input, so the weight stream is one byte per element;
 accumulation in fp32 as in bf16. Rows after the fp8 ones may be bf16 (a fused projection whose last
 parts the checkpoint keeps in bf16); those programs run the bf16 loop.
+
+M rows (`gemv_rows_kernel`, `gemv(..., m=M)`, M <= 4: the MTP verify pass, tokens pos..pos+M-1): each
+bf16 weight tile is loaded once and multiplied by every row of x, so a verify streams W's bytes once
+for all M rows. Same prologues and epilogues per row; the conv epilogue runs the M tokens in order
+from the live conv state without writing it, into a window the commit picks the new state from.
 """
 import triton
 import triton.language as tl
@@ -296,6 +301,282 @@ def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, 
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
 
 
+# ---- M rows (the speculative verify pass) ------------------------------------------------------
+# `gemv_rows_kernel`: y_j = W x_j for the M <= 4 rows of x (positions pos..pos+M-1 of a verify), each
+# weight tile loaded once and multiplied by every row, so M rows stream W's bytes once. The rows are a
+# leading [MP] dimension (M padded to a power of two, masked). Per row the M = 1 kernel's ops and
+# rounding points; only the order of the fp32 sums differs (one FMA chain per 16-byte run).
+
+
+@triton.jit
+def _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO: tl.constexpr, KP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_rstd` of each row of x [MP]: one load of all rows where MP * KP <= 8192, else a loop over K."""
+    MP: tl.constexpr = jrow.shape[0]
+    rstd = tl.zeros([MP], dtype=tl.float32)
+    if PRO == 1:
+        if MP * KP <= 8192:
+            kk = tl.arange(0, KP)
+            xa = tl.load(x_ptr + jrow[:, None] * stride_x + kk[None, :], mask=jm[:, None] & (kk[None, :] < K),
+                         other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xa * xa, 1) / K + eps)
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            ss = tl.zeros([MP, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ck = k0 + offs_k
+                xv = tl.load(x_ptr + jrow[:, None] * stride_x + ck[None, :], mask=jm[:, None] & (ck[None, :] < K),
+                             other=0.0).to(tl.float32)
+                ss += xv * xv
+            rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)
+    return rstd
+
+
+@triton.jit
+def _load_x_rows(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, PRO: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_load_x` of each row: x [MP, BLOCK_K] after the prologue (rstd [MP]; PRO 2: z rows at stride_z)."""
+    MP: tl.constexpr = jrow.shape[0]
+    m2 = jm[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + jrow[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    if PRO == 1:
+        w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        x = _bf16((x * rstd[:, None]) * (1.0 + w[None, :]))
+    elif PRO == 2:
+        NH: tl.constexpr = BLOCK_K // GROUP
+        x3 = tl.reshape(x, (MP, NH, GROUP))
+        r = tl.rsqrt(tl.sum(x3 * x3, 2) / GROUP + eps)
+        xn = tl.reshape(_bf16(x3 * r[:, :, None]), (MP, BLOCK_K))
+        w = tl.load(nw_ptr + (cols % GROUP), mask=cmask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + jrow[:, None] * stride_z + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        x = _bf16(_bf16(w[None, :] * xn) * _silu(z))
+    return x
+
+
+@triton.jit
+def _fma_pairs(acc, w, x):
+    """acc + w[..., 0] x[..., 0] + w[..., 1] x[..., 1] (last dim 2, in one thread): two chained FMAs."""
+    w0, w1 = tl.split(w)
+    x0, x1 = tl.split(x)
+    return acc + w0 * x0 + w1 * x1
+
+
+@triton.jit
+def _halves(t):
+    """A [A, B, C, V] tensor (V in one thread's registers) as its [A, B, C, V / 2] halves."""
+    A: tl.constexpr = t.shape[0]
+    B: tl.constexpr = t.shape[1]
+    C: tl.constexpr = t.shape[2]
+    V: tl.constexpr = t.shape[3]
+    return tl.split(tl.reshape(t, (A, B, C, V // 2, 2)))
+
+
+@triton.jit
+def _fma_run(acc, w, x, VEC: tl.constexpr):
+    """acc + the products w x [.., VEC] summed over their last dim (VEC <= 8 adjacent columns of one
+    thread) as one chain of FMAs: a tree sum costs a multiply and an add more per two products."""
+    if VEC == 1:
+        out = acc + tl.sum(w * x, 3)
+    elif VEC == 2:
+        out = _fma_pairs(acc, w, x)
+    else:
+        wa, wb = _halves(w)
+        xa, xb = _halves(x)
+        if VEC == 4:
+            out = _fma_pairs(_fma_pairs(acc, wa, xa), wb, xb)
+        else:
+            wa0, wa1 = _halves(wa)
+            xa0, xa1 = _halves(xa)
+            wb0, wb1 = _halves(wb)
+            xb0, xb1 = _halves(xb)
+            out = _fma_pairs(_fma_pairs(_fma_pairs(_fma_pairs(acc, wa0, xa0), wa1, xa1), wb0, xb0), wb1, xb1)
+    return out
+
+
+@triton.jit
+def _fold_rows(acc, w, xv, VEC: tl.constexpr):
+    """acc [MP, BN, BK // VEC] + the products of a [1, BN, BK] weight tile with each row of x [MP, 1, BK],
+    fp32, each run of VEC adjacent columns (one thread's 16-byte load, `_fold`) summed in registers."""
+    MP: tl.constexpr = xv.shape[0]
+    BN: tl.constexpr = w.shape[1]
+    BK: tl.constexpr = w.shape[2]
+    # both operands at the full [MP, BN, BK] (a broadcast reuses registers): their splits then share
+    # one layout
+    w4 = tl.reshape(tl.broadcast_to(w.to(tl.float32), (MP, BN, BK)), (MP, BN, BK // VEC, VEC))
+    x4 = tl.reshape(tl.broadcast_to(xv, (MP, BN, BK)), (MP, BN, BK // VEC, VEC))
+    return _fma_run(acc, w4, x4, VEC)
+
+
+@triton.jit
+def _w_tile(w_ptr, rows, rmask, cols, K, stride_w, EVEN_K: tl.constexpr):
+    """The [1, BLOCK_N, BLOCK_K] weight tile at `cols`, loaded with evict_first: a 3-D load whose layout
+    the rows of x broadcast into (each thread's products for all rows from its own registers)."""
+    wp = w_ptr + rows[None, :, None] * stride_w + cols[None, None, :]
+    if EVEN_K:
+        wmask = rmask[None, :, None]
+    else:
+        wmask = rmask[None, :, None] & (cols < K)[None, None, :]
+    return tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr):
+    """`_w_head` for `gemv_rows_kernel`: the first PRE (0, 1, 2 or 4) K blocks as separate tiles
+    (`_w_tile`; 0.0 past PRE), and those of the SwiGLU up rows."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w0 = 0.0
+    w1 = 0.0
+    w2 = 0.0
+    w3 = 0.0
+    u0 = 0.0
+    u1 = 0.0
+    u2 = 0.0
+    u3 = 0.0
+    if PRE > 0:
+        w0 = _w_tile(w_ptr, rows, rmask, offs_k, K, stride_w, True)
+        if EPI == 2:
+            u0 = _w_tile(w_ptr + N * stride_w, rows, rmask, offs_k, K, stride_w, True)
+    if PRE > 1:
+        w1 = _w_tile(w_ptr, rows, rmask, BLOCK_K + offs_k, K, stride_w, True)
+        if EPI == 2:
+            u1 = _w_tile(w_ptr + N * stride_w, rows, rmask, BLOCK_K + offs_k, K, stride_w, True)
+    if PRE > 2:
+        w2 = _w_tile(w_ptr, rows, rmask, 2 * BLOCK_K + offs_k, K, stride_w, True)
+        w3 = _w_tile(w_ptr, rows, rmask, 3 * BLOCK_K + offs_k, K, stride_w, True)
+        if EPI == 2:
+            u2 = _w_tile(w_ptr + N * stride_w, rows, rmask, 2 * BLOCK_K + offs_k, K, stride_w, True)
+            u3 = _w_tile(w_ptr + N * stride_w, rows, rmask, 3 * BLOCK_K + offs_k, K, stride_w, True)
+    return w0, w1, w2, w3, u0, u1, u2, u3
+
+
+@triton.jit
+def _block_rows(acc, acc_u, w, wu, k0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd, eps, pid, K,
+                PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
+                BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """One K block (columns k0..) of the rows: the prologue's x rows, xn stored by program 0, and the
+    loaded weight tile(s) [1, BLOCK_N, BLOCK_K] folded into acc (acc_u: SwiGLU up rows)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    cmask = cols < K
+    xv = _load_x_rows(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, PRO, GROUP, BLOCK_K)
+    if STORE_XN:  # program 0 leaves the normed rows (z_ptr) for a later launch (MoE experts)
+        tl.store(z_ptr + jrow[:, None] * stride_z + cols[None, :], xv.to(z_ptr.dtype.element_ty),
+                 mask=jm[:, None] & cmask[None, :] & ((tl.zeros_like(cols) + pid) == 0)[None, :])
+    acc = _fold_rows(acc, w, xv[:, None, :], VEC)
+    if EPI == 2:
+        acc_u = _fold_rows(acc_u, wu, xv[:, None, :], VEC)
+    return acc, acc_u
+
+
+@triton.jit
+def _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w, eps, rstd,
+              w0, w1, w2, w3, u0, u1, u2, u3, PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr,
+              STORE_XN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              PRE: tl.constexpr, VEC: tl.constexpr):
+    """`_acc` (bf16 W) for every row of x: (y, y_up) [MP, BLOCK_N] fp32. The head tiles (w0.., u0..:
+    the first PRE K blocks, `_w_head_rows`) are folded as the loop folds the rest."""
+    MP: tl.constexpr = jrow.shape[0]
+    acc = tl.zeros([MP, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    acc_u = acc
+    if PRE > 0:
+        acc, acc_u = _block_rows(acc, acc_u, w0, u0, 0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd, eps,
+                                 pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+    if PRE > 1:
+        acc, acc_u = _block_rows(acc, acc_u, w1, u1, BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd,
+                                 eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+    if PRE > 2:
+        acc, acc_u = _block_rows(acc, acc_u, w2, u2, 2 * BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z,
+                                 rstd, eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+        acc, acc_u = _block_rows(acc, acc_u, w3, u3, 3 * BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z,
+                                 rstd, eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
+        w = _w_tile(w_ptr, rows, rmask, k0 + offs_k, K, stride_w, EVEN_K)
+        wu = w
+        if EPI == 2:
+            wu = _w_tile(w_ptr + N * stride_w, rows, rmask, k0 + offs_k, K, stride_w, EVEN_K)
+        acc, acc_u = _block_rows(acc, acc_u, w, wu, k0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd,
+                                 eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+    return tl.sum(acc, 2), tl.sum(acc_u, 2)
+
+
+@triton.jit
+def _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows,
+                   rmask, pid, CONV_N, EPI: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
+    """`_epilogue` of each row j (y [MP, BLOCK_N]) into y row j (stride_y). EPI 4: (max, argmax) of
+    row j at aux0/aux1 [j * stride_a + pid]. EPI 3 (M consecutive tokens): the live conv state aux0 is
+    only read; the window [CONV_N, KC-1+M] (win_ptr, row stride stride_win) receives the state and
+    bf16(y_j) at column KC-1+j, and token j's conv runs over window columns j..j+KC-1, in registers."""
+    m2 = jm[:, None] & rmask[None, :]
+    yp = y_ptr + jrow[:, None] * stride_y + rows[None, :]
+    if EPI == 0:
+        tl.store(yp, _bf16(y).to(y_ptr.dtype.element_ty), mask=m2)
+    elif EPI == 1:
+        r = tl.load(yp, mask=m2, other=0.0).to(tl.float32)
+        tl.store(yp, _bf16(r + _bf16(y)).to(y_ptr.dtype.element_ty), mask=m2)
+    elif EPI == 2:
+        u = _bf16(y_up)
+        tl.store(yp, _bf16(_bf16(_silu(_bf16(y))) * u).to(y_ptr.dtype.element_ty), mask=m2)
+    elif EPI == 3:
+        yb = _bf16(y)
+        cm = rmask & (rows < CONV_N)
+        taps = tl.arange(0, KCP)
+        tm = cm[:, None] & (taps[None, :] < KC - 1)
+        st = tl.load(aux0_ptr + rows[:, None] * (KC - 1) + taps[None, :], mask=tm, other=0.0)
+        # the window: the live state, then the M new inputs
+        tl.store(win_ptr + rows[:, None] * stride_win + taps[None, :], st, mask=tm)
+        tl.store(win_ptr + rows[None, :] * stride_win + (KC - 1) + jrow[:, None], yb.to(win_ptr.dtype.element_ty),
+                 mask=jm[:, None] & cm[None, :])
+        # token j: taps t with j + t < KC-1 read the state (column j + t), the others y_i with i = j + t - (KC-1)
+        j3 = jrow[:, None, None]
+        r3 = rows[None, :, None]
+        t3 = taps[None, None, :]
+        sm = (j3 + t3 < KC - 1) & cm[None, :, None]
+        sj = tl.load(aux0_ptr + r3 * (KC - 1) + j3 + t3, mask=sm, other=0.0).to(tl.float32)
+        cw = tl.load(aux1_ptr + r3 * KC + t3, mask=sm, other=0.0).to(tl.float32)
+        conv = tl.sum(tl.where(sm, cw * sj, 0.0), 2)  # [MP, BLOCK_N]
+        # the new inputs: weight tap KC-1-(j-i) on y_i for 0 <= j-i <= KC-1
+        i3 = jrow[None, :, None]
+        d = jrow[:, None, None] - i3  # [MP, MP, 1]: j - i
+        r3 = rows[None, None, :]
+        ym = (d >= 0) & (d <= KC - 1) & cm[None, None, :]
+        cy = tl.load(aux1_ptr + r3 * KC + (KC - 1) - d, mask=ym, other=0.0).to(tl.float32)
+        conv += tl.sum(tl.where(ym, cy * yb[None, :, :], 0.0), 1)
+        out = tl.where(rows[None, :] < CONV_N, _bf16(_silu(_bf16(conv))), yb)
+        tl.store(yp, out.to(y_ptr.dtype.element_ty), mask=m2)
+    else:
+        yb = _bf16(y)
+        tl.store(yp, yb, mask=m2)
+        v = tl.where(m2, yb, float("-inf"))
+        mx = tl.max(v, 1)
+        idx = tl.min(tl.where(v == mx[:, None], rows[None, :], 2147483647), 1)  # ties -> lowest index
+        tl.store(aux0_ptr + jrow * stride_a + pid, mx, mask=jm)
+        tl.store(aux1_ptr + jrow * stride_a + pid, idx, mask=jm)
+
+
+@triton.jit
+def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win_ptr,
+                     N, K, stride_w, stride_x, stride_y, stride_z, stride_a, stride_win, eps, CONV_N,
+                     M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr,
+                     KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
+                     VEC: tl.constexpr, PDL: tl.constexpr):
+    """`gemv_kernel` over the M rows of x [M, K] (row stride stride_x) into y [M, N] (stride_y): one
+    load of each weight tile (the same tiles, prefetch head and eviction as M = 1) feeds M dot
+    products. Same prologues and epilogues per row (`_epilogue_rows`)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    jrow = tl.arange(0, MP)
+    jm = jrow < M
+    w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
+    pdl_begin(PDL)
+    rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
+    y, y_up = _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
+                        eps, rstd, w0, w1, w2, w3, u0, u1, u2, u3, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K,
+                        PRE, VEC)
+    _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows, rmask,
+                   pid, CONV_N, EPI, KC, KCP)
+
+
 def head_blocks(prefetch: int, k: int, block_k: int) -> int:
     """K blocks a program loads ahead of its wait: at most `prefetch` and the whole blocks of K, a power of two."""
     n = min(prefetch, k // block_k)
@@ -309,13 +590,26 @@ def fold_vec(vec: int, elem_bytes: int, block_k: int) -> int:
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
          conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False,
-         prefetch=0, vec=0):
+         prefetch=0, vec=0, m=1, window=None):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
     optionally a bf16 tail; `round_w`: see _acc's ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
     N = rows of y); `prefetch`: K blocks of W (bf16 or e4m3) each program loads before it waits on the
     previous kernel (PDL), cut to a power of two within K; `vec`: columns each thread sums in
-    registers before accumulating (`_fold`; 0: a 16-byte load's, 1: elementwise); returns the grid size."""
+    registers before accumulating (`_fold`; 0: a 16-byte load's, 1: elementwise); returns the grid size.
+
+    `m` > 1 (<= 4, bf16 W only): `gemv_rows_kernel` over the rows of x [m, K] into y [m, N], W read
+    once for all rows; every row strided (stride(0); unit column stride). Per row: z (PRO_GATED) and
+    xn_out [m, K]; EPI_ARGMAX's aux0 fp32 / aux1 int32 [m, P] (P = the grid size returned; any row
+    stride, the same for both); EPI_CONV runs the m rows as consecutive tokens from the live conv
+    state aux0 (read only) and fills `window` [conv_n, kc-1+m] (bf16, any row stride) with the state
+    and the m new inputs (`model.gdn_verify`'s window: token j's conv input is window[:, j:j+kc]).
+    With m > 1 each thread always folds its 16-byte runs (`vec` is not used: elementwise
+    accumulators for m rows would not fit in registers) and `prefetch` is cut to 4 blocks."""
     fp8 = hasattr(w, "scale")
+    if m != 1:
+        return _gemv_rows(x, w, y, fp8, pro=pro, epi=epi, norm_w=norm_w, z=z, aux0=aux0, aux1=aux1, eps=eps,
+                          conv_n=conv_n, group=group, kc=kc, xn_out=xn_out, block_n=block_n, block_k=block_k,
+                          num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window)
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
     block_k = min(block_k or 512, triton.next_power_of_2(k))
@@ -354,5 +648,47 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     return grid
 
 
-__all__ = ["gemv", "gemv_kernel", "gemv_fp8_kernel", "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
-           "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX"]
+def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, group, kc, xn_out, block_n,
+               block_k, num_warps, n, prefetch, vec, m, window):
+    """`gemv` with m > 1: `gemv_rows_kernel` (same launch shape rules as gemv_kernel)."""
+    if fp8:
+        raise ValueError("gemv: m > 1 needs bf16 weights (got an FP8Weight)")
+    if not 1 <= m <= 4:
+        raise ValueError(f"gemv: m must be 1..4 (got {m})")
+    k = w.shape[-1]
+    n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
+    for name, t, cols in (("x", x, k), ("y", y, n), ("z", z if pro == PRO_GATED else None, k),
+                          ("xn_out", xn_out, k)):
+        if t is not None and (t.dim() != 2 or t.shape[0] < m or t.shape[1] < cols or t.stride(1) != 1):
+            raise ValueError(f"gemv: {name} must be [m, {cols}] with unit column stride (got {tuple(t.shape)})")
+    block_k = min(block_k or 512, triton.next_power_of_2(k))
+    if pro == PRO_GATED:
+        block_k = max(block_k, group)
+    block_n = block_n or 16
+    grid = triton.cdiv(n, block_n)
+    dummy = y
+    if xn_out is not None:
+        z = xn_out
+    stride_a, stride_win = 0, 0
+    if epi == EPI_ARGMAX:
+        if aux0.stride(0) != aux1.stride(0) or aux0.shape[-1] < grid or aux1.shape[-1] < grid:
+            raise ValueError(f"gemv: argmax partials must be [m, >= {grid}] with one row stride")
+        stride_a = aux0.stride(0)
+    if epi == EPI_CONV:
+        if window is None or window.shape[0] < conv_n or window.shape[1] < kc - 1 + m or window.stride(1) != 1:
+            raise ValueError(f"gemv: EPI_CONV with m > 1 needs window [{conv_n}, {kc - 1 + m}]")
+        stride_win = window.stride(0)
+    gemv_rows_kernel[(grid,)](
+        x, w, y, norm_w if norm_w is not None else dummy, z if z is not None else dummy,
+        aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy,
+        window if window is not None else dummy, n, k, w.stride(0), x.stride(0), y.stride(0),
+        z.stride(0) if z is not None else 0, stride_a, stride_win, eps, conv_n,
+        M=m, MP=triton.next_power_of_2(m), PRO=pro, EPI=epi, GROUP=group, KC=kc,
+        KCP=triton.next_power_of_2(max(kc - 1, 1)), STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k),
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0), PRE=head_blocks(min(prefetch, 4), k, block_k),
+        VEC=min(8, block_k), **LAUNCH, num_warps=num_warps)
+    return grid
+
+
+__all__ = ["gemv", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "head_blocks", "fold_vec", "PRO_NONE",
+           "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL", "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX"]

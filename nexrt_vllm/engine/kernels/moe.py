@@ -9,6 +9,9 @@ its own; grid column 0 is the shared expert (its act row is the last). Launch 3 
 sums the down projections in ascending expert id (the eager order, with its bf16 rounding), adds
 the sigmoid-gated shared expert and the residual. With fp8 weights (fp8.FP8Weight) launches 2 and 3
 are `moe_gate_up_fp8_kernel` / `moe_down_fp8_kernel`: the same design reading e4m3 + block scales.
+With m = 2..4 positions (the MTP verify pass, `moe_experts(..., m=)`) launches 2 and 3 are the
+`moe_*_m_kernel`s at the end of the file: the same per-row arithmetic, each weight tile loaded once
+for all rows where the launch can.
 """
 import triton
 import triton.language as tl
@@ -293,7 +296,7 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
-                norm_topk=True, round_w=False, vec=0):
+                norm_topk=True, round_w=False, vec=0, m=1):
     """Routed + shared experts for one token, after the router launch (`gemv`, xn_out) has left the
     normed input xn [H] and logits [E+1] (router logits, then the shared-expert gate logit). The
     gate_up launch routes and writes ids / wts [top_k] (ascending ids) for the down launch.
@@ -301,7 +304,16 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch. Any of the
     four weights may be an fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8
     kernels, which read each weight in its own format (`round_w`: gemv._acc's ROUND_W; `vec`:
-    gemv.gemv's)."""
+    gemv.gemv's).
+
+    m = 2..4 (the verify pass: M positions in one launch pair, `moe_gate_up_m_kernel` /
+    `moe_down_m_kernel` and their fp8 twins): the caller allocates, contiguous, xn [m, H] bf16,
+    res [m, H] bf16 (row j += its MoE output), logits [m, E+1] bf16, act [m, top_k+1, max(I, Is)]
+    bf16, ids [m, top_k] int32, wts [m, top_k] fp32; each row is routed and computed as m = 1 does."""
+    if m != 1:
+        return _moe_experts_m(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, top_k, m,
+                              block_n, block_k, down_block_n, down_block_k, num_warps, down_num_warps, norm_topk,
+                              round_w, vec)
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
@@ -406,3 +418,299 @@ def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sd
     _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
           stride_de, stride_dse, stride_ds, stride_sds, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N, BLOCK_K, BKS,
           FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, PDL)
+
+
+# ---- M positions (the MTP verify pass: m = 2..4 rows in one launch pair) ----------------------------
+# The same two launches over M rows. gate_up: grid column 0 is the shared expert for all M rows;
+# column 1 + c is the c-th expert (ascending id) of the union of the rows' selections, computed for
+# every row that chose it: each selected expert's gate_up rows and the shared expert's are read once
+# per verify (programs past the union's size read nothing). down: one program per BLOCK_N output rows
+# for all M rows: the shared expert's down rows are read once; the routed rows are gathered per
+# (row, slot) pair in one load per K block, so an expert chosen by two rows is requested twice by the
+# same program at the same time (served once from HBM through L1 / L2, but not deduplicated by
+# construction). Per row, the products, fp32 sums and bf16 rounding points are the m = 1 kernels'.
+
+
+@triton.jit
+def _route_union(logits_ptr, ids_ptr, wts_ptr, pid, c, M: tl.constexpr, MP: tl.constexpr, E: tl.constexpr,
+                 EP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr):
+    """(expert id, whether it exists, [MP] rows that chose it, [MP] its slot in each) of the c-th expert
+    (ascending id) of the union of the M rows' top-k selections (`topk_select` on each row's logits
+    [E+1], as at m = 1). The programs with pid 0 publish each choosing row's id and weight at its slot
+    of ids / wts [M, TOPK] for the down launch."""
+    r = tl.arange(0, MP)
+    e = tl.arange(0, EP)
+    sel2 = (r[:, None] < 0) & (e[None, :] < 0)
+    rank2 = tl.zeros([MP, EP], dtype=tl.int32)
+    w2 = tl.zeros([MP, EP], dtype=tl.float32)
+    for j in tl.static_range(M):
+        _, sel, rank, w = topk_select(logits_ptr + j * (E + 1), E, EP, TOPK, NORM)
+        here = r[:, None] == j
+        sel2 = sel2 | (here & sel[None, :])
+        rank2 = tl.where(here, rank[None, :], rank2)
+        w2 = tl.where(here, w[None, :], w2)
+    union = tl.max(sel2.to(tl.int32), 0) > 0
+    urank = tl.cumsum(union.to(tl.int32), 0) - 1
+    eid = tl.sum(tl.where(union & (urank == c), e, 0), 0)
+    n_union = tl.sum(union.to(tl.int32), 0)
+    ok = c < n_union
+    mine = sel2 & (e[None, :] == eid)
+    hit = tl.sum(mine.to(tl.int32), 1) > 0
+    slot = tl.sum(tl.where(mine, rank2, 0), 1)
+    if pid == 0:
+        pub = hit & ((r * 0 + c) < n_union)  # (a scalar & a vector trips the interpreter)
+        tl.store(ids_ptr + r * TOPK + slot, eid + r * 0, mask=pub)
+        tl.store(wts_ptr + r * TOPK + slot, tl.sum(tl.where(mine, w2, 0.0), 1), mask=pub)
+    return eid, ok, hit, slot
+
+
+@triton.jit
+def _swiglu_rows_m(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BKS: tl.constexpr, FP8: tl.constexpr, UNIFORM: tl.constexpr,
+                   ROUND_W: tl.constexpr, VEC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
+    """`_swiglu_rows` for the M rows of x [M, K] ([MP, BN]): each weight tile is loaded once and
+    multiplied by every row, each row's products and fp32 sums exactly as at m = 1."""
+    rmask = rows < n_rows
+    offs_k = tl.arange(0, BLOCK_K)
+    r = tl.arange(0, MP)
+    sr_g = 0
+    sr_u = 0
+    if FP8:
+        ok = row0 < n_rows
+        if UNIFORM:
+            sr_g = tl.load(srow_ptr + row0, mask=ok, other=0)
+            sr_u = tl.load(srow_ptr + n_rows + row0, mask=ok, other=0)
+        else:
+            sr_g = tl.load(srow_ptr + rows, mask=rmask, other=0)
+            sr_u = tl.load(srow_ptr + n_rows + rows, mask=rmask, other=0)
+    BN: tl.constexpr = rows.shape[0]
+    acc_g = tl.zeros([MP, BN, BLOCK_K // VEC], dtype=tl.float32)
+    acc_u = tl.zeros([MP, BN, BLOCK_K // VEC], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        cmask = cols < K
+        wp = wbase + rows[:, None] * K + cols[None, :]
+        m2 = rmask[:, None] & cmask[None, :]
+        wg = tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first")
+        wu = tl.load(wp + n_rows * K, mask=m2, other=0.0, eviction_policy="evict_first")
+        smask = cmask & ((offs_k * 0 + row0) < n_rows)
+        for j in tl.static_range(M):
+            xv = tl.load(x_ptr + j * K + cols, mask=cmask, other=0.0).to(tl.float32)
+            here = r[:, None, None] == j
+            pg = _fold(_w_dot(wg, xv, sbase, sr_g, stride_s, cols, smask, rmask, BKS, FP8, UNIFORM, ROUND_W),
+                       BN, BLOCK_K, VEC)
+            pu = _fold(_w_dot(wu, xv, sbase, sr_u, stride_s, cols, smask, rmask, BKS, FP8, UNIFORM, ROUND_W),
+                       BN, BLOCK_K, VEC)
+            acc_g = tl.where(here, acc_g + pg[None, :, :], acc_g)
+            acc_u = tl.where(here, acc_u + pu[None, :, :], acc_u)
+    g = _bf16(tl.sum(acc_g, 2))
+    u = _bf16(tl.sum(acc_u, 2))
+    return _bf16(_bf16(_silu(g)) * u)
+
+
+@triton.jit
+def _gate_up_m(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
+               stride_ge, stride_gse, stride_gs, stride_sgs, K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
+               TOPK: tl.constexpr, IMAX: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, BKS: tl.constexpr,
+               FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr, UNI_S: tl.constexpr,
+               ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr, PDL: tl.constexpr):
+    """The gate_up launch over M rows (bf16 and fp8 alike): grid column 0 the shared expert for all
+    rows (act [M, TOPK+1, IMAX], its row TOPK of each), column 1 + c the c-th expert of the union of
+    the rows' selections (`_route_union`), stored at each choosing row's slot."""
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    c = tl.program_id(1) - 1
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, MP)
+    AROW: tl.constexpr = (TOPK + 1) * IMAX  # one position's act rows
+    if FP8_E or FP8_S:  # one expert loop per format (the routed and the shared one may differ)
+        if c >= 0:
+            eid, ok, hit, slot = _route_union(logits_ptr, ids_ptr, wts_ptr, pid, c, M, MP, E, EP, TOPK, NORM)
+            if ok:
+                a = _swiglu_rows_m(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge,
+                                   gus_ptr + eid.to(tl.int64) * stride_gse, gur_ptr, stride_gs, I, rows, pid * BLOCK_N,
+                                   K, BLOCK_K, BKS, FP8_E, UNI_E, ROUND_W, VEC_E, M, MP)
+                tl.store(act_ptr + (r * AROW + slot * IMAX)[:, None] + rows[None, :],
+                         a.to(act_ptr.dtype.element_ty), mask=hit[:, None] & (rows < I)[None, :])
+        else:
+            a = _swiglu_rows_m(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, pid * BLOCK_N, K, BLOCK_K,
+                               BKS, FP8_S, UNI_S, ROUND_W, VEC_S, M, MP)
+            tl.store(act_ptr + (r * AROW + TOPK * IMAX)[:, None] + rows[None, :], a.to(act_ptr.dtype.element_ty),
+                     mask=(r < M)[:, None] & (rows < IS)[None, :])
+    else:  # bf16: one loop over the selected weight (half the code)
+        wbase = sgu_ptr
+        n_rows = IS
+        go = c < 0
+        hit = r < M
+        slot = r * 0 + TOPK  # the shared expert's act row is the last of each position's
+        if c >= 0:
+            eid, go, hit, slot = _route_union(logits_ptr, ids_ptr, wts_ptr, pid, c, M, MP, E, EP, TOPK, NORM)
+            wbase = gu_ptr + eid.to(tl.int64) * stride_ge
+            n_rows = I
+        if go:
+            a = _swiglu_rows_m(x_ptr, wbase, wbase, gur_ptr, 0, n_rows, rows, pid * BLOCK_N, K, BLOCK_K, BKS, False,
+                               True, False, VEC_E, M, MP)
+            tl.store(act_ptr + (r * AROW + slot * IMAX)[:, None] + rows[None, :], a.to(act_ptr.dtype.element_ty),
+                     mask=hit[:, None] & (rows < n_rows)[None, :])
+
+
+@triton.jit
+def moe_gate_up_m_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr, stride_ge,
+                         K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr,
+                         M: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
+                         PDL: tl.constexpr):
+    """The gate_up launch over M rows, bf16 weights (`_gate_up_m`)."""
+    _gate_up_m(x_ptr, gu_ptr, gu_ptr, ids_ptr, sgu_ptr, sgu_ptr, ids_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
+               stride_ge, 0, 0, 0, K, I, IS, TOPK, IMAX, M, MP, BLOCK_N, BLOCK_K, E, EP, NORM, 1, False, False, True,
+               True, False, VEC, VEC, PDL)
+
+
+@triton.jit
+def moe_gate_up_m_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr,
+                             logits_ptr, wts_ptr, stride_ge, stride_gse, stride_gs, stride_sgs,
+                             K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
+                             IMAX: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
+                             BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
+                             UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
+                             PDL: tl.constexpr):
+    """`moe_gate_up_m_kernel` with fp8 routed and / or shared weights (as `moe_gate_up_fp8_kernel`)."""
+    _gate_up_m(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
+               stride_ge, stride_gse, stride_gs, stride_sgs, K, I, IS, TOPK, IMAX, M, MP, BLOCK_N, BLOCK_K, E, EP,
+               NORM, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, PDL)
+
+
+@triton.jit
+def _down_m(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
+            stride_de, stride_dse, stride_ds, stride_sds, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr,
+            TOPK: tl.constexpr, IMAX: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, PP: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr, FP8_E: tl.constexpr,
+            FP8_S: tl.constexpr, UNI_E: tl.constexpr, UNI_S: tl.constexpr, ROUND_W: tl.constexpr,
+            VEC_E: tl.constexpr, VEC_S: tl.constexpr, PDL: tl.constexpr):
+    """The down launch over M rows (bf16 and fp8 alike): the shared expert's rows loaded once for all
+    rows; the routed rows of all M·TOPK (row, slot) pairs p = row·TOPK + slot in one gather per K
+    block (`_routed_tile` with pairs for slots); then per row `_down`'s ascending-id bf16 sum, the
+    sigmoid-gated shared expert and the residual (res [M, N])."""
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    row0 = pid * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    offs_k = tl.arange(0, BLOCK_K)
+    r = tl.arange(0, MP)
+    AROW: tl.constexpr = (TOPK + 1) * IMAX
+    ssr = _scale_rows(sdnr_ptr, row0, rows, rmask, FP8_S, UNI_S)
+    acc_s = tl.zeros([MP, BLOCK_N, BLOCK_K // VEC_S], dtype=tl.float32)
+    for k0 in tl.static_range(0, IS, BLOCK_K):
+        cols = k0 + offs_k
+        wv, sv = _shared_tile(sdn_ptr, sdns_ptr, ssr, stride_sds, rows, rmask, k0, IS, BLOCK_K, BKS, FP8_S, UNI_S)
+        for j in tl.static_range(M):
+            a = tl.load(act_ptr + j * AROW + TOPK * IMAX + cols, mask=cols < IS, other=0.0).to(tl.float32)
+            ps = _fold(_shared_dot(wv, sv, a, FP8_S, UNI_S, ROUND_W), BLOCK_N, BLOCK_K, VEC_S)
+            acc_s = tl.where(r[:, None, None] == j, acc_s + ps[None, :, :], acc_s)
+    p = tl.arange(0, PP)
+    pm = p < M * TOPK
+    arow = (p // TOPK) * (TOPK + 1) + p % TOPK  # the pair's act row
+    eid = tl.load(ids_ptr + p, mask=pm, other=0)
+    base = dn_ptr + eid.to(tl.int64)[:, None, None] * stride_de + rows[None, :, None] * I
+    sbase = dns_ptr + eid.to(tl.int64) * stride_dse
+    sr = _scale_rows(dnr_ptr, row0, rows, rmask, FP8_E, UNI_E)
+    acc = tl.zeros([PP, BLOCK_N, BLOCK_K // VEC_E], dtype=tl.float32)
+    for k0 in tl.static_range(0, I, BLOCK_K):
+        cols = k0 + offs_k
+        a = tl.load(act_ptr + arow[:, None] * IMAX + cols[None, :], mask=pm[:, None] & (cols < I)[None, :],
+                    other=0.0).to(tl.float32)
+        wv, sv = _routed_tile(base, sbase, sr, stride_ds, pm, rmask, k0, I, BLOCK_K, BKS, FP8_E, UNI_E)
+        acc += _fold3(_routed_dot(wv, sv, a, FP8_E, UNI_E, ROUND_W), PP, BLOCK_N, BLOCK_K, VEC_E)
+    w = tl.load(wts_ptr + p, mask=pm, other=0.0)
+    part = _bf16(_bf16(tl.sum(acc, 2)) * w[:, None])  # [PP, BLOCK_N]: each pair's bf16 expert output
+    out = tl.zeros([MP, BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(M):
+        o = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in tl.static_range(TOPK):  # the eager order: ascending expert id, bf16 after every add
+            o = _bf16(o + tl.sum(tl.where(p[:, None] == j * TOPK + i, part, 0.0), 0))
+        out = tl.where(r[:, None] == j, o[None, :], out)
+    sg = tl.load(logits_ptr + r * (E + 1) + E, mask=r < M, other=0.0).to(tl.float32)
+    gate = _bf16(1.0 / (1.0 + tl.exp(-sg)))
+    moe = _bf16(out + _bf16(gate[:, None] * _bf16(tl.sum(acc_s, 2))))
+    om = (r < M)[:, None] & rmask[None, :]
+    rp = res_ptr + r[:, None] * N + rows[None, :]
+    res = tl.load(rp, mask=om, other=0.0).to(tl.float32)
+    tl.store(rp, _bf16(res + moe).to(res_ptr.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def moe_down_m_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N, stride_de,
+                      I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr,
+                      M: tl.constexpr, MP: tl.constexpr, PP: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr):
+    """The down launch over M rows, bf16 weights (`_down_m`)."""
+    _down_m(act_ptr, dn_ptr, dn_ptr, ids_ptr, sdn_ptr, sdn_ptr, ids_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
+            stride_de, 0, 0, 0, I, IS, E, TOPK, IMAX, M, MP, PP, BLOCK_N, BLOCK_K, 1, False, False, True, True, False,
+            VEC, VEC, PDL)
+
+
+@triton.jit
+def moe_down_m_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr,
+                          logits_ptr, res_ptr, N, stride_de, stride_dse, stride_ds, stride_sds,
+                          I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr,
+                          M: tl.constexpr, MP: tl.constexpr, PP: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr,
+                          UNI_E: tl.constexpr, UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr,
+                          VEC_S: tl.constexpr, PDL: tl.constexpr):
+    """`moe_down_m_kernel` with fp8 routed and / or shared down projections (as `moe_down_fp8_kernel`)."""
+    _down_m(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
+            stride_de, stride_dse, stride_ds, stride_sds, I, IS, E, TOPK, IMAX, M, MP, PP, BLOCK_N, BLOCK_K, BKS,
+            FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, PDL)
+
+
+def _moe_experts_m(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, top_k, m, block_n,
+                   block_k, down_block_n, down_block_k, num_warps, down_num_warps, norm_topk, round_w, vec):
+    """`moe_experts` for m = 2..4 rows: the same launch arguments with the M-row kernels."""
+    n_exp, two_i, hidden = gate_up.shape
+    inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
+    imax = max(inter, inter_s)
+    if not 1 < m <= 4:
+        raise ValueError(f"moe_experts: m = {m}, expected 1..4")
+    want = {"xn": (xn, (m, hidden)), "res": (res, (m, hidden)), "logits": (logits, (m, n_exp + 1)),
+            "act": (act, (m, top_k + 1, imax)), "ids": (ids, (m, top_k)), "wts": (wts, (m, top_k))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"moe_experts: m = {m} needs {name} contiguous {list(shape)}, got {list(t.shape)}")
+    bk = min(block_k or 512, triton.next_power_of_2(hidden))
+    bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
+    up_fp8, down_fp8 = _fp8(gate_up, shared_gate_up), _fp8(down, shared_down)
+    rows = dict(M=m, MP=triton.next_power_of_2(m))
+    grid_up = (triton.cdiv(imax, block_n), 1 + m * top_k)  # the shared expert, then the union's experts
+    if up_fp8 is None:
+        moe_gate_up_m_kernel[grid_up](
+            xn, gate_up, shared_gate_up, act, ids, logits, wts, gate_up.stride(0), K=hidden, I=inter, IS=inter_s,
+            TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, E=n_exp, EP=triton.next_power_of_2(n_exp),
+            NORM=norm_topk, VEC=fold_vec(vec, 2, bk), **rows, **LAUNCH, num_warps=num_warps)
+    else:
+        (ge, gs, gr, sge, uni_e), (sg, ss, sr, sgs, uni_s), bks = up_fp8(block_n, inter, inter_s, swiglu=True)
+        moe_gate_up_m_fp8_kernel[grid_up](
+            xn, ge, gs, gr, sg, ss, sr, act, ids, logits, wts, ge.stride(0), gs.stride(0) if gs.dim() == 3 else 0,
+            sge, sgs, K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk,
+            E=n_exp, EP=triton.next_power_of_2(n_exp), NORM=norm_topk, BKS=bks,
+            FP8_E=_is_fp8(gate_up), FP8_S=_is_fp8(shared_gate_up), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
+            VEC_E=_vec(vec, gate_up, bk), VEC_S=_vec(vec, shared_gate_up, bk), **rows, **LAUNCH,
+            num_warps=num_warps)
+    grid_dn = (triton.cdiv(hidden, down_block_n),)
+    pairs = triton.next_power_of_2(m * top_k)
+    if down_fp8 is None:
+        moe_down_m_kernel[grid_dn](
+            act, down, shared_down, ids, wts, logits, res, hidden, down.stride(0), I=inter, IS=inter_s,
+            E=n_exp, TOPK=top_k, IMAX=imax, PP=pairs, BLOCK_N=down_block_n, BLOCK_K=bkd,
+            VEC=fold_vec(vec, 2, bkd), **rows, **LAUNCH, num_warps=down_num_warps)
+    else:
+        (de, ds, dr, sde, uni_e), (sd, sds, sdr, ssd, uni_s), bks = down_fp8(down_block_n, hidden, hidden)
+        moe_down_m_fp8_kernel[grid_dn](
+            act, de, ds, dr, sd, sds, sdr, ids, wts, logits, res, hidden, de.stride(0),
+            ds.stride(0) if ds.dim() == 3 else 0, sde, ssd, I=inter, IS=inter_s, E=n_exp, TOPK=top_k,
+            IMAX=imax, PP=pairs, BLOCK_N=down_block_n, BLOCK_K=bkd, BKS=bks,
+            FP8_E=_is_fp8(down), FP8_S=_is_fp8(shared_down), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
+            VEC_E=_vec(vec, down, bkd), VEC_S=_vec(vec, shared_down, bkd), **rows, **LAUNCH,
+            num_warps=down_num_warps)

@@ -1,0 +1,200 @@
+"""The captured MTP round at a real shape (`decode_bench.py --speculative mtp`): round time against the
+plain step in the same process, bytes per round, effective tok/s at given acceptance lengths, and
+greedy parity of the round graph against the plain step graph and the eager engine.
+
+Bytes per round count what the round must move once: every weight of the verify (the MoE experts:
+the distinct experts the M rows select, measured per layer on this run's tokens), K/V rows 0..n+M-1
+read and M rows written, each GDN layer's state read once and written after each of the M positions,
+the commit (one state read and written), the head's M-row pass and chained steps (its fc, layer,
+experts and the lm_head rows it reads: `draft_vocab`). Effective tok/s = acceptance length / round
+time: computed from the measured round time, not measured with a trained head (the random and
+grafted heads here draft badly; the measured acceptance is reported beside it).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+try:
+    from benchmarks import decode_bench as DB
+except ImportError:  # run as a script: benchmarks/ is on the path
+    import decode_bench as DB
+
+ACCEPT = (2.0, 2.5, 3.0, 3.5)
+
+
+def random_mtp_head(eng, seed: int = 5) -> None:
+    """Give the engine's model a random MTP head of its shape (bf16; matrices N(0, 0.02), norms N(0, 0.1))."""
+    from nexrt_vllm.engine.mtp import expected_mtp_shapes
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    heads = {}
+    for n, shape in expected_mtp_shapes(eng.config).items():
+        std = 0.02 if len(shape) > 1 else 0.1
+        heads["mtp." + n] = (torch.randn(shape, generator=g) * std).to(eng.dtype).to(eng.device)
+    eng.model.mtp = heads
+
+
+def _distinct_experts(sd) -> dict[int | str, int]:
+    """Run one round launch by launch; after each MoE experts launch, the distinct experts its rows chose
+    (verify layers by index; "draft": the head's M-row pass)."""
+    out = {}
+    with sd.f.launch_options():
+        for s in sd.plan():
+            s.run()
+            if s.group in ("verify_moe_experts", "draft_moe_experts"):
+                torch.cuda.synchronize()
+                out[s.layer if s.group.startswith("verify") else "draft"] = int(sd.ids[:sd.M].unique().numel())
+    return out
+
+
+def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
+    """Bytes one round must move at context n (module doc), per launch group and in total."""
+    from nexrt_vllm.engine.graph import MoEFFN
+
+    c, M, nb = sd.cfg, sd.M, DB._nb
+    kv_row = c.num_kv_heads * c.head_dim * sd.f.embed.element_size()
+    E, k = c.num_experts, c.num_experts_per_tok
+
+    def experts(ff, n_e):
+        return DB._experts_nb(ff.gate_up, n_e, E) + DB._experts_nb(ff.down, n_e, E) + nb(ff.s_gate_up) + nb(ff.s_down)
+
+    def layer_bytes(group, L, rows, ctx, n_e):
+        mx, ff = L.mixer, L.ffn
+        return {
+            "gdn_in_proj+conv": lambda: nb(mx.w_in) + nb(mx.conv_w) + nb(mx.state.conv) * (2 + rows),
+            "gdn_step": lambda: (1 + rows) * nb(mx.state.rec),
+            "gdn_out_proj": lambda: nb(mx.w_out),
+            "attn_qkv_proj": lambda: nb(mx.w_qkv),
+            "attn_qknorm_rope_kvwrite": lambda: 2 * rows * kv_row,
+            "attn_splitk+combine": lambda: 2 * kv_row * (ctx + rows),
+            "attn_o_proj": lambda: nb(mx.w_o),
+            "moe_router": lambda: nb(ff.w_router),
+            "moe_experts": lambda: experts(ff, n_e),
+            "mlp_gate_up+swiglu": lambda: nb(ff.w_gate_up),
+            "mlp_down": lambda: nb(ff.w_down),
+        }[group]()
+
+    out: dict[str, int] = {}
+    head_e = distinct.get("draft", k)
+    for s in sd.plan():
+        stage, _, group = s.group.partition("_")
+        if stage == "verify":
+            if group == "embed":
+                b = M * c.hidden_size * sd.f.embed.element_size()
+            elif group == "lm_head+argmax":
+                b = nb(sd.f.lm_head)
+            else:
+                b = layer_bytes(group, sd.f.layers[s.layer], M, n, distinct.get(s.layer, k))
+        elif s.group == "commit":
+            st = sd.f.state.gdn(s.layer)
+            b = 2 * (nb(st.rec) + nb(st.conv))
+        elif stage in ("draft", "chain"):
+            rows = M if stage == "draft" else 1
+            if group == "fc":
+                b = nb(sd.drafter.w.fc)
+            elif group == "lm_head+argmax":
+                b = sd.draft_vocab * c.hidden_size * sd.f.lm_head.element_size()
+            elif group in ("input", "select", "pick"):
+                b = 0
+            else:
+                n_e = (head_e if rows > 1 else k) if isinstance(sd.head.ffn, MoEFFN) else 0
+                b = layer_bytes(group, sd.head, rows, n, n_e)
+        else:  # accept: the partials
+            b = 0
+        out[s.group] = out.get(s.group, 0) + b
+    out["total"] = sum(out.values())
+    return out
+
+
+def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int, bw: float, tuning=None,
+                   graft_dir: str = "", num_spec: int = 3, draft_vocab: int | None = None) -> dict:
+    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.sampling import SamplingParams
+    from nexrt_vllm.engine.spec_graph import SpecRunner
+
+    t0 = time.time()
+    M = num_spec + 1
+    max_len = max(contexts, default=0) + (steps + 8) * M + max(parity_steps, 64) + 64
+    prompt = seg = None
+    if graft_dir:
+        eng, tcfg = DB.graft_engine(key, graft_dir, max_len)
+        prompt, seg = DB.periodic_prompt(tcfg.vocab_size)
+    else:
+        eng = DB.random_engine(key, max_len)
+    random_mtp_head(eng)
+    eng.enable_speculative("mtp", num_spec, draft_vocab)
+    fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
+    runner = GraphRunner(fused)
+    runner.capture()
+    spec = SpecRunner(runner, eng.speculative, draft_vocab)
+    spec.capture()
+    sd = spec.d
+    DB.log(f"[{key}/mtp] built + captured in {time.time() - t0:.1f}s; GPU mem "
+           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; {len(sd.plan())} launches per round")
+    res = {"shape": DB.NAMES[key], "config": DB.SHAPES[key], "weights": "graft" if graft_dir else "random",
+           "num_speculative_tokens": num_spec, "verify_width": M, "draft_vocab": sd.draft_vocab,
+           "launches_per_round": len(sd.plan()), "launches_per_step": len(fused.plan()), "contexts": []}
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    if parity_steps:
+        if prompt is None:
+            prompt = torch.randint(3, eng.config.vocab_size, (40,), generator=gen, device="cuda").tolist()
+        first = int(eng.prefill(prompt).argmax())
+        plain = [first] + list(runner.generate(first, parity_steps))
+        eng.graph, eng.spec_graph = runner, spec
+        eng.speculative.rounds = [0] * (M + 1)
+        eng.prefill(prompt)  # the head sees the prompt: full context
+        got = [first] + list(eng.stream(first, SamplingParams(max_tokens=parity_steps + 1, ignore_eos=True)))
+        rounds = list(eng.speculative.rounds)
+        eng.graph = eng.spec_graph = None
+        # the oracle: the eager one-token loop
+        eng.speculative, spec_saved = None, eng.speculative
+        eng.prefill(prompt)
+        eager = [first] + list(eng.stream(first, SamplingParams(max_tokens=parity_steps + 1, ignore_eos=True)))
+        eng.speculative = spec_saved
+        div = next((i for i, (a, b) in enumerate(zip(got, eager)) if a != b), None)
+        res["parity"] = {"steps": parity_steps, "round_graph_equals_eager": got == eager,
+                         "plain_graph_equals_eager": plain == eager, "first_divergence_vs_eager": div,
+                         "rounds": rounds, "acceptance_length": sum(i * r for i, r in enumerate(rounds)) / max(1, sum(rounds)),
+                         "tokens_head": got[:24]}
+        if seg:
+            res["parity"]["continues_period"] = got[:21] == [seg[(len(prompt) + i) % len(seg)] for i in range(21)]
+        DB.log(f"[{key}/mtp] parity: round graph == eager {got == eager} (plain graph == eager {plain == eager}, "
+               f"first divergence {div}), acceptance length {res['parity']['acceptance_length']:.2f} over "
+               f"{sum(rounds)} rounds")
+    g_plain = runner._graph(False)
+    for ctx in contexts:
+        DB.fill_context(eng, ctx, gen)
+        eng.state.position.fill_(ctx)
+        distinct = _distinct_experts(sd)
+        nb_round = round_bytes(sd, ctx, distinct)
+        nb_step = DB.bytes_per_step(fused, ctx)
+        fused.state.position.fill_(ctx)
+        fused.tok.fill_(1)
+        DB.time_replays(g_plain, 5)
+        fused.state.position.fill_(ctx)
+        t_step = statistics.median(DB.time_replays(g_plain, steps))
+        eng.state.position.fill_(ctx)
+        sd.tokens.fill_(1)
+        DB.time_replays(spec.graph, 5)
+        eng.state.position.fill_(ctx)
+        t_round = statistics.median(DB.time_replays(spec.graph, steps))
+        row = {"context": ctx, "steps": steps, "step_ms": t_step * 1e3, "round_ms": t_round * 1e3,
+               "round_over_step": t_round / t_step, "bytes_per_step": nb_step["total"],
+               "bytes_per_round": nb_round["total"], "bytes_round_breakdown": nb_round,
+               "distinct_experts_per_layer": (statistics.mean(v for k_, v in distinct.items() if k_ != "draft")
+                                              if distinct else None),
+               "mbu_step": nb_step["total"] / t_step / bw, "mbu_round": nb_round["total"] / t_round / bw,
+               "copy_bw_Bps": bw, "tok_s_plain": 1 / t_step,
+               "effective_tok_s_computed": {str(a): a / t_round for a in ACCEPT},
+               "speedup_vs_plain_computed": {str(a): a * t_step / t_round for a in ACCEPT}}
+        res["contexts"].append(row)
+        DB.log(f"[{key}/mtp] ctx {ctx}: step {t_step * 1e3:.3f} ms (MBU {100 * row['mbu_step']:.1f}%), round "
+               f"{t_round * 1e3:.3f} ms = {row['round_over_step']:.3f}x (MBU {100 * row['mbu_round']:.1f}%, "
+               f"{nb_round['total'] / 1e9:.2f} GB), at acceptance 2.0/2.5/3.0/3.5: "
+               + "/".join(f"{a / t_round:.0f}" for a in ACCEPT) + " tok/s (computed)")
+    del spec, runner, fused, eng
+    torch.cuda.empty_cache()
+    return res

@@ -1,0 +1,128 @@
+"""On-device accept / commit bookkeeping and MTP-head glue of the captured speculative round.
+
+A round (engine/spec_graph.py) verifies M tokens [t, d_1 .. d_{M-1}] at positions pos..pos+M-1; the
+lm_head leaves per-program (max, argmax) partials per row. `accept_kernel` reduces them to the
+target's tokens y_0..y_{M-1}, counts the drafts that equal them (a: d_{j+1} == y_j for every j < a),
+publishes the round's a + 1 tokens y_0..y_a into the control ring (one (step << 32 | token) store
+each, as the plain finish does), then the round record (round << 32 | a + 1) into the round ring
+behind a system-scope fence, so a host that sees the record reads complete tokens; and it advances
+the device position by a + 1 (keeping the round's first position in `base` for the drafter) and
+leaves y_a as the next round's first token.
+
+`mtp_input_kernel` builds the MTP head's fc input [RMSNorm_e(embed(token)) ; RMSNorm_h(hidden)]
+per row (zero-centred RMSNorm, bf16 rounding as the eager `Drafter._input`); `draft_pick_kernel`
+reduces the head's lm_head partials to a draft token, stores it as the next verify input and as the
+next chained step's token, and sets that step's head position.
+"""
+import triton
+import triton.language as tl
+
+from .common import ASM, LAUNCH, fence_sys, pdl_begin
+from .common import bf16_round as _bf16
+
+
+@triton.jit
+def _argmax_partials(pmax_ptr, pidx_ptr, NP, BLOCK: tl.constexpr):
+    """(max, lowest index among the maxima) over NP partials, as torch.argmax breaks ties."""
+    best = float("-inf")
+    best_i = 2147483647
+    for p0 in range(0, NP, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        v = tl.load(pmax_ptr + p, mask=p < NP, other=float("-inf"))
+        ix = tl.load(pidx_ptr + p, mask=p < NP, other=2147483647)
+        m = tl.max(v, 0)
+        i = tl.min(tl.where(v == m, ix, 2147483647), 0)
+        take = (m > best) | ((m == best) & (i < best_i))
+        best_i = tl.where(take, i, best_i)
+        best = tl.where(take, m, best)
+    return best_i
+
+
+@triton.jit
+def accept_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, y_ptr, pos_ptr, base_ptr, nacc_ptr, step_ptr, round_ptr,
+                  ring_ptr, rounds_ptr, RING, M: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr,
+                  ASM: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    j = tl.arange(0, MP)
+    y = tl.zeros([MP], dtype=tl.int32)
+    for r in tl.static_range(M):
+        y = tl.where(j == r, _argmax_partials(pmax_ptr + r * NP, pidx_ptr + r * NP, NP, BLOCK), y)
+    # a = leading drafts equal to the target's token at the position before them
+    drafts = tl.load(tok_ptr + 1 + j, mask=j < M - 1, other=-1).to(tl.int32)
+    miss = (j < M - 1) & (drafts != y)
+    a = tl.min(tl.where(miss | (j >= M - 1), j, MP), 0)
+    step = tl.load(step_ptr)
+    pos = tl.load(pos_ptr)
+    tl.store(y_ptr + j, y.to(y_ptr.dtype.element_ty), mask=j < M)
+    # ring slots of steps step+1 .. step+a+1 hold tokens y_0 .. y_a
+    s = step + 1 + j
+    tl.store(ring_ptr + (s - 1) % RING, (s.to(tl.int64) << 32) | y.to(tl.int64), mask=j <= a)
+    nxt = tl.sum(tl.where(j == a, y, 0), 0)
+    tl.store(tok_ptr, nxt.to(tok_ptr.dtype.element_ty))
+    tl.store(base_ptr, pos)
+    tl.store(pos_ptr, pos + a + 1)
+    tl.store(nacc_ptr, a.to(nacc_ptr.dtype.element_ty))
+    tl.store(step_ptr, step + a + 1)
+    rnd = tl.load(round_ptr) + 1
+    tl.store(round_ptr, rnd)
+    tl.debug_barrier()  # every thread's token stores precede the round record ...
+    fence_sys(ASM)  # ... for the host too
+    tl.store(rounds_ptr + (rnd - 1) % RING, (rnd.to(tl.int64) << 32) | (a + 1).to(tl.int64))
+
+
+def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, rounds, ring_slots):
+    """Reduce the verify's lm_head partials pmax/pidx [M, n_partials] (row stride n_partials) to the
+    target's tokens y [M]; accept the leading drafts tok[1:] that match; publish; advance (module doc)."""
+    m = tok.numel()
+    block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
+    accept_kernel[(1,)](pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, rounds, ring_slots,
+                        M=m, MP=max(triton.next_power_of_2(m), 2), BLOCK=block, ASM=ASM, **LAUNCH,
+                        num_warps=8 if block >= 4096 else 4)
+
+
+@triton.jit
+def mtp_input_kernel(tok_ptr, emb_ptr, hid_ptr, we_ptr, wh_ptr, out_ptr, H, stride_h, stride_o, eps,
+                     HP: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    r = tl.program_id(0)
+    half = tl.program_id(1)  # 0: the embedding half, 1: the hidden half
+    c = tl.arange(0, HP)
+    cm = c < H
+    if half == 0:
+        t = tl.load(tok_ptr + r)
+        x = tl.load(emb_ptr + t * H + c, mask=cm, other=0.0).to(tl.float32)
+        w = tl.load(we_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(hid_ptr + r * stride_h + c, mask=cm, other=0.0).to(tl.float32)
+        w = tl.load(wh_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / H + eps)
+    y = _bf16((x * rstd) * (1.0 + w))
+    tl.store(out_ptr + r * stride_o + half * H + c, y.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+def mtp_input(tok, embed, hidden, w_e, w_h, out, eps):
+    """out [T, 2H] = [RMSNorm(embed[tok[r]]; w_e) ; RMSNorm(hidden[r]; w_h)] for the T = out.shape[0] rows."""
+    t, h = out.shape[0], embed.shape[1]
+    mtp_input_kernel[(t, 2)](tok, embed, hidden, w_e, w_h, out, h, hidden.stride(0), out.stride(0), eps,
+                             HP=triton.next_power_of_2(h), **LAUNCH, num_warps=4)
+
+
+@triton.jit
+def draft_pick_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, dtok_ptr, base_ptr, nacc_ptr, dpos_ptr, K,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    d = _argmax_partials(pmax_ptr, pidx_ptr, NP, BLOCK)
+    tl.store(tok_ptr + K, d.to(tok_ptr.dtype.element_ty))
+    tl.store(dtok_ptr, d.to(dtok_ptr.dtype.element_ty))
+    tl.store(dpos_ptr, tl.load(base_ptr) + tl.load(nacc_ptr) + K)
+
+
+def draft_pick(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k):
+    """Draft d_k = argmax of the head's partials: tok[k] = dtok = d_k; dpos = base + acc + k (the head
+    row of the chained step that drafts d_{k+1})."""
+    block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
+    draft_pick_kernel[(1,)](pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, BLOCK=block, **LAUNCH,
+                            num_warps=8 if block >= 4096 else 4)
+
+
+__all__ = ["accept", "accept_kernel", "mtp_input", "mtp_input_kernel", "draft_pick", "draft_pick_kernel"]

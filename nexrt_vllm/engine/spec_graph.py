@@ -1,0 +1,359 @@
+"""MTP speculative decoding on the GPU path: one captured CUDA graph per round.
+
+A round is the eager round of engine/speculative.py (greedy) as fused Triton launches, with no
+host value in it:
+
+1. verify: the target runs tokens [t, d_1 .. d_{M-1}] at positions pos..pos+M-1 in one pass. Every
+   projection is an M-row GEMV (each weight tile read once for the M rows); GDN layers run the M
+   tokens in order from the live state, which they leave untouched, keeping the conv inputs and the
+   recurrent state after each position (`VerifyScratch`); attention writes the M K/V rows and
+   attends causally among them; MoE routes each row. The lm_head leaves per-row argmax partials and
+   the final-normed hidden rows (the head's input).
+2. accept (`kernels/spec.accept`): the target's tokens y, a = the leading drafts equal to them;
+   y_0..y_a go to the control ring, then the round record; position += a + 1; y_a is the next
+   round's first token.
+3. commit: each GDN layer's state after position a becomes live (`gdn.gdn_commit`). K/V rows past
+   the accepted ones stay written but lie at or past the position, so no later query sees them
+   before they are overwritten.
+4. draft the next round: the MTP head over rows base..base+M-1 with (hidden_j, y_j) (its own K/V
+   rows; rows past a are junk that later rounds overwrite), its row a drafts d'_1, then M - 2
+   chained single-row steps. The head's lm_head reads only the first `draft_vocab` rows when set
+   (a draft restricted to the most frequent ids: cheaper drafts, exact output either way).
+
+Exactness does not depend on the drafts (each emitted token is the target's argmax at its
+position), so the first round of a stream may run with placeholder drafts. `SpecRunner` replays
+the round graph, enqueuing round r + 1 before it reads round r, and finishes a stream whose context
+has no room for M more positions with the plain step graph.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from .errors import EngineError, NotBuiltError
+from .fp8 import FP8Weight
+from .graph import RING, AttentionMixer, FusedDecoder, FusedLayer, GDNMixer, GraphRunner, Launch, MoEFFN, \
+    _concat_shared
+from .state import AttentionState
+
+
+class SpecDecoder:
+    """Static buffers of the round over a `FusedDecoder`'s fused weights and a `Speculator`'s drafter;
+    `plan()` is the round as launches, `launch()` enqueues it."""
+
+    def __init__(self, fused: FusedDecoder, spec, draft_vocab: int | None = None):
+        if fused.mode != "fused":
+            raise EngineError("the speculative round needs the fused decoder (mode 'fused')")
+        from .kernels import spec as k_spec  # triton: GPU path only
+        self.k_spec = k_spec
+        f, c, M = fused, fused.cfg, spec.M
+        self.f, self.cfg, self.spec, self.M = f, c, spec, M
+        self.drafter, self.scratch = spec.drafter, spec.scratch
+        if any(isinstance(w, FP8Weight) for w in self._weights()):
+            raise NotBuiltError("speculative decoding on the CUDA graph path reads bf16 weights only; this engine "
+                                "keeps FP8 weights (load with fp8_weights='dequantize' or decode without --speculative)")
+        V = c.vocab_size
+        self.draft_vocab = V if draft_vocab is None else int(draft_vocab)
+        if not 1 <= self.draft_vocab <= V:
+            raise EngineError(f"draft_vocab must be in [1, {V}], got {draft_vocab}")
+        dev, dt, H = f.state.device, f.state.dtype, c.hidden_size
+        z = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)  # noqa: E731
+        i64 = torch.int64
+        # control: verify tokens [t, d_1..], target tokens y, first position of the round, accepted count,
+        # the head's chained-step token / position, the round counter
+        self.tokens, self.y = z(M, d=i64), z(M, d=i64)
+        self.base, self.acc, self.dtok, self.dpos, self.round = (z(1, d=i64) for _ in range(5))
+        # verify activations, one row per position
+        self.res, self.buf = z(M, H), z(M, f.buf.numel())
+        self.o, self.q = z(M, f.o.numel()), z(M, f.q.numel())
+        self.attn_scratch = self._attn_scratch(M)
+        if c.num_experts:
+            k1 = c.num_experts_per_tok + 1
+            self.act, self.router_logits = z(M, k1, f.act.numel() // k1), z(M, c.num_experts + 1)
+            self.ids, self.wts = z(M, c.num_experts_per_tok, d=torch.int32), z(M, c.num_experts_per_tok, d=torch.float32)
+            self.xn = z(M, H)
+        if c.intermediate_size:
+            self.act_dense = z(M, c.intermediate_size)
+        self.logits = z(M, V, d=torch.float32)
+        self.n_part = -(-V // f.lm_shape["block_n"])
+        self.pmax, self.pidx = z(M, self.n_part, d=torch.float32), z(M, self.n_part, d=torch.int32)
+        self.hn = z(M, H)  # final-normed hidden rows (the lm_head's normed input)
+        # the head: its layer fused like the target's, its attention over the drafter's own cache
+        w = self.drafter.w
+        lw = w.layer
+        w_qkv, (lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj) = _concat_shared(
+            [lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj])
+        self.head = FusedLayer(lw.input_norm, lw.post_norm,
+                               AttentionMixer(w_qkv, lw.mixer.q_norm, lw.mixer.k_norm, lw.mixer.o_proj,
+                                              AttentionState(self.drafter.k, self.drafter.v)),
+                               FusedDecoder._fuse_ffn(lw.ffn))
+        self.fc_in, self.u = z(M, 2 * H), z(M, H)
+        self.u1, self.g1 = z(1, H), z(1, H)
+        self.dlogits = z(self.draft_vocab, d=torch.float32)
+        self.n_dpart = -(-self.draft_vocab // f.lm_shape["block_n"])
+        self.dpmax, self.dpidx = z(self.n_dpart, d=torch.float32), z(self.n_dpart, d=torch.int32)
+        # the round record ring (round << 32 | tokens emitted), host-mapped beside the token ring
+        self.rounds_host, self.rounds = f.mem.host["rounds"], f.mem.device["rounds"]
+
+    def _weights(self):
+        for L in self.f.layers:
+            m, ff = L.mixer, L.ffn
+            yield from ((m.w_in, m.w_out) if isinstance(m, GDNMixer) else (m.w_qkv, m.w_o))
+            yield from ((ff.w_router, ff.gate_up, ff.down, ff.s_gate_up, ff.s_down) if isinstance(ff, MoEFFN)
+                        else (ff.w_gate_up, ff.w_down))
+        yield self.f.lm_head
+        yield self.spec.drafter.w.fc
+
+    def _attn_scratch(self, m: int) -> dict:
+        c, t, dev = self.cfg, self.f.t, self.f.state.device
+        sizes = self.f.k_attn.verify_scratch_sizes(m, c.num_heads, t.attn_splits, self.f.state.max_seq_len + self.M,
+                                                   c.head_dim)
+        return {k: torch.zeros(n, dtype=torch.float32, device=dev) for k, n in sizes.items()}
+
+    # ---- the round ---------------------------------------------------------------------------------
+    def plan(self) -> list[Launch]:
+        """The round's launches in order (group names: verify_* / accept / commit / draft_*)."""
+        f, c, M, g = self.f, self.cfg, self.M, self.f.k_gemv
+        steps = [Launch("verify_embed", None, lambda: torch.index_select(f.embed, 0, self.tokens, out=self.res))]
+        for i, L in enumerate(f.layers):
+            mixer = self._gdn(i, L) if isinstance(L.mixer, GDNMixer) else self._attention(L, self.res, f.state.position,
+                                                                                         None, M, f.model.rope_cos,
+                                                                                         f.model.rope_sin)
+            steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + self._ffn(L, self.res, M)]
+        steps.append(Launch("verify_lm_head+argmax", None, lambda: g.gemv(
+            self.res, f.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=f.final_norm,
+            aux0=self.pmax, aux1=self.pidx, xn_out=self.hn, eps=c.rms_norm_eps, m=M, **f.lm_shape)))
+        steps.append(Launch("accept", None, lambda: self.k_spec.accept(
+            self.pmax, self.pidx, self.n_part, self.tokens, self.y, f.state.position, self.base, self.acc, f.step,
+            self.round, f.ring, self.rounds, RING)))
+        for i in c.gdn_layers:
+            steps.append(Launch("commit", i, lambda i=i: f.k_gdn.gdn_commit(
+                f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M), self.scratch.rec_after[i], self.acc)))
+        steps += self._draft()
+        return steps
+
+    def _gdn(self, i: int, L: FusedLayer):
+        c, g, t, m, eps, M, f = self.cfg, self.f.k_gemv, self.f.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.f
+        return [
+            ("gdn_in_proj+conv", lambda: g.gemv(
+                self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
+                aux0=m.state.conv, aux1=m.conv_w, window=self.scratch.window(i, M), eps=eps, conv_n=c.conv_dim,
+                kc=c.conv_kernel, m=M, **f._shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv))),
+            ("gdn_step", lambda: f.k_gdn.gdn_verify_step(
+                self.buf, m.state.rec, self.scratch.rec_after[i], self.o, m.a_log, m.dt_bias, m=M,
+                num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
+                num_warps=t.gdn_warps, prefetch=t.prefetch > 0)),
+            ("gdn_out_proj", lambda: g.gemv(
+                self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
+                z=self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=M,
+                **f._rule(m.w_out, t.gemv_gated, t.gemv_gated_fp8)))]
+
+    def _attention(self, L: FusedLayer, x, pos, start, m: int, cos, sin):
+        """A full-attention mixer over rows x[:m] at positions pos..pos+m-1 (the target's layers, or the
+        head's over its own cache with `start`)."""
+        c, g, t, a, eps, f = self.cfg, self.f.k_gemv, self.f.t, L.mixer, self.cfg.rms_norm_eps, self.f
+        buf, q, o = self.buf[:m], self.q[:m], self.o[:m]
+        return [
+            ("attn_qkv_proj", lambda: g.gemv(
+                x, a.w_qkv, buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, m=m,
+                **f._shape(a.w_qkv, a.w_qkv.shape[0]))),
+            ("attn_qknorm_rope_kvwrite", lambda: f.k_attn.qk_rope_cache(
+                buf, q, a.state.k, a.state.v, a.q_norm, a.k_norm, cos, sin, pos, num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim, eps=eps, m=m)),
+            ("attn_splitk+combine", lambda: f.k_attn.attention_verify(
+                q, a.state.k, a.state.v, pos, buf, o, **self.attn_scratch, m=m, num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.attn_splits,
+                block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
+            ("attn_o_proj", lambda: g.gemv(
+                o, a.w_o, x, epi=g.EPI_RESIDUAL, m=m, **f._shape(a.w_o, c.hidden_size)))]
+
+    def _ffn(self, L: FusedLayer, x, m: int):
+        c, g, t, ff, eps, f = self.cfg, self.f.k_gemv, self.f.t, L.ffn, self.cfg.rms_norm_eps, self.f
+        if isinstance(ff, MoEFFN):
+            return [
+                ("moe_router", lambda: g.gemv(
+                    x, ff.w_router, self.router_logits[:m], pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
+                    xn_out=self.xn[:m], m=m, **f._rule(ff.w_router, t.gemv_router, t.gemv_router_fp8))),
+                ("moe_experts", lambda: f.k_moe.moe_experts(
+                    self.xn[:m], x, self.router_logits[:m], ff.gate_up, ff.s_gate_up, ff.down, ff.s_down,
+                    self.act[:m], self.ids[:m], self.wts[:m], top_k=c.num_experts_per_tok, block_n=t.moe_block_n,
+                    block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k,
+                    num_warps=t.moe_warps if m == 1 else t.verify_moe_warps[0],
+                    down_num_warps=t.moe_down_warps if m == 1 else t.verify_moe_warps[1], norm_topk=c.norm_topk_prob,
+                    vec=t.vec, m=m))]
+        return [
+            ("mlp_gate_up+swiglu", lambda: g.gemv(
+                x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
+                eps=eps, m=m, **f._shape(ff.w_gate_up, ff.w_gate_up.shape[0] // 2))),
+            ("mlp_down", lambda: g.gemv(
+                self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m, **f._shape(ff.w_down, c.hidden_size)))]
+
+    def _draft(self) -> list[Launch]:
+        """The head's launches: groups draft_* (the M-row pass and its pick) and chain_* (each chained step)."""
+        f, c, M, g, d, w = self.f, self.cfg, self.M, self.f.k_gemv, self.drafter, self.drafter.w
+        eps, ks = c.rms_norm_eps, self.k_spec
+        lm = dict(f.lm_shape, n=self.draft_vocab)
+
+        def head(x, fc_in, tok, hidden, pos, m):
+            steps = [("input", lambda: ks.mtp_input(tok, w.embed, hidden, w.pre_fc_norm_embedding,
+                                                    w.pre_fc_norm_hidden, fc_in, eps)),
+                     ("fc", lambda: g.gemv(fc_in, w.fc, x, m=m, **f._shape(w.fc, c.hidden_size)))]
+            steps += self._attention(self.head, x, pos, d.start, m, d.rope_cos, d.rope_sin)
+            return steps + self._ffn(self.head, x, m)
+
+        def pick(k):
+            return [("lm_head+argmax", lambda: g.gemv(
+                        self.u1, f.lm_head, self.dlogits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
+                        aux0=self.dpmax, aux1=self.dpidx, xn_out=self.g1, eps=eps, **lm)),
+                    ("pick", lambda: ks.draft_pick(self.dpmax, self.dpidx, self.n_dpart, self.tokens, self.dtok,
+                                                   self.base, self.acc, self.dpos, k))]
+
+        # rows base..base+M-1 from (hidden_j, y_j); row a drafts d_1
+        steps = head(self.u, self.fc_in, self.y, self.hn, self.base, M)
+        steps.append(("select", lambda: torch.index_select(self.u, 0, self.acc, out=self.u1)))
+        out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + pick(1)]
+        for k in range(1, M - 1):  # chained: (g, d_k) at row base + a + k drafts d_{k+1}
+            steps = head(self.u1, self.fc_in[:1], self.dtok, self.g1, self.dpos, 1) + pick(k + 1)
+            out += [Launch("chain_" + grp, None, fn) for grp, fn in steps]
+        return out
+
+    def launch(self) -> None:
+        with self.f.launch_options():
+            for s in self.plan():
+                s.run()
+        if self.f.control == "pinned-copy":  # the rings reach the host by copy nodes (graph.ControlMemory)
+            self.f.ring_host.copy_(self.f.ring, non_blocking=True)
+            self.rounds_host.copy_(self.rounds, non_blocking=True)
+
+
+class SpecRunner:
+    """The round graph over a `SpecDecoder` and the host loop that streams its tokens; the plain step
+    graph (`GraphRunner`) finishes streams whose context has no room for another round."""
+
+    def __init__(self, runner: GraphRunner, spec, draft_vocab: int | None = None):
+        self.plain, self.spec = runner, spec
+        self.d = SpecDecoder(runner.d, spec, draft_vocab)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.rounds_run = 0
+        self.finish_reason: str | None = None
+
+    def _live(self) -> list[torch.Tensor]:
+        d, f = self.d, self.d.f
+        return ([f.state.position, f.step, d.tokens, d.round, self.spec.drafter.k, self.spec.drafter.v,
+                 self.spec.drafter.start] + f.state.buffers())
+
+    def capture(self) -> None:
+        """Compile and capture the round graph (a warm-up round first; every tensor it mutates is restored)."""
+        d, f = self.d, self.d.f
+        if self.graph is not None or f.state.device.type != "cuda":
+            return
+        saved = [(t, t.clone()) for t in self._live()]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            d.launch()
+            torch.cuda.synchronize()
+            for t, c in saved:
+                t.copy_(c)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=s):
+                d.launch()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for t, c in saved:
+            t.copy_(c)
+        f.ring.fill_(-1)
+        f.ring_host.fill_(-1)
+        d.rounds.fill_(-1)
+        d.rounds_host.fill_(-1)
+        torch.cuda.synchronize()
+        self.graph = g
+
+    def _replay(self) -> None:
+        if self.graph is None:  # CPU (the interpreter tests): the round's launches, run in order
+            self.d.launch()
+        else:
+            self.graph.replay()
+
+    def stream(self, first_token: int, max_new_tokens: int, stop_token_ids=(), *, drafts=None,
+               timeout_s: float = 60.0) -> Iterator[int]:
+        """Greedy tokens after `first_token` (at position state.seq_len) until a stop id (yielded) or
+        `max_new_tokens`. `drafts` [M-1] (device): the first round's drafts (else placeholders). At
+        most max_new_tokens; a full context ends the stream early only where the plain step graph
+        also has no room. Afterwards state.seq_len counts every position the rounds that ran
+        committed (also the in-flight round past a stop; its tokens are discarded)."""
+        d, f, st, M = self.d, self.d.f, self.d.f.state, self.M
+        self.finish_reason = None
+        if max_new_tokens <= 0:
+            return
+        stops = set(stop_token_ids)
+        d.tokens.fill_(first_token)
+        if drafts is not None:
+            d.tokens[1:].copy_(drafts)
+        st.position.fill_(st.seq_len)
+        step0, round0 = int(f.step.item()), int(d.round.item())
+        ring, rounds = f.ring_host, d.rounds_host
+        done, read, launched, pos = 0, 0, 0, st.seq_len  # pos: position after the rounds read
+        placeholder = drafts is None  # the first round's drafts are not the head's: not an acceptance sample
+        room = lambda ahead: pos + (ahead + 1) * M <= st.max_seq_len  # noqa: E731 - rounds in flight
+        last = first_token
+        try:
+            if room(0):
+                self._replay()
+                launched = 1
+            while done < max_new_tokens and read < launched:
+                if room(launched - read) and done + (launched - read) < max_new_tokens:
+                    self._replay()  # round r+1 in flight before we read round r
+                    launched += 1
+                want = round0 + read + 1
+                slot = (want - 1) % RING
+                deadline = time.monotonic() + timeout_s
+                while (v := int(rounds[slot])) >> 32 != want:
+                    if time.monotonic() > deadline:
+                        raise EngineError(f"speculative round {want} did not publish within {timeout_s}s")
+                n = v & 0xFFFFFFFF
+                read += 1
+                pos += n
+                if not placeholder:
+                    self.spec.rounds[n] += 1
+                    if self.spec.on_round is not None:
+                        self.spec.on_round(n)
+                placeholder = False
+                for j in range(n):
+                    s = step0 + done + 1
+                    tv = int(ring[(s - 1) % RING])
+                    if tv >> 32 != s:
+                        raise EngineError(f"speculative round {want}: token of step {s} missing from the ring")
+                    last = tv & 0xFFFFFFFF
+                    done += 1
+                    yield last
+                    if last in stops:
+                        self.finish_reason = "stop"
+                        return
+                    if done >= max_new_tokens:
+                        self.finish_reason = "length"
+                        return
+                if read == launched and room(0) and done < max_new_tokens:
+                    self._replay()
+                    launched += 1
+        finally:
+            if st.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            self.rounds_run += launched
+            st.seq_len = int(st.position.item())
+        # no room for another round: the plain step graph takes the rest from the last token
+        rest = min(max_new_tokens - done, st.max_seq_len - st.seq_len)
+        if rest > 0:
+            for rec in self.plain.steps(last, rest, stop_token_ids=stops, timeout_s=timeout_s):
+                yield rec.token
+                if rec.token in stops:
+                    self.finish_reason = "stop"
+                    return
+        self.finish_reason = "length"
+
+    @property
+    def M(self) -> int:
+        return self.d.M

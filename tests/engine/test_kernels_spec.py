@@ -1,0 +1,83 @@
+"""The speculative round's bookkeeping kernels (kernels/spec.py) against torch, in the interpreter (CI)
+or compiled (NEXRT_KERNEL_DEVICE=cuda): accept counts the leading drafts equal to the target's
+tokens and publishes exactly the round's tokens, the round record and the advanced counters; the MTP
+head's input rows equal the eager `Drafter._input` normalisation; a draft pick stores the argmax
+where the next verify and the next chained step read it."""
+import pytest
+import torch
+
+from nexrt_vllm.engine import kernels
+from nexrt_vllm.testing.kernel_calls import DEV, call, rms1p
+
+spec = kernels.load(interpret=DEV == "cpu")[-1]
+
+torch.set_num_threads(1)
+RING = 64
+
+
+def partials(rows: list[int], n_part: int = 37, per: int = 5, seed: int = 0):
+    """Per-program (max, argmax) partials whose global argmax of row j is rows[j] (ties elsewhere)."""
+    g = torch.Generator().manual_seed(seed)
+    pmax = torch.rand(len(rows), n_part, generator=g)
+    pidx = torch.stack([torch.arange(n_part, dtype=torch.int32) * per for _ in rows])
+    for j, t in enumerate(rows):
+        p = t // per
+        pmax[j, p] = 2.0
+        pidx[j, p] = t
+    return pmax, pidx
+
+
+@pytest.mark.parametrize("m,drafts_ok", [(4, 0), (4, 1), (4, 3), (2, 1), (3, 2)])
+def test_accept_publishes_the_round(m, drafts_ok):
+    y = [17 + 5 * j for j in range(m)]  # the target's tokens (multiples-of-5 friendly ids)
+    pmax, pidx = partials(y)
+    drafts = [y[j] if j < drafts_ok else y[j] + 1 for j in range(m - 1)]
+    tok = torch.tensor([99] + drafts, dtype=torch.int64)
+    yb = torch.full((m,), -7, dtype=torch.int64)
+    pos, base, acc = torch.tensor([100]), torch.tensor([-1]), torch.tensor([-1])
+    step, rnd = torch.tensor([62]), torch.tensor([5])  # the ring wraps inside the round
+    ring, rounds = torch.full((RING,), -1, dtype=torch.int64), torch.full((RING,), -1, dtype=torch.int64)
+    call(spec.accept, pmax, pidx, pmax.shape[1], tok, yb, pos, base, acc, step, rnd, ring, rounds, RING)
+    a = drafts_ok
+    assert yb.tolist() == y
+    assert int(acc) == a and int(base) == 100 and int(pos) == 100 + a + 1
+    assert int(step) == 62 + a + 1 and int(rnd) == 6
+    assert int(tok[0]) == y[a] and tok[1:].tolist() == drafts
+    for j in range(a + 1):  # steps 63.. in slots 62, 63, 0, 1
+        s = 63 + j
+        assert int(ring[(s - 1) % RING]) == (s << 32) | y[j]
+    assert int((ring != -1).sum()) == a + 1
+    assert int(rounds[5]) == (6 << 32) | (a + 1) and int((rounds != -1).sum()) == 1
+
+
+def test_accept_ties_take_the_lowest_id():
+    pmax = torch.tensor([[1.0, 3.0, 3.0, 0.5], [3.0, 1.0, 3.0, 3.0]])
+    pidx = torch.tensor([[4, 9, 2, 7], [8, 1, 6, 3]], dtype=torch.int32)
+    tok = torch.tensor([0, 2], dtype=torch.int64)
+    yb = torch.zeros(2, dtype=torch.int64)
+    z = lambda v=0: torch.tensor([v])  # noqa: E731
+    acc = z()
+    call(spec.accept, pmax, pidx, 4, tok, yb, z(), z(), acc, z(), z(), torch.full((RING,), -1),
+         torch.full((RING,), -1), RING)
+    assert yb.tolist() == [2, 3] and int(acc) == 1
+
+
+def test_mtp_input_rows():
+    g = torch.Generator().manual_seed(3)
+    H, V, T = 96, 50, 3
+    emb = torch.randn(V, H, generator=g).to(torch.bfloat16)
+    hid = torch.randn(T + 1, H, generator=g).to(torch.bfloat16)[:T]  # a view of a wider buffer
+    we, wh = (torch.randn(H, generator=g) * 0.1).to(torch.bfloat16), (torch.randn(H, generator=g) * 0.1).to(torch.bfloat16)
+    tok = torch.tensor([4, 49, 0])
+    out = torch.full((T, 2 * H), float("nan"), dtype=torch.bfloat16)
+    call(spec.mtp_input, tok, emb, hid, we, wh, out, 1e-6)
+    ref = torch.cat((rms1p(emb[tok], we), rms1p(hid, wh)), dim=-1)
+    assert torch.equal(out, ref)
+
+
+def test_draft_pick():
+    pmax, pidx = partials([23], n_part=9)
+    tok = torch.tensor([5, 0, 0, 0])
+    dtok, base, acc, dpos = torch.tensor([-1]), torch.tensor([40]), torch.tensor([2]), torch.tensor([-1])
+    call(spec.draft_pick, pmax[0], pidx[0], 9, tok, dtok, base, acc, dpos, 2)
+    assert tok.tolist() == [5, 0, 23, 0] and int(dtok) == 23 and int(dpos) == 44

@@ -1,0 +1,267 @@
+"""The M-row GEMV of the verify pass (`gemv(..., m=M)`, kernels/gemv.py `gemv_rows_kernel`): every
+row against the M = 1 kernel on that row alone and against torch.
+
+Each prologue x epilogue the decode step launches, for M = 2 and 4 (3 once: padded to 4 rows), with
+and without the prefetched head; x / y / z / the conv window are strided views as the verify's
+buffers are. Outputs are poisoned (NaN) before each launch. The M rows differ from M separate launches
+only in the order of the fp32 sums (one FMA chain per 16-byte run instead of a tree), so the bf16
+outputs agree to a last-place flip: `SAME`.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nexrt_vllm.engine import kernels
+from nexrt_vllm.testing.kernel_calls import DEV, call, rel, rms1p
+
+kernels.load(interpret=DEV == "cpu")
+from nexrt_vllm.engine.kernels import gemv, sampling  # noqa: E402 - after load() picked the mode
+
+torch.set_num_threads(1)
+BF = torch.bfloat16
+SAME = 2e-3  # M rows vs M launches of one row: fp32 summation order only
+REF = 8e-3  # vs torch (a GPU GEMM's bf16 result), as tests/engine/test_kernels_decode_ops.py
+
+
+def lin(x, w):  # bf16 linear with fp32 accumulation, rows of x
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+def nan_like(t):
+    return torch.full_like(t, float("nan"))
+
+
+def rows(t, m, extra=8):
+    """t [m, c] as a strided view of a wider buffer (row stride c + extra), as the verify's buffers are."""
+    buf = torch.full((m, t.shape[1] + extra), float("nan"), dtype=t.dtype)
+    buf[:, :t.shape[1]] = t
+    return buf[:, :t.shape[1]]
+
+
+def nan_rows(m, c, dtype=BF):
+    return rows(torch.full((m, c), float("nan"), dtype=dtype), m)
+
+
+MS = pytest.mark.parametrize("m", [2, 4])
+PREFETCH = pytest.mark.parametrize("prefetch", [0, 2])
+
+
+@MS
+@PREFETCH
+def test_rmsnorm_store(m, prefetch):
+    g = torch.Generator().manual_seed(11)
+    k, n = 96, 70
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(BF)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    y = nan_rows(m, n)
+    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32, prefetch=prefetch, m=m)
+    assert not y.isnan().any()
+    for j in range(m):
+        y1 = nan_like(torch.empty(n, dtype=BF))
+        call(gemv.gemv, x[j], w, y1, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32, prefetch=prefetch)
+        assert rel(y[j], y1) < SAME, j
+        assert rel(y[j], lin(rms1p(x[j], nw)[None], w)[0]) < REF, j
+
+
+@pytest.mark.parametrize("m,k,block_k,prefetch", [(3, 100, 32, 2), (3, 8200, 1024, 0)])
+def test_rmsnorm_store_three_rows_ragged_k(m, k, block_k, prefetch):
+    """M = 3 (padded to 4, the 4th row masked) with K not a multiple of BLOCK_K (the last block's
+    columns masked); K > 8192 / 4: the rows' RMS is a loop over K blocks."""
+    g = torch.Generator().manual_seed(12)
+    n = 40
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(BF)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    y = torch.full((4, n), float("nan"), dtype=BF)  # the padded row must stay untouched
+    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=block_k, prefetch=prefetch, m=m)
+    assert not y[:m].isnan().any() and y[m:].isnan().all()
+    for j in range(m):
+        y1 = nan_like(torch.empty(n, dtype=BF))
+        call(gemv.gemv, x[j], w, y1, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=block_k, prefetch=prefetch)
+        assert rel(y[j], y1) < SAME, j
+        assert rel(y[j], lin(rms1p(x[j], nw)[None], w)[0]) < REF, j
+
+
+@MS
+@PREFETCH
+def test_rmsnorm_swiglu(m, prefetch):
+    g = torch.Generator().manual_seed(13)
+    k, n = 64, 40
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    wgu = (torch.randn(2 * n, k, generator=g) * 0.2).to(BF)
+    act = nan_rows(m, n)
+    call(gemv.gemv, x, wgu, act, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_SWIGLU, norm_w=nw, block_n=16, block_k=32,
+         prefetch=prefetch, m=m)
+    assert not act.isnan().any()
+    h = rms1p(x, nw)
+    ref = F.silu(lin(h, wgu[:n])) * lin(h, wgu[n:])
+    for j in range(m):
+        a1 = nan_like(torch.empty(n, dtype=BF))
+        call(gemv.gemv, x[j], wgu, a1, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_SWIGLU, norm_w=nw, block_n=16, block_k=32,
+             prefetch=prefetch)
+        assert rel(act[j], a1) < SAME, j
+        assert rel(act[j], ref[j]) < REF, j
+
+
+@MS
+@pytest.mark.parametrize("prefetch", [0, 2, 4])  # 4: four head blocks, then the loop
+def test_plain_residual(m, prefetch):
+    g = torch.Generator().manual_seed(14)
+    k, n = 160, 50
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    wd = (torch.randn(n, k, generator=g) * 0.2).to(BF)
+    res = rows(torch.randn(m, n, generator=g).to(BF), m)
+    res0 = res.clone()
+    call(gemv.gemv, x, wd, res, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=32, prefetch=prefetch, m=m)
+    ref = res0 + lin(x, wd)
+    for j in range(m):
+        r1 = res0[j].clone()
+        call(gemv.gemv, x[j], wd, r1, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=32, prefetch=prefetch)
+        assert rel(res[j], r1) < SAME, j
+        assert rel(res[j], ref[j]) < REF, j
+
+
+@MS
+@PREFETCH
+@pytest.mark.parametrize("block_k", [32, 64])  # one head, two heads per K block
+def test_gated_residual(m, prefetch, block_k):
+    """The GDN out_proj: gated RMSNorm per head with z the gate rows of the in_proj output (a strided
+    view of the [m, width] buffer)."""
+    g = torch.Generator().manual_seed(15)
+    heads, dv, n = 4, 32, 24
+    vd = heads * dv
+    o = rows(torch.randn(m, vd, generator=g).to(BF), m)
+    buf = torch.randn(m, 3 * vd, generator=g).to(BF)
+    z = buf[:, vd:2 * vd]
+    nw = (1 + 0.1 * torch.randn(dv, generator=g)).to(BF)
+    w = (torch.randn(n, vd, generator=g) * 0.2).to(BF)
+    res = rows(torch.randn(m, n, generator=g).to(BF), m)
+    res0 = res.clone()
+    call(gemv.gemv, o, w, res, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=8,
+         block_k=block_k, prefetch=prefetch, m=m)
+    oh = o.reshape(m, heads, dv).float()
+    normed = (oh * torch.rsqrt(oh.pow(2).mean(-1, keepdim=True) + 1e-6)).to(BF)
+    gated = ((nw * normed).float() * F.silu(z.reshape(m, heads, dv).float())).to(BF).reshape(m, vd)
+    ref = res0 + lin(gated, w)
+    for j in range(m):
+        r1 = res0[j].clone()
+        call(gemv.gemv, o[j], w, r1, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z[j], group=dv,
+             block_n=8, block_k=block_k, prefetch=prefetch)
+        assert rel(res[j], r1) < SAME, j
+        assert rel(res[j], ref[j]) < REF, j
+
+
+@pytest.mark.parametrize("m", [2, 3, 4])
+@PREFETCH
+def test_rmsnorm_conv_window(m, prefetch):
+    """GDN in_proj + causal conv over m consecutive tokens: the live conv state is only read, the
+    window (a view of a wider scratch, as VerifyScratch.window) holds the state and the m inputs, row
+    j < conv_n is the conv of token j over window[:, j:j+kc] + SiLU; the rest of the rows bf16(y_j).
+    Row j equals the M = 1 kernel run token by token on a copy of the state."""
+    g = torch.Generator().manual_seed(16)
+    conv_n, extra, kc, k, width = 48, 20, 4, 64, 4
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    w = (torch.randn(conv_n + extra, k, generator=g) * 0.2).to(BF)
+    cw = (torch.randn(conv_n, kc, generator=g) * 0.5).to(BF)
+    st = torch.randn(conv_n, kc - 1, generator=g).to(BF)
+    st0 = st.clone()
+    scratch = torch.full((conv_n, kc - 1 + width), float("nan"), dtype=BF)
+    window = scratch[:, :kc - 1 + m]
+    y = nan_rows(m, conv_n + extra)
+    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_CONV, norm_w=nw, aux0=st, aux1=cw, conv_n=conv_n,
+         kc=kc, block_n=16, block_k=32, prefetch=prefetch, m=m, window=window)
+    assert torch.equal(st, st0)  # the live state: read only
+    assert scratch[:, kc - 1 + m:].isnan().all()  # past the window: untouched
+    proj = lin(rms1p(x, nw), w)
+    assert torch.equal(window[:, :kc - 1], st0)
+    assert rel(window[:, kc - 1:], proj[:, :conv_n].t()) < REF
+    assert not y.isnan().any()
+    st1 = st0.clone()
+    for j in range(m):
+        conv = (window[:, j:j + kc].float() * cw.float()).sum(1).to(BF)  # the eager conv over the window
+        assert rel(y[j, :conv_n], F.silu(conv)) < REF, j
+        assert rel(y[j, conv_n:], proj[j, conv_n:]) < REF, j
+        y1 = nan_like(torch.empty(conv_n + extra, dtype=BF))
+        call(gemv.gemv, x[j], w, y1, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_CONV, norm_w=nw, aux0=st1, aux1=cw,
+             conv_n=conv_n, kc=kc, block_n=16, block_k=32, prefetch=prefetch)
+        assert rel(y[j], y1) < SAME, j
+        assert rel(window[:, j + 1:j + kc], st1) < SAME, j  # the state after token j, as M = 1 leaves it
+
+
+@MS
+@PREFETCH
+def test_rmsnorm_argmax_partials(m, prefetch):
+    """lm_head: fp32 logits per row and per-program (max, argmax) partials [m, P] (row stride P); rows
+    5 and 9 of W are equal and give every row's largest logit: ties go to the lowest index."""
+    g = torch.Generator().manual_seed(17)
+    k, n, bn = 64, 300, 32
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    w = (torch.randn(n, k, generator=g) * 0.3).to(BF)
+    w[5] = w[9] = (rms1p(x, nw).float().sum(0) * 0.3).to(BF)  # the largest logit of every row
+    npart = -(-n // bn)
+    logits = nan_rows(m, n, torch.float32)
+    pmax = torch.full((m, npart), float("nan"))
+    pidx = torch.full((m, npart), -1, dtype=torch.int32)
+    p = call(gemv.gemv, x, w, logits, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_ARGMAX, norm_w=nw, aux0=pmax, aux1=pidx,
+             block_n=bn, block_k=32, prefetch=prefetch, m=m)
+    assert p == npart
+    ref = lin(rms1p(x, nw), w).float()
+    for j in range(m):
+        assert rel(logits[j], ref[j]) < REF, j
+        lg1 = nan_like(torch.empty(n))
+        pm1, pi1 = torch.empty(npart), torch.empty(npart, dtype=torch.int32)
+        call(gemv.gemv, x[j], w, lg1, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_ARGMAX, norm_w=nw, aux0=pm1, aux1=pi1,
+             block_n=bn, block_k=32, prefetch=prefetch)
+        assert rel(logits[j], lg1) < SAME, j
+        # the partials are those of row j's own logits: max and its lowest index per program
+        blocks = logits[j].view(-1)[:n]
+        for q in range(npart):
+            blk = blocks[q * bn:(q + 1) * bn]
+            assert float(pmax[j, q]) == float(blk.max()) and int(pidx[j, q]) == q * bn + int(torch.argmax(blk)), (j, q)
+        tok = torch.zeros(1, dtype=torch.int64)
+        call(sampling.finish, pmax[j], pidx[j], npart, tok, torch.tensor([3]), torch.tensor([0]),
+             torch.full((4,), -1, dtype=torch.int64), 4)
+        assert int(tok) == int(torch.argmax(logits[j])) == int(torch.argmax(lg1)) == 5
+
+
+@MS
+@PREFETCH
+def test_router_store_xn(m, prefetch):
+    """The MoE router launch: RMSNorm prologue, the E+1 logits per row, and xn_out [m, K] the normed
+    rows (program 0 stores them, from the head blocks and the loop)."""
+    g = torch.Generator().manual_seed(18)
+    k, e = 96, 17
+    res = rows(torch.randn(m, k, generator=g).to(BF), m)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    wr = (torch.randn(e, k, generator=g) * 0.3).to(BF)
+    lg = nan_rows(m, e)
+    xn = nan_rows(m, k)
+    call(gemv.gemv, res, wr, lg, pro=gemv.PRO_RMSNORM, norm_w=nw, xn_out=xn, block_n=8, block_k=32,
+         prefetch=prefetch, m=m)
+    h = rms1p(res, nw)
+    assert torch.equal(xn, h)
+    assert rel(lg, lin(h, wr)) < REF
+    for j in range(m):
+        lg1, xn1 = nan_like(torch.empty(e, dtype=BF)), nan_like(torch.empty(k, dtype=BF))
+        call(gemv.gemv, res[j], wr, lg1, pro=gemv.PRO_RMSNORM, norm_w=nw, xn_out=xn1, block_n=8, block_k=32,
+             prefetch=prefetch)
+        assert torch.equal(xn[j], xn1)
+        assert rel(lg[j], lg1) < SAME, j
+
+
+def test_m_rows_rejects_fp8_and_bad_shapes():
+    from nexrt_vllm.engine.fp8 import FP8Weight, grid_rows
+    w8 = FP8Weight(torch.zeros(32, 64, dtype=torch.float8_e4m3fn), torch.ones(1, 1), grid_rows(32, 128), (128, 128))
+    x, y = torch.zeros(2, 64, dtype=BF), torch.zeros(2, 32, dtype=BF)
+    with pytest.raises(ValueError, match="m > 1 needs bf16 weights"):
+        gemv.gemv(x, w8, y, m=2)
+    w = torch.zeros(32, 64, dtype=BF)
+    with pytest.raises(ValueError, match="m must be 1..4"):
+        gemv.gemv(torch.zeros(5, 64, dtype=BF), w, torch.zeros(5, 32, dtype=BF), m=5)
+    with pytest.raises(ValueError, match="window"):
+        gemv.gemv(x, w, y, epi=gemv.EPI_CONV, aux0=torch.zeros(16, 3, dtype=BF), aux1=torch.zeros(16, 4, dtype=BF),
+                  conv_n=16, m=2)

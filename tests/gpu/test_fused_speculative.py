@@ -1,0 +1,88 @@
+"""The captured speculative round (engine/spec_graph.py: M-row verify, accept, commit, the MTP head's
+drafts, all fused Triton launches) against the eager engine, on CPU through the Triton interpreter:
+greedy tokens equal the one-token loop's token for token on trained tiny checkpoints (with a trained
+MTP head) of the three families; with the drafter's full prompt context every round accepts what the
+eager speculative loop accepts (the same histogram of tokens per round); after a hand-off without
+that context, with the head drafting from half the vocabulary, and across a stop id the tokens stay
+exact; the committed K/V rows equal the plain loop's. The graph capture and the pipelined replays are
+GPU-only (benchmarks/gpu_check.py --speculative); here each replay runs the round's launches in order.
+The interpreter takes ~10 s per round, hence the short streams."""
+import pytest
+import torch
+
+from nexrt_vllm.engine import Engine, SamplingParams, kernels
+from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner, Tuning
+from nexrt_vllm.engine.spec_graph import SpecRunner
+from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
+
+kernels.load(interpret=True)
+
+torch.set_num_threads(1)
+K = 3  # drafts per round: M = 4
+# Few, large programs: the interpreter's cost is per program, not per element.
+CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_gated=(64, 128, 4), gemv_router=(64, 128, 4), prefetch=0,
+                    block_n_lm=128, attn_splits=2, attn_block=32, gdn_block_v=64, moe_block_n=64, moe_block_k=128,
+                    moe_down_block_n=64, moe_down_block_k=64)
+
+
+def engines(ckpt_factory, arch):
+    """(the plain eager engine, a speculative engine on the graph path as `use_graph` builds it on CUDA)."""
+    path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
+    plain = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
+    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
+    eng.enable_speculative("mtp", K)
+    return plain, eng
+
+
+def on_graph_path(eng: Engine, draft_vocab=None) -> SpecRunner:
+    eng.graph = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused", tuning=CPU_TUNING))
+    eng.spec_graph = SpecRunner(eng.graph, eng.speculative, draft_vocab)
+    return eng.spec_graph
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_round_equals_eager_with_the_full_context(ckpt_factory, arch):
+    plain, eng = engines(ckpt_factory, arch)
+    prompt, n = periodic_prompt(40, seed=11), 12
+    sp = SamplingParams(max_tokens=n + 1, ignore_eos=True)
+    first = int(plain.prefill(prompt).argmax())
+    want = list(plain.stream(first, sp))
+    _, want_state = plain.export_state()
+    eng.prefill(prompt)  # the eager speculative loop, the head with the prompt's context
+    eng.speculative.rounds = [0] * (K + 2)
+    assert list(eng.stream(first, sp)) == want
+    eager_rounds = eng.speculative.rounds
+    runner = on_graph_path(eng)
+    eng.prefill(prompt)
+    eng.speculative.rounds = [0] * (K + 2)
+    assert list(eng.stream(first, sp)) == want and eng.finish_reason == "length"
+    assert eng.speculative.rounds == eager_rounds and sum(k * c for k, c in enumerate(eager_rounds)) > 1.5 * sum(
+        eager_rounds), eager_rounds
+    assert runner.rounds_run >= sum(eager_rounds)
+    # the K/V rows of every emitted position equal the plain loop's (summation order apart)
+    end = len(prompt) + n
+    assert eng.state.seq_len >= end
+    eng.state.set_seq_len(end)
+    _, st = eng.export_state()
+    for name, ref in want_state.items():
+        if name.endswith((".k", ".v")):
+            err = float((st[name].double() - ref.double()).norm() / ref.double().norm())
+            assert err < 2e-2, (name, err)
+
+
+def test_handoff_draft_vocab_and_stop(ckpt_factory):
+    plain, eng = engines(ckpt_factory, "qwen3_5")
+    prompt = periodic_prompt(40, seed=12)
+    first = int(plain.prefill(prompt).argmax())
+    want = list(plain.stream(first, SamplingParams(max_tokens=9, ignore_eos=True)))
+    # after a hand-off: no head context, placeholder drafts first; the head reads half the vocabulary
+    on_graph_path(eng, draft_vocab=eng.config.vocab_size // 2)
+    eng.prefill(prompt)
+    eng.import_state(*eng.export_state())
+    assert list(eng.stream(first, SamplingParams(max_tokens=9, ignore_eos=True))) == want
+    # a stop id inside an accepted round: the tokens after it are dropped
+    on_graph_path(eng)
+    stop = want[5]
+    eng.prefill(prompt)
+    got = list(eng.stream(first, SamplingParams(max_tokens=20, stop_token_ids=(stop,))))
+    assert got == want[:want.index(stop) + 1] and eng.finish_reason == "stop"
