@@ -601,7 +601,7 @@ def main(argv=None) -> int:
             try:
                 results["shapes"].append(spec_round.run_spec_shape(
                     key, contexts, args.steps, args.parity_steps, bw, tuning, args.graft, args.num_speculative_tokens,
-                    args.draft_vocab))
+                    args.draft_vocab, args.breakdown_ctx))
             except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
                 import traceback
                 traceback.print_exc()

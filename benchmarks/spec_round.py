@@ -6,7 +6,9 @@ Bytes per round count what the round must move once: every weight of the verify 
 the distinct experts the M rows select, measured per layer on this run's tokens), K/V rows 0..n+M-1
 read and M rows written, each GDN layer's state read once and written after each of the M positions,
 the commit (one state read and written), the head's M-row pass and chained steps (its fc, layer,
-experts and the lm_head rows it reads: `draft_vocab`). Effective tok/s = acceptance length / round
+experts and the lm_head rows it reads: `draft_vocab`). An expert two rows choose is counted once
+(the verify's experts launch runs per row, so it reads such an expert twice: the bytes are what the
+round needs, its time what the kernels take). Effective tok/s = acceptance length / round
 time: computed from the measured round time, not measured with a trained head (the random and
 grafted heads here draft badly; the measured acceptance is reported beside it).
 """
@@ -38,8 +40,8 @@ def random_mtp_head(eng, seed: int = 5) -> None:
 
 
 def _distinct_experts(sd) -> dict[int | str, int]:
-    """Run one round launch by launch; after each MoE experts launch, the distinct experts its rows chose
-    (verify layers by index; "draft": the head's M-row pass)."""
+    """Run one round launch by launch; after a layer's last MoE experts launch (one per row), the distinct
+    experts its rows chose (verify layers by index; "draft": the head's M-row pass)."""
     out = {}
     with sd.f.launch_options():
         for s in sd.plan():
@@ -86,6 +88,8 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
                 b = M * c.hidden_size * sd.f.embed.element_size()
             elif group == "lm_head+argmax":
                 b = nb(sd.f.lm_head)
+            elif group == "moe_experts":  # one launch per row: the layer's distinct experts, split over them
+                b = layer_bytes(group, sd.f.layers[s.layer], M, n, distinct.get(s.layer, k)) // M
             else:
                 b = layer_bytes(group, sd.f.layers[s.layer], M, n, distinct.get(s.layer, k))
         elif s.group == "commit":
@@ -101,7 +105,7 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
                 b = 0
             else:
                 n_e = (head_e if rows > 1 else k) if isinstance(sd.head.ffn, MoEFFN) else 0
-                b = layer_bytes(group, sd.head, rows, n, n_e)
+                b = layer_bytes(group, sd.head, rows, n, n_e) // (rows if group == "moe_experts" else 1)
         else:  # accept: the partials
             b = 0
         out[s.group] = out.get(s.group, 0) + b
@@ -109,8 +113,41 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
     return out
 
 
+def round_groups(sd, nb: dict, reps: int = 20) -> dict:
+    """Device time of each launch group of the round (every launch of the group back to back in one
+    graph, as DB.kernel_groups does for the step), with the bytes `round_bytes` counts for it."""
+    groups: dict[str, list] = {}
+    for s in sd.plan():
+        groups.setdefault(s.group, []).append(s.run)
+    saved = [(t, t.clone()) for t in [sd.f.state.position, sd.f.step, sd.tokens, sd.round]]
+    out = {}
+    for name, fns in groups.items():
+        st = torch.cuda.Stream()
+        st.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(st), sd.f.launch_options():
+            for fn in fns:
+                fn()
+            torch.cuda.synchronize()
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr, stream=st):
+                for fn in fns:
+                    fn()
+        torch.cuda.current_stream().wait_stream(st)
+        torch.cuda.synchronize()
+        for t, x in saved:
+            t.copy_(x)
+        sec = statistics.median(DB.time_replays(gr, reps))
+        for t, x in saved:
+            t.copy_(x)
+        out[name] = {"launches": len(fns), "us_per_round": sec * 1e6, "bytes_per_round": nb.get(name, 0),
+                     "GBps": nb.get(name, 0) / sec / 1e9}
+        del gr
+    return out
+
+
 def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int, bw: float, tuning=None,
-                   graft_dir: str = "", num_spec: int = 3, draft_vocab: int | None = None) -> dict:
+                   graft_dir: str = "", num_spec: int = 3, draft_vocab: int | None = None,
+                   breakdown_ctx: int = 8192) -> dict:
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
     from nexrt_vllm.engine.sampling import SamplingParams
     from nexrt_vllm.engine.spec_graph import SpecRunner
@@ -190,6 +227,12 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
                "copy_bw_Bps": bw, "tok_s_plain": 1 / t_step,
                "effective_tok_s_computed": {str(a): a / t_round for a in ACCEPT},
                "speedup_vs_plain_computed": {str(a): a * t_step / t_round for a in ACCEPT}}
+        if ctx == breakdown_ctx:
+            eng.state.position.fill_(ctx)
+            row["round_groups"] = round_groups(sd, nb_round)
+            for name, v in sorted(row["round_groups"].items(), key=lambda kv: -kv[1]["us_per_round"])[:14]:
+                DB.log(f"[{key}/mtp]   {name:<34}{v['launches']:>4} launches {v['us_per_round']:>9.1f} us "
+                       f"{v['bytes_per_round'] / 1e6:>9.1f} MB {v['GBps']:>7.0f} GB/s")
         res["contexts"].append(row)
         DB.log(f"[{key}/mtp] ctx {ctx}: step {t_step * 1e3:.3f} ms (MBU {100 * row['mbu_step']:.1f}%), round "
                f"{t_round * 1e3:.3f} ms = {row['round_over_step']:.3f}x (MBU {100 * row['mbu_round']:.1f}%, "

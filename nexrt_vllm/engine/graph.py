@@ -59,9 +59,6 @@ class Tuning:
     moe_down_block_k: int = 512
     moe_warps: int = 1
     moe_down_warps: int = 1
-    # The speculative verify's MoE launches (M rows, engine/spec_graph.py): (gate_up, down) warps; the
-    # down program holds the rows of all M x top-k (row, slot) pairs in flight (1 warp spills at M = 4).
-    verify_moe_warps: tuple = (2, 4)
     # Programmatic dependent launch for every kernel of the step (kernels/common.py) where the GPU has
     # it (`pdl_enabled`); None: the process default (NEXRT_PDL). With the small programs above, a
     # kernel's CTAs can be resident while its predecessor drains.
