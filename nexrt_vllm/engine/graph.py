@@ -41,6 +41,9 @@ class Tuning:
     `gemv`: (max output rows, block_n, block_k, num_warps), first match wins. Few output rows need
     few rows per program and long K blocks, so that enough programs stream enough bytes each."""
     gemv: tuple = ((4096, 2, 1024, 4), (10000, 8, 256, 4), (1 << 62, 16, 256, 4))
+    # The same rules for the speculative verify's M-row GEMVs (engine/spec_graph.py); () = `gemv`'s.
+    gemv_rows: tuple = ()
+    block_n_lm_rows: int = 0  # the verify's M-row lm_head; 0 = block_n_lm
     gemv_gated: tuple = (8, 1024, 8)  # GDN out_proj (gated-norm prologue), by the same sweep
     gemv_router: tuple = (4, 1024, 4)  # MoE router (E+1 rows)
     block_n_lm: int = 16
@@ -92,8 +95,8 @@ class Tuning:
     # the fp8 step then differs from the eager one only in the order of sums (parity diagnostics).
     fp8_round_weights: bool = False
 
-    def shape(self, n: int, fp8: bool = False) -> dict:
-        for max_rows, bn, bk, nw in (self.gemv_fp8 if fp8 else self.gemv):
+    def shape(self, n: int, fp8: bool = False, rows: bool = False) -> dict:
+        for max_rows, bn, bk, nw in (self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv):
             if n <= max_rows:
                 return {"block_n": bn, "block_k": bk, "num_warps": nw}
         raise AssertionError("unreachable: the last gemv rule has no row limit")
@@ -402,11 +405,11 @@ class FusedDecoder:
         w_gate_up, (f.gate_proj, f.up_proj) = _concat_shared([f.gate_proj, f.up_proj], tail_ok=False)
         return DenseFFN(w_gate_up, f.down_proj)
 
-    def _shape(self, w, n: int, prefetch: int | None = None) -> dict:
-        """Launch shape of a GEMV over `w` with n output rows (Tuning.gemv / gemv_fp8); fp8 rows before
-        a bf16 tail must fill whole programs. `prefetch`: K blocks of a bf16 `w` ahead of the wait (None:
-        Tuning's; fp8 weights take Tuning.prefetch_fp8)."""
-        return self._fit(w, self.t.shape(n, fp8=isinstance(w, FP8Weight)), prefetch)
+    def _shape(self, w, n: int, prefetch: int | None = None, rows: bool = False) -> dict:
+        """Launch shape of a GEMV over `w` with n output rows (Tuning.gemv / gemv_fp8; `rows`: the verify's
+        M-row GEMV, Tuning.gemv_rows); fp8 rows before a bf16 tail must fill whole programs. `prefetch`: K
+        blocks of a bf16 `w` ahead of the wait (None: Tuning's; fp8 weights take Tuning.prefetch_fp8)."""
+        return self._fit(w, self.t.shape(n, fp8=isinstance(w, FP8Weight), rows=rows), prefetch)
 
     def _fit(self, w, shape: dict, prefetch: int | None = None) -> dict:
         if isinstance(w, FP8Weight):

@@ -77,7 +77,8 @@ class SpecDecoder:
         if c.intermediate_size:
             self.act_dense = z(M, c.intermediate_size)
         self.logits = z(M, V, d=torch.float32)
-        self.n_part = -(-V // f.lm_shape["block_n"])
+        self.lm_rows = dict(f.lm_shape, block_n=f.t.block_n_lm_rows or f.lm_shape["block_n"])
+        self.n_part = -(-V // self.lm_rows["block_n"])
         self.pmax, self.pidx = z(M, self.n_part, d=torch.float32), z(M, self.n_part, d=torch.int32)
         self.hn = z(M, H)  # final-normed hidden rows (the lm_head's normed input)
         # the head: its layer fused like the target's, its attention over the drafter's own cache
@@ -124,7 +125,7 @@ class SpecDecoder:
             steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + self._ffn(L, self.res, M)]
         steps.append(Launch("verify_lm_head+argmax", None, lambda: g.gemv(
             self.res, f.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=f.final_norm,
-            aux0=self.pmax, aux1=self.pidx, xn_out=self.hn, eps=c.rms_norm_eps, m=M, **f.lm_shape)))
+            aux0=self.pmax, aux1=self.pidx, xn_out=self.hn, eps=c.rms_norm_eps, m=M, **self.lm_rows)))
         steps.append(Launch("accept", None, lambda: self.k_spec.accept(
             self.pmax, self.pidx, self.n_part, self.tokens, self.y, f.state.position, self.base, self.acc, f.step,
             self.round, f.ring, self.rounds, RING)))
@@ -140,7 +141,7 @@ class SpecDecoder:
             ("gdn_in_proj+conv", lambda: g.gemv(
                 self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
                 aux0=m.state.conv, aux1=m.conv_w, window=self.scratch.window(i, M), eps=eps, conv_n=c.conv_dim,
-                kc=c.conv_kernel, m=M, **f._shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv))),
+                kc=c.conv_kernel, m=M, **f._shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv, rows=True))),
             ("gdn_step", lambda: f.k_gdn.gdn_verify_step(
                 self.buf, m.state.rec, self.scratch.rec_after[i], self.o, m.a_log, m.dt_bias, m=M,
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
@@ -159,7 +160,7 @@ class SpecDecoder:
         return [
             ("attn_qkv_proj", lambda: g.gemv(
                 x, a.w_qkv, buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, m=m,
-                **f._shape(a.w_qkv, a.w_qkv.shape[0]))),
+                **f._shape(a.w_qkv, a.w_qkv.shape[0], rows=m > 1))),
             ("attn_qknorm_rope_kvwrite", lambda: f.k_attn.qk_rope_cache(
                 buf, q, a.state.k, a.state.v, a.q_norm, a.k_norm, cos, sin, pos, num_heads=c.num_heads,
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim, eps=eps, m=m)),
@@ -168,7 +169,7 @@ class SpecDecoder:
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.attn_splits,
                 block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(
-                o, a.w_o, x, epi=g.EPI_RESIDUAL, m=m, **f._shape(a.w_o, c.hidden_size)))]
+                o, a.w_o, x, epi=g.EPI_RESIDUAL, m=m, **f._shape(a.w_o, c.hidden_size, rows=m > 1)))]
 
     def _ffn(self, L: FusedLayer, x, m: int):
         c, g, t, ff, eps, f = self.cfg, self.f.k_gemv, self.f.t, L.ffn, self.cfg.rms_norm_eps, self.f
@@ -188,9 +189,10 @@ class SpecDecoder:
         return [
             ("mlp_gate_up+swiglu", lambda: g.gemv(
                 x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
-                eps=eps, m=m, **f._shape(ff.w_gate_up, ff.w_gate_up.shape[0] // 2))),
+                eps=eps, m=m, **f._shape(ff.w_gate_up, ff.w_gate_up.shape[0] // 2, rows=m > 1))),
             ("mlp_down", lambda: g.gemv(
-                self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m, **f._shape(ff.w_down, c.hidden_size)))]
+                self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m,
+                **f._shape(ff.w_down, c.hidden_size, rows=m > 1)))]
 
     def _draft(self) -> list[Launch]:
         """The head's launches: groups draft_* (the M-row pass and its pick) and chain_* (each chained step)."""
@@ -201,7 +203,7 @@ class SpecDecoder:
         def head(x, fc_in, tok, hidden, pos, m):
             steps = [("input", lambda: ks.mtp_input(tok, w.embed, hidden, w.pre_fc_norm_embedding,
                                                     w.pre_fc_norm_hidden, fc_in, eps)),
-                     ("fc", lambda: g.gemv(fc_in, w.fc, x, m=m, **f._shape(w.fc, c.hidden_size)))]
+                     ("fc", lambda: g.gemv(fc_in, w.fc, x, m=m, **f._shape(w.fc, c.hidden_size, rows=m > 1)))]
             steps += self._attention(self.head, x, pos, d.start, m, d.rope_cos, d.rope_sin)
             return steps + self._ffn(self.head, x, m)
 
