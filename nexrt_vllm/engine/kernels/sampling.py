@@ -133,11 +133,8 @@ def tail(logits, step, flag, masks, k, status, tmax, tidx, tsum, topv, topi, *, 
 
 
 @triton.jit
-def finish_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, pos_ptr, step_ptr, ring_ptr, RING,
-                  logits_ptr, tmax_ptr, tsum_ptr, NT, topv_ptr, topi_ptr, k_ptr, status_ptr, lpv_ptr, lpi_ptr,
-                  BLOCK: tl.constexpr, LP: tl.constexpr, CHECK: tl.constexpr, KMAX: tl.constexpr,
-                  TB: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
+def argmax_partials(pmax_ptr, pidx_ptr, NP, BLOCK: tl.constexpr):
+    """The index of the max over NP per-program (max, argmax) partials, the lowest on ties (torch.argmax)."""
     best = float("-inf")
     best_i = 2147483647
     for p0 in range(0, NP, BLOCK):
@@ -149,6 +146,16 @@ def finish_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, pos_ptr, step_ptr, ring_ptr, 
         take = (m > best) | ((m == best) & (i < best_i))
         best_i = tl.where(take, i, best_i)
         best = tl.where(take, m, best)
+    return best_i
+
+
+@triton.jit
+def finish_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, pos_ptr, step_ptr, ring_ptr, RING,
+                  logits_ptr, tmax_ptr, tsum_ptr, NT, topv_ptr, topi_ptr, k_ptr, status_ptr, lpv_ptr, lpi_ptr,
+                  BLOCK: tl.constexpr, LP: tl.constexpr, CHECK: tl.constexpr, KMAX: tl.constexpr,
+                  TB: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    best_i = argmax_partials(pmax_ptr, pidx_ptr, NP, BLOCK)
     step = tl.load(step_ptr) + 1
     if LP:
         # logsumexp over the (masked) logits from the tail's per-program max and sum of exp

@@ -19,23 +19,7 @@ import triton.language as tl
 
 from .common import ASM, LAUNCH, fence_sys, pdl_begin
 from .common import bf16_round as _bf16
-
-
-@triton.jit
-def _argmax_partials(pmax_ptr, pidx_ptr, NP, BLOCK: tl.constexpr):
-    """(max, lowest index among the maxima) over NP partials, as torch.argmax breaks ties."""
-    best = float("-inf")
-    best_i = 2147483647
-    for p0 in range(0, NP, BLOCK):
-        p = p0 + tl.arange(0, BLOCK)
-        v = tl.load(pmax_ptr + p, mask=p < NP, other=float("-inf"))
-        ix = tl.load(pidx_ptr + p, mask=p < NP, other=2147483647)
-        m = tl.max(v, 0)
-        i = tl.min(tl.where(v == m, ix, 2147483647), 0)
-        take = (m > best) | ((m == best) & (i < best_i))
-        best_i = tl.where(take, i, best_i)
-        best = tl.where(take, m, best)
-    return best_i
+from .sampling import argmax_partials as _argmax_partials
 
 
 @triton.jit
