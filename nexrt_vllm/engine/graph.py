@@ -41,9 +41,10 @@ class Tuning:
     `gemv`: (max output rows, block_n, block_k, num_warps), first match wins. Few output rows need
     few rows per program and long K blocks, so that enough programs stream enough bytes each."""
     gemv: tuple = ((4096, 2, 1024, 4), (10000, 8, 256, 4), (1 << 62, 16, 256, 4))
-    # The same rules for the speculative verify's M-row GEMVs (engine/spec_graph.py); () = `gemv`'s.
-    gemv_rows: tuple = ()
-    block_n_lm_rows: int = 0  # the verify's M-row lm_head; 0 = block_n_lm
+    # The same rules for the speculative verify's M-row GEMVs (engine/spec_graph.py; () = `gemv`'s) and
+    # its lm_head's rows per program (0 = block_n_lm): the best of a 7-candidate H200 sweep (2B, 8K).
+    gemv_rows: tuple = ((4096, 2, 1024, 4), (10000, 8, 512, 4), (1 << 62, 16, 512, 4))
+    block_n_lm_rows: int = 32
     gemv_gated: tuple = (8, 1024, 8)  # GDN out_proj (gated-norm prologue), by the same sweep
     gemv_router: tuple = (4, 1024, 4)  # MoE router (E+1 rows)
     block_n_lm: int = 16
