@@ -6,7 +6,7 @@ eager speculative loop accepts (the same histogram of tokens per round); after a
 that context, with the head drafting from half the vocabulary, and across a stop id the tokens stay
 exact; the committed K/V rows equal the plain loop's. The graph capture and the pipelined replays are
 GPU-only (benchmarks/gpu_check.py --speculative); here each replay runs the round's launches in order.
-The interpreter takes ~10 s per round, hence the short streams."""
+The interpreter takes ~10-20 s per round, hence the short streams (the H200 run checks 256 tokens)."""
 import pytest
 import torch
 
@@ -44,7 +44,7 @@ def on_graph_path(eng: Engine, draft_vocab=None) -> SpecRunner:
 @pytest.mark.parametrize("arch", ["qwen3_next"])  # MoE + shared expert, GDN, attention (the H200 run: all three)
 def test_round_equals_eager_with_the_full_context(ckpt_factory, arch):
     plain, eng = engines(ckpt_factory, arch)
-    prompt, n = periodic_prompt(40, seed=11), 8
+    prompt, n = periodic_prompt(40, seed=11), 6
     sp = SamplingParams(max_tokens=n + 1, ignore_eos=True)
     first = int(plain.prefill(prompt).argmax())
     want = list(plain.stream(first, sp))
@@ -80,10 +80,10 @@ def test_handoff_draft_vocab_and_stop(ckpt_factory):
     on_graph_path(eng, draft_vocab=eng.config.vocab_size // 2)
     eng.prefill(prompt)
     eng.import_state(*eng.export_state())
-    assert list(eng.stream(first, SamplingParams(max_tokens=7, ignore_eos=True))) == want
+    assert list(eng.stream(first, SamplingParams(max_tokens=5, ignore_eos=True))) == want[:4]
     # a stop id inside an accepted round: the tokens after it are dropped
     on_graph_path(eng)
-    stop = want[3]
+    stop = want[2]
     eng.prefill(prompt)
     got = list(eng.stream(first, SamplingParams(max_tokens=20, stop_token_ids=(stop,))))
     assert got == want[:want.index(stop) + 1] and eng.finish_reason == "stop"
