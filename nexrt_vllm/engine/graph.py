@@ -97,7 +97,8 @@ class Tuning:
     fp8_round_weights: bool = False
 
     def shape(self, n: int, fp8: bool = False, rows: bool = False) -> dict:
-        for max_rows, bn, bk, nw in (self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv):
+        rules = self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv
+        for max_rows, bn, bk, nw in rules:
             if n <= max_rows:
                 return {"block_n": bn, "block_k": bk, "num_warps": nw}
         raise AssertionError("unreachable: the last gemv rule has no row limit")
@@ -169,7 +170,8 @@ def _control_specs(vocab_size: int) -> dict:
     ids); the grammar flag (masks of every step <= flag are written) and two mask slots (step % 2);
     the speculative round records (round << 32 | tokens emitted, engine/spec_graph.py)."""
     from .kernels.sampling import KMAX
-    return {"ring": ((RING,), torch.int64, -1), "rounds": ((RING,), torch.int64, -1), "lpv": ((RING, KMAX + 1), torch.float32, 0),
+    return {"ring": ((RING,), torch.int64, -1), "rounds": ((RING,), torch.int64, -1),
+            "lpv": ((RING, KMAX + 1), torch.float32, 0),
             "lpi": ((RING, KMAX), torch.int32, 0), "flag": ((1,), torch.int64, 0),
             "masks": ((2, (vocab_size + 31) // 32), torch.int32, -1)}
 
