@@ -416,24 +416,15 @@ def main() -> int:
                 traceback.print_exc()
                 report[name] = {"error": f"{type(e).__name__}: {e}"}
             save()
-    if args.fp8:
-        sys.path.insert(0, HERE)
-        for arch in filter(None, args.arches.split(",")):
+    sys.path.insert(0, HERE)
+    for on, key, fn in ((args.fp8, "fp8_parity", fp8_parity), (args.speculative, "spec_parity", spec_parity)):
+        for arch in filter(None, args.arches.split(",")) if on else ():
             try:
-                report.setdefault("fp8_parity", {})[arch] = fp8_parity(args.tiny_steps, arch, args.checkpoints)
+                report.setdefault(key, {})[arch] = fn(args.tiny_steps, arch, args.checkpoints)
             except Exception as e:  # noqa: BLE001 - report it, go on
                 import traceback
                 traceback.print_exc()
-                report.setdefault("fp8_parity", {})[arch] = {"error": f"{type(e).__name__}: {e}"}
-            save()
-    if args.speculative:
-        for arch in filter(None, args.arches.split(",")):
-            try:
-                report.setdefault("spec_parity", {})[arch] = spec_parity(args.tiny_steps, arch, args.checkpoints)
-            except Exception as e:  # noqa: BLE001 - report it, go on
-                import traceback
-                traceback.print_exc()
-                report.setdefault("spec_parity", {})[arch] = {"error": f"{type(e).__name__}: {e}"}
+                report.setdefault(key, {})[arch] = {"error": f"{type(e).__name__}: {e}"}
             save()
     if args.sampling:
         report["sampling"] = sampling_check()
