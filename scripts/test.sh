@@ -6,7 +6,7 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false UCX_NET_DEVICES=lo
 log=$(mktemp)
 set +e
-python3 -m pytest tests -q -rfEs --timeout=900 -p no:cacheprovider "$@" 2>&1 | tee "$log"
+python3 -m pytest tests -q -rfEs --durations=30 --timeout=900 -p no:cacheprovider "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 # Mooncake's C++ logs a few lines at interpreter exit, after pytest's summary: repeat the summary last.

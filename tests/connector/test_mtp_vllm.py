@@ -24,7 +24,7 @@ NEAR_TIE = 0.25
 
 def _prompts():
     rng = random.Random(8)
-    return [periodic_prompt(40, seed=3)] + [[rng.randrange(3, 380) for _ in range(30)] for _ in range(5)]
+    return [periodic_prompt(40, seed=3)] + [[rng.randrange(3, 380) for _ in range(30)] for _ in range(12)]
 
 
 # Qwen3-Next only: vLLM's Qwen3.5 model classes import torchvision, which this environment lacks.
@@ -45,7 +45,7 @@ def test_acceptance_per_position_equals_vllms(ckpt_factory, tmp_path, monkeypatc
     try:
         eng = Engine.from_pretrained(path, dtype="bfloat16", max_seq_len=256, progress=False)
         eng.enable_speculative("mtp", K)
-        n, partial, compared = 48, 0, 0
+        n, partial, compared = 16, 0, 0  # the head's misses come early, while the model finds a period
         for prompt in _prompts():
             before = llm.call({"op": "metrics", "prefix": PREFIX})
             [out] = llm.generate([{"prompt_token_ids": prompt, "max_tokens": n}])
@@ -63,6 +63,6 @@ def test_acceptance_per_position_equals_vllms(ckpt_factory, tmp_path, monkeypatc
             assert ours == (rounds, per_pos), (prompt[:5], ours, (rounds, per_pos))
             compared += 1
             partial += sum(r[1:K + 1])
-        assert compared >= 4 and partial >= 5, (compared, partial)  # drafts rejected in compared prompts
+        assert compared >= 6 and partial >= 6, (compared, partial)  # drafts rejected in compared prompts
     finally:
         llm.close()

@@ -32,6 +32,12 @@ def tol(lp: float) -> float:
     return 0.06 + 0.01 * abs(lp)
 
 
+# A logit above 16 rounds by up to 1/16 in bf16, and vLLM's bf16 state drifts over 200 tokens: a
+# few positions in a thousand differ by more than tol (measured: 1 of 1353 at 0.13 nats on an AVX2
+# host, none on AVX-512). A grammar mask applied differently moves the normaliser at every step.
+OUTLIER = 0.3
+
+
 @pytest.fixture(scope="module")
 def stack(ckpt_factory, tmp_path_factory):
     ckpt = ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
@@ -146,17 +152,20 @@ def test_structured_greedy_equals_vllm(structured):
 def test_structured_logprobs_equal_vllm(structured):
     """Under the grammar, the node's logprobs are vLLM's: log_softmax of the masked logits."""
     refs, got = structured
-    n = 0
+    n, off = 0, []
     for (toks, lines, _), ref in zip(got, refs):
         for j, x in enumerate(lines, start=1):
             if toks[:j + 1] != ref["token_ids"][:j + 1]:
                 break
             chosen = {t: lp for t, lp, _ in ref["logprobs"][j]}[x["token"]]
-            assert abs(x["logprob"] - chosen) < tol(chosen), (j, x, chosen)
+            assert abs(x["logprob"] - chosen) < OUTLIER, (j, x, chosen)
+            if abs(x["logprob"] - chosen) >= tol(chosen):
+                off.append((j, x, chosen))
             finite = [e for e in ref["logprobs"][j] if e[1] > -1e4 and e[2] <= 5]
             assert len(x["top_logprobs"]) == len(finite)  # forbidden tokens are not listed
             n += 1
     assert n > 500
+    assert len(off) <= n // 200, off
 
 
 def test_every_answer_validates(stack, structured):
