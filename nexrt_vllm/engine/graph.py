@@ -45,9 +45,6 @@ class Tuning:
     # its lm_head's rows per program (0 = block_n_lm): the best of a 7-candidate H200 sweep (2B, 8K).
     gemv_rows: tuple = ((4096, 2, 1024, 4), (10000, 8, 512, 4), (1 << 62, 16, 512, 4))
     block_n_lm_rows: int = 32
-    # The verify's M-row GEMVs on the tensor cores (`gemv(..., dot=True)`: rows padded to 16, at least
-    # 16 weight rows per program) instead of per-thread FMA folds.
-    rows_dot: bool = False
     gemv_gated: tuple = (8, 1024, 8)  # GDN out_proj (gated-norm prologue), by the same sweep
     gemv_router: tuple = (4, 1024, 4)  # MoE router (E+1 rows)
     block_n_lm: int = 16
@@ -103,7 +100,7 @@ class Tuning:
         rules = self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv
         for max_rows, bn, bk, nw in rules:
             if n <= max_rows:
-                return {"block_n": bn, "block_k": bk, "num_warps": nw, **({"dot": self.rows_dot} if rows else {})}
+                return {"block_n": bn, "block_k": bk, "num_warps": nw}
         raise AssertionError("unreachable: the last gemv rule has no row limit")
 
 

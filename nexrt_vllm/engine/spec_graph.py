@@ -80,8 +80,7 @@ class SpecDecoder:
         if c.intermediate_size:
             self.act_dense = z(M, c.intermediate_size)
         self.logits = z(M, V, d=torch.float32)
-        bn = f.t.block_n_lm_rows or f.lm_shape["block_n"]
-        self.lm_rows = dict(f.lm_shape, block_n=max(bn, 16) if f.t.rows_dot else bn, dot=f.t.rows_dot)
+        self.lm_rows = dict(f.lm_shape, block_n=f.t.block_n_lm_rows or f.lm_shape["block_n"])
         self.n_part = -(-V // self.lm_rows["block_n"])
         self.pmax, self.pidx = z(M, self.n_part, d=torch.float32), z(M, self.n_part, d=torch.int32)
         self.hn = z(M, H)  # final-normed hidden rows (the lm_head's normed input)
@@ -154,7 +153,7 @@ class SpecDecoder:
             ("gdn_out_proj", lambda: g.gemv(
                 self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
                 z=self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=M,
-                dot=t.rows_dot, **f._rule(m.w_out, t.gemv_gated, t.gemv_gated_fp8)))]
+                **f._rule(m.w_out, t.gemv_gated, t.gemv_gated_fp8)))]
 
     def _attention(self, L: FusedLayer, x, pos, start, m: int, cos, sin):
         """A full-attention mixer over rows x[:m] at positions pos..pos+m-1 (the target's layers, or the
@@ -188,8 +187,7 @@ class SpecDecoder:
                     num_warps=t.moe_warps, down_num_warps=t.moe_down_warps, norm_topk=c.norm_topk_prob, vec=t.vec)
             return [("moe_router", lambda: g.gemv(
                         x, ff.w_router, self.router_logits[:m], pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
-                        xn_out=self.xn[:m], m=m, dot=t.rows_dot,
-                        **f._rule(ff.w_router, t.gemv_router, t.gemv_router_fp8)))] + [
+                        xn_out=self.xn[:m], m=m, **f._rule(ff.w_router, t.gemv_router, t.gemv_router_fp8)))] + [
                     ("moe_experts", experts(j)) for j in range(m)]
         return [
             ("mlp_gate_up+swiglu", lambda: g.gemv(

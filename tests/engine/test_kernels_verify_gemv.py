@@ -1,8 +1,7 @@
 """The M-row GEMV of the verify pass (`gemv(..., m=M)`, kernels/gemv.py `gemv_rows_kernel`): every
 row against the M = 1 kernel on that row alone and against torch.
 
-Each prologue x epilogue the decode step launches, for M = 2 and 4 (3 once: padded to 4 rows), folded
-per thread and through the tensor cores (`dot`), with
+Each prologue x epilogue the decode step launches, for M = 2 and 4 (3 once: padded to 4 rows), with
 and without the prefetched head; x / y / z / the conv window are strided views as the verify's
 buffers are. Outputs are poisoned (NaN) before each launch. The M rows differ from M separate launches
 only in the order of the fp32 sums (one FMA chain per 16-byte run instead of a tree), so the bf16
@@ -43,21 +42,20 @@ def nan_rows(m, c, dtype=BF):
     return rows(torch.full((m, c), float("nan"), dtype=dtype), m)
 
 
-# M rows folded per thread, and through the tensor cores (rows padded to 16)
-MS = pytest.mark.parametrize("m,dot", [(2, False), (4, False), (4, True)])
+MS = pytest.mark.parametrize("m", [2, 4])
 PREFETCH = pytest.mark.parametrize("prefetch", [0, 2])
 
 
 @MS
 @PREFETCH
-def test_rmsnorm_store(m, dot, prefetch):
+def test_rmsnorm_store(m, prefetch):
     g = torch.Generator().manual_seed(11)
     k, n = 96, 70
     x = rows(torch.randn(m, k, generator=g).to(BF), m)
     w = (torch.randn(n, k, generator=g) * 0.1).to(BF)
     nw = (torch.randn(k, generator=g) * 0.1).to(BF)
     y = nan_rows(m, n)
-    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32, prefetch=prefetch, m=m, dot=dot)
+    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32, prefetch=prefetch, m=m)
     assert not y.isnan().any()
     for j in range(m):
         y1 = nan_like(torch.empty(n, dtype=BF))
@@ -66,9 +64,8 @@ def test_rmsnorm_store(m, dot, prefetch):
         assert rel(y[j], lin(rms1p(x[j], nw)[None], w)[0]) < REF, j
 
 
-@pytest.mark.parametrize("m,k,block_k,prefetch,dot", [(3, 100, 32, 2, False), (3, 8200, 1024, 0, False),
-                                                      (3, 100, 32, 2, True)])
-def test_rmsnorm_store_three_rows_ragged_k(m, k, block_k, prefetch, dot):
+@pytest.mark.parametrize("m,k,block_k,prefetch", [(3, 100, 32, 2), (3, 8200, 1024, 0)])
+def test_rmsnorm_store_three_rows_ragged_k(m, k, block_k, prefetch):
     """M = 3 (padded to 4, the 4th row masked) with K not a multiple of BLOCK_K (the last block's
     columns masked); K > 8192 / 4: the rows' RMS is a loop over K blocks."""
     g = torch.Generator().manual_seed(12)
@@ -77,8 +74,7 @@ def test_rmsnorm_store_three_rows_ragged_k(m, k, block_k, prefetch, dot):
     w = (torch.randn(n, k, generator=g) * 0.1).to(BF)
     nw = (torch.randn(k, generator=g) * 0.1).to(BF)
     y = torch.full((4, n), float("nan"), dtype=BF)  # the padded row must stay untouched
-    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=block_k, prefetch=prefetch, m=m,
-         dot=dot)
+    call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=block_k, prefetch=prefetch, m=m)
     assert not y[:m].isnan().any() and y[m:].isnan().all()
     for j in range(m):
         y1 = nan_like(torch.empty(n, dtype=BF))
@@ -89,7 +85,7 @@ def test_rmsnorm_store_three_rows_ragged_k(m, k, block_k, prefetch, dot):
 
 @MS
 @PREFETCH
-def test_rmsnorm_swiglu(m, dot, prefetch):
+def test_rmsnorm_swiglu(m, prefetch):
     g = torch.Generator().manual_seed(13)
     k, n = 64, 40
     x = rows(torch.randn(m, k, generator=g).to(BF), m)
@@ -97,7 +93,7 @@ def test_rmsnorm_swiglu(m, dot, prefetch):
     wgu = (torch.randn(2 * n, k, generator=g) * 0.2).to(BF)
     act = nan_rows(m, n)
     call(gemv.gemv, x, wgu, act, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_SWIGLU, norm_w=nw, block_n=16, block_k=32,
-         prefetch=prefetch, m=m, dot=dot)
+         prefetch=prefetch, m=m)
     assert not act.isnan().any()
     h = rms1p(x, nw)
     ref = F.silu(lin(h, wgu[:n])) * lin(h, wgu[n:])
@@ -111,14 +107,14 @@ def test_rmsnorm_swiglu(m, dot, prefetch):
 
 @MS
 @pytest.mark.parametrize("prefetch", [0, 2, 4])  # 4: four head blocks, then the loop
-def test_plain_residual(m, dot, prefetch):
+def test_plain_residual(m, prefetch):
     g = torch.Generator().manual_seed(14)
     k, n = 160, 50
     x = rows(torch.randn(m, k, generator=g).to(BF), m)
     wd = (torch.randn(n, k, generator=g) * 0.2).to(BF)
     res = rows(torch.randn(m, n, generator=g).to(BF), m)
     res0 = res.clone()
-    call(gemv.gemv, x, wd, res, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=32, prefetch=prefetch, m=m, dot=dot)
+    call(gemv.gemv, x, wd, res, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=32, prefetch=prefetch, m=m)
     ref = res0 + lin(x, wd)
     for j in range(m):
         r1 = res0[j].clone()
@@ -130,7 +126,7 @@ def test_plain_residual(m, dot, prefetch):
 @MS
 @PREFETCH
 @pytest.mark.parametrize("block_k", [32, 64])  # one head, two heads per K block
-def test_gated_residual(m, dot, prefetch, block_k):
+def test_gated_residual(m, prefetch, block_k):
     """The GDN out_proj: gated RMSNorm per head with z the gate rows of the in_proj output (a strided
     view of the [m, width] buffer)."""
     g = torch.Generator().manual_seed(15)
@@ -144,7 +140,7 @@ def test_gated_residual(m, dot, prefetch, block_k):
     res = rows(torch.randn(m, n, generator=g).to(BF), m)
     res0 = res.clone()
     call(gemv.gemv, o, w, res, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=8,
-         block_k=block_k, prefetch=prefetch, m=m, dot=dot)
+         block_k=block_k, prefetch=prefetch, m=m)
     oh = o.reshape(m, heads, dv).float()
     normed = (oh * torch.rsqrt(oh.pow(2).mean(-1, keepdim=True) + 1e-6)).to(BF)
     gated = ((nw * normed).float() * F.silu(z.reshape(m, heads, dv).float())).to(BF).reshape(m, vd)
@@ -157,9 +153,9 @@ def test_gated_residual(m, dot, prefetch, block_k):
         assert rel(res[j], ref[j]) < REF, j
 
 
-@pytest.mark.parametrize("m,dot", [(2, False), (3, False), (4, False), (3, True)])
+@pytest.mark.parametrize("m", [2, 3, 4])
 @PREFETCH
-def test_rmsnorm_conv_window(m, dot, prefetch):
+def test_rmsnorm_conv_window(m, prefetch):
     """GDN in_proj + causal conv over m consecutive tokens: the live conv state is only read, the
     window (a view of a wider scratch, as VerifyScratch.window) holds the state and the m inputs, row
     j < conv_n is the conv of token j over window[:, j:j+kc] + SiLU; the rest of the rows bf16(y_j).
@@ -176,7 +172,7 @@ def test_rmsnorm_conv_window(m, dot, prefetch):
     window = scratch[:, :kc - 1 + m]
     y = nan_rows(m, conv_n + extra)
     call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_CONV, norm_w=nw, aux0=st, aux1=cw, conv_n=conv_n,
-         kc=kc, block_n=16, block_k=32, prefetch=prefetch, m=m, window=window, dot=dot)
+         kc=kc, block_n=16, block_k=32, prefetch=prefetch, m=m, window=window)
     assert torch.equal(st, st0)  # the live state: read only
     assert scratch[:, kc - 1 + m:].isnan().all()  # past the window: untouched
     proj = lin(rms1p(x, nw), w)
@@ -197,7 +193,7 @@ def test_rmsnorm_conv_window(m, dot, prefetch):
 
 @MS
 @PREFETCH
-def test_rmsnorm_argmax_partials(m, dot, prefetch):
+def test_rmsnorm_argmax_partials(m, prefetch):
     """lm_head: fp32 logits per row and per-program (max, argmax) partials [m, P] (row stride P); rows
     5 and 9 of W are equal and give every row's largest logit: ties go to the lowest index."""
     g = torch.Generator().manual_seed(17)
@@ -211,7 +207,7 @@ def test_rmsnorm_argmax_partials(m, dot, prefetch):
     pmax = torch.full((m, npart), float("nan"))
     pidx = torch.full((m, npart), -1, dtype=torch.int32)
     p = call(gemv.gemv, x, w, logits, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_ARGMAX, norm_w=nw, aux0=pmax, aux1=pidx,
-             block_n=bn, block_k=32, prefetch=prefetch, m=m, dot=dot)
+             block_n=bn, block_k=32, prefetch=prefetch, m=m)
     assert p == npart
     ref = lin(rms1p(x, nw), w).float()
     for j in range(m):
@@ -234,7 +230,7 @@ def test_rmsnorm_argmax_partials(m, dot, prefetch):
 
 @MS
 @PREFETCH
-def test_router_store_xn(m, dot, prefetch):
+def test_router_store_xn(m, prefetch):
     """The MoE router launch: RMSNorm prologue, the E+1 logits per row, and xn_out [m, K] the normed
     rows (program 0 stores them, from the head blocks and the loop)."""
     g = torch.Generator().manual_seed(18)
@@ -245,7 +241,7 @@ def test_router_store_xn(m, dot, prefetch):
     lg = nan_rows(m, e)
     xn = nan_rows(m, k)
     call(gemv.gemv, res, wr, lg, pro=gemv.PRO_RMSNORM, norm_w=nw, xn_out=xn, block_n=8, block_k=32,
-         prefetch=prefetch, m=m, dot=dot)
+         prefetch=prefetch, m=m)
     h = rms1p(res, nw)
     assert torch.equal(xn, h)
     assert rel(lg, lin(h, wr)) < REF

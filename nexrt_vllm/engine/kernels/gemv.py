@@ -27,7 +27,7 @@ from the live conv state without writing it, into a window the commit picks the 
 import triton
 import triton.language as tl
 
-from .common import ASM, LAUNCH, pdl_begin
+from .common import LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 
@@ -449,37 +449,20 @@ def _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def _dot_rows(acc, xv, w, DOT: tl.constexpr):
-    """acc [MP, BN] + x rows [MP, BK] (bf16 values in fp32) times the tile [1, BN, BK]^T: DOT 1 on the
-    tensor cores (bf16 operands, fp32 sums); 2 in fp32 "ieee" (the interpreter, whose bf16 dot reads
-    raw bits): the same products, exact either way."""
-    wt = tl.trans(tl.reshape(w, (w.shape[1], w.shape[2])))
-    if DOT == 1:
-        return tl.dot(xv.to(tl.bfloat16), wt, acc)
-    return tl.dot(xv, wt.to(tl.float32), acc, input_precision="ieee")
-
-
-@triton.jit
 def _block_rows(acc, acc_u, w, wu, k0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd, eps, pid, K,
                 PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
-                BLOCK_K: tl.constexpr, VEC: tl.constexpr, DOT: tl.constexpr):
+                BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """One K block (columns k0..) of the rows: the prologue's x rows, xn stored by program 0, and the
-    loaded weight tile(s) [1, BLOCK_N, BLOCK_K] folded into acc (acc_u: SwiGLU up rows); DOT: one
-    tensor-core product of the x rows (bf16 values already, so exact operands) with the tile."""
+    loaded weight tile(s) [1, BLOCK_N, BLOCK_K] folded into acc (acc_u: SwiGLU up rows)."""
     cols = k0 + tl.arange(0, BLOCK_K)
     cmask = cols < K
     xv = _load_x_rows(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, PRO, GROUP, BLOCK_K)
     if STORE_XN:  # program 0 leaves the normed rows (z_ptr) for a later launch (MoE experts)
         tl.store(z_ptr + jrow[:, None] * stride_z + cols[None, :], xv.to(z_ptr.dtype.element_ty),
                  mask=jm[:, None] & cmask[None, :] & ((tl.zeros_like(cols) + pid) == 0)[None, :])
-    if DOT > 0:
-        acc = _dot_rows(acc, xv, w, DOT)
-        if EPI == 2:
-            acc_u = _dot_rows(acc_u, xv, wu, DOT)
-    else:
-        acc = _fold_rows(acc, w, xv[:, None, :], VEC)
-        if EPI == 2:
-            acc_u = _fold_rows(acc_u, wu, xv[:, None, :], VEC)
+    acc = _fold_rows(acc, w, xv[:, None, :], VEC)
+    if EPI == 2:
+        acc_u = _fold_rows(acc_u, wu, xv[:, None, :], VEC)
     return acc, acc_u
 
 
@@ -487,26 +470,23 @@ def _block_rows(acc, acc_u, w, wu, k0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr,
 def _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w, eps, rstd,
               w0, w1, w2, w3, u0, u1, u2, u3, PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr,
               STORE_XN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              PRE: tl.constexpr, VEC: tl.constexpr, DOT: tl.constexpr):
+              PRE: tl.constexpr, VEC: tl.constexpr):
     """`_acc` (bf16 W) for every row of x: (y, y_up) [MP, BLOCK_N] fp32. The head tiles (w0.., u0..:
     the first PRE K blocks, `_w_head_rows`) are folded as the loop folds the rest."""
     MP: tl.constexpr = jrow.shape[0]
-    if DOT > 0:
-        acc = tl.zeros([MP, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([MP, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    acc = tl.zeros([MP, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc_u = acc
     if PRE > 0:
         acc, acc_u = _block_rows(acc, acc_u, w0, u0, 0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd, eps,
-                                 pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC, DOT)
+                                 pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
     if PRE > 1:
         acc, acc_u = _block_rows(acc, acc_u, w1, u1, BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd,
-                                 eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC, DOT)
+                                 eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
     if PRE > 2:
         acc, acc_u = _block_rows(acc, acc_u, w2, u2, 2 * BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z,
-                                 rstd, eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC, DOT)
+                                 rstd, eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
         acc, acc_u = _block_rows(acc, acc_u, w3, u3, 3 * BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z,
-                                 rstd, eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC, DOT)
+                                 rstd, eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
         w = _w_tile(w_ptr, rows, rmask, k0 + offs_k, K, stride_w, EVEN_K)
@@ -514,11 +494,8 @@ def _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, r
         if EPI == 2:
             wu = _w_tile(w_ptr + N * stride_w, rows, rmask, k0 + offs_k, K, stride_w, EVEN_K)
         acc, acc_u = _block_rows(acc, acc_u, w, wu, k0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd,
-                                 eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC, DOT)
-    if DOT == 0:
-        acc = tl.sum(acc, 2)
-        acc_u = tl.sum(acc_u, 2)
-    return acc, acc_u
+                                 eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+    return tl.sum(acc, 2), tl.sum(acc_u, 2)
 
 
 @triton.jit
@@ -581,11 +558,10 @@ def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win
                      M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr,
                      KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
-                     VEC: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+                     VEC: tl.constexpr, PDL: tl.constexpr):
     """`gemv_kernel` over the M rows of x [M, K] (row stride stride_x) into y [M, N] (stride_y): one
     load of each weight tile (the same tiles, prefetch head and eviction as M = 1) feeds M dot
-    products (DOT: one tensor-core product, the rows padded to MP = 16). Same prologues and
-    epilogues per row (`_epilogue_rows`)."""
+    products. Same prologues and epilogues per row (`_epilogue_rows`)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -596,7 +572,7 @@ def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win
     rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
     y, y_up = _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
                         eps, rstd, w0, w1, w2, w3, u0, u1, u2, u3, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K,
-                        PRE, VEC, DOT)
+                        PRE, VEC)
     _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows, rmask,
                    pid, CONV_N, EPI, KC, KCP)
 
@@ -614,7 +590,7 @@ def fold_vec(vec: int, elem_bytes: int, block_k: int) -> int:
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
          conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False,
-         prefetch=0, vec=0, m=1, window=None, dot=False):
+         prefetch=0, vec=0, m=1, window=None):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
     optionally a bf16 tail; `round_w`: see _acc's ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
     N = rows of y); `prefetch`: K blocks of W (bf16 or e4m3) each program loads before it waits on the
@@ -628,13 +604,12 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     state aux0 (read only) and fills `window` [conv_n, kc-1+m] (bf16, any row stride) with the state
     and the m new inputs (`model.gdn_verify`'s window: token j's conv input is window[:, j:j+kc]).
     With m > 1 each thread always folds its 16-byte runs (`vec` is not used: elementwise
-    accumulators for m rows would not fit in registers) and `prefetch` is cut to 4 blocks; `dot`: the
-    M rows go through the tensor cores (`tl.dot`, rows padded to 16; block_n raised to 16)."""
+    accumulators for m rows would not fit in registers) and `prefetch` is cut to 4 blocks."""
     fp8 = hasattr(w, "scale")
     if m != 1:
         return _gemv_rows(x, w, y, fp8, pro=pro, epi=epi, norm_w=norm_w, z=z, aux0=aux0, aux1=aux1, eps=eps,
                           conv_n=conv_n, group=group, kc=kc, xn_out=xn_out, block_n=block_n, block_k=block_k,
-                          num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window, dot=dot)
+                          num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window)
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
     block_k = min(block_k or 512, triton.next_power_of_2(k))
@@ -674,7 +649,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
 
 
 def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, group, kc, xn_out, block_n,
-               block_k, num_warps, n, prefetch, vec, m, window, dot):
+               block_k, num_warps, n, prefetch, vec, m, window):
     """`gemv` with m > 1: `gemv_rows_kernel` (same launch shape rules as gemv_kernel)."""
     if fp8:
         raise ValueError("gemv: m > 1 needs bf16 weights (got an FP8Weight)")
@@ -689,7 +664,7 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
     block_k = min(block_k or 512, triton.next_power_of_2(k))
     if pro == PRO_GATED:
         block_k = max(block_k, group)
-    block_n = max(block_n or 16, 16 if dot else 1)  # a tensor-core tile has 16 rows at least
+    block_n = block_n or 16
     grid = triton.cdiv(n, block_n)
     dummy = y
     if xn_out is not None:
@@ -708,11 +683,10 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
         aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy,
         window if window is not None else dummy, n, k, w.stride(0), x.stride(0), y.stride(0),
         z.stride(0) if z is not None else 0, stride_a, stride_win, eps, conv_n,
-        M=m, MP=16 if dot else triton.next_power_of_2(m), PRO=pro, EPI=epi, GROUP=group, KC=kc,
+        M=m, MP=triton.next_power_of_2(m), PRO=pro, EPI=epi, GROUP=group, KC=kc,
         KCP=triton.next_power_of_2(max(kc - 1, 1)), STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0), PRE=head_blocks(min(prefetch, 4), k, block_k),
-        VEC=min(8, block_k), DOT=(1 if ASM else 2) if dot else 0, **LAUNCH, num_warps=num_warps,
-        **({"num_stages": 2} if dot else {}))  # three stages of 16 x 1024 tiles overrun shared memory
+        VEC=min(8, block_k), **LAUNCH, num_warps=num_warps)
     return grid
 
 
