@@ -134,7 +134,7 @@ def test_fused_fp8_greedy_equals_eager_dequantized_on_trained(trained_ckpt, tmp_
     launch sequence per token fed back its own token, equal the eager engine on the dequantized
     checkpoint and continue the period."""
     path = make_fp8_checkpoint(trained_ckpt, str(tmp_path / "fp8"), block=128, not_convert=PUBLISHED_NOT_CONVERT)
-    steps = 24
+    steps = 12  # the interpreter's ~3.5 s a step; the 256-step checks run on the H200
     eng, deq = _fp8_engines(path, max_seq_len=128)
     prompt = periodic_prompt(40, seed=3)
     want = deq.generate(prompt, steps + 1)
