@@ -10,20 +10,21 @@ import sys
 from nexrt_vllm.testing.connector_harness import TRAINED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REQUESTS = 60
 
 
-def test_soak_60(ckpt_factory, tmp_path):
+def test_soak_with_faults(ckpt_factory, tmp_path):
     ckpt = ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
     out = tmp_path / "soak.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    r = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--requests", "60", "--prompts", "8",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--requests", str(REQUESTS), "--prompts", "8",
                         "--model", ckpt, "--workdir", str(tmp_path / "run"), "--out", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["passed"] and r.returncode == 0, (rep["checks"], rep["bad"], r.stdout[-2000:])
     assert all(rep["checks"].values())
-    assert sum(rep["outcomes"].values()) == 60 and rep["outcomes"]["ok"] >= 36
+    assert sum(rep["outcomes"].values()) == REQUESTS and rep["outcomes"]["ok"] >= 0.6 * REQUESTS
     assert not rep["bad"] and "bad" not in rep["outcomes"]
     assert rep["outcomes"].get("clean_4xx", 0) >= 1            # the malformed bodies
     end = rep["end_state"]

@@ -6,16 +6,15 @@ where vLLM would pick it, and `test_pack_state_is_the_inverse` covers the format
 import pytest
 import torch
 
+from nexrt_vllm.connector.layouts import CPU_ISA_FORMATS
 from nexrt_vllm.engine.state import AttentionState
 from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.node.convert import unpack_state
 
-ISA_FORMAT = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}  # as connector/worker.py maps them
-
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("isa", sorted(ISA_FORMAT))
+@pytest.mark.parametrize("isa", sorted(CPU_ISA_FORMATS))
 def test_page_interior_matches_vllm_kernel(isa, head_dim):
     from vllm import _custom_ops as ops
 
@@ -32,7 +31,7 @@ def test_page_interior_matches_vllm_kernel(isa, head_dim):
     ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
 
     layer = L.AttentionLayout(0, "bfloat16", tuple(cache.shape[1:]), tuple(cache.stride()[1:]),
-                              kv_format=ISA_FORMAT[isa])
+                              kv_format=CPU_ISA_FORMATS[isa])
     layout = L.Layout({"num_hidden_layers": 1}, bs, (layer,))
     regions = layout.regions(seq_len)
     buf = torch.zeros(P.align_up(regions[0].offset + regions[0].nbytes), dtype=torch.uint8)
