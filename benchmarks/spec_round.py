@@ -145,6 +145,45 @@ def round_groups(sd, nb: dict, reps: int = 20) -> dict:
     return out
 
 
+def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab: int | None = None):
+    """A random-weight engine of shape `key` with a random MTP head, speculating."""
+    eng = DB.random_engine(key, max_len)
+    random_mtp_head(eng)
+    eng.enable_speculative("mtp", num_spec, draft_vocab)
+    return eng
+
+
+def measure_round(eng, tuning, ctx: int, draft_vocab: int | None = None, reps: int = 100) -> dict:
+    """The captured round (and the plain step) under `tuning` at context ctx: median times and the
+    round's launch groups (`round_groups`, bytes counted as `round_bytes`)."""
+    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.spec_graph import SpecRunner
+
+    fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
+    runner = GraphRunner(fused)
+    runner.capture()
+    spec = SpecRunner(runner, eng.speculative, draft_vocab)
+    spec.capture()
+    sd = spec.d
+    eng.state.position.fill_(ctx)
+    nb = round_bytes(sd, ctx, _distinct_experts(sd))
+    g = runner._graph(False)
+    fused.state.position.fill_(ctx)
+    DB.time_replays(g, 5)
+    fused.state.position.fill_(ctx)
+    t_step = statistics.median(DB.time_replays(g, reps))
+    eng.state.position.fill_(ctx)
+    sd.tokens.fill_(1)
+    DB.time_replays(spec.graph, 5)
+    eng.state.position.fill_(ctx)
+    t_round = statistics.median(DB.time_replays(spec.graph, reps))
+    eng.state.position.fill_(ctx)
+    groups = round_groups(sd, nb)
+    del spec, runner, fused, g
+    return {"step_us": t_step * 1e6, "round_us": t_round * 1e6, "round_over_step": t_round / t_step,
+            "groups": {k: v["us_per_round"] for k, v in groups.items()}}
+
+
 def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int, bw: float, tuning=None,
                    graft_dir: str = "", num_spec: int = 3, draft_vocab: int | None = None,
                    breakdown_ctx: int = 8192) -> dict:
@@ -159,10 +198,10 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
     if graft_dir:
         eng, tcfg = DB.graft_engine(key, graft_dir, max_len)
         prompt, seg = DB.periodic_prompt(tcfg.vocab_size)
+        random_mtp_head(eng)
+        eng.enable_speculative("mtp", num_spec, draft_vocab)
     else:
-        eng = DB.random_engine(key, max_len)
-    random_mtp_head(eng)
-    eng.enable_speculative("mtp", num_spec, draft_vocab)
+        eng = spec_engine(key, max_len, num_spec, draft_vocab)
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
     runner = GraphRunner(fused)
     runner.capture()

@@ -71,6 +71,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--candidates", default="", help="a JSON list of Tuning overrides to time instead of the "
                     "dtype's built-in list (lists become tuples), e.g. '[{\"moe_fp8\": [4, 1024, 1]}]'")
+    ap.add_argument("--speculative", action="store_true", help="time the MTP round (benchmarks/spec_round.py, "
+                    "random head, bf16) and its launch groups per candidate instead of the step")
+    ap.add_argument("--draft-vocab", type=int, default=None)
     a = ap.parse_args(argv)
     cands = [{k: _tuples(v) for k, v in c.items()} for c in json.loads(a.candidates)] if a.candidates else \
         CANDIDATES[a.dtype]
@@ -79,27 +82,38 @@ def main(argv=None) -> int:
            "context": a.context, "default": dataclasses.asdict(Tuning()), "shapes": {}}
     for key in a.shapes.split(","):
         t0 = time.time()
-        eng = D.random_engine(key, a.context + 64, a.dtype)
+        if a.speculative:
+            import spec_round as SR
+            eng = SR.spec_engine(key, a.context + 256, draft_vocab=a.draft_vocab)
+
+            def run(t):
+                return SR.measure_round(eng, t, a.context, a.draft_vocab)
+        else:
+            eng = D.random_engine(key, a.context + 64, a.dtype)
+
+            def run(t):
+                return measure(eng, t, a.context)
         D.fill_context(eng, a.context, gen)
         eng.state.set_seq_len(a.context)
-        res = {"default": measure(eng, Tuning(), a.context), "candidates": []}
-        D.log(f"[{key}] built in {time.time() - t0:.0f}s; default step {res['default']['step_us']:.1f} us")
+        res = {"default": run(Tuning()), "candidates": []}
+        D.log(f"[{key}] built in {time.time() - t0:.0f}s; default {res['default']}")
         for over in cands:
             try:
-                m = measure(eng, dataclasses.replace(Tuning(), **over), a.context)
+                m = run(dataclasses.replace(Tuning(), **over))
             except Exception as e:  # noqa: BLE001 - a shape the kernels reject is a result too
                 m = {"error": f"{type(e).__name__}: {e}"}
             res["candidates"].append({"override": over, **m})
-            D.log(f"[{key}] {over}: {m.get('step_us', m.get('error'))}")
+            D.log(f"[{key}] {over}: {m.get('round_us', m.get('step_us', m.get('error')))}")
         out["shapes"][key] = res
         del eng
         torch.cuda.empty_cache()
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
     # the candidate with the least step time summed over the shapes (the defaults included)
-    totals = {"default": sum(r["default"]["step_us"] for r in out["shapes"].values())}
+    key_t = "round_us" if a.speculative else "step_us"
+    totals = {"default": sum(r["default"][key_t] for r in out["shapes"].values())}
     for i, over in enumerate(cands):
-        ts = [r["candidates"][i].get("step_us") for r in out["shapes"].values()]
+        ts = [r["candidates"][i].get(key_t) for r in out["shapes"].values()]
         if None not in ts:
             totals[json.dumps(over)] = sum(ts)
     out["best"] = min(totals, key=totals.get)

@@ -41,10 +41,13 @@ class Tuning:
     `gemv`: (max output rows, block_n, block_k, num_warps), first match wins. Few output rows need
     few rows per program and long K blocks, so that enough programs stream enough bytes each."""
     gemv: tuple = ((4096, 2, 1024, 4), (10000, 8, 256, 4), (1 << 62, 16, 256, 4))
-    # The same rules for the speculative verify's M-row GEMVs (engine/spec_graph.py; () = `gemv`'s) and
-    # its lm_head's rows per program (0 = block_n_lm): the best of a 7-candidate H200 sweep (2B, 8K).
-    gemv_rows: tuple = ((4096, 2, 1024, 4), (10000, 8, 512, 4), (1 << 62, 16, 512, 4))
-    block_n_lm_rows: int = 32
+    # The speculative verify's M-row GEMVs (engine/spec_graph.py): the same rules plus the kernel, as
+    # pipeline stages of the tensor-core kernel (kernels/gemv.py `gemv_rows_dot_kernel`; 0 = the fold
+    # kernel `gemv_rows_kernel`); its GDN out_proj and lm_head as (rows, K block, warps, stages). The
+    # best per launch group of two H200 sweeps (2B, 8K; docs/GPU.md).
+    gemv_rows: tuple = ((4096, 16, 256, 1, 5), (10000, 32, 256, 2, 3), (1 << 62, 32, 256, 2, 3))
+    gemv_gated_rows: tuple = (8, 1024, 8, 0)
+    lm_rows: tuple = (64, 256, 4, 3)
     gemv_gated: tuple = (8, 1024, 8)  # GDN out_proj (gated-norm prologue), by the same sweep
     gemv_router: tuple = (4, 1024, 4)  # MoE router (E+1 rows)
     block_n_lm: int = 16
@@ -98,9 +101,9 @@ class Tuning:
 
     def shape(self, n: int, fp8: bool = False, rows: bool = False) -> dict:
         rules = self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv
-        for max_rows, bn, bk, nw in rules:
+        for max_rows, bn, bk, nw, *dot in rules:
             if n <= max_rows:
-                return {"block_n": bn, "block_k": bk, "num_warps": nw}
+                return {"block_n": bn, "block_k": bk, "num_warps": nw, **({"dot": dot[0]} if rows else {})}
         raise AssertionError("unreachable: the last gemv rule has no row limit")
 
 

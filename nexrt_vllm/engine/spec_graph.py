@@ -80,7 +80,7 @@ class SpecDecoder:
         if c.intermediate_size:
             self.act_dense = z(M, c.intermediate_size)
         self.logits = z(M, V, d=torch.float32)
-        self.lm_rows = dict(f.lm_shape, block_n=f.t.block_n_lm_rows or f.lm_shape["block_n"])
+        self.lm_rows = self._rows_rule(f.lm_head, f.t.lm_rows)
         self.n_part = -(-V // self.lm_rows["block_n"])
         self.pmax, self.pidx = z(M, self.n_part, d=torch.float32), z(M, self.n_part, d=torch.int32)
         self.hn = z(M, H)  # final-normed hidden rows (the lm_head's normed input)
@@ -138,6 +138,10 @@ class SpecDecoder:
         steps += self._draft()
         return steps
 
+    def _rows_rule(self, w, rule: tuple) -> dict:
+        """An M-row GEMV's launch from a (rows, K block, warps, stages) rule (Tuning.lm_rows, gemv_gated_rows)."""
+        return dict(self.f._fit(w, dict(zip(("block_n", "block_k", "num_warps"), rule[:3]))), dot=rule[3])
+
     def _gdn(self, i: int, L: FusedLayer):
         c, g, t, m, eps, M, f = self.cfg, self.f.k_gemv, self.f.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.f
         return [
@@ -153,7 +157,7 @@ class SpecDecoder:
             ("gdn_out_proj", lambda: g.gemv(
                 self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
                 z=self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=M,
-                **f._rule(m.w_out, t.gemv_gated, t.gemv_gated_fp8)))]
+                **self._rows_rule(m.w_out, t.gemv_gated_rows)))]
 
     def _attention(self, L: FusedLayer, x, pos, start, m: int, cos, sin):
         """A full-attention mixer over rows x[:m] at positions pos..pos+m-1 (the target's layers, or the

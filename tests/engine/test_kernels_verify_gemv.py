@@ -1,11 +1,11 @@
-"""The M-row GEMV of the verify pass (`gemv(..., m=M)`, kernels/gemv.py `gemv_rows_kernel`): every
-row against the M = 1 kernel on that row alone and against torch.
+"""The M-row GEMV of the verify pass (`gemv(..., m=M)`, kernels/gemv.py `gemv_rows_kernel` and the
+tensor-core `gemv_rows_dot_kernel`): every row against the M = 1 kernel on that row alone and against torch.
 
 Each prologue x epilogue the decode step launches, for M = 2 and 4 (3 once: padded to 4 rows), with
 and without the prefetched head; x / y / z / the conv window are strided views as the verify's
 buffers are. Outputs are poisoned (NaN) before each launch. The M rows differ from M separate launches
-only in the order of the fp32 sums (one FMA chain per 16-byte run instead of a tree), so the bf16
-outputs agree to a last-place flip: `SAME`.
+only in the order of the fp32 sums (one FMA chain per 16-byte run instead of a tree, or the tensor cores'
+order), so the bf16 outputs agree to a last-place flip: `SAME`.
 """
 import pytest
 import torch
@@ -40,6 +40,20 @@ def rows(t, m, extra=8):
 
 def nan_rows(m, c, dtype=BF):
     return rows(torch.full((m, c), float("nan"), dtype=dtype), m)
+
+
+@pytest.fixture(autouse=True, params=[0, 3], ids=["fold", "dot"])
+def kernel(request, monkeypatch):
+    """Every M-row call of a test on both kernels: the fold kernel (`dot` 0) and the tensor-core one with 3
+    pipeline stages (16 weight rows per program at least)."""
+    orig = gemv.gemv
+
+    def call_m(*a, **kw):
+        if kw.get("m", 1) > 1 and request.param and "dot" not in kw:
+            kw = dict(kw, dot=request.param, block_n=max(kw.get("block_n") or 16, 16))
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(gemv, "gemv", call_m)
 
 
 MS = pytest.mark.parametrize("m", [2, 4])
@@ -262,6 +276,8 @@ def test_m_rows_rejects_fp8_and_bad_shapes():
     w = torch.zeros(32, 64, dtype=BF)
     with pytest.raises(ValueError, match="m must be 1..4"):
         gemv.gemv(torch.zeros(5, 64, dtype=BF), w, torch.zeros(5, 32, dtype=BF), m=5)
+    with pytest.raises(ValueError, match="block_n and block_k >= 16"):
+        gemv.gemv(x, w, y, m=2, dot=2, block_n=8)
     with pytest.raises(ValueError, match="window"):
         gemv.gemv(x, w, y, epi=gemv.EPI_CONV, aux0=torch.zeros(16, 3, dtype=BF), aux1=torch.zeros(16, 4, dtype=BF),
                   conv_n=16, m=2)

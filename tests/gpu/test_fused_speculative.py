@@ -20,8 +20,10 @@ kernels.load(interpret=True)
 torch.set_num_threads(1)
 K = 3  # drafts per round: M = 4
 # Few, large programs: the interpreter's cost is per program, not per element.
-CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128, 4),), gemv_gated=(64, 128, 4),
-                    gemv_router=(64, 128, 4), prefetch=0, block_n_lm=128, block_n_lm_rows=128, attn_splits=2,
+# The verify's GEMVs on the tensor-core kernel (2 stages), its GDN out_proj on the fold kernel, as on the H200.
+CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128, 4, 2),), gemv_gated=(64, 128, 4),
+                    gemv_gated_rows=(64, 128, 4, 0), gemv_router=(64, 128, 4), prefetch=0, block_n_lm=128,
+                    lm_rows=(128, 128, 4, 2), attn_splits=2,
                     attn_block=32, gdn_block_v=64, moe_block_n=64, moe_block_k=128, moe_down_block_n=64,
                     moe_down_block_k=64)
 

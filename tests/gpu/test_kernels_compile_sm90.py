@@ -36,7 +36,7 @@ LP_TYPES = {"logits_ptr": "*fp32", "tmax_ptr": "*fp32", "tsum_ptr": "*fp32", "to
             "flag_ptr": "*i64", "status_ptr": "*i64"}
 
 
-def compile_(fn, consts, num_warps=4, types=None, aligned=()):
+def compile_(fn, consts, num_warps=4, types=None, aligned=(), **options):
     names = list(fn.arg_names)
     sig = {}
     for n in names:
@@ -54,14 +54,16 @@ def compile_(fn, consts, num_warps=4, types=None, aligned=()):
     # runtime does for the real shapes: what lets loads vectorize.
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
     ptx = k.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     return {"griddep": ptx.count("griddepcontrol"),
             "loads_before_wait": ptx[:wait].count("ld.global") if wait >= 0 else None, "cubin_bytes": len(k.asm["cubin"]),
             "fence_sys": ptx.count("fence.sc.sys"), "volatile_loads": ptx.count("ld.volatile"),
             "e4m3_cvt": ptx.count("cvt.rn.f16x2.e4m3x2"),
-            "evict_first_v4": ptx.count("ld.global.L1::evict_first.L2::cache_hint.v4.b32")}
+            "evict_first_v4": ptx.count("ld.global.L1::evict_first.L2::cache_hint.v4.b32"),
+            "cp_async": ptx.count("cp.async.cg.shared.global"), "wgmma": ptx.count("wgmma.mma_async"),
+            "mma": ptx.count("mma.sync.aligned")}
 
 
 G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8)
@@ -107,6 +109,7 @@ FP8_VARIANTS = [
 # The speculative round (engine/spec_graph.py) at M = 4 verify rows, the 2B / 35B-A3B shapes at the Tuning defaults.
 R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, M=4, MP=4)
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
+RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1)
 ARGMAX = {"y_ptr": "*fp32", "aux0_ptr": "*fp32", "aux1_ptr": "*i32"}
 SPEC_T = {"rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
           "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
@@ -125,6 +128,13 @@ SPEC_VARIANTS = [
     ("rows_router_xn_prefetch", gemv.gemv_rows_kernel,
      dict(R, PRO=1, EPI=0, STORE_XN=True, BLOCK_N=4, BLOCK_K=1024, PRE=2), 4, {}, ALIGN_R),
     ("rows_m3_conv", gemv.gemv_rows_kernel, dict(R, M=3, MP=4, PRO=1, EPI=3, BLOCK_N=8, PRE=0), 4, {}, ALIGN_R),
+    # the tensor-core M-row kernel at the Tuning defaults (gemv_rows, lm_rows: rows, K block, warps, stages)
+    ("rows_dot_swiglu", gemv.gemv_rows_dot_kernel, dict(RD, PRO=1, EPI=2, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
+    ("rows_dot_residual", gemv.gemv_rows_dot_kernel, dict(RD, PRO=0, EPI=1, KP=8192, STAGES=5), 1, {}, ALIGN_R),
+    ("rows_dot_conv", gemv.gemv_rows_dot_kernel, dict(RD, PRO=1, EPI=3, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
+    ("rows_dot_lm_head_argmax_xn", gemv.gemv_rows_dot_kernel,
+     dict(RD, PRO=1, EPI=4, STORE_XN=True, BLOCK_N=64, STAGES=3), 4, ARGMAX, ALIGN_R),
+    ("rows_dot_m3_qkv", gemv.gemv_rows_dot_kernel, dict(RD, M=3, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
     ("qk_rope_cache_m", attention.qk_rope_cache_m_kernel, dict(H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
      SPEC_T, ()),
     ("attn_verify_scores", attention.attn_verify_scores_kernel, AV, 4, SPEC_T, ()),
@@ -181,8 +191,10 @@ for pdl in (False, True):
     ]:
         out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, dict(consts, **on), nw, LP_TYPES)
     for name, fn, consts, nw, types, aligned in FP8_VARIANTS + SPEC_VARIANTS:
-        out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, dict(consts, **on), nw, types,
-                                                         [a for a in aligned if a in fn.arg_names])
+        consts = dict(consts, **on)
+        stages = {"num_stages": consts.pop("STAGES")} if "STAGES" in consts else {}
+        out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, consts, nw, types,
+                                                         [a for a in aligned if a in fn.arg_names], **stages)
 json.dump(out, sys.stdout)
 '''
 
@@ -197,7 +209,16 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 50 + 30 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 50 + 30 + 50 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+
+
+def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
+    """The tensor-core M-row kernel: its weight tiles go global -> shared by asynchronous copies (the
+    compiler's software pipeline) into tensor-core MMAs (warpgroup or warp)."""
+    dots = {k: v for k, v in compiled.items() if k.startswith("rows_dot_")}
+    assert len(dots) == 10
+    for name, v in dots.items():
+        assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
 
 
 def test_fp8_kernels_stream_e4m3_in_16_byte_loads(compiled):

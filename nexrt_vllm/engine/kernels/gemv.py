@@ -27,7 +27,7 @@ from the live conv state without writing it, into a window the commit picks the 
 import triton
 import triton.language as tl
 
-from .common import LAUNCH, pdl_begin
+from .common import ASM, LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 
@@ -577,6 +577,62 @@ def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win
                    pid, CONV_N, EPI, KC, KCP)
 
 
+@triton.jit
+def _dot_t(w, xt, acc, DOT: tl.constexpr):
+    """acc [BLOCK_N, MP] + w [BLOCK_N, BLOCK_K] (bf16) @ xt [BLOCK_K, MP] (bf16 values in fp32): DOT 1 on the
+    tensor cores (bf16 operands, fp32 sums; exact products); DOT 2 as fp32 "ieee" (the interpreter,
+    whose bf16 dot reads raw bits): the same products either way."""
+    if DOT == 1:
+        out = tl.dot(w, xt.to(tl.bfloat16), acc)
+    else:
+        out = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
+    return out
+
+
+@triton.jit
+def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win_ptr,
+                         N, K, stride_w, stride_x, stride_y, stride_z, stride_a, stride_win, eps, CONV_N,
+                         M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr,
+                         GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr,
+                         KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         DOT: tl.constexpr, PDL: tl.constexpr):
+    """`gemv_rows_kernel` through the tensor cores with the weight as the left operand: acc [BLOCK_N, MP] =
+    W[rows] @ x^T (the compiler pads the MP columns to the instruction's). Each weight tile goes from the load
+    straight into the product, so the compiler streams it through shared memory in pipeline stages
+    (num_stages); the x rows take the prologue per K block. Same epilogues (`_epilogue_rows`)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    jrow = tl.arange(0, MP)
+    jm = jrow < M
+    pdl_begin(PDL)
+    rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
+    acc_u = acc
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        cmask = cols < K
+        if EVEN_K:
+            wmask = rmask[:, None]
+        else:
+            wmask = rmask[:, None] & cmask[None, :]
+        wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
+        w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
+        xv = _load_x_rows(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, PRO, GROUP,
+                          BLOCK_K)
+        if STORE_XN:  # program 0 leaves the normed rows (z_ptr) for a later launch (MoE experts)
+            tl.store(z_ptr + jrow[:, None] * stride_z + cols[None, :], xv.to(z_ptr.dtype.element_ty),
+                     mask=jm[:, None] & cmask[None, :] & ((tl.zeros_like(cols) + pid) == 0)[None, :])
+        xt = tl.trans(xv)
+        acc = _dot_t(w, xt, acc, DOT)
+        if EPI == 2:
+            wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
+            acc_u = _dot_t(wu, xt, acc_u, DOT)
+    _epilogue_rows(tl.trans(acc), tl.trans(acc_u), y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr,
+                   stride_win, jrow, jm, rows, rmask, pid, CONV_N, EPI, KC, KCP)
+
+
 def head_blocks(prefetch: int, k: int, block_k: int) -> int:
     """K blocks a program loads ahead of its wait: at most `prefetch` and the whole blocks of K, a power of two."""
     n = min(prefetch, k // block_k)
@@ -590,7 +646,7 @@ def fold_vec(vec: int, elem_bytes: int, block_k: int) -> int:
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
          conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False,
-         prefetch=0, vec=0, m=1, window=None):
+         prefetch=0, vec=0, m=1, window=None, dot=0):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
     optionally a bf16 tail; `round_w`: see _acc's ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
     N = rows of y); `prefetch`: K blocks of W (bf16 or e4m3) each program loads before it waits on the
@@ -604,12 +660,13 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     state aux0 (read only) and fills `window` [conv_n, kc-1+m] (bf16, any row stride) with the state
     and the m new inputs (`model.gdn_verify`'s window: token j's conv input is window[:, j:j+kc]).
     With m > 1 each thread always folds its 16-byte runs (`vec` is not used: elementwise
-    accumulators for m rows would not fit in registers) and `prefetch` is cut to 4 blocks."""
+    accumulators for m rows would not fit in registers) and `prefetch` is cut to 4 blocks. `dot` > 0:
+    `gemv_rows_dot_kernel` (tensor cores, >= 16 weight rows per program) with `dot` pipeline stages."""
     fp8 = hasattr(w, "scale")
     if m != 1:
         return _gemv_rows(x, w, y, fp8, pro=pro, epi=epi, norm_w=norm_w, z=z, aux0=aux0, aux1=aux1, eps=eps,
                           conv_n=conv_n, group=group, kc=kc, xn_out=xn_out, block_n=block_n, block_k=block_k,
-                          num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window)
+                          num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window, dot=dot)
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
     block_k = min(block_k or 512, triton.next_power_of_2(k))
@@ -649,7 +706,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
 
 
 def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, group, kc, xn_out, block_n,
-               block_k, num_warps, n, prefetch, vec, m, window):
+               block_k, num_warps, n, prefetch, vec, m, window, dot):
     """`gemv` with m > 1: `gemv_rows_kernel` (same launch shape rules as gemv_kernel)."""
     if fp8:
         raise ValueError("gemv: m > 1 needs bf16 weights (got an FP8Weight)")
@@ -665,6 +722,9 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
     if pro == PRO_GATED:
         block_k = max(block_k, group)
     block_n = block_n or 16
+    if dot and (block_n < 16 or block_k < 16):
+        raise ValueError(f"gemv: the tensor-core M-row kernel needs block_n and block_k >= 16 (got {block_n}, "
+                         f"{block_k})")
     grid = triton.cdiv(n, block_n)
     dummy = y
     if xn_out is not None:
@@ -678,17 +738,19 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
         if window is None or window.shape[0] < conv_n or window.shape[1] < kc - 1 + m or window.stride(1) != 1:
             raise ValueError(f"gemv: EPI_CONV with m > 1 needs window [{conv_n}, {kc - 1 + m}]")
         stride_win = window.stride(0)
-    gemv_rows_kernel[(grid,)](
-        x, w, y, norm_w if norm_w is not None else dummy, z if z is not None else dummy,
-        aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy,
-        window if window is not None else dummy, n, k, w.stride(0), x.stride(0), y.stride(0),
-        z.stride(0) if z is not None else 0, stride_a, stride_win, eps, conv_n,
-        M=m, MP=triton.next_power_of_2(m), PRO=pro, EPI=epi, GROUP=group, KC=kc,
-        KCP=triton.next_power_of_2(max(kc - 1, 1)), STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0), PRE=head_blocks(min(prefetch, 4), k, block_k),
-        VEC=min(8, block_k), **LAUNCH, num_warps=num_warps)
+    args = (x, w, y, norm_w if norm_w is not None else dummy, z if z is not None else dummy,
+            aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy,
+            window if window is not None else dummy, n, k, w.stride(0), x.stride(0), y.stride(0),
+            z.stride(0) if z is not None else 0, stride_a, stride_win, eps, conv_n)
+    common = dict(M=m, MP=triton.next_power_of_2(m), PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
+                  STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
+                  EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
+    if dot:
+        gemv_rows_dot_kernel[(grid,)](*args, DOT=1 if ASM else 2, num_stages=dot, **common)
+        return grid
+    gemv_rows_kernel[(grid,)](*args, PRE=head_blocks(min(prefetch, 4), k, block_k), VEC=min(8, block_k), **common)
     return grid
 
 
-__all__ = ["gemv", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "head_blocks", "fold_vec", "PRO_NONE",
-           "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL", "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX"]
+__all__ = ["gemv", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel", "head_blocks",
+           "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL", "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX"]
