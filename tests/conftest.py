@@ -50,8 +50,11 @@ def trained_ckpt(ckpt_factory):
 
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory):
-    """Returns make(arch, dtype="bfloat16", **overrides) -> path, cached per argument set."""
-    from nexrt_vllm.testing import make_checkpoint
+    """Returns make(arch, dtype="bfloat16", **overrides) -> path, cached per argument set; a trained
+    checkpoint comes from the repository's store when it holds that recipe (testing/stored.py)."""
+    import shutil
+
+    from nexrt_vllm.testing import make_checkpoint, stored
 
     cache = {}
 
@@ -59,11 +62,13 @@ def ckpt_factory(tmp_path_factory):
         key = (arch, dtype, tuple(sorted(overrides.items())))
         if key not in cache:
             d = tmp_path_factory.mktemp(f"ckpt_{arch}_{dtype}")
-            if overrides.get("mtp"):
+            kept = stored.lookup(arch, dtype, overrides)
+            if kept:
+                shutil.copytree(kept, str(d), dirs_exist_ok=True)
+                cache[key] = str(d)
+            elif overrides.get("mtp"):
                 # the same checkpoint as make_checkpoint(mtp=True) writes, from the cached one without
                 # the head: a trained model is trained once per session
-                import shutil
-
                 from nexrt_vllm.testing.mtp_head import add_mtp_head
                 rest = {k: v for k, v in overrides.items() if k != "mtp"}
                 shutil.copytree(make(arch, dtype, **rest), str(d), dirs_exist_ok=True)
