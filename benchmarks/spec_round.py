@@ -145,6 +145,33 @@ def round_groups(sd, nb: dict, reps: int = 20) -> dict:
     return out
 
 
+def capture(eng, tuning, draft_vocab: int | None):
+    """The fused step graph and the round graph of a speculating engine under `tuning`: (fused, runner, spec)."""
+    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.spec_graph import SpecRunner
+
+    fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
+    runner = GraphRunner(fused)
+    runner.capture()
+    spec = SpecRunner(runner, eng.speculative, draft_vocab)
+    spec.capture()
+    return fused, runner, spec
+
+
+def time_step_and_round(eng, fused, g_plain, spec, ctx: int, reps: int) -> tuple[float, float]:
+    """Median device time (s) of the plain step graph and of the round graph, each from position ctx."""
+    fused.state.position.fill_(ctx)
+    fused.tok.fill_(1)
+    DB.time_replays(g_plain, 5)
+    fused.state.position.fill_(ctx)
+    t_step = statistics.median(DB.time_replays(g_plain, reps))
+    eng.state.position.fill_(ctx)
+    spec.d.tokens.fill_(1)
+    DB.time_replays(spec.graph, 5)
+    eng.state.position.fill_(ctx)
+    return t_step, statistics.median(DB.time_replays(spec.graph, reps))
+
+
 def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab: int | None = None):
     """A random-weight engine of shape `key` with a random MTP head, speculating."""
     eng = DB.random_engine(key, max_len)
@@ -156,27 +183,12 @@ def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab: int | No
 def measure_round(eng, tuning, ctx: int, draft_vocab: int | None = None, reps: int = 100) -> dict:
     """The captured round (and the plain step) under `tuning` at context ctx: median times and the
     round's launch groups (`round_groups`, bytes counted as `round_bytes`)."""
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
-    from nexrt_vllm.engine.spec_graph import SpecRunner
-
-    fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
-    runner = GraphRunner(fused)
-    runner.capture()
-    spec = SpecRunner(runner, eng.speculative, draft_vocab)
-    spec.capture()
+    fused, runner, spec = capture(eng, tuning, draft_vocab)
     sd = spec.d
     eng.state.position.fill_(ctx)
     nb = round_bytes(sd, ctx, _distinct_experts(sd))
     g = runner._graph(False)
-    fused.state.position.fill_(ctx)
-    DB.time_replays(g, 5)
-    fused.state.position.fill_(ctx)
-    t_step = statistics.median(DB.time_replays(g, reps))
-    eng.state.position.fill_(ctx)
-    sd.tokens.fill_(1)
-    DB.time_replays(spec.graph, 5)
-    eng.state.position.fill_(ctx)
-    t_round = statistics.median(DB.time_replays(spec.graph, reps))
+    t_step, t_round = time_step_and_round(eng, fused, g, spec, ctx, reps)
     eng.state.position.fill_(ctx)
     groups = round_groups(sd, nb)
     del spec, runner, fused, g
@@ -187,9 +199,7 @@ def measure_round(eng, tuning, ctx: int, draft_vocab: int | None = None, reps: i
 def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int, bw: float, tuning=None,
                    graft_dir: str = "", num_spec: int = 3, draft_vocab: int | None = None,
                    breakdown_ctx: int = 8192) -> dict:
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
     from nexrt_vllm.engine.sampling import SamplingParams
-    from nexrt_vllm.engine.spec_graph import SpecRunner
 
     t0 = time.time()
     M = num_spec + 1
@@ -202,11 +212,7 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
         eng.enable_speculative("mtp", num_spec, draft_vocab)
     else:
         eng = spec_engine(key, max_len, num_spec, draft_vocab)
-    fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
-    runner = GraphRunner(fused)
-    runner.capture()
-    spec = SpecRunner(runner, eng.speculative, draft_vocab)
-    spec.capture()
+    fused, runner, spec = capture(eng, tuning, draft_vocab)
     sd = spec.d
     DB.log(f"[{key}/mtp] built + captured in {time.time() - t0:.1f}s; GPU mem "
            f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; {len(sd.plan())} launches per round")
@@ -247,16 +253,7 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
         distinct = _distinct_experts(sd)
         nb_round = round_bytes(sd, ctx, distinct)
         nb_step = DB.bytes_per_step(fused, ctx)
-        fused.state.position.fill_(ctx)
-        fused.tok.fill_(1)
-        DB.time_replays(g_plain, 5)
-        fused.state.position.fill_(ctx)
-        t_step = statistics.median(DB.time_replays(g_plain, steps))
-        eng.state.position.fill_(ctx)
-        sd.tokens.fill_(1)
-        DB.time_replays(spec.graph, 5)
-        eng.state.position.fill_(ctx)
-        t_round = statistics.median(DB.time_replays(spec.graph, steps))
+        t_step, t_round = time_step_and_round(eng, fused, g_plain, spec, ctx, steps)
         row = {"context": ctx, "steps": steps, "step_ms": t_step * 1e3, "round_ms": t_round * 1e3,
                "round_over_step": t_round / t_step, "bytes_per_step": nb_step["total"],
                "bytes_per_round": nb_round["total"], "bytes_round_breakdown": nb_round,
