@@ -23,6 +23,8 @@ M rows (`gemv_rows_kernel`, `gemv(..., m=M)`, M <= 4: the MTP verify pass, token
 bf16 weight tile is loaded once and multiplied by every row of x, so a verify streams W's bytes once
 for all M rows. Same prologues and epilogues per row; the conv epilogue runs the M tokens in order
 from the live conv state without writing it, into a window the commit picks the new state from.
+`gemv_rows_dot_kernel` does the same on the tensor cores, the weight tile as the left operand of the
+product (the compiler then streams it through shared memory in pipeline stages).
 """
 import triton
 import triton.language as tl
@@ -707,7 +709,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
 
 def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, group, kc, xn_out, block_n,
                block_k, num_warps, n, prefetch, vec, m, window, dot):
-    """`gemv` with m > 1: `gemv_rows_kernel` (same launch shape rules as gemv_kernel)."""
+    """`gemv` with m > 1: `gemv_rows_kernel`, or `gemv_rows_dot_kernel` with `dot` pipeline stages."""
     if fp8:
         raise ValueError("gemv: m > 1 needs bf16 weights (got an FP8Weight)")
     if not 1 <= m <= 4:
@@ -742,8 +744,8 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
             aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy,
             window if window is not None else dummy, n, k, w.stride(0), x.stride(0), y.stride(0),
             z.stride(0) if z is not None else 0, stride_a, stride_win, eps, conv_n)
-    common = dict(M=m, MP=triton.next_power_of_2(m), PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
-                  STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
+    common = dict(M=m, MP=triton.next_power_of_2(m), PRO=pro, EPI=epi, GROUP=group, KC=kc,
+                  KCP=triton.next_power_of_2(max(kc - 1, 1)), STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
                   EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
     if dot:
         gemv_rows_dot_kernel[(grid,)](*args, DOT=1 if ASM else 2, num_stages=dot, **common)
@@ -753,4 +755,5 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
 
 
 __all__ = ["gemv", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel", "head_blocks",
-           "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL", "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX"]
+           "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL", "EPI_SWIGLU", "EPI_CONV",
+           "EPI_ARGMAX"]
