@@ -101,9 +101,9 @@ class Tuning:
 
     def shape(self, n: int, fp8: bool = False, rows: bool = False) -> dict:
         rules = self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv
-        for max_rows, bn, bk, nw, *dot in rules:
+        for max_rows, bn, bk, nw, *dot in rules:  # `dot`: the rows rules' 5th field (absent: the fold kernel)
             if n <= max_rows:
-                return {"block_n": bn, "block_k": bk, "num_warps": nw, **({"dot": dot[0]} if rows else {})}
+                return {"block_n": bn, "block_k": bk, "num_warps": nw, **({"dot": (dot or [0])[0]} if rows else {})}
         raise AssertionError("unreachable: the last gemv rule has no row limit")
 
 

@@ -57,19 +57,9 @@ def recipes() -> list[tuple[str, str, dict]]:
             + [("qwen3_next", "bfloat16", AGENTS_TRAINED)])
 
 
-def build(arch: str, dtype: str, overrides: dict, path: str) -> str:
-    """Train the recipe into `path` as `ckpt_factory` would: the model, then (mtp) its head."""
-    from . import make_checkpoint
-    from .mtp_head import add_mtp_head
-    rest = {k: v for k, v in overrides.items() if k != "mtp"}
-    make_checkpoint(path, arch=arch, dtype=dtype, **rest)
-    if overrides.get("mtp"):
-        add_mtp_head(path, train=rest.get("train") == "periodic", seed=rest.get("seed", 0),
-                     init_std=rest.get("init_std", 0.06))
-    return path
-
-
 def main(argv=None) -> int:
+    from . import make_checkpoint  # with mtp=True: the model, then its head, as ckpt_factory derives it
+
     os.makedirs(STORE, exist_ok=True)
     want = {digest(recipe(*r)): r for r in recipes()}
     for name in sorted(os.listdir(STORE)):
@@ -82,7 +72,7 @@ def main(argv=None) -> int:
             continue
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        build(arch, dtype, overrides, tmp)
+        make_checkpoint(tmp, arch=arch, dtype=dtype, **overrides)
         with open(os.path.join(tmp, "recipe.json"), "w") as f:
             json.dump(recipe(arch, dtype, overrides), f, indent=1, sort_keys=True)
         os.replace(tmp, path)

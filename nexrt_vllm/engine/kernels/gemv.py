@@ -451,17 +451,26 @@ def _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
+def _x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, pid, PRO: tl.constexpr,
+             GROUP: tl.constexpr, STORE_XN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The x rows of one K block after the prologue (`_load_x_rows`); with STORE_XN program 0 also leaves
+    them at z_ptr for a later launch (the MoE experts' normed input)."""
+    xv = _load_x_rows(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, PRO, GROUP, BLOCK_K)
+    if STORE_XN:
+        tl.store(z_ptr + jrow[:, None] * stride_z + cols[None, :], xv.to(z_ptr.dtype.element_ty),
+                 mask=jm[:, None] & cmask[None, :] & ((tl.zeros_like(cols) + pid) == 0)[None, :])
+    return xv
+
+
+@triton.jit
 def _block_rows(acc, acc_u, w, wu, k0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd, eps, pid, K,
                 PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
                 BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """One K block (columns k0..) of the rows: the prologue's x rows, xn stored by program 0, and the
     loaded weight tile(s) [1, BLOCK_N, BLOCK_K] folded into acc (acc_u: SwiGLU up rows)."""
     cols = k0 + tl.arange(0, BLOCK_K)
-    cmask = cols < K
-    xv = _load_x_rows(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, PRO, GROUP, BLOCK_K)
-    if STORE_XN:  # program 0 leaves the normed rows (z_ptr) for a later launch (MoE experts)
-        tl.store(z_ptr + jrow[:, None] * stride_z + cols[None, :], xv.to(z_ptr.dtype.element_ty),
-                 mask=jm[:, None] & cmask[None, :] & ((tl.zeros_like(cols) + pid) == 0)[None, :])
+    xv = _x_block(x_ptr, stride_x, jrow, jm, cols, cols < K, nw_ptr, z_ptr, stride_z, rstd, eps, pid, PRO, GROUP,
+                  STORE_XN, BLOCK_K)
     acc = _fold_rows(acc, w, xv[:, None, :], VEC)
     if EPI == 2:
         acc_u = _fold_rows(acc_u, wu, xv[:, None, :], VEC)
@@ -621,12 +630,8 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
             wmask = rmask[:, None] & cmask[None, :]
         wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
         w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
-        xv = _load_x_rows(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, PRO, GROUP,
-                          BLOCK_K)
-        if STORE_XN:  # program 0 leaves the normed rows (z_ptr) for a later launch (MoE experts)
-            tl.store(z_ptr + jrow[:, None] * stride_z + cols[None, :], xv.to(z_ptr.dtype.element_ty),
-                     mask=jm[:, None] & cmask[None, :] & ((tl.zeros_like(cols) + pid) == 0)[None, :])
-        xt = tl.trans(xv)
+        xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, pid, PRO,
+                               GROUP, STORE_XN, BLOCK_K))
         acc = _dot_t(w, xt, acc, DOT)
         if EPI == 2:
             wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
@@ -745,8 +750,9 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
             window if window is not None else dummy, n, k, w.stride(0), x.stride(0), y.stride(0),
             z.stride(0) if z is not None else 0, stride_a, stride_win, eps, conv_n)
     common = dict(M=m, MP=triton.next_power_of_2(m), PRO=pro, EPI=epi, GROUP=group, KC=kc,
-                  KCP=triton.next_power_of_2(max(kc - 1, 1)), STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-                  EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
+                  KCP=triton.next_power_of_2(max(kc - 1, 1)), STORE_XN=xn_out is not None,
+                  KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
+                  **LAUNCH, num_warps=num_warps)
     if dot:
         gemv_rows_dot_kernel[(grid,)](*args, DOT=1 if ASM else 2, num_stages=dot, **common)
         return grid
