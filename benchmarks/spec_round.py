@@ -7,8 +7,8 @@ the distinct experts the M rows select, measured per layer on this run's tokens)
 read and M rows written, each GDN layer's state read once and written after each of the M positions,
 the commit (one state read and written), the head's M-row pass and chained steps (its fc, layer,
 experts and the lm_head rows it reads: `draft_vocab`). An expert two rows choose is counted once
-(the verify's experts launch runs per row, so it reads such an expert twice: the bytes are what the
-round needs, its time what the kernels take). Effective tok/s = acceptance length / round
+(the experts launch runs all rows at once, their programs reading such an expert's tiles together:
+the bytes are what the round needs, its time what the kernels take). Effective tok/s = acceptance length / round
 time: computed from the measured round time, not measured with a trained head (the random and
 grafted heads here draft badly; the measured acceptance is reported beside it).
 """
@@ -40,7 +40,7 @@ def random_mtp_head(eng, seed: int = 5) -> None:
 
 
 def _distinct_experts(sd) -> dict[int | str, int]:
-    """Run one round launch by launch; after a layer's last MoE experts launch (one per row), the distinct
+    """Run one round launch by launch; after a layer's MoE experts launch (all rows), the distinct
     experts its rows chose (verify layers by index; "draft": the head's M-row pass)."""
     out = {}
     with sd.f.launch_options():
@@ -88,8 +88,6 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
                 b = M * c.hidden_size * sd.f.embed.element_size()
             elif group == "lm_head+argmax":
                 b = nb(sd.f.lm_head)
-            elif group == "moe_experts":  # one launch per row: the layer's distinct experts, split over them
-                b = layer_bytes(group, sd.f.layers[s.layer], M, n, distinct.get(s.layer, k)) // M
             else:
                 b = layer_bytes(group, sd.f.layers[s.layer], M, n, distinct.get(s.layer, k))
         elif s.group == "commit":
@@ -105,7 +103,7 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
                 b = 0
             else:
                 n_e = (head_e if rows > 1 else k) if isinstance(sd.head.ffn, MoEFFN) else 0
-                b = layer_bytes(group, sd.head, rows, n, n_e) // (rows if group == "moe_experts" else 1)
+                b = layer_bytes(group, sd.head, rows, n, n_e)
         else:  # accept: the partials
             b = 0
         out[s.group] = out.get(s.group, 0) + b

@@ -7,8 +7,9 @@ host value in it:
    projection is an M-row GEMV (each weight tile read once for the M rows); GDN layers run the M
    tokens in order from the live state, which they leave untouched, keeping the conv inputs and the
    recurrent state after each position (`VerifyScratch`); attention writes the M K/V rows and
-   attends causally among them; MoE routes the M rows in one launch and runs the step's experts
-   launch per row (an expert two rows choose is read twice). The lm_head leaves per-row argmax partials and
+   attends causally among them; MoE routes the M rows in one launch and runs all M rows' experts
+   in the step's two launches with a row grid axis (an expert two rows choose is read by both at
+   once, mostly from L2). The lm_head leaves per-row argmax partials and
    the final-normed hidden rows (the head's input).
 2. accept (`kernels/spec.accept`): the target's tokens y, a = the leading drafts equal to them;
    y_0..y_a go to the control ring, then the round record; position += a + 1; y_a is the next
@@ -181,18 +182,19 @@ class SpecDecoder:
     def _ffn(self, L: FusedLayer, x, m: int):
         c, g, t, ff, eps, f = self.cfg, self.f.k_gemv, self.f.t, L.ffn, self.cfg.rms_norm_eps, self.f
         if isinstance(ff, MoEFFN):
-            # the router over the m rows in one launch; the experts one row at a time with the step's own
-            # launch (measured on the H200: an m-row experts kernel streamed at 0.49 TB/s, these at 2.8)
-            def experts(j):
-                return lambda: f.k_moe.moe_experts(
-                    self.xn[j], x[j], self.router_logits[j], ff.gate_up, ff.s_gate_up, ff.down, ff.s_down,
-                    self.act[j], self.ids[j], self.wts[j], top_k=c.num_experts_per_tok, block_n=t.moe_block_n,
-                    block_k=t.moe_block_k, down_block_n=t.moe_down_block_n, down_block_k=t.moe_down_block_k,
-                    num_warps=t.moe_warps, down_num_warps=t.moe_down_warps, norm_topk=c.norm_topk_prob, vec=t.vec)
+            # the router over the m rows in one launch; the experts of all m rows in the step's two launches
+            # with a row grid axis (each program one row's slot: the step's one-row arithmetic; an expert
+            # several rows chose is read by their programs at once, so mostly from L2)
+            xs = (lambda b: b[:m]) if m > 1 else (lambda b: b[0])  # noqa: E731
             return [("moe_router", lambda: g.gemv(
                         x, ff.w_router, self.router_logits[:m], pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
-                        xn_out=self.xn[:m], m=m, **f._rule(ff.w_router, t.gemv_router, t.gemv_router_fp8)))] + [
-                    ("moe_experts", experts(j)) for j in range(m)]
+                        xn_out=self.xn[:m], m=m, **f._rule(ff.w_router, t.gemv_router, t.gemv_router_fp8))),
+                    ("moe_experts", lambda: f.k_moe.moe_experts(
+                        xs(self.xn), xs(x), xs(self.router_logits), ff.gate_up, ff.s_gate_up, ff.down, ff.s_down,
+                        xs(self.act), xs(self.ids), xs(self.wts), top_k=c.num_experts_per_tok,
+                        block_n=t.moe_block_n, block_k=t.moe_block_k, down_block_n=t.moe_down_block_n,
+                        down_block_k=t.moe_down_block_k, num_warps=t.moe_warps, down_num_warps=t.moe_down_warps,
+                        norm_topk=c.norm_topk_prob, vec=t.vec))]
         return [
             ("mlp_gate_up+swiglu", lambda: g.gemv(
                 x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,

@@ -278,6 +278,38 @@ def test_moe_experts_selected_only(topk, shape):
     assert rel(d(res), d(ref)) < 2e-2, rel(d(res), d(ref))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_moe_experts_rows_equal_one_row_launches(fmt):
+    """The verify's M rows in one gate_up + one down launch leave exactly what M one-row launches leave:
+    residual rows, ids, weights and act rows (rows 0 and 2 share a routing, so experts repeat)."""
+    from nexrt_vllm.engine.fp8 import quantize_weight
+
+    g = torch.Generator().manual_seed(11)
+    E, hid, inter, inter_s, topk, m = 16, 64, 32, 48, 3, 3
+    w8 = lambda *s: (torch.randn(*s, generator=g) * 0.2)  # noqa: E731
+    q = (lambda w: quantize_weight(w, (16, 32))) if fmt == "fp8" else (lambda w: w.to(BF))  # noqa: E731
+    gu, dn, sgu, sdn = q(w8(E, 2 * inter, hid)), q(w8(E, hid, inter)), q(w8(2 * inter_s, hid)), q(w8(hid, inter_s))
+    xn = torch.randn(m, hid, generator=g).to(BF)
+    lg = torch.randn(m, E + 1, generator=g).to(BF)
+    lg[2], xn[2] = lg[0], xn[0] + 1  # the same experts, other inputs
+    res0 = torch.randn(m, hid, generator=g).to(BF)
+    shape = dict(top_k=topk, block_n=8, block_k=32, down_block_n=4, down_block_k=16, num_warps=4, down_num_warps=4)
+
+    def bufs():
+        return (res0.clone(), nan_like(torch.empty(m, (topk + 1) * inter_s, dtype=BF)),
+                torch.full((m, topk), -1, dtype=torch.int32), nan_like(torch.empty(m, topk)))
+
+    res1, act1, ids1, wts1 = bufs()
+    for j in range(m):
+        call(moe.moe_experts, xn[j], res1[j], lg[j], gu, sgu, dn, sdn, act1[j], ids1[j], wts1[j], **shape)
+    res, act, ids, wts = bufs()
+    call(moe.moe_experts, xn, res, lg, gu, sgu, dn, sdn, act, ids, wts, **shape)
+    assert torch.equal(ids, ids1) and ids[0].tolist() == ids[2].tolist()
+    assert torch.equal(wts, wts1) and torch.equal(res, res1)
+    torch.testing.assert_close(act, act1, rtol=0, atol=0, equal_nan=True)  # routed slots leave I..IMAX unwritten
+    assert not torch.equal(res[0], res0[0])
+
+
 def test_gumbel_sampling_respects_top_k_and_top_p():
     torch.manual_seed(9)
     V = 50

@@ -78,9 +78,9 @@ F8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "aux0_ptr": "*b
 F8_ARGMAX = dict(F8, aux0_ptr="*fp32", aux1_ptr="*i32")
 GF = dict(G, BLOCK_N=2, BLOCK_K=2048, BKS=128, UNIFORM=True, ROUND_W=False, TAIL=False, PRE=0, VEC=16, VEC_T=8)
 MF = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=512, E=256, EP=256, NORM=True, BKS=128,
-          FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16)
+          FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1)
 MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, BKS=128, FP8_E=True,
-           FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16)
+           FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1)
 ALIGN_G = ("x_ptr", "w_ptr", "s_ptr", "srow_ptr", "t_ptr", "y_ptr", "nw_ptr", "z_ptr", "K", "stride_w", "stride_t")
 ALIGN_M = ("x_ptr", "gu_ptr", "sgu_ptr", "act_ptr", "stride_ge", "act_ptr", "dn_ptr", "sdn_ptr", "stride_de")
 FP8_VARIANTS = [
@@ -114,6 +114,9 @@ ARGMAX = {"y_ptr": "*fp32", "aux0_ptr": "*fp32", "aux1_ptr": "*i32"}
 SPEC_T = {"rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
           "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
           "dpos_ptr": "*i64"}
+# the MoE experts at the step's one-warp defaults (M = 1 token row; the verify: M = 4)
+MU = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8, M=1)
+MD = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, VEC=8, M=1)
 AV = dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, H=8, G=4, RP=16, HD=256, BLOCK=64, DOT_F32=False)
 SPEC_VARIANTS = [
     ("rows_rmsnorm_store", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=0, PRE=0), 4, {}, ALIGN_R),
@@ -147,6 +150,8 @@ SPEC_VARIANTS = [
     ("gdn_verify_35b_prefetch", gdn.gdn_verify_kernel,
      dict(M=4, HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1, SPEC_T, ()),
     ("gdn_commit", gdn.gdn_commit_kernel, dict(KM1=3, KM1P=4, BLOCK=4096, BLOCK_C=256), 4, SPEC_T, ()),
+    ("moe_gate_up_m4", moe.moe_gate_up_kernel, dict(MU, M=4), 1, SPEC_T, ALIGN_M),
+    ("moe_down_m4", moe.moe_down_kernel, dict(MD, M=4), 1, SPEC_T, ALIGN_M),
     ("accept", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True), 8, SPEC_T, ()),
     ("mtp_input", spec.mtp_input_kernel, dict(HP=2048), 4, SPEC_T, ()),
     ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192), 8, SPEC_T, ()),
@@ -166,15 +171,11 @@ for pdl in (False, True):
         ("gemv_residual_prefetch", gemv.gemv_kernel, dict(G, PRE=4, PRO=0, EPI=1, BLOCK_N=2, BLOCK_K=1024), 4),
         ("gemv_gated_prefetch", gemv.gemv_kernel, dict(G, PRE=1, PRO=2, EPI=1, GROUP=128, BLOCK_N=8, BLOCK_K=1024), 8),
         ("gdn_step_prefetch", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1),
-        ("moe_gate_up", moe.moe_gate_up_kernel, dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=16,
-                                                     BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8), 4),
-        ("moe_down", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2,
-                                               BLOCK_K=512, VEC=8), 4),
+        ("moe_gate_up", moe.moe_gate_up_kernel, dict(MU, BLOCK_N=16), 4),
+        ("moe_down", moe.moe_down_kernel, dict(MD, BLOCK_N=2), 4),
         # the GPU defaults (graph.Tuning): one-warp MoE and GDN programs
-        ("moe_gate_up_1warp", moe.moe_gate_up_kernel, dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2,
-                                                           BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8), 1),
-        ("moe_down_1warp", moe.moe_down_kernel, dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1,
-                                                     BLOCK_K=512, VEC=8), 1),
+        ("moe_gate_up_1warp", moe.moe_gate_up_kernel, MU, 1),
+        ("moe_down_1warp", moe.moe_down_kernel, MD, 1),
         ("gdn_step_1warp", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1),
         ("gdn_step", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 4),
         ("qk_rope_cache", attention.qk_rope_cache_kernel, dict(H=16, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2),
@@ -209,7 +210,7 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 50 + 30 + 50 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 50 + 30 + 54 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):

@@ -98,18 +98,40 @@ def _route_slot(logits_ptr, ids_ptr, wts_ptr, pid, slot, E: tl.constexpr, EP: tl
 
 
 @triton.jit
+def _token_row(c, M: tl.constexpr, TOPK: tl.constexpr):
+    """(token row, routed slot or -1 for the shared expert) of gate_up grid column c: columns 0..M-1
+    are the rows' shared experts (adjacent, so M rows' reads of the same tiles meet in L2), then each
+    row's TOPK routed slots."""
+    if M == 1:
+        return 0, c - 1
+    else:
+        shared = c < M
+        r = tl.where(shared, c, (c - M) // TOPK)
+        return r, tl.where(shared, -1, (c - M) % TOPK)
+
+
+@triton.jit
 def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-             stride_ge, stride_gse, stride_gs, stride_sgs, K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
+             stride_ge, stride_gse, stride_gs, stride_sgs, stride_x, stride_a, stride_r, stride_l,
+             K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
              TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E: tl.constexpr,
              EP: tl.constexpr, NORM: tl.constexpr, BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr,
              UNI_E: tl.constexpr, UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr,
-             VEC_S: tl.constexpr, PDL: tl.constexpr):
+             VEC_S: tl.constexpr, M: tl.constexpr, PDL: tl.constexpr):
     """Launch 2 (bf16 and fp8 alike). Grid column 0 is the shared expert (scheduled first: it needs no
     routing, so its loads start while the routed programs select their experts); columns 1..TOPK
-    are routed slots 0..TOPK-1: each routed program selects its own slot's expert (`_route_slot`)."""
+    are routed slots 0..TOPK-1: each routed program selects its own slot's expert (`_route_slot`).
+    With M token rows (`_token_row`) each row's programs are those of one row, over its own x, logits,
+    act, ids and wts (row strides stride_x, stride_l, stride_a, stride_r)."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
-    slot = tl.program_id(1) - 1
+    r, slot = _token_row(tl.program_id(1), M, TOPK)
+    if M > 1:
+        x_ptr += r * stride_x
+        logits_ptr += r * stride_l
+        act_ptr += r * stride_a
+        ids_ptr += r * stride_r
+        wts_ptr += r * stride_r
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if FP8_E or FP8_S:  # one expert loop per format (the routed and the shared one may differ)
         if slot >= 0:
@@ -137,14 +159,15 @@ def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_p
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr, stride_ge,
+                       stride_x, stride_a, stride_r, stride_l,
                        K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
-                       PDL: tl.constexpr):
+                       M: tl.constexpr, PDL: tl.constexpr):
     """Launch 2 over bf16 weights (`_gate_up`)."""
     _gate_up(x_ptr, gu_ptr, gu_ptr, ids_ptr, sgu_ptr, sgu_ptr, ids_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-             stride_ge, 0, 0, 0, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, 1, False, False, True, True, False,
-             VEC, VEC, PDL)
+             stride_ge, 0, 0, 0, stride_x, stride_a, stride_r, stride_l, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E,
+             EP, NORM, 1, False, False, True, True, False, VEC, VEC, M, PDL)
 
 
 @triton.jit
@@ -231,18 +254,26 @@ def _scale_rows(srow_ptr, row0, rows, rmask, FP8: tl.constexpr, UNIFORM: tl.cons
 
 @triton.jit
 def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
-          stride_de, stride_dse, stride_ds, stride_sds, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr,
+          stride_de, stride_dse, stride_ds, stride_sds, stride_a, stride_r, stride_l, stride_res,
+          I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr,
           TOPK: tl.constexpr, TOPKP: tl.constexpr, IMAX: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr, FP8_E: tl.constexpr,
           FP8_S: tl.constexpr, UNI_E: tl.constexpr, UNI_S: tl.constexpr, ROUND_W: tl.constexpr,
-          VEC_E: tl.constexpr, VEC_S: tl.constexpr, PDL: tl.constexpr):
+          VEC_E: tl.constexpr, VEC_S: tl.constexpr, M: tl.constexpr, PDL: tl.constexpr):
     """The down launch (bf16 and fp8 alike): shared expert rows, then every selected expert's rows in
     one gather load per K block (`_routed_tile`: all of the program's weight bytes can be in flight
     together; expert after expert, each bf16 sum would wait for its own round trip), summed in
     ascending expert id (the eager order, with its bf16 rounding); the sigmoid-gated shared expert
-    and the residual."""
+    and the residual. With M token rows, grid axis 1 is the row (its act, ids, wts, logits, residual)."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
+    if M > 1:
+        r = tl.program_id(1)
+        act_ptr += r * stride_a
+        ids_ptr += r * stride_r
+        wts_ptr += r * stride_r
+        logits_ptr += r * stride_l
+        res_ptr += r * stride_res
     row0 = pid * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -282,60 +313,72 @@ def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_pt
 
 @triton.jit
 def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N, stride_de,
+                    stride_a, stride_r, stride_l, stride_res,
                     I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
                     IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                    PDL: tl.constexpr):
+                    M: tl.constexpr, PDL: tl.constexpr):
     """Launch 3 over bf16 weights (`_down`)."""
     _down(act_ptr, dn_ptr, dn_ptr, ids_ptr, sdn_ptr, sdn_ptr, ids_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
-          stride_de, 0, 0, 0, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N, BLOCK_K, 1, False, False, True, True, False,
-          VEC, VEC, PDL)
+          stride_de, 0, 0, 0, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N,
+          BLOCK_K, 1, False, False, True, True, False, VEC, VEC, M, PDL)
 
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
                 norm_topk=True, round_w=False, vec=0):
-    """Routed + shared experts for one token, after the router launch (`gemv`, xn_out) has left the
-    normed input xn [H] and logits [E+1] (router logits, then the shared-expert gate logit). The
-    gate_up launch routes and writes ids / wts [top_k] (ascending ids) for the down launch.
-    `res` (the residual, [H]) is updated in place. gate_up [E, 2I, H], down [E, H, I],
-    shared_gate_up [2Is, H], shared_down [H, Is], act [top_k+1, max(I, Is)] scratch. Any of the
-    four weights may be an fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8
-    kernels, which read each weight in its own format (`round_w`: gemv._acc's ROUND_W; `vec`:
-    gemv.gemv's)."""
+    """Routed + shared experts for one token, or for M tokens (xn [M, H]: the verify rows, each routed
+    on its own), after the router launch (`gemv`, xn_out) has left the normed input xn [H] and
+    logits [E+1] (router logits, then the shared-expert gate logit). The gate_up launch routes and
+    writes ids / wts [top_k] (ascending ids) for the down launch. `res` (the residual, [H]) is
+    updated in place. gate_up [E, 2I, H], down [E, H, I], shared_gate_up [2Is, H], shared_down
+    [H, Is], act [top_k+1, max(I, Is)] scratch (flat, or [M, >= (top_k+1) max(I, Is)]); with M rows
+    every per-token tensor gains a leading M dimension. All M rows run in the same two launches
+    (one program per row, slot and block: an expert several rows chose is read from HBM about once,
+    the rows' concurrent reads of its tiles meeting in L2). Any of the four weights may be an
+    fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8 kernels, which read each
+    weight in its own format (`round_w`: gemv._acc's ROUND_W; `vec`: gemv.gemv's)."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
+    m = xn.shape[0] if xn.dim() == 2 else 1
+    st = lambda t: t.stride(0) if m > 1 else 0  # noqa: E731 - a row stride; none for one token
+    rows = dict(stride_a=st(act), stride_r=st(ids), stride_l=st(logits), M=m)
+    if m > 1 and not (ids.stride(0) == wts.stride(0) and act.shape[-1] >= (top_k + 1) * imax):
+        raise ValueError(f"moe_experts: {m} rows need ids / wts with one row stride and act rows of "
+                         f">= {(top_k + 1) * imax} elements")
     bk = min(block_k or 512, triton.next_power_of_2(hidden))
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     up_fp8, down_fp8 = _fp8(gate_up, shared_gate_up), _fp8(down, shared_down)
-    grid_up = (triton.cdiv(imax, block_n), 1 + top_k)
+    grid_up = (triton.cdiv(imax, block_n), m * (1 + top_k))
     if up_fp8 is None:
         moe_gate_up_kernel[grid_up](
-            xn, gate_up, shared_gate_up, act, ids, logits, wts, gate_up.stride(0), K=hidden, I=inter, IS=inter_s,
-            TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, E=n_exp, EP=triton.next_power_of_2(n_exp),
-            NORM=norm_topk, VEC=fold_vec(vec, 2, bk), **LAUNCH, num_warps=num_warps)
+            xn, gate_up, shared_gate_up, act, ids, logits, wts, gate_up.stride(0), stride_x=st(xn), **rows,
+            K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, E=n_exp,
+            EP=triton.next_power_of_2(n_exp), NORM=norm_topk, VEC=fold_vec(vec, 2, bk), **LAUNCH,
+            num_warps=num_warps)
     else:
         (ge, gs, gr, sge, uni_e), (sg, ss, sr, sgs, uni_s), bks = up_fp8(block_n, inter, inter_s, swiglu=True)
         moe_gate_up_fp8_kernel[grid_up](
             xn, ge, gs, gr, sg, ss, sr, act, ids, logits, wts, ge.stride(0), gs.stride(0) if gs.dim() == 3 else 0,
-            sge, sgs, K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk,
-            E=n_exp, EP=triton.next_power_of_2(n_exp), NORM=norm_topk, BKS=bks,
+            sge, sgs, stride_x=st(xn), **rows, K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax,
+            BLOCK_N=block_n, BLOCK_K=bk, E=n_exp, EP=triton.next_power_of_2(n_exp), NORM=norm_topk, BKS=bks,
             FP8_E=_is_fp8(gate_up), FP8_S=_is_fp8(shared_gate_up), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
             VEC_E=_vec(vec, gate_up, bk), VEC_S=_vec(vec, shared_gate_up, bk), **LAUNCH, num_warps=num_warps)
-    grid_dn = (triton.cdiv(hidden, down_block_n),)
+    grid_dn = (triton.cdiv(hidden, down_block_n), m)
     if down_fp8 is None:
         moe_down_kernel[grid_dn](
-            act, down, shared_down, ids, wts, logits, res, hidden, down.stride(0), I=inter, IS=inter_s,
-            E=n_exp, TOPK=top_k, TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n,
-            BLOCK_K=bkd, VEC=fold_vec(vec, 2, bkd), **LAUNCH, num_warps=down_num_warps)
+            act, down, shared_down, ids, wts, logits, res, hidden, down.stride(0), stride_res=st(res), **rows,
+            I=inter, IS=inter_s, E=n_exp, TOPK=top_k, TOPKP=triton.next_power_of_2(top_k), IMAX=imax,
+            BLOCK_N=down_block_n, BLOCK_K=bkd, VEC=fold_vec(vec, 2, bkd), **LAUNCH, num_warps=down_num_warps)
     else:
         (de, ds, dr, sde, uni_e), (sd, sds, sdr, ssd, uni_s), bks = down_fp8(down_block_n, hidden, hidden)
         moe_down_fp8_kernel[grid_dn](
             act, de, ds, dr, sd, sds, sdr, ids, wts, logits, res, hidden, de.stride(0),
-            ds.stride(0) if ds.dim() == 3 else 0, sde, ssd, I=inter, IS=inter_s, E=n_exp, TOPK=top_k,
-            TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, BKS=bks,
-            FP8_E=_is_fp8(down), FP8_S=_is_fp8(shared_down), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
-            VEC_E=_vec(vec, down, bkd), VEC_S=_vec(vec, shared_down, bkd), **LAUNCH, num_warps=down_num_warps)
+            ds.stride(0) if ds.dim() == 3 else 0, sde, ssd, stride_res=st(res), **rows, I=inter, IS=inter_s,
+            E=n_exp, TOPK=top_k, TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n,
+            BLOCK_K=bkd, BKS=bks, FP8_E=_is_fp8(down), FP8_S=_is_fp8(shared_down), UNI_E=uni_e, UNI_S=uni_s,
+            ROUND_W=round_w, VEC_E=_vec(vec, down, bkd), VEC_S=_vec(vec, shared_down, bkd), **LAUNCH,
+            num_warps=down_num_warps)
 
 
 def _is_fp8(w) -> bool:
@@ -380,29 +423,29 @@ def _fp8(routed, shared):
 @triton.jit
 def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr,
                            logits_ptr, wts_ptr, stride_ge, stride_gse, stride_gs, stride_sgs,
-                           K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
+                           stride_x, stride_a, stride_r, stride_l, K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                            TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
                            BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
                            UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
-                           PDL: tl.constexpr):
+                           M: tl.constexpr, PDL: tl.constexpr):
     """`moe_gate_up_kernel` with fp8 routed experts (FP8_E: gu e4m3 [E, 2I, K], scales gus
     [E, S, ceil(K/bk)], row map gur [2I]) and / or an fp8 shared expert (FP8_S: sgu, sgus, sgur)."""
     _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-             stride_ge, stride_gse, stride_gs, stride_sgs, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, BKS,
-             FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, PDL)
+             stride_ge, stride_gse, stride_gs, stride_sgs, stride_x, stride_a, stride_r, stride_l, K, I, IS, TOPK,
+             IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, PDL)
 
 
 @triton.jit
 def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr,
                         res_ptr, N, stride_de, stride_dse, stride_ds, stride_sds,
-                        I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
+                        stride_a, stride_r, stride_l, stride_res, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
                         IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
                         UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
-                        PDL: tl.constexpr):
+                        M: tl.constexpr, PDL: tl.constexpr):
     """`moe_down_kernel` with fp8 routed down projections (FP8_E: dn e4m3 [E, H, I], scales dns, row
     map dnr [H]) and / or an fp8 shared down (FP8_S)."""
     _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
-          stride_de, stride_dse, stride_ds, stride_sds, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N, BLOCK_K, BKS,
-          FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, PDL)
+          stride_de, stride_dse, stride_ds, stride_sds, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK,
+          TOPKP, IMAX, BLOCK_N, BLOCK_K, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, PDL)
