@@ -66,12 +66,6 @@ class Tuning:
     moe_down_block_k: int = 512
     moe_warps: int = 1
     moe_down_warps: int = 1
-    # The experts' gate_up on the tensor cores (moe._swiglu_rows_dot: the weight tile an MMA operand,
-    # streamed through pipeline stages): (rows >= 16, K block, warps, stages) for bf16 / fp8 experts
-    # (fp8: the normed input kept in float16 for it); () keeps the CUDA-core kernel (moe_block_n /
-    # moe_fp8 shapes).
-    moe_dot: tuple = ()
-    moe_dot_fp8: tuple = ()
     # Programmatic dependent launch for every kernel of the step (kernels/common.py) where the GPU has
     # it (`pdl_enabled`); None: the process default (NEXRT_PDL). With the small programs above, a
     # kernel's CTAs can be resident while its predecessor drains.
@@ -363,10 +357,7 @@ class FusedDecoder:
             self.router_logits = torch.zeros(c.num_experts + 1, dtype=dt, device=dev)
             self.ids = torch.zeros(c.num_experts_per_tok, dtype=torch.int32, device=dev)
             self.wts = torch.zeros(c.num_experts_per_tok, dtype=torch.float32, device=dev)
-            # fp8 experts' tensor-core gate_up reads its input as float16 (the bf16 values, exactly)
-            xdt = torch.float16 if self.t.moe_dot_fp8 and any(
-                isinstance(L.ffn, MoEFFN) and isinstance(L.ffn.gate_up, FP8Weight) for L in self.layers) else dt
-            self.xn = torch.zeros(c.hidden_size, dtype=xdt, device=dev)
+            self.xn = torch.zeros(c.hidden_size, dtype=dt, device=dev)
         if c.intermediate_size:
             self.act_dense = torch.zeros(c.intermediate_size, dtype=dt, device=dev)
         self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
@@ -492,9 +483,6 @@ class FusedDecoder:
         up8 = isinstance(f.gate_up, FP8Weight) or isinstance(f.s_gate_up, FP8Weight)
         dn8 = isinstance(f.down, FP8Weight) or isinstance(f.s_down, FP8Weight)
         bn, bk, nw = t.moe_fp8 if up8 else (t.moe_block_n, t.moe_block_k, t.moe_warps)
-        dot = t.moe_dot_fp8 if isinstance(f.gate_up, FP8Weight) else t.moe_dot
-        if dot and not (up8 and t.fp8_round_weights):  # (the tensor-core gate_up has no rounded-weight mode)
-            bn, bk, nw, dot = dot
         dbn, dbk, dnw = t.moe_down_fp8 if dn8 else (t.moe_down_block_n, t.moe_down_block_k, t.moe_down_warps)
         return [
             ("moe_router", lambda: g.gemv(
@@ -504,7 +492,7 @@ class FusedDecoder:
                 self.xn, self.res, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down,
                 self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=bn, block_k=bk,
                 down_block_n=dbn, down_block_k=dbk, num_warps=nw, down_num_warps=dnw, norm_topk=c.norm_topk_prob,
-                round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec, dot=dot or 0))]
+                round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec))]
 
     def _dense(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
         c, g, f = self.cfg, self.k_gemv, L.ffn

@@ -78,7 +78,7 @@ F8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "aux0_ptr": "*b
 F8_ARGMAX = dict(F8, aux0_ptr="*fp32", aux1_ptr="*i32")
 GF = dict(G, BLOCK_N=2, BLOCK_K=2048, BKS=128, UNIFORM=True, ROUND_W=False, TAIL=False, PRE=0, VEC=16, VEC_T=8)
 MF = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=512, E=256, EP=256, NORM=True, BKS=128,
-          FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1, DOT=0)
+          FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1)
 MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, BKS=128, FP8_E=True,
            FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1)
 ALIGN_G = ("x_ptr", "w_ptr", "s_ptr", "srow_ptr", "t_ptr", "y_ptr", "nw_ptr", "z_ptr", "K", "stride_w", "stride_t")
@@ -115,8 +115,7 @@ SPEC_T = {"rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_
           "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
           "dpos_ptr": "*i64"}
 # the MoE experts at the step's one-warp defaults (M = 1 token row; the verify: M = 4)
-MU = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8, M=1,
-          DOT=0)
+MU = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8, M=1)
 MD = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, VEC=8, M=1)
 AV = dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, H=8, G=4, RP=16, HD=256, BLOCK=64, DOT_F32=False)
 SPEC_VARIANTS = [
@@ -154,10 +153,6 @@ SPEC_VARIANTS = [
     ("moe_gate_up_m4", moe.moe_gate_up_kernel, dict(MU, M=4), 1, SPEC_T, ALIGN_M),
     ("moe_down_m4", moe.moe_down_kernel, dict(MD, M=4), 1, SPEC_T, ALIGN_M),
     ("accept", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True), 8, SPEC_T, ()),
-    # the experts' gate_up on the tensor cores (Tuning.moe_dot / moe_dot_fp8: rows, K block, warps, stages)
-    ("moe_dot_gate_up", moe.moe_gate_up_kernel, dict(MU, BLOCK_N=16, BLOCK_K=128, DOT=1, STAGES=3), 1, {}, ALIGN_M),
-    ("moe_dot_gate_up_fp8", moe.moe_gate_up_fp8_kernel, dict(MF, BLOCK_N=16, BLOCK_K=128, DOT=1, STAGES=3), 1,
-     dict(F8, x_ptr="*fp16"), ALIGN_M),
     ("mtp_input", spec.mtp_input_kernel, dict(HP=2048), 4, SPEC_T, ()),
     ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192), 8, SPEC_T, ()),
 ]
@@ -215,14 +210,14 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 50 + 30 + 58 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 50 + 30 + 54 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
-    """The tensor-core M-row kernel and experts' gate_up: their weight tiles go global -> shared by
-    asynchronous copies (the compiler's software pipeline) into tensor-core MMAs (warpgroup or warp)."""
-    dots = {k: v for k, v in compiled.items() if k.startswith(("rows_dot_", "moe_dot_"))}
-    assert len(dots) == 14
+    """The tensor-core M-row kernel: its weight tiles go global -> shared by asynchronous copies (the
+    compiler's software pipeline) into tensor-core MMAs (warpgroup or warp)."""
+    dots = {k: v for k, v in compiled.items() if k.startswith("rows_dot_")}
+    assert len(dots) == 10
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
 

@@ -13,7 +13,7 @@ are `moe_gate_up_fp8_kernel` / `moe_down_fp8_kernel`: the same design reading e4
 import triton
 import triton.language as tl
 
-from .common import ASM, LAUNCH, pdl_begin
+from .common import LAUNCH, pdl_begin
 from .gemv import _col_scales, _fold, _scaled_dot, _w_dot, fold_vec
 from .common import bf16_round as _bf16
 from .common import silu as _silu
@@ -84,80 +84,6 @@ def _swiglu_rows(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K:
 
 
 @triton.jit
-def _swiglu_rows_dot(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BKS: tl.constexpr, FP8: tl.constexpr, UNIFORM: tl.constexpr,
-                     DOT: tl.constexpr):
-    """`_swiglu_rows` on the tensor cores: W[rows] @ x with the weight tile as the left operand (x one
-    column, padded by the compiler), so each tile streams global -> shared in the compiler's
-    pipeline stages (a rolled K loop) and the products cost an MMA instead of an FMA each. e4m3
-    converts to f16 (exact) against x in f16 (x's dtype: f16 holds the bf16-valued input exactly
-    within its range; a bf16 x is converted per element), and each K block lies in one scale column:
-    its fp32 partial product takes the block scale. bf16 W: bf16 MMAs against x as bf16. DOT 2: the
-    same exact products as fp32 "ieee" dots (the interpreter, whose bf16 dot reads raw bits)."""
-    rmask = rows < n_rows
-    BN: tl.constexpr = rows.shape[0]
-    acc_g = tl.zeros([BN, 1], dtype=tl.float32)
-    acc_u = tl.zeros([BN, 1], dtype=tl.float32)
-    sr_g = 0
-    sr_u = 0
-    if FP8:
-        ok = row0 < n_rows
-        if UNIFORM:
-            sr_g = tl.load(srow_ptr + row0, mask=ok, other=0)
-            sr_u = tl.load(srow_ptr + n_rows + row0, mask=ok, other=0)
-        else:
-            sr_g = tl.load(srow_ptr + rows, mask=rmask, other=0)
-            sr_u = tl.load(srow_ptr + n_rows + rows, mask=rmask, other=0)
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + offs_k
-        cmask = cols < K
-        m2 = rmask[:, None] & cmask[None, :]
-        wp = wbase + rows[:, None] * K + cols[None, :]
-        wg = tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first")
-        wu = tl.load(wp + n_rows * K, mask=m2, other=0.0, eviction_policy="evict_first")
-        xv = tl.reshape(tl.load(x_ptr + cols, mask=cmask, other=0.0), (BLOCK_K, 1))
-        if FP8:
-            if DOT == 1:
-                xh = xv.to(tl.float16)
-            else:
-                xh = xv.to(tl.float32)
-            if UNIFORM:
-                s_g = tl.load(sbase + sr_g * stride_s + k0 // BKS, mask=row0 < n_rows, other=0.0)
-                s_u = tl.load(sbase + sr_u * stride_s + k0 // BKS, mask=row0 < n_rows, other=0.0)
-            else:
-                s_g = tl.load(sbase + sr_g * stride_s + k0 // BKS, mask=rmask, other=0.0)[:, None]
-                s_u = tl.load(sbase + sr_u * stride_s + k0 // BKS, mask=rmask, other=0.0)[:, None]
-            acc_g += tl.dot(wg.to(xh.dtype), xh, input_precision="ieee") * s_g
-            acc_u += tl.dot(wu.to(xh.dtype), xh, input_precision="ieee") * s_u
-        elif DOT == 1:
-            xb = xv.to(tl.bfloat16)
-            acc_g = tl.dot(wg, xb, acc_g)
-            acc_u = tl.dot(wu, xb, acc_u)
-        else:
-            xb = xv.to(tl.float32)
-            acc_g = tl.dot(wg.to(tl.float32), xb, acc_g, input_precision="ieee")
-            acc_u = tl.dot(wu.to(tl.float32), xb, acc_u, input_precision="ieee")
-    g = _bf16(tl.sum(acc_g, 1))
-    u = _bf16(tl.sum(acc_u, 1))
-    return _bf16(_bf16(_silu(g)) * u)
-
-
-@triton.jit
-def _swiglu(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K: tl.constexpr, BLOCK_K: tl.constexpr,
-            BKS: tl.constexpr, FP8: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, VEC: tl.constexpr,
-            DOT: tl.constexpr):
-    """`_swiglu_rows_dot` (DOT 1: tensor cores, 2: fp32 dots) or `_swiglu_rows` (DOT 0)."""
-    if DOT > 0:
-        a = _swiglu_rows_dot(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K, BLOCK_K, BKS, FP8,
-                             UNIFORM, DOT)
-    else:
-        a = _swiglu_rows(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K, BLOCK_K, BKS, FP8, UNIFORM,
-                         ROUND_W, VEC)
-    return a
-
-
-@triton.jit
 def _route_slot(logits_ptr, ids_ptr, wts_ptr, pid, slot, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
                 NORM: tl.constexpr):
     """The expert of routed slot `slot` (ascending ids); the programs with pid 0 publish its id and
@@ -191,7 +117,7 @@ def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_p
              TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E: tl.constexpr,
              EP: tl.constexpr, NORM: tl.constexpr, BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr,
              UNI_E: tl.constexpr, UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr,
-             VEC_S: tl.constexpr, M: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+             VEC_S: tl.constexpr, M: tl.constexpr, PDL: tl.constexpr):
     """Launch 2 (bf16 and fp8 alike). Grid column 0 is the shared expert (scheduled first: it needs no
     routing, so its loads start while the routed programs select their experts); columns 1..TOPK
     are routed slots 0..TOPK-1: each routed program selects its own slot's expert (`_route_slot`).
@@ -210,12 +136,12 @@ def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_p
     if FP8_E or FP8_S:  # one expert loop per format (the routed and the shared one may differ)
         if slot >= 0:
             eid = _route_slot(logits_ptr, ids_ptr, wts_ptr, pid, slot, E, EP, TOPK, NORM)
-            a = _swiglu(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, gus_ptr + eid.to(tl.int64) * stride_gse,
-                        gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, BKS, FP8_E, UNI_E, ROUND_W, VEC_E, DOT)
+            a = _swiglu_rows(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, gus_ptr + eid.to(tl.int64) * stride_gse,
+                             gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, BKS, FP8_E, UNI_E, ROUND_W, VEC_E)
             tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < I)
         else:
-            a = _swiglu(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, pid * BLOCK_N, K, BLOCK_K, BKS,
-                        FP8_S, UNI_S, ROUND_W, VEC_S, DOT)
+            a = _swiglu_rows(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, pid * BLOCK_N, K, BLOCK_K, BKS,
+                             FP8_S, UNI_S, ROUND_W, VEC_S)
             tl.store(act_ptr + TOPK * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < IS)
     else:  # bf16: one loop over the selected weight (half the code)
         if slot >= 0:
@@ -226,8 +152,8 @@ def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_p
             wbase = sgu_ptr
             n_rows = IS
             slot = TOPK  # the shared expert's act row is the last
-        a = _swiglu(x_ptr, wbase, wbase, gur_ptr, 0, n_rows, rows, pid * BLOCK_N, K, BLOCK_K, BKS, False, True,
-                    False, VEC_E, DOT)
+        a = _swiglu_rows(x_ptr, wbase, wbase, gur_ptr, 0, n_rows, rows, pid * BLOCK_N, K, BLOCK_K, BKS, False, True,
+                         False, VEC_E)
         tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < n_rows)
 
 
@@ -237,11 +163,11 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
                        K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
-                       M: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+                       M: tl.constexpr, PDL: tl.constexpr):
     """Launch 2 over bf16 weights (`_gate_up`)."""
     _gate_up(x_ptr, gu_ptr, gu_ptr, ids_ptr, sgu_ptr, sgu_ptr, ids_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
              stride_ge, 0, 0, 0, stride_x, stride_a, stride_r, stride_l, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E,
-             EP, NORM, 1, False, False, True, True, False, VEC, VEC, M, DOT, PDL)
+             EP, NORM, 1, False, False, True, True, False, VEC, VEC, M, PDL)
 
 
 @triton.jit
@@ -399,7 +325,7 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
-                norm_topk=True, round_w=False, vec=0, dot=0):
+                norm_topk=True, round_w=False, vec=0):
     """Routed + shared experts for one token, or for M tokens (xn [M, H]: the verify rows, each routed
     on its own), after the router launch (`gemv`, xn_out) has left the normed input xn [H] and
     logits [E+1] (router logits, then the shared-expert gate logit). The gate_up launch routes and
@@ -410,9 +336,7 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     (one program per row, slot and block: an expert several rows chose is read from HBM about once,
     the rows' concurrent reads of its tiles meeting in L2). Any of the four weights may be an
     fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8 kernels, which read each
-    weight in its own format (`round_w`: gemv._acc's ROUND_W; `vec`: gemv.gemv's). `dot` > 0: the
-    gate_up launch on the tensor cores (`_swiglu_rows_dot`, `dot` pipeline stages; block_n >= 16; an
-    fp8 weight's K block within one scale column; fp8 routed experts read x fastest as float16)."""
+    weight in its own format (`round_w`: gemv._acc's ROUND_W; `vec`: gemv.gemv's)."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
@@ -426,27 +350,20 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     up_fp8, down_fp8 = _fp8(gate_up, shared_gate_up), _fp8(down, shared_down)
     grid_up = (triton.cdiv(imax, block_n), m * (1 + top_k))
-    opt = dict(num_warps=num_warps, **({"num_stages": dot} if dot else {}))
-    if dot and block_n < 16:
-        raise ValueError(f"moe_experts: the tensor-core gate_up needs block_n >= 16, got {block_n}")
     if up_fp8 is None:
         moe_gate_up_kernel[grid_up](
             xn, gate_up, shared_gate_up, act, ids, logits, wts, gate_up.stride(0), stride_x=st(xn), **rows,
             K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, E=n_exp,
-            EP=triton.next_power_of_2(n_exp), NORM=norm_topk, VEC=fold_vec(vec, 2, bk), DOT=(1 if ASM else 2) if dot else 0, **LAUNCH,
-            **opt)
+            EP=triton.next_power_of_2(n_exp), NORM=norm_topk, VEC=fold_vec(vec, 2, bk), **LAUNCH,
+            num_warps=num_warps)
     else:
         (ge, gs, gr, sge, uni_e), (sg, ss, sr, sgs, uni_s), bks = up_fp8(block_n, inter, inter_s, swiglu=True)
-        if dot and round_w:
-            raise ValueError("moe_experts: the tensor-core gate_up has no round_w mode")
-        if dot and bks % bk:
-            raise ValueError(f"moe_experts: the tensor-core gate_up's K block {bk} must divide the scale block {bks}")
         moe_gate_up_fp8_kernel[grid_up](
             xn, ge, gs, gr, sg, ss, sr, act, ids, logits, wts, ge.stride(0), gs.stride(0) if gs.dim() == 3 else 0,
             sge, sgs, stride_x=st(xn), **rows, K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax,
             BLOCK_N=block_n, BLOCK_K=bk, E=n_exp, EP=triton.next_power_of_2(n_exp), NORM=norm_topk, BKS=bks,
             FP8_E=_is_fp8(gate_up), FP8_S=_is_fp8(shared_gate_up), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
-            VEC_E=_vec(vec, gate_up, bk), VEC_S=_vec(vec, shared_gate_up, bk), DOT=(1 if ASM else 2) if dot else 0, **LAUNCH, **opt)
+            VEC_E=_vec(vec, gate_up, bk), VEC_S=_vec(vec, shared_gate_up, bk), **LAUNCH, num_warps=num_warps)
     grid_dn = (triton.cdiv(hidden, down_block_n), m)
     if down_fp8 is None:
         moe_down_kernel[grid_dn](
@@ -511,12 +428,12 @@ def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, s
                            E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
                            BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
                            UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
-                           M: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+                           M: tl.constexpr, PDL: tl.constexpr):
     """`moe_gate_up_kernel` with fp8 routed experts (FP8_E: gu e4m3 [E, 2I, K], scales gus
     [E, S, ceil(K/bk)], row map gur [2I]) and / or an fp8 shared expert (FP8_S: sgu, sgus, sgur)."""
     _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
              stride_ge, stride_gse, stride_gs, stride_sgs, stride_x, stride_a, stride_r, stride_l, K, I, IS, TOPK,
-             IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, DOT, PDL)
+             IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, PDL)
 
 
 @triton.jit
