@@ -235,12 +235,14 @@ def test_embed_row():
     assert torch.equal(out, table[37])
 
 
-@pytest.mark.parametrize("shape", [(16, 8, 4), (2, 1, 1)])  # (rows gate_up, rows down, warps); the GPU default
+# (rows gate_up, rows down, warps); the GPU default; a shared expert as wide as the routed ones, every
+# width a multiple of the blocks (the kernels' unmasked variants)
+@pytest.mark.parametrize("shape", [(16, 8, 4), (2, 1, 1), (16, 8, 4, 32)])
 @pytest.mark.parametrize("topk", [4, 3])  # the down launch gathers a power-of-two slot tile, masked
 def test_moe_experts_selected_only(topk, shape):
-    bn, dbn, nw = shape
+    bn, dbn, nw, inter_s = (*shape, 48)[:4]
     g = torch.Generator().manual_seed(8)
-    E, hid, inter, inter_s = 16, 64, 32, 48
+    E, hid, inter = 16, 64, 32
     res = torch.randn(hid, generator=g).to(BF)
     norm_w = (0.1 * torch.randn(hid, generator=g)).to(BF)  # not `nw`: that is the warps
     wr = (torch.randn(E + 1, hid, generator=g) * 0.3).to(BF)
@@ -281,11 +283,12 @@ def test_moe_experts_selected_only(topk, shape):
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_moe_experts_rows_equal_one_row_launches(fmt):
     """The verify's M rows in one gate_up + one down launch leave exactly what M one-row launches leave:
-    residual rows, ids, weights and act rows (rows 0 and 2 share a routing, so experts repeat)."""
+    residual rows, ids, weights and act rows (rows 0 and 2 share a routing, so experts repeat). The
+    widths divide the blocks here (the kernels' unmasked variants; the test above has the masked ones)."""
     from nexrt_vllm.engine.fp8 import quantize_weight
 
     g = torch.Generator().manual_seed(11)
-    E, hid, inter, inter_s, topk, m = 16, 64, 32, 48, 3, 3
+    E, hid, inter, inter_s, topk, m = 16, 64, 32, 32, 4, 3
     w8 = lambda *s: (torch.randn(*s, generator=g) * 0.2)  # noqa: E731
     q = (lambda w: quantize_weight(w, (16, 32))) if fmt == "fp8" else (lambda w: w.to(BF))  # noqa: E731
     gu, dn, sgu, sdn = q(w8(E, 2 * inter, hid)), q(w8(E, hid, inter)), q(w8(2 * inter_s, hid)), q(w8(hid, inter_s))

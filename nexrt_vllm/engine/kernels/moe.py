@@ -43,14 +43,27 @@ def topk_select(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexp
 
 
 @triton.jit
+def _row_mask(rows, n, EVEN: tl.constexpr):
+    """rows < n, or (EVEN: all of them lie below n) a constant true mask, which the compiler drops. The
+    fp8 kernels use it (measured on the H200, 35B-A3B experts: 845 -> 668 us per step); the bf16 ones
+    keep their masks (unmasked, the same launches took 990 us instead of 801)."""
+    if EVEN:
+        m = tl.full(rows.shape, 1, tl.int1)
+    else:
+        m = rows < n
+    return m
+
+
+@triton.jit
 def _swiglu_rows(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K: tl.constexpr,
                  BLOCK_K: tl.constexpr, BKS: tl.constexpr, FP8: tl.constexpr, UNIFORM: tl.constexpr,
-                 ROUND_W: tl.constexpr, VEC: tl.constexpr):
+                 ROUND_W: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr):
     """SiLU(W_gate x)·(W_up x) for `rows` of a [2 n_rows, K] expert: bf16, or with FP8 e4m3 with block
     scales (sbase, row map srow_ptr). K is a compile-time constant and the loop is unrolled: no K
     block's loads wait for the previous block's arithmetic, so a program's whole slice can be in
-    flight at once (a rolled loop costs one dependent HBM round trip per block)."""
-    rmask = rows < n_rows
+    flight at once (a rolled loop costs one dependent HBM round trip per block). EVEN: every row of
+    the grid is a row of the expert (no row mask; `_row_mask`)."""
+    rmask = _row_mask(rows, n_rows, EVEN)
     offs_k = tl.arange(0, BLOCK_K)
     sr_g = 0
     sr_u = 0
@@ -67,13 +80,13 @@ def _swiglu_rows(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K:
     acc_u = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         cols = k0 + offs_k
-        cmask = cols < K
+        cmask = _row_mask(cols, K, FP8 and K % BLOCK_K == 0)
         wp = wbase + rows[:, None] * K + cols[None, :]
         m2 = rmask[:, None] & cmask[None, :]
         wg = tl.load(wp, mask=m2, other=0.0, eviction_policy="evict_first")
         wu = tl.load(wp + n_rows * K, mask=m2, other=0.0, eviction_policy="evict_first")
         xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        smask = cmask & ((offs_k * 0 + row0) < n_rows)  # (a scalar & a vector trips the interpreter)
+        smask = cmask & _row_mask(offs_k * 0 + row0, n_rows, EVEN)  # (a scalar & a vector trips the interpreter)
         acc_g += _fold(_w_dot(wg, xv, sbase, sr_g, stride_s, cols, smask, rmask, BKS, FP8, UNIFORM, ROUND_W),
                        BN, BLOCK_K, VEC)
         acc_u += _fold(_w_dot(wu, xv, sbase, sr_u, stride_s, cols, smask, rmask, BKS, FP8, UNIFORM, ROUND_W),
@@ -124,6 +137,7 @@ def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_p
     With M token rows (`_token_row`) each row's programs are those of one row, over its own x, logits,
     act, ids and wts (row strides stride_x, stride_l, stride_a, stride_r)."""
     pdl_begin(PDL)
+    EVEN: tl.constexpr = (FP8_E or FP8_S) and (I == IS) and (I % BLOCK_N == 0)
     pid = tl.program_id(0)
     r, slot = _token_row(tl.program_id(1), M, TOPK)
     if M > 1:
@@ -137,11 +151,12 @@ def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_p
         if slot >= 0:
             eid = _route_slot(logits_ptr, ids_ptr, wts_ptr, pid, slot, E, EP, TOPK, NORM)
             a = _swiglu_rows(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, gus_ptr + eid.to(tl.int64) * stride_gse,
-                             gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, BKS, FP8_E, UNI_E, ROUND_W, VEC_E)
+                             gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, BKS, FP8_E, UNI_E, ROUND_W, VEC_E,
+                             EVEN)
             tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < I)
         else:
             a = _swiglu_rows(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, pid * BLOCK_N, K, BLOCK_K, BKS,
-                             FP8_S, UNI_S, ROUND_W, VEC_S)
+                             FP8_S, UNI_S, ROUND_W, VEC_S, EVEN)
             tl.store(act_ptr + TOPK * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < IS)
     else:  # bf16: one loop over the selected weight (half the code)
         if slot >= 0:
@@ -153,7 +168,7 @@ def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_p
             n_rows = IS
             slot = TOPK  # the shared expert's act row is the last
         a = _swiglu_rows(x_ptr, wbase, wbase, gur_ptr, 0, n_rows, rows, pid * BLOCK_N, K, BLOCK_K, BKS, False, True,
-                         False, VEC_E)
+                         False, VEC_E, EVEN)
         tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < n_rows)
 
 
@@ -182,7 +197,7 @@ def _shared_tile(sdn_ptr, sdns_ptr, sr, stride_sds, rows, rmask, k0, IS: tl.cons
     """K block k0 of the shared expert's down rows `rows` [BLOCK_N, BLOCK_K] and, when FP8, each
     column's block scale (`gemv._col_scales`)."""
     cols = k0 + tl.arange(0, BLOCK_K)
-    cm = cols < IS
+    cm = _row_mask(cols, IS, FP8 and IS % BLOCK_K == 0)
     wv = tl.load(sdn_ptr + rows[:, None] * IS + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
                  eviction_policy="evict_first")
     sv = 0.0
@@ -207,7 +222,7 @@ def _routed_tile(base, sbase, sr, stride_ds, sm, rmask, k0, I: tl.constexpr, BLO
     (all of a program's weight bytes can be in flight together) and, when FP8, their column scales
     ([TOPKP, BLOCK_K] for UNIFORM rows, else [TOPKP, BLOCK_N, BLOCK_K])."""
     cols = k0 + tl.arange(0, BLOCK_K)
-    cm = cols < I
+    cm = _row_mask(cols, I, FP8 and I % BLOCK_K == 0)
     wv = tl.load(base + cols[None, None, :], mask=sm[:, None, None] & rmask[None, :, None] & cm[None, None, :],
                  other=0.0, eviction_policy="evict_first")
     sv = 0.0
@@ -259,12 +274,13 @@ def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_pt
           TOPK: tl.constexpr, TOPKP: tl.constexpr, IMAX: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr, FP8_E: tl.constexpr,
           FP8_S: tl.constexpr, UNI_E: tl.constexpr, UNI_S: tl.constexpr, ROUND_W: tl.constexpr,
-          VEC_E: tl.constexpr, VEC_S: tl.constexpr, M: tl.constexpr, PDL: tl.constexpr):
+          VEC_E: tl.constexpr, VEC_S: tl.constexpr, M: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """The down launch (bf16 and fp8 alike): shared expert rows, then every selected expert's rows in
     one gather load per K block (`_routed_tile`: all of the program's weight bytes can be in flight
     together; expert after expert, each bf16 sum would wait for its own round trip), summed in
     ascending expert id (the eager order, with its bf16 rounding); the sigmoid-gated shared expert
-    and the residual. With M token rows, grid axis 1 is the row (its act, ids, wts, logits, residual)."""
+    and the residual. With M token rows, grid axis 1 is the row (its act, ids, wts, logits, residual).
+    EVEN: N is a multiple of BLOCK_N (no row mask; `_row_mask`)."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
     if M > 1:
@@ -276,7 +292,7 @@ def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_pt
         res_ptr += r * stride_res
     row0 = pid * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
-    rmask = rows < N
+    rmask = _row_mask(rows, N, EVEN)
     offs_k = tl.arange(0, BLOCK_K)
     ssr = _scale_rows(sdnr_ptr, row0, rows, rmask, FP8_S, UNI_S)
     act_s = act_ptr + TOPK * IMAX
@@ -287,7 +303,7 @@ def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_pt
         wv, sv = _shared_tile(sdn_ptr, sdns_ptr, ssr, stride_sds, rows, rmask, k0, IS, BLOCK_K, BKS, FP8_S, UNI_S)
         acc_s += _fold(_shared_dot(wv, sv, a, FP8_S, UNI_S, ROUND_W), BLOCK_N, BLOCK_K, VEC_S)
     s = tl.arange(0, TOPKP)
-    sm = s < TOPK
+    sm = _row_mask(s, TOPK, FP8_E and TOPK == TOPKP)
     eid = tl.load(ids_ptr + s, mask=sm, other=0)
     base = dn_ptr + eid.to(tl.int64)[:, None, None] * stride_de + rows[None, :, None] * I
     sbase = dns_ptr + eid.to(tl.int64) * stride_dse
@@ -316,11 +332,11 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
                     stride_a, stride_r, stride_l, stride_res,
                     I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
                     IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                    M: tl.constexpr, PDL: tl.constexpr):
+                    M: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """Launch 3 over bf16 weights (`_down`)."""
     _down(act_ptr, dn_ptr, dn_ptr, ids_ptr, sdn_ptr, sdn_ptr, ids_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
           stride_de, 0, 0, 0, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N,
-          BLOCK_K, 1, False, False, True, True, False, VEC, VEC, M, PDL)
+          BLOCK_K, 1, False, False, True, True, False, VEC, VEC, M, EVEN, PDL)
 
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
@@ -365,6 +381,7 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
             FP8_E=_is_fp8(gate_up), FP8_S=_is_fp8(shared_gate_up), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
             VEC_E=_vec(vec, gate_up, bk), VEC_S=_vec(vec, shared_gate_up, bk), **LAUNCH, num_warps=num_warps)
     grid_dn = (triton.cdiv(hidden, down_block_n), m)
+    rows = dict(rows, EVEN=down_fp8 is not None and hidden % down_block_n == 0)
     if down_fp8 is None:
         moe_down_kernel[grid_dn](
             act, down, shared_down, ids, wts, logits, res, hidden, down.stride(0), stride_res=st(res), **rows,
@@ -443,9 +460,9 @@ def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sd
                         IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
                         UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
-                        M: tl.constexpr, PDL: tl.constexpr):
+                        M: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """`moe_down_kernel` with fp8 routed down projections (FP8_E: dn e4m3 [E, H, I], scales dns, row
     map dnr [H]) and / or an fp8 shared down (FP8_S)."""
     _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
           stride_de, stride_dse, stride_ds, stride_sds, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK,
-          TOPKP, IMAX, BLOCK_N, BLOCK_K, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, PDL)
+          TOPKP, IMAX, BLOCK_N, BLOCK_K, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, EVEN, PDL)
