@@ -77,9 +77,9 @@ F8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "aux0_ptr": "*b
       "sdns_ptr": "*fp32", "sdnr_ptr": "*i32"}
 F8_ARGMAX = dict(F8, aux0_ptr="*fp32", aux1_ptr="*i32")
 GF = dict(G, BLOCK_N=2, BLOCK_K=2048, BKS=128, UNIFORM=True, ROUND_W=False, TAIL=False, PRE=0, VEC=16, VEC_T=8)
-MF = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=512, E=256, EP=256, NORM=True, BKS=128,
+MF = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=8, BLOCK_K=512, E=256, EP=256, NORM=True, BKS=128,
           FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1)
-MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, BKS=128, FP8_E=True,
+MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, BKS=128, FP8_E=True,
            FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1, EVEN=True)
 ALIGN_G = ("x_ptr", "w_ptr", "s_ptr", "srow_ptr", "t_ptr", "y_ptr", "nw_ptr", "z_ptr", "K", "stride_w", "stride_t")
 ALIGN_M = ("x_ptr", "gu_ptr", "sgu_ptr", "act_ptr", "stride_ge", "act_ptr", "dn_ptr", "sdn_ptr", "stride_de")
@@ -100,7 +100,7 @@ FP8_VARIANTS = [
     ("fp8_swiglu_prefetch", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=2, BLOCK_N=16, BLOCK_K=512, PRE=2), 4, F8,
      ALIGN_G),
     ("fp8_residual_prefetch", gemv.gemv_fp8_kernel, dict(GF, PRE=1, PRO=0, EPI=1), 4, F8, ALIGN_G),
-    ("fp8_moe_gate_up", moe.moe_gate_up_fp8_kernel, MF, 1, F8, ALIGN_M),
+    ("fp8_moe_gate_up", moe.moe_gate_up_fp8_kernel, MF, 2, F8, ALIGN_M),
     ("fp8_moe_gate_up_bf16_shared", moe.moe_gate_up_fp8_kernel, dict(MF, FP8_S=False, VEC_S=8), 1,
      dict(F8, sgu_ptr="*bf16"), ALIGN_M),
     ("fp8_moe_down", moe.moe_down_fp8_kernel, MDF, 1, F8, ALIGN_M),
