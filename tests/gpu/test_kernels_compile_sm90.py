@@ -116,7 +116,7 @@ SPEC_T = {"rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_
           "dpos_ptr": "*i64"}
 # the MoE experts at the step's one-warp defaults (M = 1 token row; the verify: M = 4)
 MU = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8, M=1)
-MD = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, VEC=8, M=1, EVEN=True)
+MD = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, VEC=8, M=1)
 AV = dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, H=8, G=4, RP=16, HD=256, BLOCK=64, DOT_F32=False)
 SPEC_VARIANTS = [
     ("rows_rmsnorm_store", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=0, PRE=0), 4, {}, ALIGN_R),

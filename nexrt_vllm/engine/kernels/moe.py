@@ -332,11 +332,11 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
                     stride_a, stride_r, stride_l, stride_res,
                     I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
                     IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                    M: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
-    """Launch 3 over bf16 weights (`_down`)."""
+                    M: tl.constexpr, PDL: tl.constexpr):
+    """Launch 3 over bf16 weights (`_down`; masked, `_row_mask`)."""
     _down(act_ptr, dn_ptr, dn_ptr, ids_ptr, sdn_ptr, sdn_ptr, ids_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
           stride_de, 0, 0, 0, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N,
-          BLOCK_K, 1, False, False, True, True, False, VEC, VEC, M, EVEN, PDL)
+          BLOCK_K, 1, False, False, True, True, False, VEC, VEC, M, False, PDL)
 
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
@@ -381,7 +381,6 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
             FP8_E=_is_fp8(gate_up), FP8_S=_is_fp8(shared_gate_up), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
             VEC_E=_vec(vec, gate_up, bk), VEC_S=_vec(vec, shared_gate_up, bk), **LAUNCH, num_warps=num_warps)
     grid_dn = (triton.cdiv(hidden, down_block_n), m)
-    rows = dict(rows, EVEN=down_fp8 is not None and hidden % down_block_n == 0)
     if down_fp8 is None:
         moe_down_kernel[grid_dn](
             act, down, shared_down, ids, wts, logits, res, hidden, down.stride(0), stride_res=st(res), **rows,
@@ -391,11 +390,11 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
         (de, ds, dr, sde, uni_e), (sd, sds, sdr, ssd, uni_s), bks = down_fp8(down_block_n, hidden, hidden)
         moe_down_fp8_kernel[grid_dn](
             act, de, ds, dr, sd, sds, sdr, ids, wts, logits, res, hidden, de.stride(0),
-            ds.stride(0) if ds.dim() == 3 else 0, sde, ssd, stride_res=st(res), **rows, I=inter, IS=inter_s,
-            E=n_exp, TOPK=top_k, TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n,
-            BLOCK_K=bkd, BKS=bks, FP8_E=_is_fp8(down), FP8_S=_is_fp8(shared_down), UNI_E=uni_e, UNI_S=uni_s,
-            ROUND_W=round_w, VEC_E=_vec(vec, down, bkd), VEC_S=_vec(vec, shared_down, bkd), **LAUNCH,
-            num_warps=down_num_warps)
+            ds.stride(0) if ds.dim() == 3 else 0, sde, ssd, stride_res=st(res), **rows,
+            EVEN=hidden % down_block_n == 0, I=inter, IS=inter_s, E=n_exp, TOPK=top_k,
+            TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, BKS=bks,
+            FP8_E=_is_fp8(down), FP8_S=_is_fp8(shared_down), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
+            VEC_E=_vec(vec, down, bkd), VEC_S=_vec(vec, shared_down, bkd), **LAUNCH, num_warps=down_num_warps)
 
 
 def _is_fp8(w) -> bool:
@@ -456,7 +455,8 @@ def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, s
 @triton.jit
 def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr,
                         res_ptr, N, stride_de, stride_dse, stride_ds, stride_sds,
-                        stride_a, stride_r, stride_l, stride_res, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
+                        stride_a, stride_r, stride_l, stride_res, I: tl.constexpr, IS: tl.constexpr,
+                        E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
                         IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
                         UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
