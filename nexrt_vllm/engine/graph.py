@@ -93,11 +93,6 @@ class Tuning:
     block_k_lm_fp8: int = 512
     moe_fp8: tuple = (8, 512, 2)  # gate_up: rows, K block, warps
     moe_down_fp8: tuple = (2, 256, 1)  # down: rows, K block, warps
-    # The MoE experts' gate_up and down launches as one (kernels/moe.py `moe_fused_kernel`: the down
-    # items load their weights, then wait on a counter for the gate_up items): (gate_up rows, K block,
-    # down rows, warps); () = two launches. `moe_fused` for bf16 experts, `moe_fused_fp8` for fp8.
-    moe_fused: tuple = ()
-    moe_fused_fp8: tuple = ()
     vec_fp8: int = 0
     prefetch_fp8: int = 0  # `prefetch` for fp8 weights: measured to cost them (-42 / +45 us per step without)
     # Round every e4m3 * scale to bf16 in the kernels, as the eager oracle's dequantized weights are:
@@ -362,7 +357,6 @@ class FusedDecoder:
             self.router_logits = torch.zeros(c.num_experts + 1, dtype=dt, device=dev)
             self.ids = torch.zeros(c.num_experts_per_tok, dtype=torch.int32, device=dev)
             self.wts = torch.zeros(c.num_experts_per_tok, dtype=torch.float32, device=dev)
-            self.moe_sync = torch.zeros(2, dtype=torch.int32, device=dev)  # Tuning.moe_fused's counters
             self.xn = torch.zeros(c.hidden_size, dtype=dt, device=dev)
         if c.intermediate_size:
             self.act_dense = torch.zeros(c.intermediate_size, dtype=dt, device=dev)
@@ -490,10 +484,6 @@ class FusedDecoder:
         dn8 = isinstance(f.down, FP8Weight) or isinstance(f.s_down, FP8Weight)
         bn, bk, nw = t.moe_fp8 if up8 else (t.moe_block_n, t.moe_block_k, t.moe_warps)
         dbn, dbk, dnw = t.moe_down_fp8 if dn8 else (t.moe_down_block_n, t.moe_down_block_k, t.moe_down_warps)
-        fused = t.moe_fused_fp8 if up8 or dn8 else t.moe_fused
-        sync = None
-        if fused:
-            (bn, bk, dbn, nw), sync = fused, self.moe_sync
         return [
             ("moe_router", lambda: g.gemv(
                 self.res, f.w_router, self.router_logits, pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
@@ -502,7 +492,7 @@ class FusedDecoder:
                 self.xn, self.res, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down,
                 self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=bn, block_k=bk,
                 down_block_n=dbn, down_block_k=dbk, num_warps=nw, down_num_warps=dnw, norm_topk=c.norm_topk_prob,
-                round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec, sync=sync))]
+                round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec))]
 
     def _dense(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
         c, g, f = self.cfg, self.k_gemv, L.ffn

@@ -313,51 +313,6 @@ def test_moe_experts_rows_equal_one_row_launches(fmt):
     assert not torch.equal(res[0], res0[0])
 
 
-# (experts, hidden, intermediate, top-k, fp8 block, gate_up rows / K block / warps for bf16 and for fp8, down rows);
-# compiled also the 35B-A3B shape at the graph.Tuning launch shapes (co-resident programs: as many as the GPU holds)
-FUSED_SHAPES = {"tiny": (16, 64, 32, 4, (16, 32), (8, 32, 2), (8, 32, 2), 4)}
-if DEV == "cuda":
-    FUSED_SHAPES["35b"] = (256, 2048, 512, 8, (128, 128), (2, 256, 1), (8, 512, 2), 2)
-
-
-@pytest.mark.parametrize("size", list(FUSED_SHAPES))
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_shared_bf16"])
-@pytest.mark.parametrize("programs", [None, 3])  # 3: programs run several gate_up and down items each
-def test_moe_fused_launch_equals_two_launches(fmt, programs, size):
-    """`moe_experts(sync=...)`, the gate_up and down launches as one launch whose down items wait on a
-    counter, leaves exactly what the two launches leave (the down's K in one block in both): residual,
-    act, ids, weights; its counters are zero again, so the next launch starts clean. The interpreter
-    runs it as one program (the programs wait for each other); compiled, as many as asked."""
-    from nexrt_vllm.engine.fp8 import quantize_weight
-
-    E, hid, inter, topk, block, up16, up8, dbn = FUSED_SHAPES[size]
-    g = torch.Generator(device=DEV).manual_seed(12)
-    w8 = lambda *s: (torch.randn(*s, generator=g, device=DEV) * 0.2)  # noqa: E731
-    q8 = (lambda w, p=None: quantize_weight(w, block, p)) if fmt != "bf16" else (lambda w, p=None: w.to(BF))  # noqa: E731
-    qs = (lambda w, p=None: w.to(BF)) if fmt == "fp8_shared_bf16" else q8  # noqa: E731
-    gu, dn = q8(w8(E, 2 * inter, hid), (inter, inter)), q8(w8(E, hid, inter))
-    sgu, sdn = qs(w8(2 * inter, hid), (inter, inter)), qs(w8(hid, inter))
-    bn, bk, nw = up16 if fmt == "bf16" else up8
-    shape = dict(top_k=topk, block_n=bn, block_k=bk, down_block_n=dbn, down_block_k=inter, num_warps=nw,
-                 down_num_warps=nw)
-    sync = torch.zeros(2, dtype=torch.int32)
-    for step in range(2):  # the second launch reuses the counters the first left
-        xn = torch.randn(hid, generator=g, device=DEV).to(BF)
-        lg = torch.randn(E + 1, generator=g, device=DEV).to(BF)
-        res0 = torch.randn(hid, generator=g, device=DEV).to(BF)
-        out = []
-        for fused in (False, True):
-            res, act = res0.clone(), nan_like(torch.empty((topk + 1) * inter, dtype=BF, device=DEV))
-            ids, wts = torch.full((topk,), -1, dtype=torch.int32, device=DEV), nan_like(torch.empty(topk, device=DEV))
-            kw = dict(sync=sync, programs=programs) if fused else {}
-            call(moe.moe_experts, xn, res, lg, gu, sgu, dn, sdn, act, ids, wts, **shape, **kw)
-            out.append((res, act, ids, wts))
-        (res1, act1, ids1, wts1), (res, act, ids, wts) = out
-        assert torch.equal(ids, ids1) and torch.equal(wts, wts1) and torch.equal(act, act1)
-        assert torch.equal(res, res1) and not torch.equal(res, res0), step
-        assert sync.tolist() == [0, 0]
-
-
 def test_gumbel_sampling_respects_top_k_and_top_p():
     torch.manual_seed(9)
     V = 50

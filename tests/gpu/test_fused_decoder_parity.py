@@ -8,8 +8,6 @@ same state the step differs only by fp32 accumulation order (step 0: < 1e-3; bit
 later steps allow for one bf16 rounding flip carried in the state and amplified by the layers.
 The graph capture, pinned control ring and timing are GPU-only (benchmarks/gpu_check.py).
 """
-import dataclasses
-
 import pytest
 import torch
 
@@ -30,14 +28,8 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-# the MoE experts as one launch (Tuning.moe_fused: gate_up rows, K block, down rows, warps)
-FUSED_MOE = dataclasses.replace(CPU_TUNING, moe_fused=(64, 128, 64, 4))
-
-
-@pytest.mark.parametrize("arch,tuning", [("qwen3_5", CPU_TUNING), ("qwen3_5_moe", CPU_TUNING),
-                                         ("qwen3_5_moe", FUSED_MOE), ("qwen3_next", CPU_TUNING)],
-                         ids=["qwen3_5", "qwen3_5_moe", "qwen3_5_moe-fused", "qwen3_next"])
-def test_fused_step_matches_eager(ckpt_factory, arch, tuning):
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_fused_step_matches_eager(ckpt_factory, arch):
     eng = Engine.from_pretrained(ckpt_factory(arch, "bfloat16"), device="cpu", dtype="bfloat16", max_seq_len=64,
                                  progress=False)
     prompt = [5, 17, 3, 99, 42, 7, 11]
@@ -51,7 +43,7 @@ def test_fused_step_matches_eager(ckpt_factory, arch, tuning):
         tok = int(torch.argmax(lg))
     _, eager_state = eng.export_state()
     eng.import_state(n0, snap)
-    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
+    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=CPU_TUNING)
     for k, t in enumerate(inputs):
         dec.tok.fill_(t)
         dec.launch()

@@ -10,11 +10,10 @@ sums the down projections in ascending expert id (the eager order, with its bf16
 the sigmoid-gated shared expert and the residual. With fp8 weights (fp8.FP8Weight) launches 2 and 3
 are `moe_gate_up_fp8_kernel` / `moe_down_fp8_kernel`: the same design reading e4m3 + block scales.
 """
-import torch
 import triton
 import triton.language as tl
 
-from .common import ASM, LAUNCH, pdl_begin
+from .common import LAUNCH, pdl_begin
 from .gemv import _col_scales, _fold, _scaled_dot, _w_dot, fold_vec
 from .common import bf16_round as _bf16
 from .common import silu as _silu
@@ -100,8 +99,8 @@ def _swiglu_rows(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K:
 @triton.jit
 def _route_slot(logits_ptr, ids_ptr, wts_ptr, pid, slot, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
                 NORM: tl.constexpr):
-    """The expert of routed slot `slot` (ascending ids); the programs of row block 0 (pid 0) publish its
-    id and weight for the down launch."""
+    """The expert of routed slot `slot` (ascending ids); the programs with pid 0 publish its id and
+    weight for the down launch."""
     e, sel, rank, w = topk_select(logits_ptr, E, EP, TOPK, NORM)
     mine = sel & (rank == slot)
     eid = tl.sum(tl.where(mine, e, 0), 0)
@@ -147,41 +146,28 @@ def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_p
         act_ptr += r * stride_a
         ids_ptr += r * stride_r
         wts_ptr += r * stride_r
-    _gate_up_item(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-                  stride_ge, stride_gse, stride_gs, stride_sgs, pid, slot, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E,
-                  EP, NORM, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, EVEN)
-
-
-@triton.jit
-def _gate_up_item(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-                  stride_ge, stride_gse, stride_gs, stride_sgs, blk, slot, K: tl.constexpr, I: tl.constexpr,
-                  IS: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, BKS: tl.constexpr,
-                  FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr, UNI_S: tl.constexpr,
-                  ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr, EVEN: tl.constexpr):
-    """Row block `blk` of routed slot `slot` (-1: the shared expert): its SiLU(gate)·up into act."""
-    rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if FP8_E or FP8_S:  # one expert loop per format (the routed and the shared one may differ)
         if slot >= 0:
-            eid = _route_slot(logits_ptr, ids_ptr, wts_ptr, blk, slot, E, EP, TOPK, NORM)
+            eid = _route_slot(logits_ptr, ids_ptr, wts_ptr, pid, slot, E, EP, TOPK, NORM)
             a = _swiglu_rows(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, gus_ptr + eid.to(tl.int64) * stride_gse,
-                             gur_ptr, stride_gs, I, rows, blk * BLOCK_N, K, BLOCK_K, BKS, FP8_E, UNI_E, ROUND_W, VEC_E,
+                             gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, BKS, FP8_E, UNI_E, ROUND_W, VEC_E,
                              EVEN)
             tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < I)
         else:
-            a = _swiglu_rows(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, blk * BLOCK_N, K, BLOCK_K, BKS,
+            a = _swiglu_rows(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, pid * BLOCK_N, K, BLOCK_K, BKS,
                              FP8_S, UNI_S, ROUND_W, VEC_S, EVEN)
             tl.store(act_ptr + TOPK * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < IS)
     else:  # bf16: one loop over the selected weight (half the code)
         if slot >= 0:
-            eid = _route_slot(logits_ptr, ids_ptr, wts_ptr, blk, slot, E, EP, TOPK, NORM)
+            eid = _route_slot(logits_ptr, ids_ptr, wts_ptr, pid, slot, E, EP, TOPK, NORM)
             wbase = gu_ptr + eid.to(tl.int64) * stride_ge
             n_rows = I
         else:
             wbase = sgu_ptr
             n_rows = IS
             slot = TOPK  # the shared expert's act row is the last
-        a = _swiglu_rows(x_ptr, wbase, wbase, gur_ptr, 0, n_rows, rows, blk * BLOCK_N, K, BLOCK_K, BKS, False, True,
+        a = _swiglu_rows(x_ptr, wbase, wbase, gur_ptr, 0, n_rows, rows, pid * BLOCK_N, K, BLOCK_K, BKS, False, True,
                          False, VEC_E, EVEN)
         tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < n_rows)
 
@@ -307,11 +293,12 @@ def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_pt
     row0 = pid * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     rmask = _row_mask(rows, N, EVEN)
+    offs_k = tl.arange(0, BLOCK_K)
     ssr = _scale_rows(sdnr_ptr, row0, rows, rmask, FP8_S, UNI_S)
     act_s = act_ptr + TOPK * IMAX
     acc_s = tl.zeros([BLOCK_N, BLOCK_K // VEC_S], dtype=tl.float32)
     for k0 in tl.static_range(0, IS, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
+        cols = k0 + offs_k
         a = tl.load(act_s + cols, mask=cols < IS, other=0.0).to(tl.float32)
         wv, sv = _shared_tile(sdn_ptr, sdns_ptr, ssr, stride_sds, rows, rmask, k0, IS, BLOCK_K, BKS, FP8_S, UNI_S)
         acc_s += _fold(_shared_dot(wv, sv, a, FP8_S, UNI_S, ROUND_W), BLOCK_N, BLOCK_K, VEC_S)
@@ -323,35 +310,15 @@ def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_pt
     sr = _scale_rows(dnr_ptr, row0, rows, rmask, FP8_E, UNI_E)
     acc = tl.zeros([TOPKP, BLOCK_N, BLOCK_K // VEC_E], dtype=tl.float32)
     for k0 in tl.static_range(0, I, BLOCK_K):
-        a = _act_rows(act_ptr, s, sm, k0, I, IMAX, BLOCK_K, False)
+        cols = k0 + offs_k
+        a = tl.load(act_ptr + s[:, None] * IMAX + cols[None, :], mask=sm[:, None] & (cols < I)[None, :],
+                    other=0.0).to(tl.float32)
         wv, sv = _routed_tile(base, sbase, sr, stride_ds, sm, rmask, k0, I, BLOCK_K, BKS, FP8_E, UNI_E)
         acc += _fold3(_routed_dot(wv, sv, a, FP8_E, UNI_E, ROUND_W), TOPKP, BLOCK_N, BLOCK_K, VEC_E)
     w = tl.load(wts_ptr + s, mask=sm, other=0.0)
-    _down_out(acc_s, acc, w, s, logits_ptr, res_ptr, rows, rmask, E, TOPK)
-
-
-@triton.jit
-def _act_rows(act_ptr, s, sm, k0, I: tl.constexpr, IMAX: tl.constexpr, BLOCK_K: tl.constexpr, CG: tl.constexpr):
-    """K block k0 of the selected experts' act rows [TOPKP, BLOCK_K] (fp32); CG: through L2 only (act
-    written by other programs of the same launch, `moe_fused_kernel`)."""
-    cols = k0 + tl.arange(0, BLOCK_K)
-    p = act_ptr + s[:, None] * IMAX + cols[None, :]
-    m = sm[:, None] & (cols < I)[None, :]
-    if CG:
-        a = tl.load(p, mask=m, other=0.0, cache_modifier=".cg")
-    else:
-        a = tl.load(p, mask=m, other=0.0)
-    return a.to(tl.float32)
-
-
-@triton.jit
-def _down_out(acc_s, acc, w, s, logits_ptr, res_ptr, rows, rmask, E: tl.constexpr, TOPK: tl.constexpr):
-    """The down launch's sum: each selected expert's bf16 output times its weight w [TOPKP], added in
-    ascending expert id (the eager order, bf16 after every add), the sigmoid-gated shared expert,
-    the residual."""
     part = _bf16(_bf16(tl.sum(acc, 2)) * w[:, None])  # [TOPKP, BLOCK_N]: each expert's bf16 output
-    out = tl.zeros([rows.shape[0]], dtype=tl.float32)
-    for i in tl.static_range(TOPK):
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in tl.static_range(TOPK):  # the eager order: ascending expert id, bf16 after every add
         out = _bf16(out + tl.sum(tl.where(s[:, None] == i, part, 0.0), 0))
     sg = tl.load(logits_ptr + E).to(tl.float32)
     gate = _bf16(1.0 / (1.0 + tl.exp(-sg)))
@@ -374,7 +341,7 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
-                norm_topk=True, round_w=False, vec=0, sync=None, programs=None):
+                norm_topk=True, round_w=False, vec=0):
     """Routed + shared experts for one token, or for M tokens (xn [M, H]: the verify rows, each routed
     on its own), after the router launch (`gemv`, xn_out) has left the normed input xn [H] and
     logits [E+1] (router logits, then the shared-expert gate logit). The gate_up launch routes and
@@ -385,12 +352,7 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     (one program per row, slot and block: an expert several rows chose is read from HBM about once,
     the rows' concurrent reads of its tiles meeting in L2). Any of the four weights may be an
     fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8 kernels, which read each
-    weight in its own format (`round_w`: gemv._acc's ROUND_W; `vec`: gemv.gemv's).
-
-    `sync` (int32 [2], zeros; one token): both launches as one (`moe_fused_kernel`, `num_warps` warps,
-    the down launch's rows in blocks of `down_block_n` and its K in one block) of at most `programs`
-    programs (default: one per item of the larger launch, within what the GPU holds at once; the
-    interpreter runs one); the counters are zero again when it ends. Returns the programs launched."""
+    weight in its own format (`round_w`: gemv._acc's ROUND_W; `vec`: gemv.gemv's)."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
@@ -403,10 +365,6 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     bk = min(block_k or 512, triton.next_power_of_2(hidden))
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     up_fp8, down_fp8 = _fp8(gate_up, shared_gate_up), _fp8(down, shared_down)
-    if sync is not None and m == 1:
-        return _fused(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, sync, up_fp8,
-                      down_fp8, top_k=top_k, block_n=block_n, block_k=bk, down_block_n=down_block_n,
-                      num_warps=num_warps, norm_topk=norm_topk, round_w=round_w, vec=vec, programs=programs)
     grid_up = (triton.cdiv(imax, block_n), m * (1 + top_k))
     if up_fp8 is None:
         moe_gate_up_kernel[grid_up](
@@ -437,57 +395,6 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
             TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, BKS=bks,
             FP8_E=_is_fp8(down), FP8_S=_is_fp8(shared_down), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
             VEC_E=_vec(vec, down, bkd), VEC_S=_vec(vec, shared_down, bkd), **LAUNCH, num_warps=down_num_warps)
-
-
-def _fused(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, sync, up_fp8, down_fp8, *,
-           top_k, block_n, block_k, down_block_n, num_warps, norm_topk, round_w, vec, programs):
-    n_exp, two_i, hidden = gate_up.shape
-    inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
-    imax = max(inter, inter_s)
-    bkd = triton.next_power_of_2(imax)
-    plain = lambda w: (w, w, w, 0, True)  # noqa: E731 - a bf16 weight and its dummy scale pointers
-    (ge, gs, gr, sge, uni_e), (sg, ss, sr, sgs, uni_s), bks = (
-        up_fp8(block_n, inter, inter_s, swiglu=True) if up_fp8 else (plain(gate_up), plain(shared_gate_up), 1))
-    (de, ds, dr, sde, duni_e), (sd, sds, sdr, ssd, duni_s), dbks = (
-        down_fp8(down_block_n, hidden, hidden) if down_fp8 else (plain(down), plain(shared_down), bks))
-    if up_fp8 and down_fp8 and bks != dbks:
-        raise ValueError(f"moe_experts: fp8 gate_up and down with different block sizes ({bks}, {dbks})")
-    args = (xn, ge, gs, gr, sg, ss, sr, de, ds, dr, sd, sds, sdr, act, ids, logits, wts, res, sync, hidden)
-    strides = (ge.stride(0), gs.stride(0) if gs.dim() == 3 else 0, sge, sgs,
-               de.stride(0), ds.stride(0) if ds.dim() == 3 else 0, sde, ssd)
-    meta = dict(K=hidden, I=inter, IS=inter_s, TOPK=top_k, TOPKP=triton.next_power_of_2(top_k), IMAX=imax, E=n_exp,
-                EP=triton.next_power_of_2(n_exp), NORM=norm_topk, BLOCK_N=block_n, BLOCK_K=block_k,
-                DBLOCK_N=down_block_n, DBLOCK_K=bkd, BKS=max(bks, dbks), FP8_E=_is_fp8(gate_up),
-                FP8_S=_is_fp8(shared_gate_up), DFP8_E=_is_fp8(down), DFP8_S=_is_fp8(shared_down), UNI_E=uni_e,
-                UNI_S=uni_s, DUNI_E=duni_e, DUNI_S=duni_s, ROUND_W=round_w, VEC_E=_vec(vec, gate_up, block_k),
-                VEC_S=_vec(vec, shared_gate_up, block_k), DVEC_E=_vec(vec, down, bkd), DVEC_S=_vec(vec, shared_down, bkd),
-                EVEN_D=bool(down_fp8) and hidden % down_block_n == 0, ASM=ASM, **LAUNCH, num_warps=num_warps)
-    items = max(triton.cdiv(imax, block_n) * (1 + top_k), triton.cdiv(hidden, down_block_n))
-    nprog = min(items, programs or items, _fused_programs(act.device, args, strides, meta)) if act.is_cuda else 1
-    moe_fused_kernel[(nprog,)](*args, nprog, *strides, **meta)
-    return nprog
-
-
-_RESIDENT: dict = {}
-
-
-def _fused_programs(device, args, strides, meta) -> int:
-    """How many programs of this `moe_fused_kernel` variant the GPU holds at once (all SMs, the
-    compiled kernel's registers, shared memory and warps): its programs wait for each other, so
-    all of them must be resident together."""
-    key = (device, tuple(sorted((k, v) for k, v in meta.items())))
-    if key not in _RESIDENT:
-        k = moe_fused_kernel.warmup(*args, 1 << 20, *strides, **meta, grid=(1,))
-        k._init_handles()
-        p = torch.cuda.get_device_properties(device)
-        warps = meta["num_warps"]
-        regs = -(-k.n_regs * 32 // 256) * 256 * warps  # allocated per warp in units of 256
-        smem = getattr(p, "shared_memory_per_multiprocessor", 228 << 10)
-        per_sm = min(32, p.max_threads_per_multi_processor // (32 * warps),
-                     getattr(p, "regs_per_multiprocessor", 1 << 16) // max(regs, 1),
-                     smem // (k.metadata.shared + 1024))  # 1 KB per block reserved by the system
-        _RESIDENT[key] = p.multi_processor_count * per_sm
-    return _RESIDENT[key]
 
 
 def _is_fp8(w) -> bool:
@@ -559,96 +466,3 @@ def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sd
     _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
           stride_de, stride_dse, stride_ds, stride_sds, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK,
           TOPKP, IMAX, BLOCK_N, BLOCK_K, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, EVEN, PDL)
-
-
-# ---- One launch for both expert launches (Tuning.moe_fused) --------------------------------------
-# `moe_fused_kernel` runs the gate_up launch's programs and then the down launch's as work items of
-# NPROG co-resident programs. Between them, a counter in global memory instead of a kernel boundary:
-# a down item routes, loads all its weight bytes, and only then waits for every program's gate_up
-# items, so its weights stream while the gate_up items finish. The host keeps NPROG within what the
-# GPU holds at once (`_fused_programs`): a program waiting on the counter never blocks one it waits for.
-
-
-@triton.jit
-def _arrive(ctr_ptr):
-    """This program's stores (all its threads') are visible before the counter counts it."""
-    tl.debug_barrier()
-    tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _wait(ctr_ptr, target, ASM: tl.constexpr):
-    """Until the counter reaches target; the other programs' stores before it are visible after (the
-    volatile reads, then an acquire fence: an acquire atomic whose result is unused is compiled to
-    nothing)."""
-    n = tl.load(ctr_ptr, volatile=True)
-    while n < target:
-        n = tl.load(ctr_ptr, volatile=True)
-    if ASM:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _slots(logits_ptr, TOPKP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
-           NORM: tl.constexpr):
-    """(expert id, weight) of every routed slot [TOPKP]: `_route_slot`'s values for all slots at once."""
-    e, sel, rank, w = topk_select(logits_ptr, E, EP, TOPK, NORM)
-    s = tl.arange(0, TOPKP)
-    mine = sel[None, :] & (rank[None, :] == s[:, None])
-    return tl.sum(tl.where(mine, e[None, :], 0), 1), tl.sum(tl.where(mine, w[None, :], 0.0), 1)
-
-
-@triton.jit(do_not_specialize=["NPROG"])
-def moe_fused_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr,
-                     dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr,
-                     act_ptr, ids_ptr, logits_ptr, wts_ptr, res_ptr, sync_ptr, N, NPROG,
-                     stride_ge, stride_gse, stride_gs, stride_sgs, stride_de, stride_dse, stride_ds, stride_sds,
-                     K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
-                     IMAX: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DBLOCK_N: tl.constexpr, DBLOCK_K: tl.constexpr,
-                     BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, DFP8_E: tl.constexpr,
-                     DFP8_S: tl.constexpr, UNI_E: tl.constexpr, UNI_S: tl.constexpr, DUNI_E: tl.constexpr,
-                     DUNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
-                     DVEC_E: tl.constexpr, DVEC_S: tl.constexpr, EVEN_D: tl.constexpr, ASM: tl.constexpr,
-                     PDL: tl.constexpr):
-    """The gate_up and down launches of one token (`moe_gate_up_kernel` / `_fp8`, `moe_down_kernel` /
-    `_fp8`: the same items, arithmetic and rounding) in one launch of NPROG programs. Program p runs
-    gate_up items p, p + NPROG, .. (item g: row block g % NB of grid column g // NB), arrives at
-    sync[0], then its down items (row blocks of DBLOCK_N; DBLOCK_K >= I, IS: one K block), each
-    loading its weights before it waits for sync[0] == NPROG; the last program to finish (sync[1])
-    resets both counters for the next launch."""
-    pdl_begin(PDL)
-    pid = tl.program_id(0)
-    NB: tl.constexpr = (IMAX + BLOCK_N - 1) // BLOCK_N
-    EVEN: tl.constexpr = (FP8_E or FP8_S) and (I == IS) and (I % BLOCK_N == 0)
-    for g in range(pid, NB * (1 + TOPK), NPROG):
-        _gate_up_item(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr,
-                      wts_ptr, stride_ge, stride_gse, stride_gs, stride_sgs, g % NB, g // NB - 1, K, I, IS, TOPK, IMAX,
-                      BLOCK_N, BLOCK_K, E, EP, NORM, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, EVEN)
-    _arrive(sync_ptr)
-    s = tl.arange(0, TOPKP)
-    sm = _row_mask(s, TOPK, DFP8_E and TOPK == TOPKP)
-    for d in range(pid, tl.cdiv(N, DBLOCK_N), NPROG):
-        row0 = d * DBLOCK_N
-        rows = row0 + tl.arange(0, DBLOCK_N)
-        rmask = _row_mask(rows, N, EVEN_D)
-        wv_s, sv_s = _shared_tile(sdn_ptr, sdns_ptr, _scale_rows(sdnr_ptr, row0, rows, rmask, DFP8_S, DUNI_S),
-                                  stride_sds, rows, rmask, 0, IS, DBLOCK_K, BKS, DFP8_S, DUNI_S)
-        eid, w = _slots(logits_ptr, TOPKP, E, EP, TOPK, NORM)
-        base = dn_ptr + eid.to(tl.int64)[:, None, None] * stride_de + rows[None, :, None] * I
-        wv, sv = _routed_tile(base, dns_ptr + eid.to(tl.int64) * stride_dse,
-                              _scale_rows(dnr_ptr, row0, rows, rmask, DFP8_E, DUNI_E), stride_ds, sm, rmask, 0, I,
-                              DBLOCK_K, BKS, DFP8_E, DUNI_E)
-        _wait(sync_ptr, NPROG, ASM)
-        cols = tl.arange(0, DBLOCK_K)
-        a_s = tl.load(act_ptr + TOPK * IMAX + cols, mask=cols < IS, other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc_s = _fold(_shared_dot(wv_s, sv_s, a_s, DFP8_S, DUNI_S, ROUND_W), DBLOCK_N, DBLOCK_K, DVEC_S)
-        a = _act_rows(act_ptr, s, sm, 0, I, IMAX, DBLOCK_K, True)
-        acc = _fold3(_routed_dot(wv, sv, a, DFP8_E, DUNI_E, ROUND_W), TOPKP, DBLOCK_N, DBLOCK_K, DVEC_E)
-        _down_out(acc_s, acc, tl.where(sm, w, 0.0), s, logits_ptr, res_ptr, rows, rmask, E, TOPK)
-    tl.debug_barrier()
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
-        tl.atomic_xchg(sync_ptr, 0)
-        tl.atomic_xchg(sync_ptr + 1, 0)
