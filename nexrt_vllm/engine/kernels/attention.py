@@ -100,6 +100,33 @@ def _split_range(pos_ptr, sp, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _scores_block(q, kb, n, nm, qm, lim, srow, s_ptr, max_len, scale, m, l, stride_cs, d, DOT_F32: tl.constexpr,
+                  CAUSAL: tl.constexpr):
+    """Keys n (nm: in the range) of one block against the query rows q (qm: live rows): the scores,
+    rounded to bf16 before and after the scale as the eager matmul + multiply leave them, stored at
+    s_ptr rows `srow`; returns the rows' running max and sum of exp. CAUSAL (the verify's rows): a
+    row sees keys up to its own position lim, and a row that has seen none yet keeps its sum 0."""
+    kt = tl.load(kb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
+    if DOT_F32:
+        kt = kt.to(tl.float32)
+    s = _bf16(_bf16(tl.dot(q, tl.trans(kt))) * scale)
+    if CAUSAL:
+        vis = qm[:, None] & nm[None, :] & (n[None, :] <= lim[:, None])
+        smask = vis
+    else:
+        vis = nm[None, :]
+        smask = qm[:, None] & nm[None, :]
+    s = tl.where(vis, s, float("-inf"))
+    tl.store(s_ptr + srow[:, None] * max_len + n[None, :], s, mask=smask)
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = m_new
+    if CAUSAL:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l = l * tl.exp(m - m_use) + tl.sum(tl.exp(s - m_use[:, None]), 1)
+    return m_new, l
+
+
+@triton.jit
 def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, stride_ch, stride_cs, max_len,
                        NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
@@ -122,16 +149,7 @@ def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, 
     for n0 in range(start, end, BLOCK):
         n = n0 + tl.arange(0, BLOCK)
         nm = n < end
-        kt = tl.load(kb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
-        if DOT_F32:
-            kt = kt.to(tl.float32)
-        # Scores rounded to bf16 before and after the scale, as the eager matmul + multiply leave them.
-        s = _bf16(_bf16(tl.dot(q, tl.trans(kt))) * scale)
-        s = tl.where(nm[None, :], s, float("-inf"))
-        tl.store(s_ptr + h[:, None] * max_len + n[None, :], s, mask=gm[:, None] & nm[None, :])
-        m_new = tl.maximum(m, tl.max(s, 1))
-        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
-        m = m_new
+        m, l = _scores_block(q, kb, n, nm, gm, 0, h, s_ptr, max_len, scale, m, l, stride_cs, d, DOT_F32, False)
     live = gm & ((tl.zeros_like(g) + start) < length)  # vector compare: the interpreter rejects bool&scalar
     tl.store(m_ptr + h * NSPLIT + sp, m, mask=live)
     tl.store(l_ptr + h * NSPLIT + sp, l, mask=live)
@@ -240,17 +258,7 @@ def attn_verify_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, start_ptr, s_ptr, m_p
     for n0 in range(lo, hi, BLOCK):
         n = n0 + tl.arange(0, BLOCK)
         nm = n < hi
-        kt = tl.load(kb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
-        if DOT_F32:
-            kt = kt.to(tl.float32)
-        s = _bf16(_bf16(tl.dot(q, tl.trans(kt))) * scale)
-        vis = rm[:, None] & nm[None, :] & (n[None, :] <= lim[:, None])
-        s = tl.where(vis, s, float("-inf"))
-        tl.store(s_ptr + row[:, None] * max_len + n[None, :], s, mask=vis)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: keep l = 0
-        l = l * tl.exp(m - m_use) + tl.sum(tl.exp(s - m_use[:, None]), 1)
-        m = m_new
+        m, l = _scores_block(q, kb, n, nm, rm, lim, row, s_ptr, max_len, scale, m, l, stride_cs, d, DOT_F32, True)
     live = rm & ((tl.zeros_like(r) + lo) < hi)
     tl.store(m_ptr + row * NSPLIT + sp, m, mask=live)
     tl.store(l_ptr + row * NSPLIT + sp, l, mask=live)

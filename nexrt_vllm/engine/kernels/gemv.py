@@ -104,23 +104,39 @@ def _fold(p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
+def _store_out(y_ptr, offs, y, y_up, m, EPI: tl.constexpr):
+    """Epilogues 0-2 of y at y_ptr + offs (mask m): store; add to the residual there; SiLU(y)·y_up.
+    bf16 after each op, as the eager path."""
+    if EPI == 0:
+        tl.store(y_ptr + offs, _bf16(y).to(y_ptr.dtype.element_ty), mask=m)
+    elif EPI == 1:
+        r = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, _bf16(r + _bf16(y)).to(y_ptr.dtype.element_ty), mask=m)
+    else:
+        u = _bf16(y_up)
+        tl.store(y_ptr + offs, _bf16(_bf16(_silu(_bf16(y))) * u).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _conv_state(aux0_ptr, rows, rmask, CONV_N, KC: tl.constexpr, KCP: tl.constexpr):
+    """The conv epilogue's rows (cm: rows < CONV_N), taps [KCP], their mask (taps < KC-1) and the live
+    conv state of those rows [BLOCK_N, KCP] (aux0: [CONV_N, KC-1], oldest first)."""
+    cm = rmask & (rows < CONV_N)
+    taps = tl.arange(0, KCP)
+    tm = cm[:, None] & (taps[None, :] < KC - 1)
+    st = tl.load(aux0_ptr + rows[:, None] * (KC - 1) + taps[None, :], mask=tm, other=0.0)
+    return cm, taps, tm, st
+
+
+@triton.jit
 def _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N,
               EPI: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
-    if EPI == 0:
-        tl.store(y_ptr + rows, _bf16(y).to(y_ptr.dtype.element_ty), mask=rmask)
-    elif EPI == 1:
-        r = tl.load(y_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, _bf16(r + _bf16(y)).to(y_ptr.dtype.element_ty), mask=rmask)
-    elif EPI == 2:
-        u = _bf16(y_up)
-        tl.store(y_ptr + rows, _bf16(_bf16(_silu(_bf16(y))) * u).to(y_ptr.dtype.element_ty), mask=rmask)
+    if EPI < 3:
+        _store_out(y_ptr, rows, y, y_up, rmask, EPI)
     elif EPI == 3:
         # aux0: conv state [CONV_N, KC-1] (oldest first), aux1: conv weight [CONV_N, KC].
         yb = _bf16(y)
-        cm = rmask & (rows < CONV_N)
-        taps = tl.arange(0, KCP)
-        tm = cm[:, None] & (taps[None, :] < KC - 1)
-        st = tl.load(aux0_ptr + rows[:, None] * (KC - 1) + taps[None, :], mask=tm, other=0.0)
+        cm, taps, tm, st = _conv_state(aux0_ptr, rows, rmask, CONV_N, KC, KCP)
         cw = tl.load(aux1_ptr + rows[:, None] * KC + taps[None, :], mask=tm, other=0.0).to(tl.float32)
         cw_last = tl.load(aux1_ptr + rows * KC + (KC - 1), mask=cm, other=0.0).to(tl.float32)
         conv = tl.sum(cw * st.to(tl.float32), 1) + cw_last * yb
@@ -192,7 +208,8 @@ def _scaled_dot(w, xv, s, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
 
 @triton.jit
 def _scale_row(srow_ptr, row0, rows, rmask, FP8: tl.constexpr, UNIFORM: tl.constexpr):
-    """The scale row of the program's rows of an e4m3 W: srow of the first row (UNIFORM) or per row."""
+    """The scale row of the program's rows of an e4m3 W: srow of the first row (UNIFORM) or per row; 0 for
+    bf16 weights."""
     sr = 0
     if FP8:
         if UNIFORM:
@@ -518,20 +535,11 @@ def _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_p
     bf16(y_j) at column KC-1+j, and token j's conv runs over window columns j..j+KC-1, in registers."""
     m2 = jm[:, None] & rmask[None, :]
     yp = y_ptr + jrow[:, None] * stride_y + rows[None, :]
-    if EPI == 0:
-        tl.store(yp, _bf16(y).to(y_ptr.dtype.element_ty), mask=m2)
-    elif EPI == 1:
-        r = tl.load(yp, mask=m2, other=0.0).to(tl.float32)
-        tl.store(yp, _bf16(r + _bf16(y)).to(y_ptr.dtype.element_ty), mask=m2)
-    elif EPI == 2:
-        u = _bf16(y_up)
-        tl.store(yp, _bf16(_bf16(_silu(_bf16(y))) * u).to(y_ptr.dtype.element_ty), mask=m2)
+    if EPI < 3:
+        _store_out(yp, 0, y, y_up, m2, EPI)
     elif EPI == 3:
         yb = _bf16(y)
-        cm = rmask & (rows < CONV_N)
-        taps = tl.arange(0, KCP)
-        tm = cm[:, None] & (taps[None, :] < KC - 1)
-        st = tl.load(aux0_ptr + rows[:, None] * (KC - 1) + taps[None, :], mask=tm, other=0.0)
+        cm, taps, tm, st = _conv_state(aux0_ptr, rows, rmask, CONV_N, KC, KCP)
         # the window: the live state, then the M new inputs
         tl.store(win_ptr + rows[:, None] * stride_win + taps[None, :], st, mask=tm)
         tl.store(win_ptr + rows[None, :] * stride_win + (KC - 1) + jrow[:, None], yb.to(win_ptr.dtype.element_ty),

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import LAUNCH, pdl_begin
-from .gemv import _col_scales, _fold, _scaled_dot, _w_dot, fold_vec
+from .gemv import _col_scales, _fold, _scale_row, _scaled_dot, _w_dot, fold_vec
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 
@@ -256,18 +256,6 @@ def _routed_dot(wv, sv, a, FP8: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl
 
 
 @triton.jit
-def _scale_rows(srow_ptr, row0, rows, rmask, FP8: tl.constexpr, UNIFORM: tl.constexpr):
-    """The block-scale row of the program's rows: one (UNIFORM) or one per row; 0 for bf16 weights."""
-    sr = 0
-    if FP8:
-        if UNIFORM:
-            sr = tl.load(srow_ptr + row0)
-        else:
-            sr = tl.load(srow_ptr + rows, mask=rmask, other=0)
-    return sr
-
-
-@triton.jit
 def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
           stride_de, stride_dse, stride_ds, stride_sds, stride_a, stride_r, stride_l, stride_res,
           I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr,
@@ -294,7 +282,7 @@ def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_pt
     rows = row0 + tl.arange(0, BLOCK_N)
     rmask = _row_mask(rows, N, EVEN)
     offs_k = tl.arange(0, BLOCK_K)
-    ssr = _scale_rows(sdnr_ptr, row0, rows, rmask, FP8_S, UNI_S)
+    ssr = _scale_row(sdnr_ptr, row0, rows, rmask, FP8_S, UNI_S)
     act_s = act_ptr + TOPK * IMAX
     acc_s = tl.zeros([BLOCK_N, BLOCK_K // VEC_S], dtype=tl.float32)
     for k0 in tl.static_range(0, IS, BLOCK_K):
@@ -307,7 +295,7 @@ def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_pt
     eid = tl.load(ids_ptr + s, mask=sm, other=0)
     base = dn_ptr + eid.to(tl.int64)[:, None, None] * stride_de + rows[None, :, None] * I
     sbase = dns_ptr + eid.to(tl.int64) * stride_dse
-    sr = _scale_rows(dnr_ptr, row0, rows, rmask, FP8_E, UNI_E)
+    sr = _scale_row(dnr_ptr, row0, rows, rmask, FP8_E, UNI_E)
     acc = tl.zeros([TOPKP, BLOCK_N, BLOCK_K // VEC_E], dtype=tl.float32)
     for k0 in tl.static_range(0, I, BLOCK_K):
         cols = k0 + offs_k
