@@ -18,6 +18,7 @@ names; the CPU/eager engine stays the oracle these kernels are checked against.
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -32,6 +33,7 @@ from .fp8 import FP8Weight, cat_rows, split_views, take_rows
 from .state import AttentionState, DecodeState, GDNState
 
 RING = 64  # control slots; must exceed the replays in flight (2)
+MOE = "moe"  # a plan entry's stream: the MoE experts launch (`FusedDecoder._l2_plan`)
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,13 @@ class Tuning:
     # Round every e4m3 * scale to bf16 in the kernels, as the eager oracle's dequantized weights are:
     # the fp8 step then differs from the eager one only in the order of sums (parity diagnostics).
     fp8_round_weights: bool = False
+    # The fp8 MoE kernels sum each thread's 16 products as one FMA chain (kernels/gemv.py `_fma_fold`).
+    fma_fp8: bool = False
+    # Bytes of the next GEMV's weight each M = 1 GEMV launch asks L2 for as its programs finish
+    # (kernels/common.py `l2_prefetch`, `FusedDecoder._l2_plan`); 0: none.
+    l2_prefetch: int = 0
+    # The MoE gate_up programs ask L2 for their experts' down weights as they finish (kernels/moe.py).
+    moe_l2: bool = False
 
     def shape(self, n: int, fp8: bool = False, rows: bool = False) -> dict:
         rules = self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv
@@ -432,76 +441,99 @@ class FusedDecoder:
     # ---- one decode step -------------------------------------------------------------------------
     def plan(self) -> list[Launch]:
         """The fused step as its launches, in order: the step runs them; benchmarks/decode_bench.py
-        times each group and counts the bytes it moves."""
+        times each group and counts the bytes it moves. With `Tuning.l2_prefetch` each GEMV launch
+        asks L2, as its programs finish, for the first bytes of the next GEMV's weight (`_l2_plan`)."""
         c, g = self.cfg, self.k_gemv
-        steps = [Launch("embed", None, lambda: self.k_samp.embed(self.tok, self.embed, self.res))]
+        entries = [("embed", None, lambda: self.k_samp.embed(self.tok, self.embed, self.res), None)]
         for i, L in enumerate(self.layers):
             mixer = self._gdn if isinstance(L.mixer, GDNMixer) else self._attention
             ffn = self._moe if isinstance(L.ffn, MoEFFN) else self._dense
-            steps += [Launch(group, i, fn) for group, fn in mixer(L) + ffn(L)]
-        steps.append(Launch("lm_head+argmax", None, lambda: g.gemv(
+            entries += [(group, i, fn, stream) for group, fn, stream in mixer(L) + ffn(L)]
+        entries.append(("lm_head+argmax", None, lambda l2=None: g.gemv(
             self.res, self.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
-            aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, **self.lm_shape)))
-        return steps
+            aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, l2=l2, **self.lm_shape), (self.lm_head, False)))
+        targets = self._l2_plan([e[3] for e in entries])
+        return [Launch(group, i, fn if t is None else functools.partial(fn, l2=t))
+                for (group, i, fn, _), t in zip(entries, targets)]
 
-    def _gdn(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
+    def _l2_plan(self, streams: list) -> list:
+        """Per launch, the `gemv` l2 target it asks for: the next GEMV's first `Tuning.l2_prefetch`
+        bytes, for GEMV launches (stream = (weight, SwiGLU halves)) followed by another before any MoE
+        experts launch (stream MOE: its tens of MB of expert weights would evict what was asked for)."""
+        out, nxt = [None] * len(streams), None
+        if self.t.l2_prefetch <= 0:
+            return out
+        for j in range(len(streams) - 1, -1, -1):
+            s = streams[j]
+            if s is MOE:
+                nxt = None
+            elif s is not None:
+                out[j] = nxt
+                nxt = self.k_gemv.l2_target(s[0], self.t.l2_prefetch, halves=s[1])
+        return out
+
+    def _gdn(self, L: FusedLayer) -> list[tuple]:
         c, g, t, m, eps = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps
         return [
-            ("gdn_in_proj+conv", lambda: g.gemv(
+            ("gdn_in_proj+conv", lambda l2=None: g.gemv(
                 self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
-                aux0=m.state.conv, aux1=m.conv_w, eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel,
-                **self._shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv))),
+                aux0=m.state.conv, aux1=m.conv_w, eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, l2=l2,
+                **self._shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv)), (m.w_in, False)),
             ("gdn_step", lambda: self.k_gdn.gdn_step(
                 self.buf, m.state.rec, self.o, m.a_log, m.dt_bias, num_k_heads=c.linear_num_key_heads,
                 num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
                 head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v, num_warps=t.gdn_warps,
-                prefetch=t.prefetch > 0)),
-            ("gdn_out_proj", lambda: g.gemv(
+                prefetch=t.prefetch > 0), None),
+            ("gdn_out_proj", lambda l2=None: g.gemv(
                 self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
-                z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim,
-                **self._rule(m.w_out, t.gemv_gated, t.gemv_gated_fp8)))]
+                z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, l2=l2,
+                **self._rule(m.w_out, t.gemv_gated, t.gemv_gated_fp8)), (m.w_out, False))]
 
-    def _attention(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
+    def _attention(self, L: FusedLayer) -> list[tuple]:
         c, g, t, m, eps, pos = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.state.position
         return [
-            ("attn_qkv_proj", lambda: g.gemv(
-                self.res, m.w_qkv, self.buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps,
-                **self._shape(m.w_qkv, m.w_qkv.shape[0]))),
+            ("attn_qkv_proj", lambda l2=None: g.gemv(
+                self.res, m.w_qkv, self.buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, l2=l2,
+                **self._shape(m.w_qkv, m.w_qkv.shape[0])), (m.w_qkv, False)),
             ("attn_qknorm_rope_kvwrite", lambda: self.k_attn.qk_rope_cache(
                 self.buf, self.q, m.state.k, m.state.v, m.q_norm, m.k_norm, self.model.rope_cos, self.model.rope_sin,
                 pos, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                rotary_dim=c.rotary_dim, eps=eps)),
+                rotary_dim=c.rotary_dim, eps=eps), None),
             ("attn_splitk+combine", lambda: self.k_attn.attention_decode(
                 self.q, m.state.k, m.state.v, pos, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
                 self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
-            ("attn_o_proj", lambda: g.gemv(
-                self.o, m.w_o, self.res, epi=g.EPI_RESIDUAL, **self._shape(m.w_o, c.hidden_size)))]
+                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps), None),
+            ("attn_o_proj", lambda l2=None: g.gemv(
+                self.o, m.w_o, self.res, epi=g.EPI_RESIDUAL, l2=l2, **self._shape(m.w_o, c.hidden_size)),
+             (m.w_o, False))]
 
-    def _moe(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
+    def _moe(self, L: FusedLayer) -> list[tuple]:
         c, g, t, f, eps = self.cfg, self.k_gemv, self.t, L.ffn, self.cfg.rms_norm_eps
         up8 = isinstance(f.gate_up, FP8Weight) or isinstance(f.s_gate_up, FP8Weight)
         dn8 = isinstance(f.down, FP8Weight) or isinstance(f.s_down, FP8Weight)
         bn, bk, nw = t.moe_fp8 if up8 else (t.moe_block_n, t.moe_block_k, t.moe_warps)
         dbn, dbk, dnw = t.moe_down_fp8 if dn8 else (t.moe_down_block_n, t.moe_down_block_k, t.moe_down_warps)
         return [
-            ("moe_router", lambda: g.gemv(
+            ("moe_router", lambda l2=None: g.gemv(
                 self.res, f.w_router, self.router_logits, pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
-                xn_out=self.xn, **self._rule(f.w_router, t.gemv_router, t.gemv_router_fp8))),
+                xn_out=self.xn, l2=l2, **self._rule(f.w_router, t.gemv_router, t.gemv_router_fp8)),
+             (f.w_router, False)),
             ("moe_experts", lambda: self.k_moe.moe_experts(
                 self.xn, self.res, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down,
                 self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=bn, block_k=bk,
                 down_block_n=dbn, down_block_k=dbk, num_warps=nw, down_num_warps=dnw, norm_topk=c.norm_topk_prob,
-                round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec))]
+                round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec, l2=t.moe_l2, fma=t.fma_fp8), MOE)]
 
-    def _dense(self, L: FusedLayer) -> list[tuple[str, Callable[[], None]]]:
+    def _dense(self, L: FusedLayer) -> list[tuple]:
         c, g, f = self.cfg, self.k_gemv, L.ffn
         return [
-            ("mlp_gate_up+swiglu", lambda: g.gemv(
+            ("mlp_gate_up+swiglu", lambda l2=None: g.gemv(
                 self.res, f.w_gate_up, self.act_dense, pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
-                eps=c.rms_norm_eps, **self._shape(f.w_gate_up, f.w_gate_up.shape[0] // 2))),
-            ("mlp_down", lambda: g.gemv(
-                self.act_dense, f.w_down, self.res, epi=g.EPI_RESIDUAL, **self._shape(f.w_down, c.hidden_size)))]
+                eps=c.rms_norm_eps, l2=l2, **self._shape(f.w_gate_up, f.w_gate_up.shape[0] // 2)),
+             (f.w_gate_up, True)),
+            ("mlp_down", lambda l2=None: g.gemv(
+                self.act_dense, f.w_down, self.res, epi=g.EPI_RESIDUAL, l2=l2, **self._shape(f.w_down, c.hidden_size)),
+             (f.w_down, False))]
 
     def launch(self, sample: bool = False, logprobs: bool = False, mask: bool = False) -> None:
         """Enqueue one decode step: input token `tok` at `position`; leaves the next token in `tok`.

@@ -10,9 +10,11 @@ import torch
 DEV = os.environ.get("NEXRT_KERNEL_DEVICE", "cpu")
 
 
-def _to_dev(t):
-    """An FP8Weight moved whole (read-only for the kernels: it is not copied back)."""
+def to_dev(t):
+    """A tensor or an FP8Weight on DEV (an FP8Weight is read-only for the kernels: not copied back)."""
     from nexrt_vllm.engine.fp8 import FP8Weight
+    if isinstance(t, torch.Tensor):
+        return t.to(DEV)
     if isinstance(t, FP8Weight):
         return FP8Weight(t.q.to(DEV), t.scale.to(DEV), t.srow.to(DEV), t.block,
                          None if t.tail is None else t.tail.to(DEV))
@@ -29,7 +31,7 @@ def call(fn, *args, **kw):
         if DEV == "cpu":
             return t
         if not isinstance(t, torch.Tensor):
-            return _to_dev(t)
+            return to_dev(t)
         moved.setdefault(id(t), (t, t.to(DEV)))
         return moved[id(t)][1]
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from nexrt_vllm.engine import kernels
-from nexrt_vllm.testing.kernel_calls import DEV, call, rel, rms1p
+from nexrt_vllm.testing.kernel_calls import DEV, call, rel, rms1p, to_dev
 
 attention, gdn, gemv, moe, sampling, _ = kernels.load(interpret=DEV == "cpu")
 
@@ -332,3 +332,41 @@ def test_gumbel_sampling_respects_top_k_and_top_p():
         draws.append(int(tok))
     assert set(draws) <= allowed and len(set(draws)) > 1
     assert draws[-1] == draws[5]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_l2_prefetch_leaves_the_same_bytes(fmt):
+    """Tuning.l2_prefetch / moe_l2: a GEMV asking L2 for the next weight's first bytes (one segment, or
+    a SwiGLU weight's two halves; more bytes than the weight holds are cut to it) and the MoE gate_up
+    asking for its experts' down weights leave exactly the bytes they leave without."""
+    from nexrt_vllm.engine.fp8 import quantize_weight
+
+    g = torch.Generator().manual_seed(21)
+    q = (lambda w, parts=None: quantize_weight(w, (128, 128), parts)) if fmt == "fp8" else (lambda w, parts=None: w)
+    x = torch.randn(256, generator=g).to(BF)
+    w = q((torch.randn(96, 256, generator=g) * 0.1).to(BF))
+    nxt = to_dev(q((torch.randn(2 * 64, 256, generator=g) * 0.1).to(BF), (64, 64)))  # only its address is read
+    res0 = torch.randn(96, generator=g).to(BF)
+    outs = []
+    for l2 in (None, gemv.l2_target(nxt, 5000, halves=True), gemv.l2_target(nxt, 1 << 30)):
+        y = res0.clone()
+        call(gemv.gemv, x, w, y, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=128, l2=l2)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    E, hid, inter, topk = 8, 256, 128, 2
+    gu = q((torch.randn(E, 2 * inter, hid, generator=g) * 0.1).to(BF), (inter, inter))
+    dn = q((torch.randn(E, hid, inter, generator=g) * 0.1).to(BF))
+    sgu = q((torch.randn(2 * inter, hid, generator=g) * 0.1).to(BF), (inter, inter))
+    sdn = q((torch.randn(hid, inter, generator=g) * 0.1).to(BF))
+    lg = torch.randn(E + 1, generator=g).to(BF)
+    xn = torch.randn(hid, generator=g).to(BF)
+    res1 = torch.randn(hid, generator=g).to(BF)
+    got = []
+    for l2 in (False, True):
+        res, act = res1.clone(), torch.zeros((topk + 1) * inter, dtype=BF)
+        ids, wts = torch.zeros(topk, dtype=torch.int32), torch.zeros(topk)
+        call(moe.moe_experts, xn, res, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, block_n=8, block_k=128,
+             down_block_n=4, down_block_k=64, num_warps=2, down_num_warps=1, l2=l2)
+        got.append((res, act, ids, wts))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)

@@ -8,6 +8,8 @@ same state the step differs only by fp32 accumulation order (step 0: < 1e-3; bit
 later steps allow for one bf16 rounding flip carried in the state and amplified by the layers.
 The graph capture, pinned control ring and timing are GPU-only (benchmarks/gpu_check.py).
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -84,3 +86,54 @@ def test_plan_launches_per_layer(ckpt_factory, arch):
     assert [(s.group, s.layer) for s in dec.plan()] == want
     for i, layer in enumerate(dec.layers):
         assert layer.mixer.state is eng.state.layers[i]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory, arch):
+    """Tuning.l2_prefetch: every GEMV launch asks L2 for the first bytes of the next GEMV's weight (both
+    halves of a SwiGLU weight; the last layer's, of the lm_head), none across an MoE experts launch,
+    none from the lm_head or the other kernels (Tuning.moe_l2: the experts' own launch asks for their
+    down weights, kernels/moe.py); the step's outputs are the same bytes as without it."""
+    eng = Engine.from_pretrained(ckpt_factory(arch, "bfloat16"), device="cpu", dtype="bfloat16", max_seq_len=16,
+                                 progress=False)
+    eng.prefill([5, 17, 3])
+    n0, snap = eng.export_state()
+    nbytes = 4096
+    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=nbytes, moe_l2=True))
+    plan = dec.plan()
+    gemvs = {"gdn_in_proj+conv": lambda L: L.mixer.w_in, "gdn_out_proj": lambda L: L.mixer.w_out,
+             "attn_qkv_proj": lambda L: L.mixer.w_qkv, "attn_o_proj": lambda L: L.mixer.w_o,
+             "moe_router": lambda L: L.ffn.w_router, "mlp_gate_up+swiglu": lambda L: L.ffn.w_gate_up,
+             "mlp_down": lambda L: L.ffn.w_down, "lm_head+argmax": lambda L: dec.lm_head}
+    asked = 0
+    for j, s in enumerate(plan):
+        want, halves = None, False
+        if s.group in gemvs:
+            for nxt in plan[j + 1:]:
+                if nxt.group == "moe_experts":
+                    break
+                if nxt.group in gemvs:
+                    want, halves = gemvs[nxt.group](nxt.layer is not None and dec.layers[nxt.layer]), nxt.group == "mlp_gate_up+swiglu"
+                    break
+        got = getattr(s.run, "keywords", {}).get("l2")
+        if want is None:
+            assert got is None, (j, s.group)
+            continue
+        flat, off1, each, segs = got
+        assert flat.data_ptr() == want.data_ptr() and flat.numel() == want.numel() * want.element_size()
+        segs_want = 2 if halves else 1
+        assert (segs, off1, each) == (segs_want, flat.numel() // 2 if halves else 0,
+                                      min(nbytes, flat.numel()) // segs_want // 16 * 16), s.group
+        asked += 1
+    assert asked >= len(dec.layers)
+    tok = 7
+    dec.tok.fill_(tok)
+    dec.launch()
+    with_l2 = (dec.logits.clone(), int(dec.tok), eng.export_state()[1])
+    eng.import_state(n0, snap)
+    plain = FusedDecoder(eng.model, eng.state, mode="fused", tuning=CPU_TUNING)
+    plain.tok.fill_(tok)
+    plain.launch()
+    assert torch.equal(plain.logits, with_l2[0]) and int(plain.tok) == with_l2[1]
+    for name, t in eng.export_state()[1].items():
+        assert torch.equal(t, with_l2[2][name]), name

@@ -19,6 +19,7 @@ _PDL_OK = _HAVE_GDC and os.environ.get("TRITON_INTERPRET") != "1"
 # Inline PTX (the system-scope fences around host-mapped memory): compiled kernels only; the
 # interpreter runs programs one after another on the host, where the fences have nothing to order.
 ASM = os.environ.get("TRITON_INTERPRET") != "1"
+_ASM = tl.constexpr(ASM)  # the same, for jitted helpers (globals they read must be constexpr)
 LAUNCH = {"PDL": False}  # **kwargs of every decode-kernel launch; mutated in place by launch_options
 
 
@@ -75,3 +76,27 @@ def fence_sys(ASM: tl.constexpr):
     every observer, the host included (host-mapped memory is read by the CPU, written by it)."""
     if ASM:
         tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF: tl.constexpr):
+    """Ask L2 for this program's share of the next GEMV's first weight bytes (PF segments of pf_each
+    bytes of the uint8 tensor at pf_ptr, at byte 0 and pf_off1; pf_chunk bytes per program, multiples
+    of 16): one bulk prefetch per segment, issued by thread 0 when the program is done. The last
+    programs of a launch finish one by one while HBM idles; these requests keep it streaming the bytes
+    the next launch reads first. A hint: no result, nothing to order."""
+    if _ASM and PF > 0:
+        off = pid.to(tl.int64) * pf_chunk
+        n = tl.minimum(pf_each - off, pf_chunk)
+        if n > 0:
+            _bulk_prefetch(pf_ptr + off, n)
+            if PF > 1:
+                _bulk_prefetch(pf_ptr + pf_off1 + off, n)
+
+
+@triton.jit
+def _bulk_prefetch(p, n):
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [p.to(tl.int64), n.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

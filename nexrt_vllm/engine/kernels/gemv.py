@@ -26,10 +26,11 @@ from the live conv state without writing it, into a window the commit picks the 
 `gemv_rows_dot_kernel` does the same on the tensor cores, the weight tile as the left operand of the
 product (the compiler then streams it through shared memory in pipeline stages).
 """
+import torch
 import triton
 import triton.language as tl
 
-from .common import ASM, LAUNCH, pdl_begin
+from .common import ASM, LAUNCH, l2_prefetch, pdl_begin
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 
@@ -159,12 +160,12 @@ def _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N,
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
-                N, K, stride_w, eps, CONV_N,
+def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, pf_ptr,
+                N, K, stride_w, eps, CONV_N, pf_off1, pf_each, pf_chunk,
                 PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
                 STORE_XN: tl.constexpr, KP: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
-                VEC: tl.constexpr, PDL: tl.constexpr):
+                VEC: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -174,6 +175,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     y, y_up = _acc(x_ptr, w_ptr, w_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, 0, eps, rstd, wh, wuh,
                    PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, PRE, VEC, False, 1, True, False)
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
+    l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF)
 
 
 @triton.jit
@@ -289,13 +291,13 @@ def _acc(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, s
 
 
 @triton.jit
-def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
-                    N, K, N8, stride_w, stride_s, stride_t, eps, CONV_N,
+def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, pf_ptr,
+                    N, K, N8, stride_w, stride_s, stride_t, eps, CONV_N, pf_off1, pf_each, pf_chunk,
                     PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr,
                     KCP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr,
                     UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr,
-                    PRE: tl.constexpr, VEC: tl.constexpr, VEC_T: tl.constexpr, PDL: tl.constexpr):
+                    PRE: tl.constexpr, VEC: tl.constexpr, VEC_T: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
     """`gemv_kernel` over an FP8 weight: rows < N8 e4m3 (w_ptr) with fp32 block scales (s_ptr, row
     map srow_ptr), rows >= N8 (TAIL) bf16 (t_ptr); N8 is a multiple of BLOCK_N, so each program
     reads one of the two. Same prologues and epilogues; the e4m3 programs load their first PRE K
@@ -318,6 +320,7 @@ def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, 
                        rstd, wh, wuh, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, PRE, VEC, True, BKS, UNIFORM,
                        ROUND_W)
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
+    l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF)
 
 
 # ---- M rows (the speculative verify pass) ------------------------------------------------------
@@ -390,25 +393,48 @@ def _halves(t):
 
 
 @triton.jit
+def _fma8(acc, w, x):
+    """acc + the products w x [.., 8] summed over their last dim as one chain of FMAs."""
+    wa, wb = _halves(w)
+    xa, xb = _halves(x)
+    wa0, wa1 = _halves(wa)
+    xa0, xa1 = _halves(xa)
+    wb0, wb1 = _halves(wb)
+    xb0, xb1 = _halves(xb)
+    return _fma_pairs(_fma_pairs(_fma_pairs(_fma_pairs(acc, wa0, xa0), wa1, xa1), wb0, xb0), wb1, xb1)
+
+
+@triton.jit
 def _fma_run(acc, w, x, VEC: tl.constexpr):
-    """acc + the products w x [.., VEC] summed over their last dim (VEC <= 8 adjacent columns of one
+    """acc + the products w x [.., VEC] summed over their last dim (VEC <= 16 adjacent columns of one
     thread) as one chain of FMAs: a tree sum costs a multiply and an add more per two products."""
     if VEC == 1:
         out = acc + tl.sum(w * x, 3)
     elif VEC == 2:
         out = _fma_pairs(acc, w, x)
+    elif VEC == 4:
+        wa, wb = _halves(w)
+        xa, xb = _halves(x)
+        out = _fma_pairs(_fma_pairs(acc, wa, xa), wb, xb)
+    elif VEC == 8:
+        out = _fma8(acc, w, x)
     else:
         wa, wb = _halves(w)
         xa, xb = _halves(x)
-        if VEC == 4:
-            out = _fma_pairs(_fma_pairs(acc, wa, xa), wb, xb)
-        else:
-            wa0, wa1 = _halves(wa)
-            xa0, xa1 = _halves(xa)
-            wb0, wb1 = _halves(wb)
-            xb0, xb1 = _halves(xb)
-            out = _fma_pairs(_fma_pairs(_fma_pairs(_fma_pairs(acc, wa0, xa0), wa1, xa1), wb0, xb0), wb1, xb1)
+        out = _fma8(_fma8(acc, wa, xa), wb, xb)
     return out
+
+
+@triton.jit
+def _fma_fold(acc, w, xs, VEC: tl.constexpr):
+    """`_fold` of the products of an e4m3 (or bf16) tile w [S, BN, BK] with the scaled input xs [S, 1, BK]
+    added to acc [S, BN, BK // VEC]: each thread's run of VEC columns as one FMA chain (`_fma_run`)
+    instead of products and a tree sum (fewer instructions per weight byte)."""
+    S: tl.constexpr = w.shape[0]
+    BN: tl.constexpr = w.shape[1]
+    BK: tl.constexpr = w.shape[2]
+    return _fma_run(acc, tl.reshape(w.to(tl.float32), (S, BN, BK // VEC, VEC)),
+                    tl.reshape(xs, (S, 1, BK // VEC, VEC)), VEC)
 
 
 @triton.jit
@@ -661,7 +687,7 @@ def fold_vec(vec: int, elem_bytes: int, block_k: int) -> int:
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
          conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False,
-         prefetch=0, vec=0, m=1, window=None, dot=0):
+         prefetch=0, vec=0, m=1, window=None, dot=0, l2=None):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
     optionally a bf16 tail; `round_w`: see _acc's ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
     N = rows of y); `prefetch`: K blocks of W (bf16 or e4m3) each program loads before it waits on the
@@ -676,9 +702,12 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     and the m new inputs (`model.gdn_verify`'s window: token j's conv input is window[:, j:j+kc]).
     With m > 1 each thread always folds its 16-byte runs (`vec` is not used: elementwise
     accumulators for m rows would not fit in registers) and `prefetch` is cut to 4 blocks. `dot` > 0:
-    `gemv_rows_dot_kernel` (tensor cores, >= 16 weight rows per program) with `dot` pipeline stages."""
+    `gemv_rows_dot_kernel` (tensor cores, >= 16 weight rows per program) with `dot` pipeline stages.
+    `l2` (m = 1): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for when done."""
     fp8 = hasattr(w, "scale")
     if m != 1:
+        if l2 is not None:
+            raise ValueError("gemv: l2 prefetch is for m = 1 launches")
         return _gemv_rows(x, w, y, fp8, pro=pro, epi=epi, norm_w=norm_w, z=z, aux0=aux0, aux1=aux1, eps=eps,
                           conv_n=conv_n, group=group, kc=kc, xn_out=xn_out, block_n=block_n, block_k=block_k,
                           num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window, dot=dot)
@@ -694,12 +723,19 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         z = xn_out
     args = (norm_w if norm_w is not None else dummy, z if z is not None else dummy,
             aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy)
+    if l2 is not None:
+        pf_t, pf_off1, pf_each, segs = l2
+        per = -(-pf_each // grid)
+        pf_ptr, pf = pf_t, (pf_off1, pf_each, -(-per // 16) * 16)
+    else:
+        pf_ptr, pf, segs = dummy, (0, 0, 0), 0
     common = dict(PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
                   STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-                  EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
+                  EVEN_K=(k % block_k == 0), PF=segs, **LAUNCH, num_warps=num_warps)
+    args = (*args, pf_ptr)
     if not fp8:
-        gemv_kernel[(grid,)](x, w, y, *args, n, k, w.stride(0), eps, conv_n, PRE=head_blocks(prefetch, k, block_k),
-                             VEC=fold_vec(vec, 2, block_k), **common)
+        gemv_kernel[(grid,)](x, w, y, *args, n, k, w.stride(0), eps, conv_n, *pf,
+                             PRE=head_blocks(prefetch, k, block_k), VEC=fold_vec(vec, 2, block_k), **common)
         return grid
     n8 = w.n8
     tail = w.tail
@@ -713,11 +749,25 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     uniform = w.row_uniform(block_n) and (epi != EPI_SWIGLU or w.row_uniform(block_n, n))
     gemv_fp8_kernel[(grid,)](
         x, w.q, w.scale, w.srow, tail if tail is not None else dummy, y, *args, n, k, n8 if tail is not None else n,
-        w.q.stride(0), w.scale.stride(0), tail.stride(0) if tail is not None else 0, eps, conv_n,
+        w.q.stride(0), w.scale.stride(0), tail.stride(0) if tail is not None else 0, eps, conv_n, *pf,
         BKS=w.block[1], UNIFORM=uniform, ROUND_W=round_w, TAIL=tail is not None,
         PRE=head_blocks(prefetch, k, block_k), VEC=fold_vec(vec, 1, block_k), VEC_T=fold_vec(vec, 2, block_k),
         **common)
     return grid
+
+
+def l2_target(w, nbytes: int, halves: bool = False):
+    """The `l2` argument of the launch before a GEMV over `w` (bf16 or fp8.FP8Weight: its e4m3 values):
+    the first `nbytes` of the weight (split between the gate and the up half of a SwiGLU weight,
+    `halves`, whose programs read both from their start), as (its bytes, offset of the second segment,
+    bytes per segment, segments); None when nothing is asked (nbytes 0, a strided view)."""
+    t = w.q if hasattr(w, "scale") else w
+    if nbytes <= 0 or not t.is_contiguous():
+        return None
+    flat = t.view(-1).view(torch.uint8)
+    segs = 2 if halves else 1
+    each = min(nbytes, flat.numel()) // segs // 16 * 16
+    return (flat, flat.numel() // 2 if halves else 0, each, segs) if each else None
 
 
 def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, group, kc, xn_out, block_n,
@@ -768,6 +818,6 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
     return grid
 
 
-__all__ = ["gemv", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel", "head_blocks",
+__all__ = ["gemv", "l2_target", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel", "head_blocks",
            "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL", "EPI_SWIGLU", "EPI_CONV",
            "EPI_ARGMAX"]
