@@ -103,8 +103,13 @@ class Tuning:
     # The fp8 MoE kernels sum each thread's 16 products as one FMA chain (kernels/gemv.py `_fma_fold`).
     fma_fp8: bool = False
     # Bytes of the next GEMV's weight each M = 1 GEMV launch asks L2 for as its programs finish
-    # (kernels/common.py `l2_prefetch`, `FusedDecoder._l2_plan`); 0: none.
-    l2_prefetch: int = 0
+    # (kernels/common.py `l2_prefetch`, `FusedDecoder._l2_plan`); 0: none. Two H200 sweeps: 1 MiB takes
+    # 12 / 23 us off the bf16 2B / 35B-A3B step at 8K, more costs (16 MiB: +92 / +8 us); launches over
+    # fp8 weights measured slower with any (`l2_prefetch_fp8`, +5 to +20 us).
+    l2_prefetch: int = 1 << 20
+    l2_prefetch_fp8: int = 0
+    l2_start: bool = False  # ask before the PDL wait instead of when done
+    attn_l2: bool = False  # the attention scores programs ask L2 for their V rows (kernels/attention.py)
     # The MoE gate_up programs ask L2 for their experts' down weights as they finish (kernels/moe.py).
     moe_l2: bool = False
 
@@ -449,51 +454,52 @@ class FusedDecoder:
             mixer = self._gdn if isinstance(L.mixer, GDNMixer) else self._attention
             ffn = self._moe if isinstance(L.ffn, MoEFFN) else self._dense
             entries += [(group, i, fn, stream) for group, fn, stream in mixer(L) + ffn(L)]
-        entries.append(("lm_head+argmax", None, lambda l2=None: g.gemv(
+        entries.append(("lm_head+argmax", None, lambda **l2: g.gemv(
             self.res, self.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
-            aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, l2=l2, **self.lm_shape), (self.lm_head, False)))
+            aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, **l2, **self.lm_shape), (self.lm_head, False)))
         targets = self._l2_plan([e[3] for e in entries])
-        return [Launch(group, i, fn if t is None else functools.partial(fn, l2=t))
+        return [Launch(group, i, fn if t is None else functools.partial(fn, l2=t, l2_start=self.t.l2_start))
                 for (group, i, fn, _), t in zip(entries, targets)]
 
     def _l2_plan(self, streams: list) -> list:
-        """Per launch, the `gemv` l2 target it asks for: the next GEMV's first `Tuning.l2_prefetch`
-        bytes, for GEMV launches (stream = (weight, SwiGLU halves)) followed by another before any MoE
-        experts launch (stream MOE: its tens of MB of expert weights would evict what was asked for)."""
+        """Per launch, the `gemv` l2 target it asks for: the next GEMV's first `Tuning.l2_prefetch` bytes
+        (`l2_prefetch_fp8` from a GEMV over fp8 weights), for GEMV launches (stream = (weight, SwiGLU
+        halves)) followed by another before any MoE experts launch (stream MOE: its tens of MB of
+        expert weights would evict what was asked for)."""
         out, nxt = [None] * len(streams), None
-        if self.t.l2_prefetch <= 0:
-            return out
         for j in range(len(streams) - 1, -1, -1):
             s = streams[j]
             if s is MOE:
                 nxt = None
             elif s is not None:
-                out[j] = nxt
-                nxt = self.k_gemv.l2_target(s[0], self.t.l2_prefetch, halves=s[1])
+                nbytes = self.t.l2_prefetch_fp8 if isinstance(s[0], FP8Weight) else self.t.l2_prefetch
+                if nxt is not None and nbytes > 0:
+                    out[j] = self.k_gemv.l2_target(nxt[0], nbytes, halves=nxt[1])
+                nxt = s
         return out
 
     def _gdn(self, L: FusedLayer) -> list[tuple]:
         c, g, t, m, eps = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps
         return [
-            ("gdn_in_proj+conv", lambda l2=None: g.gemv(
+            ("gdn_in_proj+conv", lambda **l2: g.gemv(
                 self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
-                aux0=m.state.conv, aux1=m.conv_w, eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, l2=l2,
+                aux0=m.state.conv, aux1=m.conv_w, eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, **l2,
                 **self._shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv)), (m.w_in, False)),
             ("gdn_step", lambda: self.k_gdn.gdn_step(
                 self.buf, m.state.rec, self.o, m.a_log, m.dt_bias, num_k_heads=c.linear_num_key_heads,
                 num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
                 head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v, num_warps=t.gdn_warps,
                 prefetch=t.prefetch > 0), None),
-            ("gdn_out_proj", lambda l2=None: g.gemv(
+            ("gdn_out_proj", lambda **l2: g.gemv(
                 self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
-                z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, l2=l2,
+                z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, **l2,
                 **self._rule(m.w_out, t.gemv_gated, t.gemv_gated_fp8)), (m.w_out, False))]
 
     def _attention(self, L: FusedLayer) -> list[tuple]:
         c, g, t, m, eps, pos = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.state.position
         return [
-            ("attn_qkv_proj", lambda l2=None: g.gemv(
-                self.res, m.w_qkv, self.buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, l2=l2,
+            ("attn_qkv_proj", lambda **l2: g.gemv(
+                self.res, m.w_qkv, self.buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, **l2,
                 **self._shape(m.w_qkv, m.w_qkv.shape[0])), (m.w_qkv, False)),
             ("attn_qknorm_rope_kvwrite", lambda: self.k_attn.qk_rope_cache(
                 self.buf, self.q, m.state.k, m.state.v, m.q_norm, m.k_norm, self.model.rope_cos, self.model.rope_sin,
@@ -502,9 +508,10 @@ class FusedDecoder:
             ("attn_splitk+combine", lambda: self.k_attn.attention_decode(
                 self.q, m.state.k, m.state.v, pos, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
                 self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps), None),
-            ("attn_o_proj", lambda l2=None: g.gemv(
-                self.o, m.w_o, self.res, epi=g.EPI_RESIDUAL, l2=l2, **self._shape(m.w_o, c.hidden_size)),
+                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps,
+                l2_v=t.attn_l2), None),
+            ("attn_o_proj", lambda **l2: g.gemv(
+                self.o, m.w_o, self.res, epi=g.EPI_RESIDUAL, **l2, **self._shape(m.w_o, c.hidden_size)),
              (m.w_o, False))]
 
     def _moe(self, L: FusedLayer) -> list[tuple]:
@@ -514,9 +521,9 @@ class FusedDecoder:
         bn, bk, nw = t.moe_fp8 if up8 else (t.moe_block_n, t.moe_block_k, t.moe_warps)
         dbn, dbk, dnw = t.moe_down_fp8 if dn8 else (t.moe_down_block_n, t.moe_down_block_k, t.moe_down_warps)
         return [
-            ("moe_router", lambda l2=None: g.gemv(
+            ("moe_router", lambda **l2: g.gemv(
                 self.res, f.w_router, self.router_logits, pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
-                xn_out=self.xn, l2=l2, **self._rule(f.w_router, t.gemv_router, t.gemv_router_fp8)),
+                xn_out=self.xn, **l2, **self._rule(f.w_router, t.gemv_router, t.gemv_router_fp8)),
              (f.w_router, False)),
             ("moe_experts", lambda: self.k_moe.moe_experts(
                 self.xn, self.res, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down,
@@ -527,12 +534,12 @@ class FusedDecoder:
     def _dense(self, L: FusedLayer) -> list[tuple]:
         c, g, f = self.cfg, self.k_gemv, L.ffn
         return [
-            ("mlp_gate_up+swiglu", lambda l2=None: g.gemv(
+            ("mlp_gate_up+swiglu", lambda **l2: g.gemv(
                 self.res, f.w_gate_up, self.act_dense, pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
-                eps=c.rms_norm_eps, l2=l2, **self._shape(f.w_gate_up, f.w_gate_up.shape[0] // 2)),
+                eps=c.rms_norm_eps, **l2, **self._shape(f.w_gate_up, f.w_gate_up.shape[0] // 2)),
              (f.w_gate_up, True)),
-            ("mlp_down", lambda l2=None: g.gemv(
-                self.act_dense, f.w_down, self.res, epi=g.EPI_RESIDUAL, l2=l2, **self._shape(f.w_down, c.hidden_size)),
+            ("mlp_down", lambda **l2: g.gemv(
+                self.act_dense, f.w_down, self.res, epi=g.EPI_RESIDUAL, **l2, **self._shape(f.w_down, c.hidden_size)),
              (f.w_down, False))]
 
     def launch(self, sample: bool = False, logprobs: bool = False, mask: bool = False) -> None:

@@ -217,15 +217,19 @@ def test_qk_rope_cache_and_split_attention():
     ref = (p @ vv).view(H, hd) * torch.sigmoid(qg[:, 1])
     nsplit = 4
     for min_per in (16, 128):  # 4 live splits; 1 live split (short context)
-        m_b, l_b = nan_like(torch.empty(H * nsplit)), nan_like(torch.empty(H * nsplit))
-        acc_b = nan_like(torch.empty(H * nsplit * hd))
-        s_b = nan_like(torch.empty(H * maxlen))
-        out = nan_like(torch.empty(H * hd, dtype=BF))
-        call(attention.attention_decode, q_out, kc, vc, posb, qkv, out, m_b, l_b, acc_b, s_b, num_heads=H,
-             num_kv_heads=KVH, head_dim=hd, nsplit=nsplit, block=16, min_per=min_per)
+        outs = []
+        for l2_v in (False, True):  # the scores programs asking L2 for their V rows change no byte
+            m_b, l_b = nan_like(torch.empty(H * nsplit)), nan_like(torch.empty(H * nsplit))
+            acc_b = nan_like(torch.empty(H * nsplit * hd))
+            s_b = nan_like(torch.empty(H * maxlen))
+            out = nan_like(torch.empty(H * hd, dtype=BF))
+            call(attention.attention_decode, q_out, kc, vc, posb, qkv, out, m_b, l_b, acc_b, s_b, num_heads=H,
+                 num_kv_heads=KVH, head_dim=hd, nsplit=nsplit, block=16, min_per=min_per, l2_v=l2_v)
+            outs.append(out)
         # probabilities normalised and rounded to bf16 as the eager softmax leaves them: equal up to fp32
         # accumulation order and the device exp (bit-equal in the interpreter)
-        assert rel(out.view(H, hd), ref) < 2e-3, min_per
+        assert rel(outs[0].view(H, hd), ref) < 2e-3, min_per
+        assert torch.equal(outs[0], outs[1]), min_per
 
 
 def test_embed_row():

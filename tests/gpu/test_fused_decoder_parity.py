@@ -101,6 +101,8 @@ def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory, arch):
     nbytes = 4096
     dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=nbytes, moe_l2=True))
     plan = dec.plan()
+    assert not any(hasattr(s.run, "keywords") for s in FusedDecoder(
+        eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=0)).plan())
     gemvs = {"gdn_in_proj+conv": lambda L: L.mixer.w_in, "gdn_out_proj": lambda L: L.mixer.w_out,
              "attn_qkv_proj": lambda L: L.mixer.w_qkv, "attn_o_proj": lambda L: L.mixer.w_o,
              "moe_router": lambda L: L.ffn.w_router, "mlp_gate_up+swiglu": lambda L: L.ffn.w_gate_up,
@@ -131,7 +133,7 @@ def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory, arch):
     dec.launch()
     with_l2 = (dec.logits.clone(), int(dec.tok), eng.export_state()[1])
     eng.import_state(n0, snap)
-    plain = FusedDecoder(eng.model, eng.state, mode="fused", tuning=CPU_TUNING)
+    plain = FusedDecoder(eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=0))
     plain.tok.fill_(tok)
     plain.launch()
     assert torch.equal(plain.logits, with_l2[0]) and int(plain.tok) == with_l2[1]

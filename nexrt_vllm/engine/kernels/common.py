@@ -86,7 +86,7 @@ def l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF: tl.constexpr):
     programs of a launch finish one by one while HBM idles; these requests keep it streaming the bytes
     the next launch reads first. A hint: no result, nothing to order."""
     if _ASM and PF > 0:
-        off = pid.to(tl.int64) * pf_chunk
+        off = pid * pf_chunk
         n = tl.minimum(pf_each - off, pf_chunk)
         if n > 0:
             _bulk_prefetch(pf_ptr + off, n)
