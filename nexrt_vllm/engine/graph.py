@@ -100,18 +100,12 @@ class Tuning:
     # Round every e4m3 * scale to bf16 in the kernels, as the eager oracle's dequantized weights are:
     # the fp8 step then differs from the eager one only in the order of sums (parity diagnostics).
     fp8_round_weights: bool = False
-    # The fp8 MoE kernels sum each thread's 16 products as one FMA chain (kernels/gemv.py `_fma_fold`).
-    fma_fp8: bool = False
     # Bytes of the next GEMV's weight each M = 1 GEMV launch asks L2 for as its programs finish
     # (kernels/common.py `l2_prefetch`, `FusedDecoder._l2_plan`); 0: none. Two H200 sweeps: 1 MiB takes
     # 12 / 23 us off the bf16 2B / 35B-A3B step at 8K, more costs (16 MiB: +92 / +8 us); launches over
     # fp8 weights measured slower with any (`l2_prefetch_fp8`, +5 to +20 us).
     l2_prefetch: int = 1 << 20
     l2_prefetch_fp8: int = 0
-    l2_start: bool = False  # ask before the PDL wait instead of when done
-    attn_l2: bool = False  # the attention scores programs ask L2 for their V rows (kernels/attention.py)
-    # The MoE gate_up programs ask L2 for their experts' down weights as they finish (kernels/moe.py).
-    moe_l2: bool = False
 
     def shape(self, n: int, fp8: bool = False, rows: bool = False) -> dict:
         rules = self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv
@@ -458,7 +452,7 @@ class FusedDecoder:
             self.res, self.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
             aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, **l2, **self.lm_shape), (self.lm_head, False)))
         targets = self._l2_plan([e[3] for e in entries])
-        return [Launch(group, i, fn if t is None else functools.partial(fn, l2=t, l2_start=self.t.l2_start))
+        return [Launch(group, i, fn if t is None else functools.partial(fn, l2=t))
                 for (group, i, fn, _), t in zip(entries, targets)]
 
     def _l2_plan(self, streams: list) -> list:
@@ -508,8 +502,7 @@ class FusedDecoder:
             ("attn_splitk+combine", lambda: self.k_attn.attention_decode(
                 self.q, m.state.k, m.state.v, pos, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
                 self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps,
-                l2_v=t.attn_l2), None),
+                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps), None),
             ("attn_o_proj", lambda **l2: g.gemv(
                 self.o, m.w_o, self.res, epi=g.EPI_RESIDUAL, **l2, **self._shape(m.w_o, c.hidden_size)),
              (m.w_o, False))]
@@ -529,7 +522,7 @@ class FusedDecoder:
                 self.xn, self.res, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down,
                 self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=bn, block_k=bk,
                 down_block_n=dbn, down_block_k=dbk, num_warps=nw, down_num_warps=dnw, norm_topk=c.norm_topk_prob,
-                round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec, l2=t.moe_l2, fma=t.fma_fp8), MOE)]
+                round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec), MOE)]
 
     def _dense(self, L: FusedLayer) -> list[tuple]:
         c, g, f = self.cfg, self.k_gemv, L.ffn

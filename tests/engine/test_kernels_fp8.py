@@ -203,17 +203,15 @@ def _moe_ref(res, norm_w, wr, gu, sgu, dn, sdn, topk, E):
     return h, res + (out + shared), sorted(top_i.tolist())
 
 
-@pytest.mark.parametrize("routed,shared,block,shape,round_w,fma", [
-    ("fp8", "fp8", B128, (2, 1, 1), False, False),       # the GPU defaults' shape (one warp, 2 rows / 1 row)
-    ("fp8", "fp8", B128, (2, 1, 1), True, False),
-    ("fp8", "fp8", B128, (8, 2, 2), False, True),        # FMA chains (Tuning.fma_fp8)
-    ("fp8", "fp8", (48, 40), (16, 8, 4), False, False),  # scale rows straddled by a program, K sub-blocks of 8
-    ("fp8", "fp8", (48, 40), (16, 8, 4), True, False),
-    ("fp8", "fp8", (48, 40), (16, 8, 4), False, True),   # not UNIFORM: the FMA switch leaves these as they are
-    ("fp8", "bf16", B128, (8, 4, 4), False, True),
-    ("bf16", "fp8", B128, (8, 4, 4), False, False),
+@pytest.mark.parametrize("routed,shared,block,shape,round_w", [
+    ("fp8", "fp8", B128, (2, 1, 1), False),       # the GPU defaults' shape (one warp, 2 rows / 1 row)
+    ("fp8", "fp8", B128, (2, 1, 1), True),
+    ("fp8", "fp8", (48, 40), (16, 8, 4), False),  # scale rows straddled by a program, K sub-blocks of 8
+    ("fp8", "fp8", (48, 40), (16, 8, 4), True),
+    ("fp8", "bf16", B128, (8, 4, 4), False),
+    ("bf16", "fp8", B128, (8, 4, 4), False),
 ])
-def test_fp8_moe_experts(routed, shared, block, shape, round_w, fma):
+def test_fp8_moe_experts(routed, shared, block, shape, round_w):
     bn, dbn, nw = shape
     g = torch.Generator().manual_seed(9)
     E, hid, inter, inter_s, topk = 16, 200, 40, 72, 3
@@ -238,7 +236,7 @@ def test_fp8_moe_experts(routed, shared, block, shape, round_w, fma):
     assert torch.equal(xn, h)
     act = nan_like(torch.empty((topk + 1) * inter_s, dtype=BF))
     call(moe.moe_experts, xn, res, lg, gu, sgu, dn, sdn, act, ids, wts, top_k=topk, block_n=bn, block_k=64,
-         down_block_n=dbn, down_block_k=32, num_warps=nw, down_num_warps=nw, round_w=round_w, fma=fma)
+         down_block_n=dbn, down_block_k=32, num_warps=nw, down_num_warps=nw, round_w=round_w)
     assert ids.tolist() == want_ids
     d = lambda x: x.float() - res_start.float()  # noqa: E731 - the MoE's contribution
     assert rel(d(res), d(ref)) < 2e-2, rel(d(res), d(ref))

@@ -92,14 +92,13 @@ def test_plan_launches_per_layer(ckpt_factory, arch):
 def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory, arch):
     """Tuning.l2_prefetch: every GEMV launch asks L2 for the first bytes of the next GEMV's weight (both
     halves of a SwiGLU weight; the last layer's, of the lm_head), none across an MoE experts launch,
-    none from the lm_head or the other kernels (Tuning.moe_l2: the experts' own launch asks for their
-    down weights, kernels/moe.py); the step's outputs are the same bytes as without it."""
+    none from the lm_head or the other kernels; the step's outputs are the same bytes as without it."""
     eng = Engine.from_pretrained(ckpt_factory(arch, "bfloat16"), device="cpu", dtype="bfloat16", max_seq_len=16,
                                  progress=False)
     eng.prefill([5, 17, 3])
     n0, snap = eng.export_state()
     nbytes = 4096
-    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=nbytes, moe_l2=True))
+    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=nbytes))
     plan = dec.plan()
     assert not any(hasattr(s.run, "keywords") for s in FusedDecoder(
         eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=0)).plan())

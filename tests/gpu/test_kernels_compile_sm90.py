@@ -33,8 +33,7 @@ FP32_SCALARS = {"eps", "q_scale", "scale"}
 # the logprob / grammar-mask kernels (kernels/sampling.py); their logits are the fp32 lm_head output
 LP_TYPES = {"logits_ptr": "*fp32", "tmax_ptr": "*fp32", "tsum_ptr": "*fp32", "topv_ptr": "*fp32", "lpv_ptr": "*fp32",
             "tidx_ptr": "*i32", "topi_ptr": "*i32", "k_ptr": "*i32", "mask_ptr": "*i32", "lpi_ptr": "*i32",
-            "dnb_ptr": "*u8", "sdnb_ptr": "*u8",
-            "flag_ptr": "*i64", "status_ptr": "*i64", "pf_ptr": "*u8", "vb_ptr": "*u8"}
+            "flag_ptr": "*i64", "status_ptr": "*i64", "pf_ptr": "*u8"}
 
 
 def compile_(fn, consts, num_warps=4, types=None, aligned=(), **options):
@@ -68,7 +67,7 @@ def compile_(fn, consts, num_warps=4, types=None, aligned=(), **options):
             "l2_before_wait": ptx[:wait].count("cp.async.bulk.prefetch.L2.global") if wait >= 0 else None}
 
 
-G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, PF=0, PF_START=False)
+G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, PF=0)
 A = dict(NSPLIT=256, MIN_PER=32, G=8, GP=16, HD=256, BLOCK=32, DOT_F32=False)
 FIN = dict(BLOCK=1024, LP=False, CHECK=False, KMAX=sampling.KMAX, TB=128, CB=4096, ASM=True)
 TAIL = dict(CHUNK=2048, KMAX=sampling.KMAX, MASK=False, TOPK=False, WRITE=False, SPIN=1 << 21, ASM=True)
@@ -76,13 +75,13 @@ TAIL = dict(CHUNK=2048, KMAX=sampling.KMAX, MASK=False, TOPK=False, WRITE=False,
 F8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "aux0_ptr": "*bf16", "aux1_ptr": "*bf16",
       "gu_ptr": "*fp8e4nv", "gus_ptr": "*fp32", "gur_ptr": "*i32", "sgu_ptr": "*fp8e4nv", "sgus_ptr": "*fp32",
       "sgur_ptr": "*i32", "dn_ptr": "*fp8e4nv", "dns_ptr": "*fp32", "dnr_ptr": "*i32", "sdn_ptr": "*fp8e4nv",
-      "sdns_ptr": "*fp32", "sdnr_ptr": "*i32", "pf_ptr": "*u8", "dnb_ptr": "*u8", "sdnb_ptr": "*u8"}
+      "sdns_ptr": "*fp32", "sdnr_ptr": "*i32", "pf_ptr": "*u8"}
 F8_ARGMAX = dict(F8, aux0_ptr="*fp32", aux1_ptr="*i32")
 GF = dict(G, BLOCK_N=2, BLOCK_K=2048, BKS=128, UNIFORM=True, ROUND_W=False, TAIL=False, PRE=0, VEC=16, VEC_T=8)
 MF = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=8, BLOCK_K=512, E=256, EP=256, NORM=True, BKS=128,
-          FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1, PF=0, FMA=False)
+          FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1)
 MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, BKS=128, FP8_E=True,
-           FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1, EVEN=True, FMA=False)
+           FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1, EVEN=True)
 ALIGN_G = ("x_ptr", "w_ptr", "s_ptr", "srow_ptr", "t_ptr", "y_ptr", "nw_ptr", "z_ptr", "K", "stride_w", "stride_t")
 ALIGN_M = ("x_ptr", "gu_ptr", "sgu_ptr", "act_ptr", "stride_ge", "act_ptr", "dn_ptr", "sdn_ptr", "stride_de")
 FP8_VARIANTS = [
@@ -108,11 +107,8 @@ FP8_VARIANTS = [
     ("fp8_moe_gate_up", moe.moe_gate_up_fp8_kernel, MF, 2, F8, ALIGN_M),
     ("fp8_moe_gate_up_bf16_shared", moe.moe_gate_up_fp8_kernel, dict(MF, FP8_S=False, VEC_S=8), 1,
      dict(F8, sgu_ptr="*bf16"), ALIGN_M),
-    ("fp8_moe_gate_up_l2", moe.moe_gate_up_fp8_kernel, dict(MF, PF=1), 2, F8, ALIGN_M),
     ("fp8_moe_down", moe.moe_down_fp8_kernel, MDF, 1, F8, ALIGN_M),
-    # each thread's 16 products as one FMA chain (Tuning.fma_fp8)
-    ("fp8_moe_gate_up_fma", moe.moe_gate_up_fp8_kernel, dict(MF, FMA=True), 2, F8, ALIGN_M),
-    ("fp8_moe_down_fma", moe.moe_down_fp8_kernel, dict(MDF, FMA=True), 1, F8, ALIGN_M),
+
     ("fp8_moe_down_round", moe.moe_down_fp8_kernel, dict(MDF, ROUND_W=True, UNI_E=False, BLOCK_N=2), 1, F8, ALIGN_M),
 ]
 # The speculative round (engine/spec_graph.py) at M = 4 verify rows, the 2B / 35B-A3B shapes at the Tuning defaults.
@@ -120,12 +116,11 @@ R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256,
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
 RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1)
 ARGMAX = {"y_ptr": "*fp32", "aux0_ptr": "*fp32", "aux1_ptr": "*i32"}
-SPEC_T = {"dnb_ptr": "*u8", "sdnb_ptr": "*u8", "rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
+SPEC_T = {"rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
           "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
           "dpos_ptr": "*i64"}
 # the MoE experts at the step's one-warp defaults (M = 1 token row; the verify: M = 4)
-MU = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8, M=1,
-          PF=0)
+MU = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8, M=1)
 MD = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, VEC=8, M=1)
 AV = dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, H=8, G=4, RP=16, HD=256, BLOCK=64, DOT_F32=False)
 SPEC_VARIANTS = [
@@ -182,19 +177,16 @@ for pdl in (False, True):
         ("gemv_gated_prefetch", gemv.gemv_kernel, dict(G, PRE=1, PRO=2, EPI=1, GROUP=128, BLOCK_N=8, BLOCK_K=1024), 8),
         ("gemv_residual_prefetch_l2", gemv.gemv_kernel, dict(G, PRE=2, PRO=0, EPI=1, PF=1), 4),
         ("gemv_conv_l2", gemv.gemv_kernel, dict(G, PRE=0, PRO=1, EPI=3, PF=2), 4),
-        ("gemv_swiglu_prefetch_l2_start", gemv.gemv_kernel, dict(G, PRE=2, PRO=1, EPI=2, PF=1, PF_START=True), 4),
         ("gdn_step_prefetch", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1),
         ("moe_gate_up", moe.moe_gate_up_kernel, dict(MU, BLOCK_N=16), 4),
         ("moe_down", moe.moe_down_kernel, dict(MD, BLOCK_N=2), 4),
         # the GPU defaults (graph.Tuning): one-warp MoE and GDN programs
         ("moe_gate_up_1warp", moe.moe_gate_up_kernel, MU, 1),
         ("moe_down_1warp", moe.moe_down_kernel, MD, 1),
-        ("moe_gate_up_1warp_l2", moe.moe_gate_up_kernel, dict(MU, PF=1), 1),
         ("gdn_step_1warp", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1),
         ("gdn_step", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 4),
         ("qk_rope_cache", attention.qk_rope_cache_kernel, dict(H=16, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2),
-        ("attn_scores", attention.attn_scores_kernel, dict(A, PF_V=False), 4),
-        ("attn_scores_l2", attention.attn_scores_kernel, dict(A, PF_V=True), 4),
+        ("attn_scores", attention.attn_scores_kernel, A, 4),
         ("attn_pv", attention.attn_pv_kernel, A, 4),
         ("attn_combine", attention.attn_combine_kernel, dict(NSPLIT=256, MIN_PER=32, BLOCK=32, HD=256, BLOCK_D=64), 4),
         ("embed", sampling.embed_kernel, dict(BLOCK=1024), 4),
@@ -225,7 +217,7 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 60 + 40 + 54 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 34 + 54 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
@@ -241,7 +233,7 @@ def test_fp8_kernels_stream_e4m3_in_16_byte_loads(compiled):
     """Every FP8 variant converts e4m3 in the kernel (weight-only: no bf16 copy of the weights) and, at
     the aligned real shapes, reads its weight stream with 16-byte evict-first loads."""
     fp8 = {k: v for k, v in compiled.items() if k.startswith("fp8_")}
-    assert len(fp8) == 40
+    assert len(fp8) == 34
     for name, v in fp8.items():
         assert v["e4m3_cvt"] > 0 and v["evict_first_v4"] > 0, (name, v)
 
@@ -279,13 +271,9 @@ def test_only_prefetch_variants_load_before_the_pdl_wait(compiled):
 
 def test_l2_prefetch_variants_ask_l2_once_per_segment(compiled):
     """Tuning.l2_prefetch: a GEMV with PF segments holds PF bulk L2 prefetches (thread 0's, after its
-    epilogue, or before its wait with PF_START); Tuning.moe_l2: the MoE gate_up two (a routed and a shared
-    expert's down weight); Tuning.attn_l2: the attention scores one (its V rows); every other kernel none."""
+    epilogue); every other kernel none."""
     for name, v in compiled.items():
         want = 2 if name.startswith(("fp8_swiglu_l2", "gemv_conv_l2")) else 1 if "_l2" in name else 0
-        if "moe_gate_up" in name and "_l2" in name:  # a routed and a shared request, or one the compiler merged
-            assert v["l2_prefetch"] in (1, 2), (name, v)
-            continue
         assert v["l2_prefetch"] == want, (name, v)
-        if name.endswith("_pdl"):  # only PF_START asks before the wait
-            assert v["l2_before_wait"] == (want if "_l2_start" in name else 0), (name, v)
+        if name.endswith("_pdl"):  # after the wait: the programs ask when done
+            assert v["l2_before_wait"] == 0, (name, v)

@@ -16,11 +16,10 @@ query rows of its group, so K and V are still read once, and row j is masked pas
 """
 import os
 
-import torch
 import triton
 import triton.language as tl
 
-from .common import LAUNCH, l2_prefetch, pdl_begin
+from .common import LAUNCH, pdl_begin
 from .common import bf16_round as _bf16
 
 
@@ -128,21 +127,15 @@ def _scores_block(q, kb, n, nm, qm, lim, srow, s_ptr, max_len, scale, m, l, stri
 
 
 @triton.jit
-def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, vb_ptr, scale, stride_ch, stride_cs, max_len,
+def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, stride_ch, stride_cs, max_len,
                        NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                       HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PF_V: tl.constexpr,
-                       PDL: tl.constexpr):
+                       HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     # Pass 1, grid (kv head, split): the scores of the split's keys for all query heads of the group
     # (K read once), stored fp32 in [H, max_len] scratch, plus the split's max and sum of exp.
-    # PF_V: first ask L2 for the split's V rows (vb_ptr: the V cache's bytes, laid out as K's), which
-    # pass 2 reads: they stream from HBM beside K instead of after it.
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
     start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
-    if PF_V:
-        row = stride_cs * 2  # bytes per cache row (bf16)
-        l2_prefetch(vb_ptr + kvh * stride_ch * 2 + start * row, 0, (end - start) * row, (end - start) * row, 0, 1)
     g = tl.arange(0, GP)
     d = tl.arange(0, HD)
     gm = g < G
@@ -355,19 +348,16 @@ def qk_rope_cache(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, po
 
 
 def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, s_buf, *, num_heads, num_kv_heads,
-                     head_dim, nsplit, block=32, min_per=128, num_warps=4, l2_v=False):
+                     head_dim, nsplit, block=32, min_per=128, num_warps=4):
     """softmax(q K[:pos+1]^T / sqrt(d)) V per head, times sigmoid(gate). Scratch: m_buf, l_buf
-    [H * nsplit], acc_buf [H * nsplit * d] fp32, s_buf [H * max_seq_len] fp32 (the scores). `l2_v`:
-    the scores programs ask L2 for their V rows first (`attn_scores_kernel`'s PF_V; bf16 caches)."""
-    if l2_v and (v_cache.dtype != torch.bfloat16 or v_cache.stride() != k_cache.stride()):
-        raise ValueError("attention_decode: l2_v needs bf16 K / V caches of one layout")
+    [H * nsplit], acc_buf [H * nsplit * d] fp32, s_buf [H * max_seq_len] fp32 (the scores)."""
     g = num_heads // num_kv_heads
     max_len = k_cache.shape[1]
     kw = dict(NSPLIT=nsplit, MIN_PER=min_per, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block,
               DOT_F32=_INTERPRETED, **LAUNCH)
     attn_scores_kernel[(num_kv_heads, nsplit)](
-        q, k_cache, pos, s_buf, m_buf, l_buf, v_cache.view(-1).view(torch.uint8) if l2_v else s_buf, head_dim ** -0.5,
-        k_cache.stride(0), k_cache.stride(1), max_len, PF_V=l2_v, **kw, num_warps=num_warps)
+        q, k_cache, pos, s_buf, m_buf, l_buf, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1), max_len,
+        **kw, num_warps=num_warps)
     attn_pv_kernel[(num_kv_heads, nsplit)](
         v_cache, pos, s_buf, m_buf, l_buf, acc_buf, v_cache.stride(0), v_cache.stride(1), max_len,
         **kw, num_warps=num_warps)

@@ -165,20 +165,17 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, pf_ptr,
                 PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
                 STORE_XN: tl.constexpr, KP: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
-                VEC: tl.constexpr, PF: tl.constexpr, PF_START: tl.constexpr, PDL: tl.constexpr):
+                VEC: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     wh, wuh = _w_head(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
-    if PF_START:
-        l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF)
     pdl_begin(PDL)
     rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
     y, y_up = _acc(x_ptr, w_ptr, w_ptr, w_ptr, nw_ptr, z_ptr, rows, rmask, pid, N, K, stride_w, 0, eps, rstd, wh, wuh,
                    PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, PRE, VEC, False, 1, True, False)
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
-    if not PF_START:
-        l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF)
+    l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF)
 
 
 @triton.jit
@@ -300,8 +297,7 @@ def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, 
                     KCP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr,
                     UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr,
-                    PRE: tl.constexpr, VEC: tl.constexpr, VEC_T: tl.constexpr, PF: tl.constexpr,
-                    PF_START: tl.constexpr, PDL: tl.constexpr):
+                    PRE: tl.constexpr, VEC: tl.constexpr, VEC_T: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
     """`gemv_kernel` over an FP8 weight: rows < N8 e4m3 (w_ptr) with fp32 block scales (s_ptr, row
     map srow_ptr), rows >= N8 (TAIL) bf16 (t_ptr); N8 is a multiple of BLOCK_N, so each program
     reads one of the two. Same prologues and epilogues; the e4m3 programs load their first PRE K
@@ -309,8 +305,6 @@ def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, 
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    if PF_START:
-        l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF)
     if TAIL and pid * BLOCK_N >= N8:
         pdl_begin(PDL)
         rstd = _rstd(x_ptr, K, eps, PRO, KP, BLOCK_K)
@@ -326,8 +320,7 @@ def gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, y_ptr, nw_ptr, z_ptr, 
                        rstd, wh, wuh, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, PRE, VEC, True, BKS, UNIFORM,
                        ROUND_W)
     _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N, EPI, KC, KCP)
-    if not PF_START:
-        l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF)
+    l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF)
 
 
 # ---- M rows (the speculative verify pass) ------------------------------------------------------
@@ -400,48 +393,25 @@ def _halves(t):
 
 
 @triton.jit
-def _fma8(acc, w, x):
-    """acc + the products w x [.., 8] summed over their last dim as one chain of FMAs."""
-    wa, wb = _halves(w)
-    xa, xb = _halves(x)
-    wa0, wa1 = _halves(wa)
-    xa0, xa1 = _halves(xa)
-    wb0, wb1 = _halves(wb)
-    xb0, xb1 = _halves(xb)
-    return _fma_pairs(_fma_pairs(_fma_pairs(_fma_pairs(acc, wa0, xa0), wa1, xa1), wb0, xb0), wb1, xb1)
-
-
-@triton.jit
 def _fma_run(acc, w, x, VEC: tl.constexpr):
-    """acc + the products w x [.., VEC] summed over their last dim (VEC <= 16 adjacent columns of one
+    """acc + the products w x [.., VEC] summed over their last dim (VEC <= 8 adjacent columns of one
     thread) as one chain of FMAs: a tree sum costs a multiply and an add more per two products."""
     if VEC == 1:
         out = acc + tl.sum(w * x, 3)
     elif VEC == 2:
         out = _fma_pairs(acc, w, x)
-    elif VEC == 4:
-        wa, wb = _halves(w)
-        xa, xb = _halves(x)
-        out = _fma_pairs(_fma_pairs(acc, wa, xa), wb, xb)
-    elif VEC == 8:
-        out = _fma8(acc, w, x)
     else:
         wa, wb = _halves(w)
         xa, xb = _halves(x)
-        out = _fma8(_fma8(acc, wa, xa), wb, xb)
+        if VEC == 4:
+            out = _fma_pairs(_fma_pairs(acc, wa, xa), wb, xb)
+        else:
+            wa0, wa1 = _halves(wa)
+            xa0, xa1 = _halves(xa)
+            wb0, wb1 = _halves(wb)
+            xb0, xb1 = _halves(xb)
+            out = _fma_pairs(_fma_pairs(_fma_pairs(_fma_pairs(acc, wa0, xa0), wa1, xa1), wb0, xb0), wb1, xb1)
     return out
-
-
-@triton.jit
-def _fma_fold(acc, w, xs, VEC: tl.constexpr):
-    """`_fold` of the products of an e4m3 (or bf16) tile w [S, BN, BK] with the scaled input xs [S, 1, BK]
-    added to acc [S, BN, BK // VEC]: each thread's run of VEC columns as one FMA chain (`_fma_run`)
-    instead of products and a tree sum (fewer instructions per weight byte)."""
-    S: tl.constexpr = w.shape[0]
-    BN: tl.constexpr = w.shape[1]
-    BK: tl.constexpr = w.shape[2]
-    return _fma_run(acc, tl.reshape(w.to(tl.float32), (S, BN, BK // VEC, VEC)),
-                    tl.reshape(xs, (S, 1, BK // VEC, VEC)), VEC)
 
 
 @triton.jit
@@ -694,7 +664,7 @@ def fold_vec(vec: int, elem_bytes: int, block_k: int) -> int:
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
          conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False,
-         prefetch=0, vec=0, m=1, window=None, dot=0, l2=None, l2_start=False):
+         prefetch=0, vec=0, m=1, window=None, dot=0, l2=None):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
     optionally a bf16 tail; `round_w`: see _acc's ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
     N = rows of y); `prefetch`: K blocks of W (bf16 or e4m3) each program loads before it waits on the
@@ -710,8 +680,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     With m > 1 each thread always folds its 16-byte runs (`vec` is not used: elementwise
     accumulators for m rows would not fit in registers) and `prefetch` is cut to 4 blocks. `dot` > 0:
     `gemv_rows_dot_kernel` (tensor cores, >= 16 weight rows per program) with `dot` pipeline stages.
-    `l2` (m = 1): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for when done
-    (`l2_start`: before they wait on the previous kernel)."""
+    `l2` (m = 1): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for when done."""
     fp8 = hasattr(w, "scale")
     if m != 1:
         if l2 is not None:
@@ -739,7 +708,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         pf_ptr, pf, segs = dummy, (0, 0, 0), 0
     common = dict(PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
                   STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-                  EVEN_K=(k % block_k == 0), PF=segs, PF_START=l2_start, **LAUNCH, num_warps=num_warps)
+                  EVEN_K=(k % block_k == 0), PF=segs, **LAUNCH, num_warps=num_warps)
     args = (*args, pf_ptr)
     if not fp8:
         gemv_kernel[(grid,)](x, w, y, *args, n, k, w.stride(0), eps, conv_n, *pf,

@@ -10,12 +10,11 @@ sums the down projections in ascending expert id (the eager order, with its bf16
 the sigmoid-gated shared expert and the residual. With fp8 weights (fp8.FP8Weight) launches 2 and 3
 are `moe_gate_up_fp8_kernel` / `moe_down_fp8_kernel`: the same design reading e4m3 + block scales.
 """
-import torch
 import triton
 import triton.language as tl
 
-from .common import LAUNCH, l2_prefetch, pdl_begin
-from .gemv import _col_scales, _fma_fold, _fold, _scale_row, _scaled_dot, _w_dot, fold_vec
+from .common import LAUNCH, pdl_begin
+from .gemv import _col_scales, _fold, _scale_row, _scaled_dot, _w_dot, fold_vec
 from .common import bf16_round as _bf16
 from .common import silu as _silu
 
@@ -58,10 +57,9 @@ def _row_mask(rows, n, EVEN: tl.constexpr):
 @triton.jit
 def _swiglu_rows(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K: tl.constexpr,
                  BLOCK_K: tl.constexpr, BKS: tl.constexpr, FP8: tl.constexpr, UNIFORM: tl.constexpr,
-                 ROUND_W: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr, FMA: tl.constexpr):
+                 ROUND_W: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr):
     """SiLU(W_gate x)·(W_up x) for `rows` of a [2 n_rows, K] expert: bf16, or with FP8 e4m3 with block
-    scales (sbase, row map srow_ptr); FMA (FP8, UNIFORM, not ROUND_W): each thread's 16 columns as one
-    FMA chain (`gemv._fma_fold`). K is a compile-time constant and the loop is unrolled: no K
+    scales (sbase, row map srow_ptr). K is a compile-time constant and the loop is unrolled: no K
     block's loads wait for the previous block's arithmetic, so a program's whole slice can be in
     flight at once (a rolled loop costs one dependent HBM round trip per block). EVEN: every row of
     the grid is a row of the expert (no row mask; `_row_mask`)."""
@@ -78,13 +76,8 @@ def _swiglu_rows(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K:
             sr_g = tl.load(srow_ptr + rows, mask=rmask, other=0)
             sr_u = tl.load(srow_ptr + n_rows + rows, mask=rmask, other=0)
     BN: tl.constexpr = rows.shape[0]
-    CHAIN: tl.constexpr = FMA and FP8 and UNIFORM and not ROUND_W
-    if CHAIN:
-        acc_g = tl.zeros([1, BN, BLOCK_K // VEC], dtype=tl.float32)
-        acc_u = tl.zeros([1, BN, BLOCK_K // VEC], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
-        acc_u = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
+    acc_g = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         cols = k0 + offs_k
         cmask = _row_mask(cols, K, FP8 and K % BLOCK_K == 0)
@@ -94,22 +87,12 @@ def _swiglu_rows(x_ptr, wbase, sbase, srow_ptr, stride_s, n_rows, rows, row0, K:
         wu = tl.load(wp + n_rows * K, mask=m2, other=0.0, eviction_policy="evict_first")
         xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         smask = cmask & _row_mask(offs_k * 0 + row0, n_rows, EVEN)  # (a scalar & a vector trips the interpreter)
-        if CHAIN:
-            xg = xv * _col_scales(sbase, sr_g, stride_s, cols, smask, rmask, BKS, True)
-            xu = xv * _col_scales(sbase, sr_u, stride_s, cols, smask, rmask, BKS, True)
-            acc_g = _fma_fold(acc_g, tl.reshape(wg, (1, BN, BLOCK_K)), tl.reshape(xg, (1, 1, BLOCK_K)), VEC)
-            acc_u = _fma_fold(acc_u, tl.reshape(wu, (1, BN, BLOCK_K)), tl.reshape(xu, (1, 1, BLOCK_K)), VEC)
-        else:
-            acc_g += _fold(_w_dot(wg, xv, sbase, sr_g, stride_s, cols, smask, rmask, BKS, FP8, UNIFORM, ROUND_W),
-                           BN, BLOCK_K, VEC)
-            acc_u += _fold(_w_dot(wu, xv, sbase, sr_u, stride_s, cols, smask, rmask, BKS, FP8, UNIFORM, ROUND_W),
-                           BN, BLOCK_K, VEC)
-    if CHAIN:
-        g = _bf16(tl.reshape(tl.sum(acc_g, 2), (BN,)))
-        u = _bf16(tl.reshape(tl.sum(acc_u, 2), (BN,)))
-    else:
-        g = _bf16(tl.sum(acc_g, 1))
-        u = _bf16(tl.sum(acc_u, 1))
+        acc_g += _fold(_w_dot(wg, xv, sbase, sr_g, stride_s, cols, smask, rmask, BKS, FP8, UNIFORM, ROUND_W),
+                       BN, BLOCK_K, VEC)
+        acc_u += _fold(_w_dot(wu, xv, sbase, sr_u, stride_s, cols, smask, rmask, BKS, FP8, UNIFORM, ROUND_W),
+                       BN, BLOCK_K, VEC)
+    g = _bf16(tl.sum(acc_g, 1))
+    u = _bf16(tl.sum(acc_u, 1))
     return _bf16(_bf16(_silu(g)) * u)
 
 
@@ -142,20 +125,17 @@ def _token_row(c, M: tl.constexpr, TOPK: tl.constexpr):
 
 @triton.jit
 def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-             dnb_ptr, sdnb_ptr, stride_ge, stride_gse, stride_gs, stride_sgs, stride_x, stride_a, stride_r, stride_l,
-             stride_deb, pf_e, pf_s, pf_ce, pf_cs,
+             stride_ge, stride_gse, stride_gs, stride_sgs, stride_x, stride_a, stride_r, stride_l,
              K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
              TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E: tl.constexpr,
              EP: tl.constexpr, NORM: tl.constexpr, BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr,
              UNI_E: tl.constexpr, UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr,
-             VEC_S: tl.constexpr, M: tl.constexpr, PF: tl.constexpr, FMA: tl.constexpr, PDL: tl.constexpr):
+             VEC_S: tl.constexpr, M: tl.constexpr, PDL: tl.constexpr):
     """Launch 2 (bf16 and fp8 alike). Grid column 0 is the shared expert (scheduled first: it needs no
     routing, so its loads start while the routed programs select their experts); columns 1..TOPK
     are routed slots 0..TOPK-1: each routed program selects its own slot's expert (`_route_slot`).
     With M token rows (`_token_row`) each row's programs are those of one row, over its own x, logits,
-    act, ids and wts (row strides stride_x, stride_l, stride_a, stride_r). PF (M = 1): each program,
-    when done, asks L2 for its share (pf_ce / pf_cs bytes) of its expert's down weight (pf_e / pf_s
-    bytes at dnb_ptr + eid * stride_deb / sdnb_ptr), which the down launch then reads."""
+    act, ids and wts (row strides stride_x, stride_l, stride_a, stride_r)."""
     pdl_begin(PDL)
     EVEN: tl.constexpr = (FP8_E or FP8_S) and (I == IS) and (I % BLOCK_N == 0)
     pid = tl.program_id(0)
@@ -167,18 +147,16 @@ def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_p
         ids_ptr += r * stride_r
         wts_ptr += r * stride_r
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    routed = slot >= 0
-    eid = 0
     if FP8_E or FP8_S:  # one expert loop per format (the routed and the shared one may differ)
         if slot >= 0:
             eid = _route_slot(logits_ptr, ids_ptr, wts_ptr, pid, slot, E, EP, TOPK, NORM)
             a = _swiglu_rows(x_ptr, gu_ptr + eid.to(tl.int64) * stride_ge, gus_ptr + eid.to(tl.int64) * stride_gse,
                              gur_ptr, stride_gs, I, rows, pid * BLOCK_N, K, BLOCK_K, BKS, FP8_E, UNI_E, ROUND_W, VEC_E,
-                             EVEN, FMA)
+                             EVEN)
             tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < I)
         else:
             a = _swiglu_rows(x_ptr, sgu_ptr, sgus_ptr, sgur_ptr, stride_sgs, IS, rows, pid * BLOCK_N, K, BLOCK_K, BKS,
-                             FP8_S, UNI_S, ROUND_W, VEC_S, EVEN, FMA)
+                             FP8_S, UNI_S, ROUND_W, VEC_S, EVEN)
             tl.store(act_ptr + TOPK * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < IS)
     else:  # bf16: one loop over the selected weight (half the code)
         if slot >= 0:
@@ -190,27 +168,21 @@ def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_p
             n_rows = IS
             slot = TOPK  # the shared expert's act row is the last
         a = _swiglu_rows(x_ptr, wbase, wbase, gur_ptr, 0, n_rows, rows, pid * BLOCK_N, K, BLOCK_K, BKS, False, True,
-                         False, VEC_E, EVEN, False)
+                         False, VEC_E, EVEN)
         tl.store(act_ptr + slot * IMAX + rows, a.to(act_ptr.dtype.element_ty), mask=rows < n_rows)
-    if PF:
-        if routed:
-            l2_prefetch(dnb_ptr + eid.to(tl.int64) * stride_deb, 0, pf_e, pf_ce, pid, 1)
-        else:
-            l2_prefetch(sdnb_ptr, 0, pf_s, pf_cs, pid, 1)
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr, dnb_ptr, sdnb_ptr, stride_ge,
-                       stride_x, stride_a, stride_r, stride_l, stride_deb, pf_e, pf_s, pf_ce, pf_cs,
+def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr, stride_ge,
+                       stride_x, stride_a, stride_r, stride_l,
                        K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
-                       M: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
+                       M: tl.constexpr, PDL: tl.constexpr):
     """Launch 2 over bf16 weights (`_gate_up`)."""
     _gate_up(x_ptr, gu_ptr, gu_ptr, ids_ptr, sgu_ptr, sgu_ptr, ids_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-             dnb_ptr, sdnb_ptr, stride_ge, 0, 0, 0, stride_x, stride_a, stride_r, stride_l, stride_deb, pf_e, pf_s,
-             pf_ce, pf_cs, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, 1, False, False, True, True, False,
-             VEC, VEC, M, PF, False, PDL)
+             stride_ge, 0, 0, 0, stride_x, stride_a, stride_r, stride_l, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E,
+             EP, NORM, 1, False, False, True, True, False, VEC, VEC, M, PDL)
 
 
 @triton.jit
@@ -290,15 +262,13 @@ def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_pt
           TOPK: tl.constexpr, TOPKP: tl.constexpr, IMAX: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BKS: tl.constexpr, FP8_E: tl.constexpr,
           FP8_S: tl.constexpr, UNI_E: tl.constexpr, UNI_S: tl.constexpr, ROUND_W: tl.constexpr,
-          VEC_E: tl.constexpr, VEC_S: tl.constexpr, M: tl.constexpr, EVEN: tl.constexpr, FMA: tl.constexpr,
-          PDL: tl.constexpr):
+          VEC_E: tl.constexpr, VEC_S: tl.constexpr, M: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """The down launch (bf16 and fp8 alike): shared expert rows, then every selected expert's rows in
     one gather load per K block (`_routed_tile`: all of the program's weight bytes can be in flight
     together; expert after expert, each bf16 sum would wait for its own round trip), summed in
     ascending expert id (the eager order, with its bf16 rounding); the sigmoid-gated shared expert
     and the residual. With M token rows, grid axis 1 is the row (its act, ids, wts, logits, residual).
-    EVEN: N is a multiple of BLOCK_N (no row mask; `_row_mask`). FMA: the routed fp8 rows' products as
-    FMA chains (`gemv._fma_fold`; UNIFORM rows, not ROUND_W)."""
+    EVEN: N is a multiple of BLOCK_N (no row mask; `_row_mask`)."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
     if M > 1:
@@ -332,10 +302,7 @@ def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_pt
         a = tl.load(act_ptr + s[:, None] * IMAX + cols[None, :], mask=sm[:, None] & (cols < I)[None, :],
                     other=0.0).to(tl.float32)
         wv, sv = _routed_tile(base, sbase, sr, stride_ds, sm, rmask, k0, I, BLOCK_K, BKS, FP8_E, UNI_E)
-        if FMA and FP8_E and UNI_E and not ROUND_W:
-            acc = _fma_fold(acc, wv, (a * sv)[:, None, :], VEC_E)
-        else:
-            acc += _fold3(_routed_dot(wv, sv, a, FP8_E, UNI_E, ROUND_W), TOPKP, BLOCK_N, BLOCK_K, VEC_E)
+        acc += _fold3(_routed_dot(wv, sv, a, FP8_E, UNI_E, ROUND_W), TOPKP, BLOCK_N, BLOCK_K, VEC_E)
     w = tl.load(wts_ptr + s, mask=sm, other=0.0)
     part = _bf16(_bf16(tl.sum(acc, 2)) * w[:, None])  # [TOPKP, BLOCK_N]: each expert's bf16 output
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -357,12 +324,12 @@ def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_
     """Launch 3 over bf16 weights (`_down`; masked, `_row_mask`)."""
     _down(act_ptr, dn_ptr, dn_ptr, ids_ptr, sdn_ptr, sdn_ptr, ids_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
           stride_de, 0, 0, 0, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N,
-          BLOCK_K, 1, False, False, True, True, False, VEC, VEC, M, False, False, PDL)
+          BLOCK_K, 1, False, False, True, True, False, VEC, VEC, M, False, PDL)
 
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
-                norm_topk=True, round_w=False, vec=0, l2=False, fma=False):
+                norm_topk=True, round_w=False, vec=0):
     """Routed + shared experts for one token, or for M tokens (xn [M, H]: the verify rows, each routed
     on its own), after the router launch (`gemv`, xn_out) has left the normed input xn [H] and
     logits [E+1] (router logits, then the shared-expert gate logit). The gate_up launch routes and
@@ -373,9 +340,7 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     (one program per row, slot and block: an expert several rows chose is read from HBM about once,
     the rows' concurrent reads of its tiles meeting in L2). Any of the four weights may be an
     fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8 kernels, which read each
-    weight in its own format (`round_w`: gemv._acc's ROUND_W; `vec`: gemv.gemv's). `l2` (one token): the
-    gate_up programs, when done, ask L2 for the down weights of their experts (`_gate_up`'s PF). `fma`: the
-    fp8 kernels sum each thread's 16 products as one FMA chain (`gemv._fma_fold`: another order of sums)."""
+    weight in its own format (`round_w`: gemv._acc's ROUND_W; `vec`: gemv.gemv's)."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
@@ -389,26 +354,20 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
     up_fp8, down_fp8 = _fp8(gate_up, shared_gate_up), _fp8(down, shared_down)
     grid_up = (triton.cdiv(imax, block_n), m * (1 + top_k))
-    pf = _down_l2(down, shared_down, grid_up[0]) if l2 and m == 1 else (act, act, 0, 0, 0, 0, 0)
-    rows.update(PF=pf[2] > 0, stride_deb=pf[2], pf_e=pf[3], pf_s=pf[4], pf_ce=pf[5], pf_cs=pf[6])
     if up_fp8 is None:
         moe_gate_up_kernel[grid_up](
-            xn, gate_up, shared_gate_up, act, ids, logits, wts, pf[0], pf[1], gate_up.stride(0), stride_x=st(xn),
-            **rows,
+            xn, gate_up, shared_gate_up, act, ids, logits, wts, gate_up.stride(0), stride_x=st(xn), **rows,
             K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, E=n_exp,
             EP=triton.next_power_of_2(n_exp), NORM=norm_topk, VEC=fold_vec(vec, 2, bk), **LAUNCH,
             num_warps=num_warps)
     else:
         (ge, gs, gr, sge, uni_e), (sg, ss, sr, sgs, uni_s), bks = up_fp8(block_n, inter, inter_s, swiglu=True)
         moe_gate_up_fp8_kernel[grid_up](
-            xn, ge, gs, gr, sg, ss, sr, act, ids, logits, wts, pf[0], pf[1], ge.stride(0),
-            gs.stride(0) if gs.dim() == 3 else 0,
+            xn, ge, gs, gr, sg, ss, sr, act, ids, logits, wts, ge.stride(0), gs.stride(0) if gs.dim() == 3 else 0,
             sge, sgs, stride_x=st(xn), **rows, K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax,
             BLOCK_N=block_n, BLOCK_K=bk, E=n_exp, EP=triton.next_power_of_2(n_exp), NORM=norm_topk, BKS=bks,
             FP8_E=_is_fp8(gate_up), FP8_S=_is_fp8(shared_gate_up), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
-            VEC_E=_vec(vec, gate_up, bk), VEC_S=_vec(vec, shared_gate_up, bk), FMA=fma, **LAUNCH, num_warps=num_warps)
-    for k in ("PF", "stride_deb", "pf_e", "pf_s", "pf_ce", "pf_cs"):
-        rows.pop(k)
+            VEC_E=_vec(vec, gate_up, bk), VEC_S=_vec(vec, shared_gate_up, bk), **LAUNCH, num_warps=num_warps)
     grid_dn = (triton.cdiv(hidden, down_block_n), m)
     if down_fp8 is None:
         moe_down_kernel[grid_dn](
@@ -423,20 +382,7 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
             EVEN=hidden % down_block_n == 0, I=inter, IS=inter_s, E=n_exp, TOPK=top_k,
             TOPKP=triton.next_power_of_2(top_k), IMAX=imax, BLOCK_N=down_block_n, BLOCK_K=bkd, BKS=bks,
             FP8_E=_is_fp8(down), FP8_S=_is_fp8(shared_down), UNI_E=uni_e, UNI_S=uni_s, ROUND_W=round_w,
-            VEC_E=_vec(vec, down, bkd), VEC_S=_vec(vec, shared_down, bkd), FMA=fma, **LAUNCH,
-            num_warps=down_num_warps)
-
-
-def _down_l2(down, shared_down, programs: int) -> tuple:
-    """`_gate_up`'s PF arguments: the down weights' bytes (e4m3 values of an FP8Weight), one routed
-    expert's stride and size, the shared one's, and each program's share of either (multiples of 16)."""
-    d, sd = (w.q if _is_fp8(w) else w for w in (down, shared_down))
-    def share(n):
-        per = -(-n // programs)
-        return -(-per // 16) * 16
-    e, s = d[0].numel() * d.element_size() // 16 * 16, sd.numel() * sd.element_size() // 16 * 16
-    return (d.view(-1).view(torch.uint8), sd.view(-1).view(torch.uint8), d.stride(0) * d.element_size(), e, s,
-            share(e), share(s))
+            VEC_E=_vec(vec, down, bkd), VEC_S=_vec(vec, shared_down, bkd), **LAUNCH, num_warps=down_num_warps)
 
 
 def _is_fp8(w) -> bool:
@@ -480,19 +426,18 @@ def _fp8(routed, shared):
 
 @triton.jit
 def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr,
-                           logits_ptr, wts_ptr, dnb_ptr, sdnb_ptr, stride_ge, stride_gse, stride_gs, stride_sgs,
-                           stride_x, stride_a, stride_r, stride_l, stride_deb, pf_e, pf_s, pf_ce, pf_cs, K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
+                           logits_ptr, wts_ptr, stride_ge, stride_gse, stride_gs, stride_sgs,
+                           stride_x, stride_a, stride_r, stride_l, K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                            TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
                            BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
                            UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
-                           M: tl.constexpr, PF: tl.constexpr, FMA: tl.constexpr, PDL: tl.constexpr):
+                           M: tl.constexpr, PDL: tl.constexpr):
     """`moe_gate_up_kernel` with fp8 routed experts (FP8_E: gu e4m3 [E, 2I, K], scales gus
     [E, S, ceil(K/bk)], row map gur [2I]) and / or an fp8 shared expert (FP8_S: sgu, sgus, sgur)."""
     _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-             dnb_ptr, sdnb_ptr, stride_ge, stride_gse, stride_gs, stride_sgs, stride_x, stride_a, stride_r, stride_l,
-             stride_deb, pf_e, pf_s, pf_ce, pf_cs, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, BKS, FP8_E,
-             FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, PF, FMA, PDL)
+             stride_ge, stride_gse, stride_gs, stride_sgs, stride_x, stride_a, stride_r, stride_l, K, I, IS, TOPK,
+             IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, PDL)
 
 
 @triton.jit
@@ -503,9 +448,9 @@ def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sd
                         IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
                         UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
-                        M: tl.constexpr, EVEN: tl.constexpr, FMA: tl.constexpr, PDL: tl.constexpr):
+                        M: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """`moe_down_kernel` with fp8 routed down projections (FP8_E: dn e4m3 [E, H, I], scales dns, row
     map dnr [H]) and / or an fp8 shared down (FP8_S)."""
     _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
           stride_de, stride_dse, stride_ds, stride_sds, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK,
-          TOPKP, IMAX, BLOCK_N, BLOCK_K, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, EVEN, FMA, PDL)
+          TOPKP, IMAX, BLOCK_N, BLOCK_K, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, EVEN, PDL)
