@@ -101,10 +101,12 @@ class Tuning:
     # the fp8 step then differs from the eager one only in the order of sums (parity diagnostics).
     fp8_round_weights: bool = False
     # Bytes of the next GEMV's weight each M = 1 GEMV launch asks L2 for as its programs finish
-    # (kernels/common.py `l2_prefetch`, `FusedDecoder._l2_plan`); 0: none. Two H200 sweeps: 1 MiB takes
-    # 12 / 23 us off the bf16 2B / 35B-A3B step at 8K, more costs (16 MiB: +92 / +8 us); launches over
-    # fp8 weights measured slower with any (`l2_prefetch_fp8`, +5 to +20 us).
+    # (kernels/common.py `l2_prefetch`, `FusedDecoder._l2_plan`); 0: none. Measured on the H200 against
+    # none in one process (docs/GPU.md): 1 MiB takes 12-27 us off the bf16 2B step at 1K-128K; on the
+    # MoE 35B-A3B shape it was mixed (-23 us at 8K, +19 us at 32K), so MoE models (`l2_prefetch_moe`)
+    # and GEMVs over fp8 weights (`l2_prefetch_fp8`, +5 to +20 us) ask nothing; 16 MiB cost 92 us.
     l2_prefetch: int = 1 << 20
+    l2_prefetch_moe: int = 0
     l2_prefetch_fp8: int = 0
 
     def shape(self, n: int, fp8: bool = False, rows: bool = False) -> dict:
@@ -457,16 +459,17 @@ class FusedDecoder:
 
     def _l2_plan(self, streams: list) -> list:
         """Per launch, the `gemv` l2 target it asks for: the next GEMV's first `Tuning.l2_prefetch` bytes
-        (`l2_prefetch_fp8` from a GEMV over fp8 weights), for GEMV launches (stream = (weight, SwiGLU
-        halves)) followed by another before any MoE experts launch (stream MOE: its tens of MB of
-        expert weights would evict what was asked for)."""
+        (`l2_prefetch_moe` in an MoE model, `l2_prefetch_fp8` from a GEMV over fp8 weights), for GEMV
+        launches (stream = (weight, SwiGLU halves)) followed by another before any MoE experts launch
+        (stream MOE: its tens of MB of expert weights would evict what was asked for)."""
         out, nxt = [None] * len(streams), None
         for j in range(len(streams) - 1, -1, -1):
             s = streams[j]
             if s is MOE:
                 nxt = None
             elif s is not None:
-                nbytes = self.t.l2_prefetch_fp8 if isinstance(s[0], FP8Weight) else self.t.l2_prefetch
+                nbytes = self.t.l2_prefetch_fp8 if isinstance(s[0], FP8Weight) else \
+                    self.t.l2_prefetch_moe if self.cfg.num_experts else self.t.l2_prefetch
                 if nxt is not None and nbytes > 0:
                     out[j] = self.k_gemv.l2_target(nxt[0], nbytes, halves=nxt[1])
                 nxt = s
