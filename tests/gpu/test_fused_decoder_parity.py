@@ -98,7 +98,8 @@ def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory, arch):
     eng.prefill([5, 17, 3])
     n0, snap = eng.export_state()
     nbytes = 4096
-    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=nbytes, l2_prefetch_moe=nbytes))
+    dec = FusedDecoder(eng.model, eng.state, mode="fused",
+                       tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=nbytes, l2_prefetch_moe=nbytes))
     plan = dec.plan()
     off = dataclasses.replace(CPU_TUNING, **{"l2_prefetch_moe" if eng.config.num_experts else "l2_prefetch": 0})
     assert not any(hasattr(s.run, "keywords") for s in FusedDecoder(eng.model, eng.state, mode="fused",
@@ -118,7 +119,8 @@ def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory, arch):
                 if nxt.group == "moe_experts":
                     break
                 if nxt.group in gemvs:
-                    want, halves = gemvs[nxt.group](nxt.layer is not None and dec.layers[nxt.layer]), nxt.group == "mlp_gate_up+swiglu"
+                    want = gemvs[nxt.group](nxt.layer is not None and dec.layers[nxt.layer])
+                    halves = nxt.group == "mlp_gate_up+swiglu"
                     break
         got = getattr(s.run, "keywords", {}).get("l2")
         if want is None:
