@@ -56,8 +56,9 @@ def floor(n: int, programs: int, pdl: bool, reps: int) -> float:
     buf = torch.zeros(programs, dtype=torch.int32, device="cuda")
 
     def chain():
-        for _ in range(n):
-            _floor_kernel[(programs,)](buf, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+        with common.launch_options(pdl):
+            for _ in range(n):
+                _floor_kernel[(programs,)](buf, **common.LAUNCH)
     return _time_chain(chain, n, reps)
 
 
