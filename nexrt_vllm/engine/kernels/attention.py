@@ -91,11 +91,17 @@ def qk_rope_cache_m_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr,
 
 
 @triton.jit
-def _split_range(pos_ptr, sp, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr):
-    # At least MIN_PER keys per split: short contexts use fewer splits (less partial traffic),
-    # long ones all NSPLIT. Splits past the end write nothing; later passes read only live ones.
+def _split_range(pos_ptr, sp, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr,
+                 PER_SQRT: tl.constexpr):
+    # At least MIN_PER keys per split, and (PER_SQRT > 0) at least PER_SQRT * sqrt(length): the
+    # splits grow with the context before all NSPLIT of them are live (fewer, longer programs: each
+    # live split is a chain of dependent loads, and a split past the end costs only its launch).
+    # Splits past the end write nothing; later passes read only live ones.
     length = tl.load(pos_ptr) + 1
     per = tl.maximum(tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK) * BLOCK, MIN_PER)
+    if PER_SQRT > 0:
+        root = (PER_SQRT * tl.sqrt(length.to(tl.float32))).to(tl.int32)
+        per = tl.maximum(per, tl.cdiv(root, BLOCK) * BLOCK)
     return sp * per, tl.minimum(sp * per + per, length), per, length
 
 
@@ -128,81 +134,84 @@ def _scores_block(q, kb, n, nm, qm, lim, srow, s_ptr, max_len, scale, m, l, stri
 
 @triton.jit
 def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, stride_ch, stride_cs, max_len,
-                       NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                       HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                       NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, PER_SQRT: tl.constexpr, G: tl.constexpr,
+                       GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr,
+                       PDL: tl.constexpr):
     pdl_begin(PDL)
     # Pass 1, grid (kv head, split): the scores of the split's keys for all query heads of the group
     # (K read once), stored fp32 in [H, max_len] scratch, plus the split's max and sum of exp.
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
-    g = tl.arange(0, GP)
-    d = tl.arange(0, HD)
-    gm = g < G
-    h = kvh * G + g
-    q = tl.load(q_ptr + h[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    l = tl.zeros([GP], tl.float32)
-    kb = k_cache_ptr + kvh * stride_ch
-    for n0 in range(start, end, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        nm = n < end
-        m, l = _scores_block(q, kb, n, nm, gm, 0, h, s_ptr, max_len, scale, m, l, stride_cs, d, DOT_F32, False)
-    live = gm & ((tl.zeros_like(g) + start) < length)  # vector compare: the interpreter rejects bool&scalar
-    tl.store(m_ptr + h * NSPLIT + sp, m, mask=live)
-    tl.store(l_ptr + h * NSPLIT + sp, l, mask=live)
+    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK, PER_SQRT)
+    if start < length:  # a split past the end (short contexts) exits at once
+        g = tl.arange(0, GP)
+        d = tl.arange(0, HD)
+        gm = g < G
+        h = kvh * G + g
+        q = tl.load(q_ptr + h[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        l = tl.zeros([GP], tl.float32)
+        kb = k_cache_ptr + kvh * stride_ch
+        for n0 in range(start, end, BLOCK):
+            n = n0 + tl.arange(0, BLOCK)
+            nm = n < end
+            m, l = _scores_block(q, kb, n, nm, gm, 0, h, s_ptr, max_len, scale, m, l, stride_cs, d, DOT_F32, False)
+        tl.store(m_ptr + h * NSPLIT + sp, m, mask=gm)
+        tl.store(l_ptr + h * NSPLIT + sp, l, mask=gm)
 
 
 @triton.jit
 def attn_pv_kernel(v_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
-                   NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                   HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                   NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, PER_SQRT: tl.constexpr, G: tl.constexpr,
+                   GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_begin(PDL)
     # Pass 2, grid (kv head, split): global max and sum from every live split, then the split's
     # probabilities normalised and rounded to bf16 exactly as the eager softmax(fp32).to(bf16)
     # leaves them, times V (read once) with fp32 accumulation; partial sums per split.
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
-    g = tl.arange(0, GP)
-    d = tl.arange(0, HD)
-    gm = g < G
-    h = kvh * G + g
-    j = tl.arange(0, NSPLIT)
-    jm = gm[:, None] & (j * per < length)[None, :]
-    mj = tl.load(m_ptr + h[:, None] * NSPLIT + j[None, :], mask=jm, other=float("-inf"))
-    lj = tl.load(l_ptr + h[:, None] * NSPLIT + j[None, :], mask=jm, other=0.0)
-    mx = tl.max(mj, 1)
-    mx = tl.where(gm, mx, 0.0)  # padded heads (masked out below): keep them finite
-    inv = 1.0 / tl.where(gm, tl.sum(tl.where(jm, lj * tl.exp(mj - mx[:, None]), 0.0), 1), 1.0)
-    acc = tl.zeros([GP, HD], tl.float32)
-    vb = v_cache_ptr + kvh * stride_ch
-    for n0 in range(start, end, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        nm = n < end
-        s = tl.load(s_ptr + h[:, None] * max_len + n[None, :], mask=gm[:, None] & nm[None, :], other=float("-inf"))
-        p = _bf16(tl.exp(s - mx[:, None]) * inv[:, None])
-        vt = tl.load(vb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
-        if DOT_F32:
-            vt = vt.to(tl.float32)
-        acc += tl.dot(p.to(vt.dtype), vt)  # p is bf16-exact: the cast loses nothing
-    live = gm & ((tl.zeros_like(g) + start) < length)
-    tl.store(acc_ptr + (h * NSPLIT + sp)[:, None] * HD + d[None, :], acc, mask=live[:, None])
+    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK, PER_SQRT)
+    if start < length:  # as in the scores pass
+        g = tl.arange(0, GP)
+        d = tl.arange(0, HD)
+        gm = g < G
+        h = kvh * G + g
+        j = tl.arange(0, NSPLIT)
+        jm = gm[:, None] & (j * per < length)[None, :]
+        mj = tl.load(m_ptr + h[:, None] * NSPLIT + j[None, :], mask=jm, other=float("-inf"))
+        lj = tl.load(l_ptr + h[:, None] * NSPLIT + j[None, :], mask=jm, other=0.0)
+        mx = tl.max(mj, 1)
+        mx = tl.where(gm, mx, 0.0)  # padded heads (masked out below): keep them finite
+        inv = 1.0 / tl.where(gm, tl.sum(tl.where(jm, lj * tl.exp(mj - mx[:, None]), 0.0), 1), 1.0)
+        acc = tl.zeros([GP, HD], tl.float32)
+        vb = v_cache_ptr + kvh * stride_ch
+        for n0 in range(start, end, BLOCK):
+            n = n0 + tl.arange(0, BLOCK)
+            nm = n < end
+            s = tl.load(s_ptr + h[:, None] * max_len + n[None, :], mask=gm[:, None] & nm[None, :],
+                        other=float("-inf"))
+            p = _bf16(tl.exp(s - mx[:, None]) * inv[:, None])
+            vt = tl.load(vb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
+            if DOT_F32:
+                vt = vt.to(tl.float32)
+            acc += tl.dot(p.to(vt.dtype), vt)  # p is bf16-exact: the cast loses nothing
+        tl.store(acc_ptr + (h * NSPLIT + sp)[:, None] * HD + d[None, :], acc, mask=gm[:, None])
 
 
 @triton.jit
 def attn_combine_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr,
-                        NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr, HD: tl.constexpr,
-                        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                        NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, PER_SQRT: tl.constexpr, BLOCK: tl.constexpr,
+                        HD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     # grid (head, head_dim block): sum the live splits' partial P·V, round as the eager bf16 matmul
     # output, apply the sigmoid output gate.
     h = tl.program_id(0)
     s = tl.arange(0, NSPLIT)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    _, _, per, length = _split_range(pos_ptr, 0, NSPLIT, MIN_PER, BLOCK)
+    _, _, per, length = _split_range(pos_ptr, 0, NSPLIT, MIN_PER, BLOCK, PER_SQRT)
     live = s * per < length
     acc = tl.load(acc_ptr + (h * NSPLIT + s)[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
     o = tl.sum(acc, 0)
@@ -348,13 +357,15 @@ def qk_rope_cache(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, po
 
 
 def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, s_buf, *, num_heads, num_kv_heads,
-                     head_dim, nsplit, block=32, min_per=128, num_warps=4):
+                     head_dim, nsplit, block=32, min_per=128, per_sqrt=0.0, num_warps=4):
     """softmax(q K[:pos+1]^T / sqrt(d)) V per head, times sigmoid(gate). Scratch: m_buf, l_buf
-    [H * nsplit], acc_buf [H * nsplit * d] fp32, s_buf [H * max_seq_len] fp32 (the scores)."""
+    [H * nsplit], acc_buf [H * nsplit * d] fp32, s_buf [H * max_seq_len] fp32 (the scores). A split
+    holds at least max(min_per, per_sqrt * sqrt(pos + 1)) keys (`_split_range`)."""
     g = num_heads // num_kv_heads
     max_len = k_cache.shape[1]
-    kw = dict(NSPLIT=nsplit, MIN_PER=min_per, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block,
-              DOT_F32=_INTERPRETED, **LAUNCH)
+    split = dict(NSPLIT=nsplit, MIN_PER=min_per, PER_SQRT=float(per_sqrt))
+    kw = dict(split, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block, DOT_F32=_INTERPRETED,
+              **LAUNCH)
     attn_scores_kernel[(num_kv_heads, nsplit)](
         q, k_cache, pos, s_buf, m_buf, l_buf, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1), max_len,
         **kw, num_warps=num_warps)
@@ -362,9 +373,8 @@ def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, 
         v_cache, pos, s_buf, m_buf, l_buf, acc_buf, v_cache.stride(0), v_cache.stride(1), max_len,
         **kw, num_warps=num_warps)
     block_d = min(64, head_dim)
-    attn_combine_kernel[(num_heads, head_dim // block_d)](acc_buf, qkv, out, pos, NSPLIT=nsplit, MIN_PER=min_per,
-                                                          BLOCK=block, HD=head_dim, BLOCK_D=block_d, **LAUNCH,
-                                                          num_warps=4)
+    attn_combine_kernel[(num_heads, head_dim // block_d)](acc_buf, qkv, out, pos, **split, BLOCK=block, HD=head_dim,
+                                                          BLOCK_D=block_d, **LAUNCH, num_warps=4)
 
 
 def verify_scratch_sizes(m, num_heads, nsplit, max_seq_len, head_dim):
