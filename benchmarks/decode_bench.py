@@ -73,7 +73,7 @@ def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
 
 
 def tuning_from(kvs: str):
-    """"field=value,..." -> a graph.Tuning with those fields replaced (ints; floats; 0/1 for bools; a/b/c tuples;
+    """"field=value,..." -> a graph.Tuning with those fields replaced (ints; 0/1 for bools; a/b/c tuples;
     a/b/c+d/e/f tuples of tuples, e.g. the `gemv` rules)."""
     import dataclasses
 
@@ -90,8 +90,6 @@ def tuning_from(kvs: str):
             kw[k] = tuple(int(x) for x in v.split("/"))
         elif types[k] in ("bool", "bool | None"):
             kw[k] = v.lower() in ("1", "true")
-        elif types[k] in ("float", float):
-            kw[k] = float(v)
         else:
             kw[k] = int(v)
     return dataclasses.replace(Tuning(), **kw), kw

@@ -56,7 +56,6 @@ class Tuning:
     attn_splits: int = 128
     attn_block: int = 64
     attn_min_per: int = 64
-    attn_per_sqrt: float = 0.0
     attn_warps: int = 4
     gdn_block_v: int = 16
     # One-warp programs for the GDN step and the MoE experts: their reductions (the L2 norms, the
@@ -506,8 +505,7 @@ class FusedDecoder:
             ("attn_splitk+combine", lambda: self.k_attn.attention_decode(
                 self.q, m.state.k, m.state.v, pos, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
                 self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, per_sqrt=t.attn_per_sqrt,
-                num_warps=t.attn_warps), None),
+                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps), None),
             ("attn_o_proj", lambda **l2: g.gemv(
                 self.o, m.w_o, self.res, epi=g.EPI_RESIDUAL, **l2, **self._shape(m.w_o, c.hidden_size)),
              (m.w_o, False))]

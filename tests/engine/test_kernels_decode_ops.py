@@ -216,19 +216,19 @@ def test_qk_rope_cache_and_split_attention():
     p = torch.softmax(scores, -1, dtype=torch.float32).to(BF)
     ref = (p @ vv).view(H, hd) * torch.sigmoid(qg[:, 1])
     nsplit = 4
-    # (min_per, per_sqrt) -> live splits: 16 keys each: 4; 128: 1 (short context); 4 * sqrt(58) -> 32: 2
-    for min_per, per_sqrt, live in ((16, 0.0, 4), (128, 0.0, 1), (16, 4.0, 2)):
+    # min_per -> live splits of the 58 keys: 16 keys each: 4; 32: 2; 128: 1 (short context)
+    for min_per, live in ((16, 4), (32, 2), (128, 1)):
         m_b, l_b = nan_like(torch.empty(H * nsplit)), nan_like(torch.empty(H * nsplit))
         acc_b = nan_like(torch.empty(H * nsplit * hd))
         s_b = nan_like(torch.empty(H * maxlen))
         out = nan_like(torch.empty(H * hd, dtype=BF))
         call(attention.attention_decode, q_out, kc, vc, posb, qkv, out, m_b, l_b, acc_b, s_b, num_heads=H,
-             num_kv_heads=KVH, head_dim=hd, nsplit=nsplit, block=16, min_per=min_per, per_sqrt=per_sqrt)
+             num_kv_heads=KVH, head_dim=hd, nsplit=nsplit, block=16, min_per=min_per)
         # probabilities normalised and rounded to bf16 as the eager softmax leaves them: equal up to fp32
         # accumulation order and the device exp (bit-equal in the interpreter)
         assert rel(out.view(H, hd), ref) < 2e-3, min_per
         # the splits past the end wrote nothing
-        assert m_b.view(H, nsplit).isfinite().sum(1).tolist() == [live] * H, (min_per, per_sqrt)
+        assert m_b.view(H, nsplit).isfinite().sum(1).tolist() == [live] * H, min_per
         assert m_b.view(H, nsplit)[:, live:].isnan().all() and acc_b.view(H, nsplit, hd)[:, live:].isnan().all()
 
 

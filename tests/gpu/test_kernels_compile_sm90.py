@@ -68,7 +68,7 @@ def compile_(fn, consts, num_warps=4, types=None, aligned=(), **options):
 
 
 G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, PF=0)
-A = dict(NSPLIT=256, MIN_PER=32, PER_SQRT=0.0, G=8, GP=16, HD=256, BLOCK=32, DOT_F32=False)
+A = dict(NSPLIT=256, MIN_PER=32, G=8, GP=16, HD=256, BLOCK=32, DOT_F32=False)
 FIN = dict(BLOCK=1024, LP=False, CHECK=False, KMAX=sampling.KMAX, TB=128, CB=4096, ASM=True)
 TAIL = dict(CHUNK=2048, KMAX=sampling.KMAX, MASK=False, TOPK=False, WRITE=False, SPIN=1 << 21, ASM=True)
 # FP8 (fp8.FP8Weight): e4m3 weights, fp32 scales, int32 scale-row map; routed / shared expert weights.
@@ -189,7 +189,7 @@ for pdl in (False, True):
         ("attn_scores", attention.attn_scores_kernel, A, 4),
         ("attn_pv", attention.attn_pv_kernel, A, 4),
         ("attn_combine", attention.attn_combine_kernel,
-         dict(NSPLIT=256, MIN_PER=32, PER_SQRT=0.0, BLOCK=32, HD=256, BLOCK_D=64), 4),
+         dict(NSPLIT=256, MIN_PER=32, BLOCK=32, HD=256, BLOCK_D=64), 4),
         ("embed", sampling.embed_kernel, dict(BLOCK=1024), 4),
         ("finish", sampling.finish_kernel, FIN, 4),
         # 2B vocabulary: 248320 logits, 122 tail programs of 2048

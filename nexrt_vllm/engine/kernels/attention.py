@@ -91,17 +91,12 @@ def qk_rope_cache_m_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr,
 
 
 @triton.jit
-def _split_range(pos_ptr, sp, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr,
-                 PER_SQRT: tl.constexpr):
-    # At least MIN_PER keys per split, and (PER_SQRT > 0) at least PER_SQRT * sqrt(length): the
-    # splits grow with the context before all NSPLIT of them are live (fewer, longer programs: each
-    # live split is a chain of dependent loads, and a split past the end costs only its launch).
-    # Splits past the end write nothing; later passes read only live ones.
+def _split_range(pos_ptr, sp, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr):
+    # At least MIN_PER keys per split: short contexts use fewer splits (less partial traffic),
+    # long ones all NSPLIT. Splits past the end exit after their wait and write nothing; later
+    # passes read only live ones.
     length = tl.load(pos_ptr) + 1
     per = tl.maximum(tl.cdiv(tl.cdiv(length, NSPLIT), BLOCK) * BLOCK, MIN_PER)
-    if PER_SQRT > 0:
-        root = (PER_SQRT * tl.sqrt(length.to(tl.float32))).to(tl.int32)
-        per = tl.maximum(per, tl.cdiv(root, BLOCK) * BLOCK)
     return sp * per, tl.minimum(sp * per + per, length), per, length
 
 
@@ -134,15 +129,14 @@ def _scores_block(q, kb, n, nm, qm, lim, srow, s_ptr, max_len, scale, m, l, stri
 
 @triton.jit
 def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, stride_ch, stride_cs, max_len,
-                       NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, PER_SQRT: tl.constexpr, G: tl.constexpr,
-                       GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr,
-                       PDL: tl.constexpr):
+                       NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                       HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     # Pass 1, grid (kv head, split): the scores of the split's keys for all query heads of the group
     # (K read once), stored fp32 in [H, max_len] scratch, plus the split's max and sum of exp.
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK, PER_SQRT)
+    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
     if start < length:  # a split past the end (short contexts) exits at once
         g = tl.arange(0, GP)
         d = tl.arange(0, HD)
@@ -164,16 +158,15 @@ def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, 
 
 @triton.jit
 def attn_pv_kernel(v_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
-                   NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, PER_SQRT: tl.constexpr, G: tl.constexpr,
-                   GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr,
-                   PDL: tl.constexpr):
+                   NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                   HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     # Pass 2, grid (kv head, split): global max and sum from every live split, then the split's
     # probabilities normalised and rounded to bf16 exactly as the eager softmax(fp32).to(bf16)
     # leaves them, times V (read once) with fp32 accumulation; partial sums per split.
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK, PER_SQRT)
+    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
     if start < length:  # as in the scores pass
         g = tl.arange(0, GP)
         d = tl.arange(0, HD)
@@ -203,15 +196,15 @@ def attn_pv_kernel(v_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch
 
 @triton.jit
 def attn_combine_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr,
-                        NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, PER_SQRT: tl.constexpr, BLOCK: tl.constexpr,
-                        HD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                        NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr, HD: tl.constexpr,
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     # grid (head, head_dim block): sum the live splits' partial P·V, round as the eager bf16 matmul
     # output, apply the sigmoid output gate.
     h = tl.program_id(0)
     s = tl.arange(0, NSPLIT)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    _, _, per, length = _split_range(pos_ptr, 0, NSPLIT, MIN_PER, BLOCK, PER_SQRT)
+    _, _, per, length = _split_range(pos_ptr, 0, NSPLIT, MIN_PER, BLOCK)
     live = s * per < length
     acc = tl.load(acc_ptr + (h * NSPLIT + s)[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
     o = tl.sum(acc, 0)
@@ -357,13 +350,12 @@ def qk_rope_cache(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, po
 
 
 def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, s_buf, *, num_heads, num_kv_heads,
-                     head_dim, nsplit, block=32, min_per=128, per_sqrt=0.0, num_warps=4):
+                     head_dim, nsplit, block=32, min_per=128, num_warps=4):
     """softmax(q K[:pos+1]^T / sqrt(d)) V per head, times sigmoid(gate). Scratch: m_buf, l_buf
-    [H * nsplit], acc_buf [H * nsplit * d] fp32, s_buf [H * max_seq_len] fp32 (the scores). A split
-    holds at least max(min_per, per_sqrt * sqrt(pos + 1)) keys (`_split_range`)."""
+    [H * nsplit], acc_buf [H * nsplit * d] fp32, s_buf [H * max_seq_len] fp32 (the scores)."""
     g = num_heads // num_kv_heads
     max_len = k_cache.shape[1]
-    split = dict(NSPLIT=nsplit, MIN_PER=min_per, PER_SQRT=float(per_sqrt))
+    split = dict(NSPLIT=nsplit, MIN_PER=min_per)
     kw = dict(split, G=g, GP=max(16, triton.next_power_of_2(g)), HD=head_dim, BLOCK=block, DOT_F32=_INTERPRETED,
               **LAUNCH)
     attn_scores_kernel[(num_kv_heads, nsplit)](
