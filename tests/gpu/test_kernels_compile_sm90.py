@@ -188,8 +188,7 @@ for pdl in (False, True):
         ("qk_rope_cache", attention.qk_rope_cache_kernel, dict(H=16, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2),
         ("attn_scores", attention.attn_scores_kernel, A, 4),
         ("attn_pv", attention.attn_pv_kernel, A, 4),
-        ("attn_combine", attention.attn_combine_kernel,
-         dict(NSPLIT=256, MIN_PER=32, BLOCK=32, HD=256, BLOCK_D=64), 4),
+        ("attn_combine", attention.attn_combine_kernel, dict(NSPLIT=256, MIN_PER=32, BLOCK=32, HD=256, BLOCK_D=64), 4),
         ("embed", sampling.embed_kernel, dict(BLOCK=1024), 4),
         ("finish", sampling.finish_kernel, FIN, 4),
         # 2B vocabulary: 248320 logits, 122 tail programs of 2048
