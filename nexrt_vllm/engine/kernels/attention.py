@@ -157,6 +157,20 @@ def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, 
 
 
 @triton.jit
+def _global_stats(m_ptr, l_ptr, row, rm, per, length, NSPLIT: tl.constexpr):
+    """The P·V passes' softmax statistics: for scratch rows `row` (rm: live), the max over every live
+    split's max (split j is live when j * per < length) and 1 / the sum of exp relative to it.
+    Padded rows get max 0 and sum 1 (finite; their results are masked out)."""
+    j = tl.arange(0, NSPLIT)
+    jm = rm[:, None] & (j * per < length)[None, :]
+    mj = tl.load(m_ptr + row[:, None] * NSPLIT + j[None, :], mask=jm, other=float("-inf"))
+    lj = tl.load(l_ptr + row[:, None] * NSPLIT + j[None, :], mask=jm, other=0.0)
+    mx = tl.where(rm, tl.max(mj, 1), 0.0)
+    inv = 1.0 / tl.where(rm, tl.sum(tl.where(jm, lj * tl.exp(mj - mx[:, None]), 0.0), 1), 1.0)
+    return mx, inv
+
+
+@triton.jit
 def attn_pv_kernel(v_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
                    NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                    HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
@@ -172,13 +186,7 @@ def attn_pv_kernel(v_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch
         d = tl.arange(0, HD)
         gm = g < G
         h = kvh * G + g
-        j = tl.arange(0, NSPLIT)
-        jm = gm[:, None] & (j * per < length)[None, :]
-        mj = tl.load(m_ptr + h[:, None] * NSPLIT + j[None, :], mask=jm, other=float("-inf"))
-        lj = tl.load(l_ptr + h[:, None] * NSPLIT + j[None, :], mask=jm, other=0.0)
-        mx = tl.max(mj, 1)
-        mx = tl.where(gm, mx, 0.0)  # padded heads (masked out below): keep them finite
-        inv = 1.0 / tl.where(gm, tl.sum(tl.where(jm, lj * tl.exp(mj - mx[:, None]), 0.0), 1), 1.0)
+        mx, inv = _global_stats(m_ptr, l_ptr, h, gm, per, length, NSPLIT)
         acc = tl.zeros([GP, HD], tl.float32)
         vb = v_cache_ptr + kvh * stride_ch
         for n0 in range(start, end, BLOCK):
@@ -282,13 +290,7 @@ def attn_verify_pv_kernel(v_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, 
     j = r // G
     row = j * H + kvh * G + r % G
     lim = pos + j
-    js = tl.arange(0, NSPLIT)
-    jm = rm[:, None] & (js * per < length)[None, :]
-    mj = tl.load(m_ptr + row[:, None] * NSPLIT + js[None, :], mask=jm, other=float("-inf"))
-    lj = tl.load(l_ptr + row[:, None] * NSPLIT + js[None, :], mask=jm, other=0.0)
-    mx = tl.max(mj, 1)
-    mx = tl.where(rm, mx, 0.0)  # padded rows (masked out below): keep them finite
-    inv = 1.0 / tl.where(rm, tl.sum(tl.where(jm, lj * tl.exp(mj - mx[:, None]), 0.0), 1), 1.0)
+    mx, inv = _global_stats(m_ptr, l_ptr, row, rm, per, length, NSPLIT)
     acc = tl.zeros([RP, HD], tl.float32)
     vb = v_cache_ptr + kvh * stride_ch
     for n0 in range(lo, hi, BLOCK):
