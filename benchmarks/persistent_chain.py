@@ -1,11 +1,14 @@
 """A chain of dependent GEMVs as one persistent launch (csrc/gemv_chain.cu) against the step's Triton
-launches, in one process on the GPU (issue #19: what a persistent step gains per task boundary).
+launches, in one process on the GPU (issue #19: what a task boundary costs inside one launch).
 
 - `mlp`: the Qwen3.5-2B shape's 24 dense MLP blocks back to back (gate_up [12288, 2048] with the
   RMSNorm prologue, down [2048, 6144] with the SwiGLU prologue and the residual epilogue): 48 GEMVs,
   1.81 GB of distinct weights. Triton: the step's two launches per block (`kernels.gemv.gemv`,
   `graph.Tuning` shapes, head prefetch, L2 requests for the next weight, PDL on) — the step's MLP
-  launches without the layers between them. Persistent: one launch of 48 tasks.
+  launches without the layers between them. Persistent: one launch of 48 tasks; again without the
+  dependency waits (wrong numbers, the streaming alone); and one profiled launch (%globaltimer per CTA
+  and task: waiting + building the input, the dots, the epilogue up to the counter's release, the
+  spread of the CTAs' arrivals, the latency from the last arrival to the next task's input).
 - `line`: chains of GEMVs over distinct [B / 4096, 2048] weights (RMSNorm prologue, residual
   epilogue, each waiting on the one before), per B; the line t = a + B / bw through the per-task
   times, both ways (Triton: `launch_floor.gemv_chain`).
@@ -13,7 +16,8 @@ launches, in one process on the GPU (issue #19: what a persistent step gains per
 Correctness first: the chain's final residual of both ways against a float64 reference with the
 same bf16 roundings (max error in the JSON; the run fails if the persistent kernel is off).
 
-    PYTHONPATH=. python3 benchmarks/persistent_chain.py --json $OUT/persistent_chain_h200.json
+    PYTHONPATH=. python3 benchmarks/persistent_chain.py --json $OUT/persistent_chain_h200.json \
+        --configs 26x8192x16,26x8192x12
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import decode_bench as D  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = os.path.join(ROOT, "csrc", "gemv_chain.cu")
 NVCC_FLAGS = ["-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"]
-GROUP, MAX_K = 256, 6144  # csrc/gemv_chain.cu: kGroup, kMaxK
+GROUP, MAX_K = 256, 8192  # csrc/gemv_chain.cu: kGroup, kMaxK
 PLAIN, RMSNORM, SWIGLU = 0, 1, 2
 STORE, RESIDUAL = 0, 1
 
@@ -47,13 +51,9 @@ def nvcc() -> str:
     raise RuntimeError("nvcc not found (PATH or $CUDA_HOME/bin): cannot build csrc/gemv_chain.cu")
 
 
-VARIANTS = {"nosleep": "-DGEMV_CHAIN_POLL_SLEEP_NS=0", "noevict": "-DGEMV_CHAIN_EVICT_FIRST=0"}
-
-
-def compile_cubin(warps: int = 16, variants: tuple[str, ...] = ()) -> tuple[bytes, str]:
-    """(cubin, ptxas report) of csrc/gemv_chain.cu for sm_90a with `warps` consumer warps and the
-    named compile-time `variants` (VARIANTS)."""
-    extra = (f"-DGEMV_CHAIN_CONSUMER_WARPS={warps}", *(VARIANTS[v] for v in variants))
+def compile_cubin(warps: int = 16) -> tuple[bytes, str]:
+    """(cubin, ptxas report) of csrc/gemv_chain.cu for sm_90a with `warps` consumer warps."""
+    extra = (f"-DGEMV_CHAIN_CONSUMER_WARPS={warps}",)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "gemv_chain.cubin")
         p = subprocess.run([nvcc(), *NVCC_FLAGS, *extra, "-Xptxas", "-v", "-o", out, SOURCE],
@@ -67,24 +67,22 @@ def compile_cubin(warps: int = 16, variants: tuple[str, ...] = ()) -> tuple[byte
 class Task(ctypes.Structure):
     """csrc/gemv_chain.cu's `Task`, field for field."""
     _fields_ = [(n, ctypes.c_void_p) for n in ("w", "x", "norm_w", "y")] + \
-               [(n, ctypes.c_int32) for n in ("n", "k", "prologue", "epilogue", "wait", "y_prev")] + \
-               [("eps", ctypes.c_float)]
+               [(n, ctypes.c_int32) for n in ("n", "k", "prologue", "epilogue", "wait")] + [("eps", ctypes.c_float)]
 
 
 class Args(ctypes.Structure):
     """csrc/gemv_chain.cu's `Args`, field for field."""
     _fields_ = [(n, ctypes.c_void_p) for n in ("tasks", "counters", "epoch", "prof")] + \
-               [(n, ctypes.c_int32) for n in ("num_tasks", "stages", "stage_bytes", "max_k", "max_rows", "ll")]
+               [(n, ctypes.c_int32) for n in ("num_tasks", "stages", "stage_bytes", "max_k", "max_rows")]
 
 
 class Chain:
-    """One persistent launch over `tasks`: dicts w, x, y, prologue, epilogue, wait, norm_w (None), eps,
-    y_prev (-1). `ll`: x and y are LL buffers (`ll_buffer`) and the tasks wait on their flags."""
+    """One persistent launch over `tasks`: dicts w, x, y, prologue, epilogue, wait, norm_w (None), eps."""
 
     _lib = None
 
     def __init__(self, tasks: list[dict], cubin: bytes, *, stages: int = 26, stage_bytes: int = 8192, warps: int = 16,
-                 profile: bool = False, ll: bool = False):
+                 profile: bool = False):
         if Chain._lib is None:
             Chain._lib = ctypes.CDLL("libcuda.so.1")
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -102,8 +100,7 @@ class Chain:
                                  f"K <= {MAX_K}")
             nw = t.get("norm_w")
             recs.append(Task(w.data_ptr(), t["x"].data_ptr(), nw.data_ptr() if nw is not None else 0,
-                             t["y"].data_ptr(), n, k, t["prologue"], t["epilogue"], t["wait"], t.get("y_prev", -1),
-                             t.get("eps", 1e-6)))
+                             t["y"].data_ptr(), n, k, t["prologue"], t["epilogue"], t["wait"], t.get("eps", 1e-6)))
             max_k, max_rows = max(max_k, k), max(max_rows, -(-n // self.sms))
         max_rows = -(-max_rows // 4) * 4
         self.threads = 32 * warps + 32
@@ -113,8 +110,7 @@ class Chain:
         self.epoch = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.prof = torch.zeros(self.sms, len(recs), 4, dtype=torch.int64, device="cuda") if profile else None
         self.args = Args(self.tasks.data_ptr(), self.counters.data_ptr(), self.epoch.data_ptr(),
-                         self.prof.data_ptr() if profile else 0, len(recs), stages, stage_bytes, max_k, max_rows,
-                         int(ll))
+                         self.prof.data_ptr() if profile else 0, len(recs), stages, stage_bytes, max_k, max_rows)
         head = 16 * stages + 4 * (32 + max_rows) + 2 * max_k
         self.smem = -(-(128 + head) // 128) * 128 + stages * stage_bytes
         self.fn = ctypes.c_void_p()
@@ -134,13 +130,6 @@ class Chain:
         stream = torch.cuda.current_stream().cuda_stream
         self._check(self._lib.cuLaunchKernel(self.fn, self.sms, 1, 1, self.threads, 1, 1, self.smem,
                                              ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
-
-
-def ll_buffer(v: torch.Tensor) -> torch.Tensor:
-    """An LL activation buffer [n, 2] (fp32 value, int32 flag bits) holding v's values, flags 0."""
-    out = torch.zeros(v.numel(), 2, dtype=torch.float32, device=v.device)
-    out[:, 0] = v.float()
-    return out
 
 
 def _bf(t: torch.Tensor) -> torch.Tensor:
@@ -234,40 +223,27 @@ def bench_mlp(cubin: bytes, reps: int, stages: int, stage_bytes: int, warps: int
     scale = ref.abs().max().item()
     nbytes = sum(t["w"].numel() * 2 for t in tasks)
     free = Chain([{**t, "wait": -1} for t in tasks], cubin, stages=stages, stage_bytes=stage_bytes, warps=warps)
-    # the same chain with LL activations: dependencies through the data's flags
-    h_ll, gu_ll = ll_buffer(h0), ll_buffer(gu)
-    remap = {h.data_ptr(): h_ll, gu.data_ptr(): gu_ll}
-    tasks_ll = [{**t, "x": remap[t["x"].data_ptr()], "y": remap[t["y"].data_ptr()],
-                 "y_prev": i - 2 if t["epilogue"] == RESIDUAL and i >= 2 else -1} for i, t in enumerate(tasks)]
-    chain_ll = Chain(tasks_ll, cubin, stages=stages, stage_bytes=stage_bytes, warps=warps, ll=True)
-    chain_ll()
-    torch.cuda.synchronize()
-    err_ll = (h_ll[:, 0].double() - ref).abs().max().item()
     t_tri = time_graph(tri, reps)
     t_per = time_graph(chain, reps)
     t_free = time_graph(free, reps)
-    t_ll = time_graph(chain_ll, reps)
     t_tri2 = time_graph(tri, reps)
     out = {"tasks": len(tasks), "weight_bytes": nbytes, "ref_max_abs": scale,
-           "max_abs_err": {"persistent": err_p, "persistent_ll": err_ll, "triton": err_t},
+           "max_abs_err": {"persistent": err_p, "triton": err_t},
            "us": {"triton": t_tri * 1e6, "persistent": t_per * 1e6, "persistent_no_waits": t_free * 1e6,
-                  "persistent_ll": t_ll * 1e6,
                   "triton_again": t_tri2 * 1e6},
            "TBps": {"triton": nbytes / t_tri / 1e12, "persistent": nbytes / t_per / 1e12,
-                    "persistent_no_waits": nbytes / t_free / 1e12, "persistent_ll": nbytes / t_ll / 1e12},
-           "phases": phases(tasks, cubin, stages, stage_bytes, warps),
-           "phases_ll": phases(tasks_ll, cubin, stages, stage_bytes, warps, ll=True)}
-    for name, err in (("persistent", err_p), ("persistent_ll", err_ll)):
-        if not err <= max(4 * err_t, 0.02 * scale):
-            raise AssertionError(f"{name} MLP chain off: max error {err} (Triton {err_t}, |ref| {scale})")
+                    "persistent_no_waits": nbytes / t_free / 1e12},
+           "phases": phases(tasks, cubin, stages, stage_bytes, warps)}
+    if not err_p <= max(4 * err_t, 0.02 * scale):
+        raise AssertionError(f"persistent MLP chain off: max error {err_p} (Triton {err_t}, |ref| {scale})")
     return out
 
 
-def phases(tasks, cubin, stages, stage_bytes, warps, ll: bool = False) -> dict:
+def phases(tasks, cubin, stages, stage_bytes, warps) -> dict:
     """Where a task's time goes inside the persistent launch (one profiled launch, %globaltimer per CTA):
     medians over the tasks of each kind (even: gate_up, odd: down) of the CTAs' median phase times,
     the spread of the CTAs' arrivals, and the dependency latency (last arrival -> median input start)."""
-    prof_chain = Chain(tasks, cubin, stages=stages, stage_bytes=stage_bytes, warps=warps, profile=True, ll=ll)
+    prof_chain = Chain(tasks, cubin, stages=stages, stage_bytes=stage_bytes, warps=warps, profile=True)
     for _ in range(3):
         prof_chain()
     torch.cuda.synchronize()
@@ -321,36 +297,30 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sizes-mb", default="0.5,1,2,4,8,16,32,64")
     ap.add_argument("--configs", default="26x8192x16",
-                    help="ring stages x stage bytes x consumer warps[+variant...], comma separated; the first "
-                         f"also runs `line`; variants: {', '.join(VARIANTS)}")
+                    help="ring stages x stage bytes x consumer warps, comma separated; the first also runs `line`")
     ap.add_argument("--cubin", help="a prebuilt csrc/gemv_chain.cu cubin (16 consumer warps) where nvcc is missing")
     a = ap.parse_args(argv)
     cubins = {}
 
-    def cubin(warps, variants):
-        key = (warps, variants)
-        if key not in cubins:
-            if a.cubin and key == (16, ()):
+    def cubin(warps):
+        if warps not in cubins:
+            if a.cubin and warps == 16:
                 with open(a.cubin, "rb") as f:
-                    cubins[key] = (f.read(), f"prebuilt {a.cubin}")
+                    cubins[warps] = (f.read(), f"prebuilt {a.cubin}")
             else:
-                cubins[key] = compile_cubin(warps, variants)
-        return cubins[key][0]
-    configs = []
-    for c in a.configs.split(","):
-        shape, *variants = c.split("+")
-        configs.append((c, *(int(v) for v in shape.split("x")), tuple(variants)))
+                cubins[warps] = compile_cubin(warps)
+        return cubins[warps][0]
+    configs = [(c, *(int(v) for v in c.split("x"))) for c in a.configs.split(",")]
     out = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "copy_bw_Bps": D.copy_bandwidth(), "mlp": {}, "line": {}}
-    for key, stages, sb, warps, variants in configs:
-        out["mlp"][key] = bench_mlp(cubin(warps, variants), a.reps, stages, sb, warps)
+    for key, stages, sb, warps in configs:
+        out["mlp"][key] = bench_mlp(cubin(warps), a.reps, stages, sb, warps)
         D.log(f"[mlp {key}] {json.dumps(out['mlp'][key]['us'])} {json.dumps(out['mlp'][key]['phases'])}")
-    out["ptxas"] = {f"{w}{''.join('+' + v for v in vs)}": r.strip().splitlines()[-3:]
-                    for (w, vs), (_, r) in cubins.items()}
+    out["ptxas"] = {w: r.strip().splitlines()[-3:] for w, (_, r) in cubins.items()}
     if a.sizes_mb:
-        key, stages, sb, warps, variants = configs[0]
-        out["line"][key] = bench_line(cubin(warps, variants), [float(s) for s in a.sizes_mb.split(",")], a.reps,
-                                      stages, sb, warps)
+        key, stages, sb, warps = configs[0]
+        out["line"][key] = bench_line(cubin(warps), [float(s) for s in a.sizes_mb.split(",")], a.reps, stages, sb,
+                                      warps)
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1)
     return 0

@@ -1,17 +1,18 @@
 // A chain of dependent batch-1 GEMVs in one persistent launch (sm_90a): the design issue #19 asks for,
-// reduced to the step's commonest task. One CTA per SM; each task splits its weight rows evenly over
-// the CTAs, so a CTA's share of a row-major [N, K] weight is one contiguous byte range.
+// reduced to the step's commonest task, to measure what a task boundary costs inside one launch
+// (benchmarks/persistent_chain.py). One CTA per SM; each task splits its weight rows evenly over the
+// CTAs, so a CTA's share of a row-major [N, K] weight is one contiguous byte range.
 //
-// Warp 0 (one lane) is the producer: it streams the CTA's weight ranges of every task, in task order,
-// into a ring of shared-memory stages with bulk async copies (cp.async.bulk, completion on the stage's
-// "full" mbarrier) and never waits on a task's inputs: weights do not depend on them, so the next
-// tasks' bytes are in flight while the consumers wait on a dependency. The other warps consume: per
-// task, wait until every CTA has finished the task's predecessor (a per-task arrival counter in global
-// memory, polled by one thread per CTA: at most gridDim pollers), build the input vector in shared
-// memory (with its prologue), dot the stages against it — each stage whole by one warp, round robin,
-// so as many stages as consumer warps are in work at once — release each stage ("empty" mbarrier), write their rows (with
-// the epilogue) and arrive on the task's counter. A stage holds whole rows, or an equal part of one
-// row when a row is longer than a stage (`chunk_elems`).
+// One lane of the last warp is the producer: it streams the CTA's weight ranges of every task, in task
+// order, into a ring of shared-memory stages with bulk async copies (cp.async.bulk, completion on the
+// stage's "full" mbarrier) and never waits on a task's inputs: weights do not depend on them, so the
+// next tasks' bytes are in flight while the consumers wait on a dependency. The other warps consume:
+// per task, wait until every CTA has finished the task's predecessor (a per-task arrival counter in
+// global memory, polled by one thread per CTA: at most gridDim pollers), build the input vector in
+// shared memory (with its prologue), dot the stages against it — each stage whole by one warp, round
+// robin, so as many stages as consumer warps are in work at once — release each stage ("empty"
+// mbarrier), write their rows (with the epilogue) and arrive on the task's counter. A stage holds
+// whole rows, or an equal part of one row when a row is longer than a stage (`chunk_elems`).
 //
 // Counters only grow: a launch's targets are (epoch + 1) * gridDim, where epoch (device memory) is
 // read at the start and advanced by the last CTA to finish, so a captured graph replays it unchanged.
@@ -23,12 +24,6 @@ namespace {
 #ifndef GEMV_CHAIN_CONSUMER_WARPS
 #define GEMV_CHAIN_CONSUMER_WARPS 8
 #endif
-#ifndef GEMV_CHAIN_POLL_SLEEP_NS
-#define GEMV_CHAIN_POLL_SLEEP_NS 32
-#endif
-#ifndef GEMV_CHAIN_EVICT_FIRST
-#define GEMV_CHAIN_EVICT_FIRST 1
-#endif
 constexpr int kConsumerWarps = GEMV_CHAIN_CONSUMER_WARPS;
 constexpr int kConsumers = kConsumerWarps * 32;
 constexpr int kThreads = kConsumers + 32;
@@ -37,19 +32,14 @@ constexpr int kGroup = 256;  // elements one consumer warp dots at a time (8 per
 enum Prologue : int32_t { kPlain = 0, kRmsNorm = 1, kSwiGlu = 2 };
 enum Epilogue : int32_t { kStore = 0, kResidual = 1 };
 
-// Activations (x, y) are bf16 vectors, or with Args.ll "LL" words: 64 bits = fp32 value (bf16-rounded)
-// | 32-bit flag, the flag naming the write (epoch * num_tasks + task + 1). A reader polls the words
-// themselves until their flags name the write it needs — no counter, no release fence, one memory
-// round trip from the writer's store to the reader's data (NCCL's low-latency protocol).
 struct Task {  // csrc/gemv_chain.cu's task record; mirrored field for field by the Python launcher
   const __nv_bfloat16* w;  // [n, k] row-major
-  const void* x;  // input: [k] (kPlain, kRmsNorm) or [2k] gate then up (kSwiGlu)
+  const __nv_bfloat16* x;  // input: [k] (kPlain, kRmsNorm) or [2k] gate then up (kSwiGlu)
   const __nv_bfloat16* norm_w;  // [k] (kRmsNorm: x * rstd * (1 + norm_w))
-  void* y;  // [n]
+  __nv_bfloat16* y;  // [n]
   int32_t n, k, prologue, epilogue;
   int32_t wait;  // index of the task whose outputs this one reads (-1: none); with kResidual, y's last
                  // writer must come before it through these links (y is read once, after the wait)
-  int32_t y_prev;  // with Args.ll and kResidual: the task that last wrote y in this launch (-1: none)
   float eps;
 };
 
@@ -60,7 +50,6 @@ struct Args {
   uint64_t* prof;  // null, or [gridDim][num_tasks][4] %globaltimer ns per CTA and task: before the wait,
                    // input built, dots done, arrived
   int32_t num_tasks, stages, stage_bytes, max_k, max_rows;
-  int32_t ll;  // activations as LL words (dependencies through their flags, `counters` only at the end)
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -107,20 +96,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 
 __device__ __forceinline__ void red_release(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t ld_relaxed(const void* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_relaxed(void* p, uint64_t v) {
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t ll_word(float v, uint32_t flag) {
-  return static_cast<uint64_t>(__float_as_uint(v)) | (static_cast<uint64_t>(flag) << 32);
 }
 
 __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
@@ -194,7 +169,7 @@ __device__ __forceinline__ void warp_dot(const __nv_bfloat16* w, int ld, const _
   }
 }
 
-constexpr int kMaxK = 6144;  // the RMSNorm prologue holds its column of x in registers: k <= kMaxK
+constexpr int kMaxK = 8192;  // the RMSNorm prologue holds its column of x in registers: k <= kMaxK
 constexpr int kMaxPerThread = (kMaxK + kConsumers - 1) / kConsumers;
 
 // Wait until every CTA has arrived on counter `c` for this launch (thread 0 polls, the consumers sync).
@@ -202,53 +177,16 @@ __device__ __forceinline__ void wait_counter(const uint32_t* c, uint32_t target,
   if (tid == 0)
     for (uint32_t spin = 0; static_cast<int32_t>(ld_acquire(c) - target) < 0; ++spin) {
       if (spin > kSpinLimit) __trap();
-      if (GEMV_CHAIN_POLL_SLEEP_NS) __nanosleep(GEMV_CHAIN_POLL_SLEEP_NS);
+      __nanosleep(32);
     }
   consumers_sync();
 }
 
-// This thread's elements i = tid + j * kConsumers (< k) of segment `seg` (offset seg * k) of x into
-// v[j] (fp32): bf16 loads from L2, or LL words polled until every flag is `want` (0: taken as read).
-template <int NSEG>
-__device__ __forceinline__ void read_x(const void* x, int k, bool ll, uint32_t want, int tid,
-                                       float (&v)[NSEG][kMaxPerThread]) {
-  if (!ll) {
-    const __nv_bfloat16* xb = static_cast<const __nv_bfloat16*>(x);
-#pragma unroll
-    for (int g = 0; g < NSEG; ++g)
-#pragma unroll
-      for (int j = 0; j < kMaxPerThread; ++j) {
-        const int i = tid + j * kConsumers;
-        v[g][j] = i < k ? __bfloat162float(__ldcg(xb + g * k + i)) : 0.f;
-      }
-    return;
-  }
-  const uint64_t* xw = static_cast<const uint64_t*>(x);
-  for (uint32_t spin = 0;; ++spin) {
-    bool ok = true;
-#pragma unroll
-    for (int g = 0; g < NSEG; ++g)
-#pragma unroll
-      for (int j = 0; j < kMaxPerThread; ++j) {
-        const int i = tid + j * kConsumers;
-        if (i < k) {
-          const uint64_t w = ld_relaxed(xw + g * k + i);
-          v[g][j] = __uint_as_float(static_cast<uint32_t>(w));
-          ok &= !want || static_cast<uint32_t>(w >> 32) == want;
-        } else {
-          v[g][j] = 0.f;
-        }
-      }
-    if (ok) return;
-    if (spin > kSpinLimit) __trap();
-  }
-}
-
 // The task's input vector into xs[k] (bf16: every prologue ends in a bf16 rounding, as the Triton
-// path's), after waiting on the task's dependency (its counter, or with LL the flags of x itself);
-// what does not depend on it (the RMSNorm weight) is loaded before the wait.
+// path's), after waiting on the task's dependency; what does not depend on it (the RMSNorm weight)
+// is loaded before the wait.
 __device__ void build_input(const Task& t, __nv_bfloat16* xs, float* red, const uint32_t* counters, uint32_t target,
-                            bool ll, uint32_t base, int tid) {
+                            int tid) {
   float nw[kMaxPerThread];
   if (t.prologue == kRmsNorm) {
 #pragma unroll
@@ -257,32 +195,27 @@ __device__ void build_input(const Task& t, __nv_bfloat16* xs, float* red, const 
       nw[j] = i < t.k ? 1.0f + __bfloat162float(t.norm_w[i]) : 0.f;
     }
   }
-  if (t.wait >= 0 && !ll) wait_counter(counters + t.wait, target, tid);
-  const uint32_t want = ll && t.wait >= 0 ? base + t.wait + 1 : 0;
+  if (t.wait >= 0) wait_counter(counters + t.wait, target, tid);
   if (t.prologue == kSwiGlu) {
-    float gu[2][kMaxPerThread];
-    read_x<2>(t.x, t.k, ll, want, tid, gu);
-#pragma unroll
-    for (int j = 0; j < kMaxPerThread; ++j) {
-      const int i = tid + j * kConsumers;
-      const float g = gu[0][j];
-      if (i < t.k) xs[i] = __float2bfloat16(bf16r(g / (1.0f + __expf(-g))) * gu[1][j]);
+    for (int i = tid; i < t.k; i += kConsumers) {
+      const float g = __bfloat162float(__ldcg(t.x + i));
+      const float u = __bfloat162float(__ldcg(t.x + t.k + i));
+      xs[i] = __float2bfloat16(bf16r(g / (1.0f + __expf(-g))) * u);
     }
     return;
   }
-  float v[1][kMaxPerThread];
-  read_x<1>(t.x, t.k, ll, want, tid, v);
   if (t.prologue == kPlain) {
-#pragma unroll
-    for (int j = 0; j < kMaxPerThread; ++j) {
-      const int i = tid + j * kConsumers;
-      if (i < t.k) xs[i] = __float2bfloat16(v[0][j]);
-    }
+    for (int i = tid; i < t.k; i += kConsumers) xs[i] = __ldcg(t.x + i);
     return;
   }
+  float v[kMaxPerThread];
   float ss = 0.f;
 #pragma unroll
-  for (int j = 0; j < kMaxPerThread; ++j) ss += v[0][j] * v[0][j];
+  for (int j = 0; j < kMaxPerThread; ++j) {
+    const int i = tid + j * kConsumers;
+    v[j] = i < t.k ? __bfloat162float(__ldcg(t.x + i)) : 0.f;
+    ss += v[j] * v[j];
+  }
   for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   if ((tid & 31) == 0) red[tid >> 5] = ss;
   consumers_sync();
@@ -293,18 +226,7 @@ __device__ void build_input(const Task& t, __nv_bfloat16* xs, float* red, const 
 #pragma unroll
   for (int j = 0; j < kMaxPerThread; ++j) {
     const int i = tid + j * kConsumers;
-    if (i < t.k) xs[i] = __float2bfloat16(v[0][j] * rstd * nw[j]);
-  }
-}
-
-// Row r of y (the residual a kResidual task adds to): bf16 from L2, or an LL word polled until its
-// flag is `want` (0: taken as read).
-__device__ __forceinline__ float read_y(const Task& t, int r, bool ll, uint32_t want) {
-  if (!ll) return __bfloat162float(__ldcg(static_cast<const __nv_bfloat16*>(t.y) + r));
-  for (uint32_t spin = 0;; ++spin) {
-    const uint64_t w = ld_relaxed(static_cast<const uint64_t*>(t.y) + r);
-    if (!want || static_cast<uint32_t>(w >> 32) == want) return __uint_as_float(static_cast<uint32_t>(w));
-    if (spin > kSpinLimit) __trap();
+    if (i < t.k) xs[i] = __float2bfloat16(v[j] * rstd * nw[j]);
   }
 }
 
@@ -322,8 +244,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gemv_chain_kernel(Args
   const int tid = threadIdx.x, cta = blockIdx.x, ctas = gridDim.x;
   const uint32_t epoch = ld_acquire(a.epoch);
   const uint32_t target = (epoch + 1u) * static_cast<uint32_t>(ctas);
-  const bool ll = a.ll != 0;
-  const uint32_t base = epoch * static_cast<uint32_t>(a.num_tasks);
   const int stage_elems = a.stage_bytes / 2;
   if (tid == 0) {
     for (int s = 0; s < a.stages; ++s) {
@@ -337,10 +257,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gemv_chain_kernel(Args
   if (tid >= kConsumers) {  // producer warp
     if (tid != kConsumers) return;
     uint64_t policy;
-    if (GEMV_CHAIN_EVICT_FIRST)
-      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    else
-      asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     uint32_t it = 0;
     for (int ti = 0; ti < a.num_tasks; ++ti) {
       const Task t = a.tasks[ti];
@@ -367,15 +284,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gemv_chain_kernel(Args
     const Task t = a.tasks[ti];
     uint64_t* prof = a.prof ? a.prof + (static_cast<size_t>(cta) * a.num_tasks + ti) * 4 : nullptr;
     if (prof && tid == 0) prof[0] = now_ns();
-    build_input(t, xs, red, a.counters, target, ll, base, tid);
+    build_input(t, xs, red, a.counters, target, tid);
     if (prof && tid == 0) prof[1] = now_ns();
     int r0, r1;
     row_range(t.n, cta, ctas, &r0, &r1);
     // the residual rows this CTA adds to, read now (after the dependency) so the epilogue's store
     // does not wait on a load
     const bool res_early = t.epilogue == kResidual && r1 - r0 <= kConsumers;
-    float res = 0.f;
-    if (res_early && tid < r1 - r0) res = read_y(t, r0 + tid, ll, ll && t.y_prev >= 0 ? base + t.y_prev + 1 : 0);
+    const float res = res_early && tid < r1 - r0 ? __bfloat162float(__ldcg(t.y + r0 + tid)) : 0.f;
     consumers_sync();
     const int elems = (r1 - r0) * t.k, chunk = chunk_elems(t.k, stage_elems);
     const int chunks = (elems + chunk - 1) / chunk;
@@ -386,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gemv_chain_kernel(Args
       const uint32_t seq = it + c;
       const int s = seq % a.stages;
       mbar_wait(full + s, (seq / a.stages) & 1);
-      const __nv_bfloat16* stage = reinterpret_cast<const __nv_bfloat16*>(ring + static_cast<size_t>(s) * a.stage_bytes);
+      const auto* stage = reinterpret_cast<const __nv_bfloat16*>(ring + static_cast<size_t>(s) * a.stage_bytes);
       const int e0 = c * chunk, live = min(chunk, elems - e0);
       float d[2];
       if (t.k <= chunk) {  // whole rows, two at a time
@@ -414,15 +330,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) gemv_chain_kernel(Args
     for (int r = tid; r < r1 - r0; r += kConsumers) {
       const float v = bf16r(acc[r]);
       acc[r] = 0.f;
-      float o = v;
-      if (t.epilogue == kResidual)
-        o = bf16r((res_early ? res : read_y(t, r0 + r, ll, ll && t.y_prev >= 0 ? base + t.y_prev + 1 : 0)) + v);
-      if (ll) st_relaxed(static_cast<uint64_t*>(t.y) + r0 + r, ll_word(o, base + ti + 1));
-      else static_cast<__nv_bfloat16*>(t.y)[r0 + r] = __float2bfloat16(o);
+      __nv_bfloat16* out = t.y + r0 + r;
+      if (t.epilogue == kResidual) *out = __float2bfloat16((res_early ? res : __bfloat162float(__ldcg(out))) + v);
+      else *out = __float2bfloat16(v);
     }
     consumers_sync();
     if (tid == 0) {
-      if (!ll) red_release(a.counters + ti, 1u);
+      red_release(a.counters + ti, 1u);
       if (prof) prof[3] = now_ns();
     }
   }
