@@ -90,7 +90,7 @@ class Chain:
             raise ValueError(f"stage_bytes {stage_bytes}: not a multiple of {2 * GROUP}")
         if stages < warps:  # a warp waits on a stage's next phase only while the ring holds its previous one
             raise ValueError(f"{stages} ring stages for {warps} consumer warps: needs stages >= warps")
-        recs, self._keep = [], []
+        recs = []
         max_k = max_rows = 0
         for t in tasks:
             w = t["w"]
@@ -113,10 +113,10 @@ class Chain:
                          self.prof.data_ptr() if profile else 0, len(recs), stages, stage_bytes, max_k, max_rows)
         head = 16 * stages + 4 * (32 + max_rows) + 2 * max_k
         self.smem = -(-(128 + head) // 128) * 128 + stages * stage_bytes
-        self.fn = ctypes.c_void_p()
-        mod = ctypes.c_void_p()
-        self._check(self._lib.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(cubin)), "cuModuleLoadData")
-        self._check(self._lib.cuModuleGetFunction(ctypes.byref(self.fn), mod, b"gemv_chain_kernel"), "GetFunction")
+        self.fn, self.mod = ctypes.c_void_p(), ctypes.c_void_p()
+        self._check(self._lib.cuModuleLoadData(ctypes.byref(self.mod), ctypes.c_char_p(cubin)), "cuModuleLoadData")
+        self._check(self._lib.cuModuleGetFunction(ctypes.byref(self.fn), self.mod, b"gemv_chain_kernel"),
+                    "cuModuleGetFunction")
         self._check(self._lib.cuFuncSetAttribute(self.fn, 8, ctypes.c_int(self.smem)), "cuFuncSetAttribute")
 
     def _check(self, rc: int, what: str) -> None:
