@@ -39,7 +39,7 @@ def _floor_kernel(p, PDL: tl.constexpr):
     tl.store(p + tl.program_id(0), 1)
 
 
-def _time_chain(launch, n_launch: int, reps: int) -> float:
+def time_chain(launch, n_launch: int, reps: int) -> float:
     """Median device time (s) per launch of `launch` (which enqueues the whole chain), graph-captured."""
     launch()
     torch.cuda.synchronize()
@@ -52,6 +52,13 @@ def _time_chain(launch, n_launch: int, reps: int) -> float:
     return t / n_launch
 
 
+def fit_line(nbytes: list[int], us: list[float]) -> dict:
+    """Least squares t = a + B / bw through (bytes, µs) points: fixed_us a and stream_TBps bw."""
+    mx, my = statistics.fmean(nbytes), statistics.fmean(us)
+    c = sum((x - mx) * (y - my) for x, y in zip(nbytes, us)) / sum((x - mx) ** 2 for x in nbytes)
+    return {"fixed_us": my - c * mx, "stream_TBps": 1e-6 / c}
+
+
 def floor(n: int, programs: int, pdl: bool, reps: int) -> float:
     buf = torch.zeros(programs, dtype=torch.int32, device="cuda")
 
@@ -59,7 +66,7 @@ def floor(n: int, programs: int, pdl: bool, reps: int) -> float:
         with common.launch_options(pdl):
             for _ in range(n):
                 _floor_kernel[(programs,)](buf, **common.LAUNCH)
-    return _time_chain(chain, n, reps)
+    return time_chain(chain, n, reps)
 
 
 def gemv_chain(nbytes: int, pdl: bool, reps: int, min_total: int = 256 << 20) -> tuple[float, int]:
@@ -76,7 +83,7 @@ def gemv_chain(nbytes: int, pdl: bool, reps: int, min_total: int = 256 << 20) ->
         with common.launch_options(pdl):
             for w in ws:
                 gemv.gemv(x, w, y, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_RESIDUAL, norm_w=nw, **shape)
-    per = _time_chain(chain, n, reps)
+    per = time_chain(chain, n, reps)
     del ws
     torch.cuda.empty_cache()
     return per, n
@@ -103,11 +110,7 @@ def main(argv=None) -> int:
             pts.append({"bytes": nbytes, "launches": n, "us_per_launch": per * 1e6,
                         "TBps": nbytes / per / 1e12})
             D.log(f"[{tag}] {mb} MB: {per * 1e6:.2f} us per launch ({nbytes / per / 1e12:.2f} TB/s)")
-        # least squares t = a + B * c over the points
-        xs, ys = [p["bytes"] for p in pts], [p["us_per_launch"] for p in pts]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        c = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        out["gemv"][tag] = {"points": pts, "fixed_us": my - c * mx, "stream_TBps": 1e-6 / c}
+        out["gemv"][tag] = {"points": pts, **fit_line([p["bytes"] for p in pts], [p["us_per_launch"] for p in pts])}
         D.log(f"[{tag}] floor {out['floor_us'][tag]}; GEMV fit {out['gemv'][tag]['fixed_us']:.2f} us + "
               f"B / {out['gemv'][tag]['stream_TBps']:.2f} TB/s")
     with open(a.json, "w") as f:

@@ -26,7 +26,6 @@ import ctypes
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -154,18 +153,6 @@ def reference(tasks: list[dict], state: dict[int, torch.Tensor]) -> None:
         y[:len(out)] = _bf(y[:len(out)] + out) if t["epilogue"] == RESIDUAL else out
 
 
-def time_graph(launch, reps: int) -> float:
-    launch()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        launch()
-    D.time_replays(g, 3)
-    t = statistics.median(D.time_replays(g, reps))
-    del g
-    return t
-
-
 def mlp_tasks(layers: int = 24, hidden: int = 2048, inter: int = 6144, seed: int = 0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     h = (torch.randn(hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
@@ -206,6 +193,7 @@ def triton_mlp(h, act, blocks):
 
 
 def bench_mlp(cubin: bytes, reps: int, stages: int, stage_bytes: int, warps: int) -> dict:
+    import launch_floor as LF
     h, gu, act, blocks, tasks = mlp_tasks()
     h0 = h.clone()
     state = {}
@@ -223,10 +211,10 @@ def bench_mlp(cubin: bytes, reps: int, stages: int, stage_bytes: int, warps: int
     scale = ref.abs().max().item()
     nbytes = sum(t["w"].numel() * 2 for t in tasks)
     free = Chain([{**t, "wait": -1} for t in tasks], cubin, stages=stages, stage_bytes=stage_bytes, warps=warps)
-    t_tri = time_graph(tri, reps)
-    t_per = time_graph(chain, reps)
-    t_free = time_graph(free, reps)
-    t_tri2 = time_graph(tri, reps)
+    t_tri = LF.time_chain(tri, 1, reps)
+    t_per = LF.time_chain(chain, 1, reps)
+    t_free = LF.time_chain(free, 1, reps)
+    t_tri2 = LF.time_chain(tri, 1, reps)
     out = {"tasks": len(tasks), "weight_bytes": nbytes, "ref_max_abs": scale,
            "max_abs_err": {"persistent": err_p, "triton": err_t},
            "us": {"triton": t_tri * 1e6, "persistent": t_per * 1e6, "persistent_no_waits": t_free * 1e6,
@@ -276,18 +264,14 @@ def bench_line(cubin: bytes, sizes_mb: list[float], reps: int, stages: int, stag
         tasks = [dict(w=w, x=x, y=y, norm_w=nw, prologue=RMSNORM, epilogue=RESIDUAL, wait=i - 1)
                  for i, w in enumerate(ws)]
         chain = Chain(tasks, cubin, stages=stages, stage_bytes=stage_bytes, warps=warps)
-        t_per = time_graph(chain, reps) / n
+        t_per = LF.time_chain(chain, n, reps)
         del chain, ws, tasks
         torch.cuda.empty_cache()
         t_tri, _ = LF.gemv_chain(nbytes, True, reps)
         pts.append({"bytes": nbytes, "tasks": n, "us_persistent": t_per * 1e6, "us_triton": t_tri * 1e6})
         D.log(f"[line] {mb} MB: persistent {t_per * 1e6:.2f} us, Triton {t_tri * 1e6:.2f} us per GEMV")
-    fit = {}
-    for key in ("us_persistent", "us_triton"):
-        xs, ys = [p["bytes"] for p in pts], [p[key] for p in pts]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        c = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / sum((a - mx) ** 2 for a in xs)
-        fit[key.split("_")[1]] = {"fixed_us": my - c * mx, "stream_TBps": 1e-6 / c}
+    fit = {key.split("_")[1]: LF.fit_line([p["bytes"] for p in pts], [p[key] for p in pts])
+           for key in ("us_persistent", "us_triton")}
     return {"points": pts, "fit": fit}
 
 
