@@ -128,6 +128,21 @@ def _scores_block(q, kb, n, nm, qm, lim, srow, s_ptr, max_len, scale, m, l, stri
 
 
 @triton.jit
+def _scores_split(q, kb, lo, hi, qm, lim, srow, s_ptr, max_len, scale, stride_cs, d, ROWS: tl.constexpr,
+                  BLOCK: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr):
+    """`_scores_block` over the keys [lo, hi) of one split: the ROWS query rows' max and sum of exp."""
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    for n0 in range(lo, hi, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        m, l = _scores_block(q, kb, n, n < hi, qm, lim, srow, s_ptr, max_len, scale, m, l, stride_cs, d, DOT_F32,
+                             CAUSAL)
+    return m, l
+
+
+@triton.jit
 def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, stride_ch, stride_cs, max_len,
                        NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
@@ -143,15 +158,8 @@ def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, 
         gm = g < G
         h = kvh * G + g
         q = tl.load(q_ptr + h[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        m = tl.full([GP], float("-inf"), tl.float32)
-        l = tl.zeros([GP], tl.float32)
-        kb = k_cache_ptr + kvh * stride_ch
-        for n0 in range(start, end, BLOCK):
-            n = n0 + tl.arange(0, BLOCK)
-            nm = n < end
-            m, l = _scores_block(q, kb, n, nm, gm, 0, h, s_ptr, max_len, scale, m, l, stride_cs, d, DOT_F32, False)
+        m, l = _scores_split(q, k_cache_ptr + kvh * stride_ch, start, end, gm, 0, h, s_ptr, max_len, scale,
+                             stride_cs, d, GP, BLOCK, DOT_F32, False)
         tl.store(m_ptr + h * NSPLIT + sp, m, mask=gm)
         tl.store(l_ptr + h * NSPLIT + sp, l, mask=gm)
 
@@ -260,15 +268,8 @@ def attn_verify_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, start_ptr, s_ptr, m_p
     row = j * H + h
     lim = pos + j  # the row's last visible key
     q = tl.load(q_ptr + j[:, None] * stride_q + h[:, None] * HD + d[None, :], mask=rm[:, None], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    m = tl.full([RP], float("-inf"), tl.float32)
-    l = tl.zeros([RP], tl.float32)
-    kb = k_cache_ptr + kvh * stride_ch
-    for n0 in range(lo, hi, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        nm = n < hi
-        m, l = _scores_block(q, kb, n, nm, rm, lim, row, s_ptr, max_len, scale, m, l, stride_cs, d, DOT_F32, True)
+    m, l = _scores_split(q, k_cache_ptr + kvh * stride_ch, lo, hi, rm, lim, row, s_ptr, max_len, scale, stride_cs, d,
+                         RP, BLOCK, DOT_F32, True)
     live = rm & ((tl.zeros_like(r) + lo) < hi)
     tl.store(m_ptr + row * NSPLIT + sp, m, mask=live)
     tl.store(l_ptr + row * NSPLIT + sp, l, mask=live)
