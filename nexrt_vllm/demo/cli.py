@@ -237,17 +237,36 @@ async def _demo(args, procs: Procs, workdir: str) -> None:
     _report(res, sys.stdout)
 
 
-def _interrupt(*_) -> None:
+async def _until_interrupted(coro) -> None:
+    """Runs the demo; SIGINT / SIGTERM cancel it and end in KeyboardInterrupt. The signal is
+    recorded before the cancel, so a cancellation that a library turns into a timeout (which a
+    wait loop then retries) still ends the demo."""
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupted.set)
+    main = asyncio.ensure_future(coro)
+    stop = asyncio.ensure_future(interrupted.wait())
+    try:
+        await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if not interrupted.is_set():
+        return main.result()
+    deadline = loop.time() + 10
+    while not main.done() and loop.time() < deadline:
+        main.cancel()
+        await asyncio.wait({main}, timeout=0.5)
+    if main.done() and not main.cancelled():
+        main.exception()    # retrieved: the interrupt is what the user sees
     raise KeyboardInterrupt
 
 
 def demo(args) -> int:
     workdir = tempfile.mkdtemp(prefix="nexrt-demo-")
     procs = Procs(workdir)
-    # SIGTERM behaves like Ctrl-C: the finally below stops every child.
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        asyncio.run(_demo(args, procs, workdir))
+        asyncio.run(_until_interrupted(_demo(args, procs, workdir)))
         return 0
     except KeyboardInterrupt:
         print("\n[demo] interrupted", file=sys.stderr)
@@ -258,6 +277,10 @@ def demo(args) -> int:
             print(f"--- {name} ({log}) ---\n{tail_log(log, 15)}", file=sys.stderr)
         return 1
     finally:
+        # Stopping is bounded (SIGTERM, then SIGKILL after 20 s): a second signal must not cut it
+        # short and leave children behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("[demo] shutting down", file=sys.stderr, flush=True)
         procs.stop()
 

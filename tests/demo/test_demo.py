@@ -67,3 +67,30 @@ def test_demo_ctrl_c_shuts_everything_down():
     assert p.returncode == 130, "".join(lines) + rest
     assert "interrupted" in rest and "shutting down" in rest
     assert processes_of(run_dir) == []
+
+
+STUBBORN = """
+import asyncio, os, signal, sys
+from nexrt_vllm.demo.cli import _until_interrupted
+
+async def stubborn():
+    asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGINT)
+    swallowed = 0
+    while True:
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:     # the first cancellation is retried, as a timed-out wait is
+            swallowed += 1
+            if swallowed > 1:
+                raise
+
+try:
+    asyncio.run(_until_interrupted(stubborn()))
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_ends_the_demo_when_a_wait_swallows_the_cancellation():
+    r = subprocess.run([sys.executable, "-c", STUBBORN], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130, r.stdout + r.stderr
