@@ -69,15 +69,23 @@ def floor(n: int, programs: int, pdl: bool, reps: int) -> float:
     return time_chain(chain, n, reps)
 
 
-def gemv_chain(nbytes: int, pdl: bool, reps: int, min_total: int = 256 << 20) -> tuple[float, int]:
+def chain_operands(nbytes: int, min_total: int = 256 << 20, device: str = "cuda") -> tuple:
+    """A chain's operands: distinct [nbytes / (2 K), K] bf16 weights (24-512 of them, at least
+    min_total bytes in all, so the chain streams from HBM), the input x, the RMSNorm weight, the output y."""
     rows = nbytes // (2 * K)
     n = max(24, min(512, -(-min_total // nbytes)))
+    ws = [torch.randn(rows, K, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
+    x = torch.randn(K, device=device, dtype=torch.bfloat16)
+    nw = torch.zeros(K, device=device, dtype=torch.bfloat16)
+    y = torch.zeros(rows, device=device, dtype=torch.bfloat16)
+    return ws, x, nw, y
+
+
+def gemv_chain(nbytes: int, pdl: bool, reps: int, min_total: int = 256 << 20) -> tuple[float, int]:
+    ws, x, nw, y = chain_operands(nbytes, min_total)
+    n = len(ws)
     t = Tuning()
-    shape = {**t.shape(rows), "prefetch": t.prefetch, "vec": t.vec}
-    ws = [torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(n)]
-    x = torch.randn(K, device="cuda", dtype=torch.bfloat16)
-    nw = torch.zeros(K, device="cuda", dtype=torch.bfloat16)
-    y = torch.zeros(rows, device="cuda", dtype=torch.bfloat16)
+    shape = {**t.shape(y.numel()), "prefetch": t.prefetch, "vec": t.vec}
 
     def chain():
         with common.launch_options(pdl):

@@ -251,16 +251,11 @@ def phases(tasks, cubin, stages, stage_bytes, warps) -> dict:
 
 def bench_line(cubin: bytes, sizes_mb: list[float], reps: int, stages: int, stage_bytes: int, warps: int) -> dict:
     import launch_floor as LF
-    k = 2048
     pts = []
     for mb in sizes_mb:
         nbytes = int(mb * (1 << 20))
-        rows = nbytes // (2 * k)
-        n = max(24, min(512, -(-(256 << 20) // nbytes)))
-        x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-        nw = torch.zeros(k, device="cuda", dtype=torch.bfloat16)
-        y = torch.zeros(rows, device="cuda", dtype=torch.bfloat16)
-        ws = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(n)]
+        ws, x, nw, y = LF.chain_operands(nbytes)
+        n = len(ws)
         tasks = [dict(w=w, x=x, y=y, norm_w=nw, prologue=RMSNORM, epilogue=RESIDUAL, wait=i - 1)
                  for i, w in enumerate(ws)]
         chain = Chain(tasks, cubin, stages=stages, stage_bytes=stage_bytes, warps=warps)
