@@ -22,7 +22,7 @@
 namespace {
 
 #ifndef GEMV_CHAIN_CONSUMER_WARPS
-#define GEMV_CHAIN_CONSUMER_WARPS 8
+#define GEMV_CHAIN_CONSUMER_WARPS 16  // the launcher's default (benchmarks/persistent_chain.py)
 #endif
 constexpr int kConsumerWarps = GEMV_CHAIN_CONSUMER_WARPS;
 constexpr int kConsumers = kConsumerWarps * 32;

@@ -39,7 +39,7 @@ int main() {
 
 
 @needs_nvcc
-def test_kernel_builds_without_spills(tmp_path):
+def test_kernel_builds_without_spills():
     cubin, report = PC.compile_cubin(16)
     assert cubin[:4] == b"\x7fELF"
     assert "gemv_chain_kernel" in report and "0 bytes spill stores, 0 bytes spill loads" in report, report
