@@ -1,14 +1,15 @@
 """nexrt-vllm: the fast-decode tier for vLLM.
 
-`connector/` and `router/` are separate deployables but install as `nexrt_vllm.connector` and
-`nexrt_vllm.router` (package_dir), so vLLM can load `kv_connector_module_path=nexrt_vllm.connector`.
+`connector/` and `router/` are separate deployables with folders of their own at the top; the package sees
+them through the links `nexrt_vllm/connector` and `nexrt_vllm/router`, so `nexrt_vllm.connector` (what vLLM
+loads as `kv_connector_module_path`) and `nexrt_vllm.router` resolve the same from a source checkout, an
+editable install and a normal `pip install .` (setuptools follows the links and copies the files).
 `csrc/` is the home of CUDA C++ kernel sources (none today, csrc/README.md); nothing of it installs.
 """
 from setuptools import find_packages, setup
 
 
-pkgs = [p for p in find_packages(include=["nexrt_vllm", "nexrt_vllm.*"])]
-pkgs += ["nexrt_vllm.connector", "nexrt_vllm.router", "nexrt_vllm.router.parsing"]
+pkgs = find_packages(include=["nexrt_vllm", "nexrt_vllm.*"])
 
 setup(
     name="nexrt-vllm",
@@ -16,7 +17,6 @@ setup(
     description="Fast batch-1 decode tier for vLLM (connector, decode node, router, benchmarks)",
     python_requires=">=3.10",
     packages=pkgs,
-    package_dir={"nexrt_vllm.connector": "connector", "nexrt_vllm.router": "router"},
     install_requires=[
         "msgpack>=1.0",
         "pyzmq>=25",

