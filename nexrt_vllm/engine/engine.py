@@ -161,13 +161,15 @@ class Engine:
 
     # ---- speculative decoding (engine/speculative.py) ---------------------------------------------
     def enable_speculative(self, method: str = "mtp", num_speculative_tokens: int = 3,
-                           draft_vocab: int | None = None) -> None:
+                           draft_vocab: int | None = None, synthetic=None) -> None:
         """Decode with the checkpoint's MTP head drafting `num_speculative_tokens` tokens per round,
         verified in one pass of M = num_speculative_tokens + 1 positions (greedy and sampled output
         distributed exactly as without; docs/NODE.md). ConfigError if the checkpoint has no MTP head
         or the method is unknown. Grammar-constrained requests keep the one-token loop. On the graph
         path (`use_graph("fused")`, before or after this) greedy requests run the captured round,
-        whose head drafts from the first `draft_vocab` token ids only (None: all; exact either way)."""
+        whose head drafts from the first `draft_vocab` token ids only (None: all; exact either way).
+        `synthetic` (engine.synthetic.SyntheticAcceptance, benchmarks only): every round accepts the
+        drafts its schedule says instead of the matching ones - output is then no longer the target's."""
         from .mtp import Drafter, mtp_weights
         from .speculative import Speculator
 
@@ -181,10 +183,14 @@ class Engine:
         if self.graph is not None and self.graph.d.mode != "fused":
             raise NotBuiltError("speculative decoding (MTP) on the CUDA graph path runs the fused kernels "
                                 f"(graph mode 'fused'), not {self.graph.d.mode!r}")
+        if synthetic is not None and synthetic.num_drafts != num_speculative_tokens:
+            raise ConfigError(f"the synthetic acceptance schedule has {synthetic.num_drafts} rates, one per draft; "
+                              f"num_speculative_tokens is {num_speculative_tokens}")
         w = mtp_weights(self.config, self.model.mtp, self.model.embed)
         M = num_speculative_tokens + 1
         drafter = Drafter(self.model.config, w, self.model.lm_head, self.max_seq_len, extra=M)
         self.speculative = Speculator(self.model, drafter, num_speculative_tokens)
+        self.speculative.synthetic = synthetic
         self.draft_vocab = draft_vocab
         if self.graph is not None:
             self._capture_spec()

@@ -40,6 +40,9 @@ from .graph import RING, AttentionMixer, FusedDecoder, FusedLayer, GDNMixer, Gra
     _concat_shared
 from .state import AttentionState
 
+# Pinned-acceptance counts held on the device; a stream longer than this many rounds reuses them in order.
+SYNTHETIC_ROUNDS = 1 << 16
+
 
 class SpecDecoder:
     """Static buffers of the round over a `FusedDecoder`'s fused weights and a `Speculator`'s drafter;
@@ -101,6 +104,8 @@ class SpecDecoder:
         self.dpmax, self.dpidx = z(self.n_dpart, d=torch.float32), z(self.n_dpart, d=torch.int32)
         # the round record ring (round << 32 | tokens emitted), host-mapped beside the token ring
         self.rounds_host, self.rounds = f.mem.host["rounds"], f.mem.device["rounds"]
+        # pinned acceptance (benchmarks): accepted-draft counts per round, refilled by the host per stream
+        self.forced = z(SYNTHETIC_ROUNDS, d=i64) if spec.synthetic is not None else None
 
     def _weights(self):
         for L in self.f.layers:
@@ -132,7 +137,7 @@ class SpecDecoder:
             aux0=self.pmax, aux1=self.pidx, xn_out=self.hn, eps=c.rms_norm_eps, m=M, **self.lm_rows)))
         steps.append(Launch("accept", None, lambda: self.k_spec.accept(
             self.pmax, self.pidx, self.n_part, self.tokens, self.y, f.state.position, self.base, self.acc, f.step,
-            self.round, f.ring, self.rounds, RING)))
+            self.round, f.ring, self.rounds, RING, self.forced)))
         for i in c.gdn_layers:
             steps.append(Launch("commit", i, lambda i=i: f.k_gdn.gdn_commit(
                 f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M), self.scratch.rec_after[i], self.acc)))
@@ -302,6 +307,13 @@ class SpecRunner:
         if max_new_tokens <= 0:
             return
         stops = set(stop_token_ids)
+        if d.forced is not None:  # this stream's schedule, from the next round on (a round emits >= 1 token)
+            n = min(max_new_tokens, SYNTHETIC_ROUNDS)
+            counts = self.spec.synthetic.draws(n)
+            if drafts is None:
+                counts[0] = 0  # placeholder drafts are not the head's: that round accepts none
+            at = (int(d.round.item()) + torch.arange(n, device=d.forced.device)) % SYNTHETIC_ROUNDS
+            d.forced.index_copy_(0, at, torch.tensor(counts, dtype=torch.int64, device=d.forced.device))
         d.tokens.fill_(first_token)
         if drafts is not None:
             d.tokens[1:].copy_(drafts)

@@ -70,9 +70,21 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     return a, out
 
 
+def accept_synthetic(k: int, tokens: torch.Tensor, target: torch.Tensor, generator: torch.Generator | None,
+                     greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A round with `k` drafts accepted by a pinned schedule (engine/synthetic.py): out[0..k-1] are the
+    drafts tokens[1..k], out[k] the target's token after them (argmax of logits `target[k]` when greedy,
+    else drawn from the distribution `target[k]`). Returns (a int64 [1], out [M])."""
+    nxt = (torch.argmax(target[k]) if greedy else torch.multinomial(target[k:k + 1], 1, generator=generator)[0, 0])
+    out = torch.cat((tokens[1:], tokens[:1]))
+    out[k] = nxt
+    return torch.full((1,), k, dtype=torch.long, device=tokens.device), out
+
+
 class Speculator:
     """Drafter + verify scratch of one engine; `rounds[k]` counts verify rounds that emitted k tokens
-    (1..M); `on_round(k)` (optional) is called after each."""
+    (1..M); `on_round(k)` (optional) is called after each. `synthetic` (a SyntheticAcceptance, None by
+    default): benchmark mode, every full round accepts the drafts the schedule says (accept_synthetic)."""
 
     def __init__(self, model: Model, drafter: Drafter, num_speculative_tokens: int):
         self.model, self.drafter = model, drafter
@@ -81,6 +93,7 @@ class Speculator:
         self.scratch = VerifyScratch(model.config, self.M, model.dtype, model.device)
         self.rounds = [0] * (self.M + 1)
         self.on_round = None
+        self.synthetic = None
         self._ctx_len, self._ctx_hidden = -1, None
 
     # ---- drafter context ----------------------------------------------------------------------
@@ -183,7 +196,11 @@ class Speculator:
             tokens = pending if drafts is None else torch.cat((pending, drafts))
             base = state.position.clone()
             logits, hidden = model.verify(tokens, state, self.scratch)
-            if params.greedy:
+            if self.synthetic is not None and T == M:
+                target = logits if params.greedy else sampling_probs(logits, params.temperature, params.top_k,
+                                                                     params.top_p)
+                a, out = accept_synthetic(self.synthetic.draw(), tokens, target, gen, params.greedy)
+            elif params.greedy:
                 a, out = accept_greedy(logits, tokens[1:])
             else:
                 p = sampling_probs(logits, params.temperature, params.top_k, params.top_p)

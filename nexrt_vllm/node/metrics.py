@@ -28,11 +28,14 @@ class NodeMetrics:
         self.graph = Gauge("nexrt_decode_graph", "1 for the decode path in use (fused | eager graph, or off)",
                            ["mode", "device"], registry=r)
 
-    def speculative(self, method: str, num_tokens: int) -> None:
-        """Speculative decoding is on: tokens emitted per verify round (1 .. num_tokens + 1)."""
+    def speculative(self, method: str, num_tokens: int, synthetic_length: float | None = None) -> None:
+        """Speculative decoding is on: tokens emitted per verify round (1 .. num_tokens + 1); with a pinned
+        (synthetic) acceptance schedule, its mean length too."""
         r = self.registry
         Gauge("nexrt_speculative", "1 for the speculative method in use", ["method", "num_speculative_tokens"],
               registry=r).labels(method=method, num_speculative_tokens=str(num_tokens)).set(1)
+        Gauge("nexrt_spec_synthetic_acceptance_length", "Pinned mean tokens per round (benchmark mode); 0 = off",
+              registry=r).set(synthetic_length or 0.0)
         self.acceptance_length = Histogram(
             "nexrt_spec_acceptance_length", "Tokens emitted per speculative verify round (accepted drafts + 1)",
             buckets=tuple(float(k) for k in range(1, num_tokens + 2)), registry=r)

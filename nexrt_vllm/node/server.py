@@ -142,7 +142,8 @@ class Endpoints:
         spec = self.node.engine.speculative
         if spec is None:
             return None
-        return {"method": self.args.speculative, "num_speculative_tokens": spec.num_speculative_tokens}
+        return {"method": self.args.speculative, "num_speculative_tokens": spec.num_speculative_tokens,
+                "synthetic_acceptance": spec.synthetic.describe() if spec.synthetic is not None else None}
 
     def _structured_caps(self) -> dict:
         if self.node.grammars is None:
@@ -214,6 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="graph path: the MTP head drafts from the first N token ids only (its lm_head reads "
                          "N rows instead of the whole vocabulary; output is exact either way, acceptance may "
                          "drop); default: the whole vocabulary")
+    ap.add_argument("--speculative-synthetic-acceptance", type=float, default=None, metavar="L",
+                    help="benchmarks only: pin the mean tokens per round to L with vLLM's synthetic schedule "
+                         "(accepted drafts are emitted as drafted, so output is no longer the model's own; e.g. "
+                         "InferenceX's 3.39 for Qwen3.5 MTP at 3 drafts); off by default")
+    ap.add_argument("--speculative-synthetic-rates", default=None, metavar="R1,R2,...",
+                    help="benchmarks only: the same with explicit unconditional per-position rates (one per draft, "
+                         "non-increasing, each in [0, 1])")
+    ap.add_argument("--speculative-synthetic-seed", type=int, default=0,
+                    help="seed of the synthetic acceptance draws")
     ap.add_argument("--recv-memory", choices=("host", "pinned", "device"), default=None,
                     help="receive buffer memory (default: host on CPU, pinned on CUDA)")
     ap.add_argument("--recv-buffers", type=int, default=2,
@@ -236,6 +246,25 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _synthetic(ap, args):
+    """The pinned acceptance schedule the flags ask for (engine.synthetic), or None."""
+    length, rates = args.speculative_synthetic_acceptance, args.speculative_synthetic_rates
+    if length is None and rates is None:
+        return None
+    if args.speculative == "off":
+        ap.error("--speculative-synthetic-acceptance / --speculative-synthetic-rates need --speculative mtp")
+    if length is not None and rates is not None:
+        ap.error("give --speculative-synthetic-acceptance or --speculative-synthetic-rates, not both")
+    from nexrt_vllm.engine.synthetic import SyntheticAcceptance, SyntheticAcceptanceError, check_rates, \
+        rates_for_length
+    n = args.num_speculative_tokens
+    try:
+        r = rates_for_length(length, n) if length is not None else check_rates(rates.split(","), n)
+    except SyntheticAcceptanceError as e:
+        ap.error(f"--speculative-synthetic-{'acceptance' if length is not None else 'rates'}: {e}")
+    return SyntheticAcceptance(r, args.speculative_synthetic_seed)
+
+
 def _positive(ap, args) -> None:
     for name in ("max_seq_len", "recv_buffers", "tp"):
         if getattr(args, name) < 1:
@@ -253,6 +282,7 @@ def _positive(ap, args) -> None:
                      f"(--graph fused or auto), not --graph eager")
         if not 1 <= args.num_speculative_tokens <= 15:
             ap.error("--num-speculative-tokens must be in [1, 15]")
+    args.synthetic = _synthetic(ap, args)
     if args.tp > 1 and args.device not in ("cpu", "cuda"):
         ap.error(f"--tp > 1 places rank r on cuda:r: give --device cuda or cpu, not {args.device!r}")
     for name in ("admit_timeout", "transfer_timeout", "start_timeout", "write_timeout"):
@@ -323,10 +353,14 @@ async def serve(args) -> None:
     if args.speculative != "off":
         from nexrt_vllm.engine import EngineError
         try:
-            engine.enable_speculative(args.speculative, args.num_speculative_tokens, args.draft_vocab)
+            engine.enable_speculative(args.speculative, args.num_speculative_tokens, args.draft_vocab,
+                                      synthetic=args.synthetic)
         except EngineError as e:
             raise ValueError(f"--speculative {args.speculative}: {e}") from None
         log.info("speculative decoding: %s, %d draft tokens per round", args.speculative, args.num_speculative_tokens)
+        if args.synthetic is not None:
+            log.warning("synthetic acceptance (benchmark mode): %s - output is not the model's own",
+                        args.synthetic.describe())
     if args.graph != "off":
         from nexrt_vllm.engine import EngineError
         log.info("compiling kernels and capturing the %s decode graph (greedy + sampling; the first start "
@@ -368,7 +402,8 @@ async def serve(args) -> None:
                       grammars=grammars, grammars_missing=missing)
     node.metrics.graph.labels(mode=args.graph, device=args.device).set(1)
     if engine.speculative is not None:
-        node.metrics.speculative(args.speculative, args.num_speculative_tokens)
+        node.metrics.speculative(args.speculative, args.num_speculative_tokens,
+                                 args.synthetic.length if args.synthetic is not None else None)
         engine.speculative.on_round = node.metrics.acceptance_length.observe
     svc = Endpoints(node, args)
     app = web.Application(client_max_size=1 << 20)

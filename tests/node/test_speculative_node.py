@@ -43,7 +43,8 @@ def _request(node, side, rid, prompt, max_tokens, **sampling):
 
 def test_greedy_tokens_and_acceptance_histogram(node, side):
     caps = node.call("GET", "/capabilities")[1]
-    assert caps["speculative"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert caps["speculative"] == {"method": "mtp", "num_speculative_tokens": 3, "synthetic_acceptance": None}
+    assert node.metric("nexrt_spec_synthetic_acceptance_length") == 0
     assert node.metric("nexrt_speculative", 'method="mtp",num_speculative_tokens="3"') == 1
     def hist():
         return (node.metric("nexrt_spec_acceptance_length_count"), node.metric("nexrt_spec_acceptance_length_sum"),
@@ -91,3 +92,12 @@ def test_refusals(ckpt_factory, ckpt):
     assert r.returncode == 1 and "draft_vocab must be an int in [1, " in r.stderr, r.stderr[-2000:]
     r = _start(ckpt, "--speculative", "mtp", "--num-speculative-tokens", "0")
     assert r.returncode == 2 and "--num-speculative-tokens must be in [1, 15]" in r.stderr
+    r = _start(ckpt, "--speculative-synthetic-acceptance", "3.39")
+    assert r.returncode == 2 and "need --speculative mtp" in r.stderr
+    r = _start(ckpt, "--speculative", "mtp", "--speculative-synthetic-acceptance", "4.5")
+    assert r.returncode == 2 and "must be in [1, 4]" in r.stderr
+    r = _start(ckpt, "--speculative", "mtp", "--speculative-synthetic-rates", "0.5,0.9,0")
+    assert r.returncode == 2 and "non-increasing" in r.stderr
+    r = _start(ckpt, "--speculative", "mtp", "--speculative-synthetic-rates", "1,1,0.4",
+               "--speculative-synthetic-acceptance", "3.4")
+    assert r.returncode == 2 and "not both" in r.stderr

@@ -24,8 +24,8 @@ from .sampling import argmax_partials as _argmax_partials
 
 @triton.jit
 def accept_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, y_ptr, pos_ptr, base_ptr, nacc_ptr, step_ptr, round_ptr,
-                  ring_ptr, rounds_ptr, RING, M: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr,
-                  ASM: tl.constexpr, PDL: tl.constexpr):
+                  ring_ptr, rounds_ptr, RING, forced_ptr, NF, M: tl.constexpr, MP: tl.constexpr,
+                  BLOCK: tl.constexpr, SYNTH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     j = tl.arange(0, MP)
     y = tl.zeros([MP], dtype=tl.int32)
@@ -35,6 +35,10 @@ def accept_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, y_ptr, pos_ptr, base_ptr, nac
     drafts = tl.load(tok_ptr + 1 + j, mask=j < M - 1, other=-1).to(tl.int32)
     miss = (j < M - 1) & (drafts != y)
     a = tl.min(tl.where(miss | (j >= M - 1), j, MP), 0)
+    rnd = tl.load(round_ptr) + 1
+    if SYNTH:  # pinned acceptance: a from the schedule, the accepted drafts emitted as they are
+        a = tl.minimum(tl.load(forced_ptr + (rnd - 1) % NF).to(tl.int32), M - 1)
+        y = tl.where(j < a, drafts, y)
     step = tl.load(step_ptr)
     pos = tl.load(pos_ptr)
     tl.store(y_ptr + j, y.to(y_ptr.dtype.element_ty), mask=j < M)
@@ -47,20 +51,23 @@ def accept_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, y_ptr, pos_ptr, base_ptr, nac
     tl.store(pos_ptr, pos + a + 1)
     tl.store(nacc_ptr, a.to(nacc_ptr.dtype.element_ty))
     tl.store(step_ptr, step + a + 1)
-    rnd = tl.load(round_ptr) + 1
     tl.store(round_ptr, rnd)
     tl.debug_barrier()  # every thread's token stores precede the round record ...
     fence_sys(ASM)  # ... for the host too
     tl.store(rounds_ptr + (rnd - 1) % RING, (rnd.to(tl.int64) << 32) | (a + 1).to(tl.int64))
 
 
-def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, rounds, ring_slots):
+def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, rounds, ring_slots, forced=None):
     """Reduce the verify's lm_head partials pmax/pidx [M, n_partials] (row stride n_partials) to the
-    target's tokens y [M]; accept the leading drafts tok[1:] that match; publish; advance (module doc)."""
+    target's tokens y [M]; accept the leading drafts tok[1:] that match; publish; advance (module doc).
+    `forced` (int64 [NF], optional): pinned acceptance - round r accepts forced[(r - 1) % NF] drafts and
+    emits them as they are, then the target's token after them (engine/synthetic.py)."""
     m = tok.numel()
     block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
+    synth = forced is not None
     accept_kernel[(1,)](pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, rounds, ring_slots,
-                        M=m, MP=max(triton.next_power_of_2(m), 2), BLOCK=block, ASM=ASM, **LAUNCH,
+                        forced if synth else rnd, forced.numel() if synth else 1,
+                        M=m, MP=max(triton.next_power_of_2(m), 2), BLOCK=block, SYNTH=synth, ASM=ASM, **LAUNCH,
                         num_warps=8 if block >= 4096 else 4)
 
 
