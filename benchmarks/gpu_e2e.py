@@ -18,6 +18,12 @@ KV cache) and adds `ttft_breakdown`: per context, plain vLLM, the connector's vL
 and as the router's one-token leg) and the router path, interleaved prompt by prompt, with the router's
 own split of its TTFT (queue incl. admission, vLLM leg).
 
+`--speculative mtp` measures the speculative tier the InferenceX way: the node serves MTP rounds
+(`--num-speculative-tokens K`) and the baseline is vLLM serving MTP with the same draft count, both at
+the same pinned acceptance length (`--acceptance-length`, default InferenceX's golden value for K:
+3.39 at 3 drafts), interleaved with plain vLLM for reference (`--concurrent-baseline --interleave`).
+The summary's ratios are then against vLLM + MTP (`ratios_vs_plain_vllm` keeps the others).
+
 `gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png [--engine DECODE.json]` joins runs (of a
 shape that measured different `--paths`; several shapes become sections) into one summary with the
 ratios, and draws one overlay of them all.
@@ -51,6 +57,8 @@ ARCH = {"2b": "qwen3_5", "35b": "qwen3_5_moe", "tiny": "qwen3_next"}
 # "tiny": a tiny Qwen3-Next with the real vocabulary, to run this script end to end on a CPU
 TINY = {"vocab_size": 248320}
 SCENARIOS = {"1k1k": (1024, 1024), "8k1k": (8192, 1024)}
+# InferenceX's golden acceptance lengths for Qwen3.5 MTP (SPEED-Bench coding), by draft count
+GOLDEN_AL = {1: 1.93, 2: 2.73, 3: 3.39, 4: 3.97}
 
 
 def scenario(s: str) -> tuple[int, int]:
@@ -70,7 +78,7 @@ def log(*a):
     print(f"[gpu_e2e {time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
-def write_model_dir(path: str, shape: str, tokenizer_dir: str, layers: int | None) -> dict:
+def write_model_dir(path: str, shape: str, tokenizer_dir: str, layers: int | None, mtp: bool = False) -> dict:
     """config.json of the real shape (HF format, read by vLLM and the node) + the tokenizer files."""
     from tokenizers import Tokenizer
 
@@ -86,6 +94,8 @@ def write_model_dir(path: str, shape: str, tokenizer_dir: str, layers: int | Non
     over = {k: v for k, v in spec.items() if k not in ("vocab_size", "architectures", "dtype")}
     if layers:
         over["num_hidden_layers"] = layers
+    if mtp:  # the published Qwen3.5 checkpoints carry one MTP layer
+        over["mtp_num_hidden_layers"] = 1
     cfg = tiny_config(ARCH[shape], spec["vocab_size"], eos, **over)
     cfg.dtype = "bfloat16"
     cfg.save_pretrained(path)
@@ -118,7 +128,10 @@ def node_delta(before: dict, after: dict) -> dict:
 
     steps = d("nexrt_decode_step_seconds_count")
     xfers = d("nexrt_transfer_seconds_count")
+    rounds = d("nexrt_spec_acceptance_length_count")
     return {"steps": steps, "step_ms_mean": 1e3 * d("nexrt_decode_step_seconds_sum") / steps if steps else None,
+            "spec_rounds": rounds,
+            "acceptance_length": d("nexrt_spec_acceptance_length_sum") / rounds if rounds else None,
             "handoffs": xfers,
             "handoff_ms_mean": 1e3 * d("nexrt_transfer_seconds_sum") / xfers if xfers else None,
             "handoff_bytes_mean": d("nexrt_transfer_bytes_total") / xfers if xfers else None,
@@ -127,9 +140,9 @@ def node_delta(before: dict, after: dict) -> dict:
 
 
 def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: int, result_dir: str,
-               headers: list[str], kv: str, hw: str, interleave: str | None = None) -> dict[str, dict]:
-    """One scenario through benchmarks/inferencex.py; `interleave`: plain vLLM's URL, measured request
-    by request with this path (label "vllm"). Returns {label: summary}."""
+               headers: list[str], kv: str, hw: str, interleave: dict[str, str] | None = None) -> dict[str, dict]:
+    """One scenario through benchmarks/inferencex.py; `interleave`: {label: URL} of baselines measured
+    request by request with this path. Returns {label: summary}."""
     isl, osl = scenario(sc)
     cmd = [sys.executable, "-m", "benchmarks.inferencex", "run", "--base-url", base_url, "--model", model,
            "--tokenizer", tok_dir, "--isl", str(isl), "--osl", str(osl), "--conc", "1", "--num-prompts", str(n),
@@ -138,7 +151,7 @@ def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: 
     if headers:
         cmd += ["--header", *headers]
     if interleave:
-        cmd += ["--interleave", f"vllm={interleave}", "--interleave-kv-p2p-transfer", ""]
+        cmd += ["--interleave", *(f"{k}={u}" for k, u in interleave.items()), "--interleave-kv-p2p-transfer", ""]
     log("run", " ".join(cmd[2:]))
     err = _run(cmd, ROOT, 1800, 3000)
     if err:
@@ -146,7 +159,7 @@ def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: 
     keep = ("completed", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
             "mean_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "output_throughput")
     res = {}
-    for name in [label] + (["vllm"] if interleave else []):
+    for name in [label] + list(interleave or ()):
         with open(os.path.join(result_dir, name, f"{name}_isl{isl}_osl{osl}_conc1.json")) as f:
             raw = json.load(f)
         out = {k: raw.get(k) for k in keep}
@@ -187,11 +200,14 @@ def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, o
                                     "p99_tpot_ms", "output_throughput")}
 
 
-def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str) -> dict:
-    """decode_bench at the scenario contexts (the engine alone, same GPU, nothing else running)."""
+def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str, spec_tokens: int = 0) -> dict:
+    """decode_bench at the scenario contexts (the engine alone, same GPU, nothing else running); with
+    `spec_tokens`, the captured MTP round against the plain step."""
     cmd = [sys.executable, "benchmarks/decode_bench.py", "--shapes", shape, "--contexts",
            ",".join(map(str, contexts)), "--steps", "200", "--parity-steps", "0", "--eager-steps", "2",
            "--json", out_json] + (["--layers", str(layers)] if layers else [])
+    if spec_tokens:
+        cmd += ["--speculative", "mtp", "--num-speculative-tokens", str(spec_tokens)]
     log("run", " ".join(cmd[1:]))
     err = _run(cmd, ROOT, 900, 1500)
     if err:
@@ -200,26 +216,45 @@ def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: s
         return _engine_rows(json.load(f))
 
 
+def _ratios(n: dict | None, v: dict | None) -> dict | None:
+    if not (n and v and n.get("median_tpot_ms") and v.get("median_tpot_ms")):
+        return None
+    return {"interactivity_x": v["median_tpot_ms"] / n["median_tpot_ms"],
+            "ttft_delta_ms": n["median_ttft_ms"] - v["median_ttft_ms"],
+            "e2el_x": v["median_e2el_ms"] / n["median_e2el_ms"]}
+
+
 def add_ratios(summary: dict, scenarios) -> None:
-    """NexRT vs vLLM-only medians, and NexRT's TPOT over the engine's own step at the scenario's ISL."""
+    """NexRT vs the baseline's medians (vLLM + MTP when measured, else plain vLLM), and NexRT's TPOT over
+    the engine's own step (or, speculating, over round / acceptance length) at the scenario's ISL."""
+    spec = bool(summary.get("vllm_mtp"))
     for sc in scenarios:
-        n, v = summary["nexrt"].get(sc), summary["vllm"].get(sc)
-        if n and v and n.get("median_tpot_ms") and v.get("median_tpot_ms"):
-            r = {"interactivity_x": v["median_tpot_ms"] / n["median_tpot_ms"],
-                 "ttft_delta_ms": n["median_ttft_ms"] - v["median_ttft_ms"],
-                 "e2el_x": v["median_e2el_ms"] / n["median_e2el_ms"]}
-            eng = (summary.get("engine") or {}).get("contexts", {})
-            ctx = scenario(sc)[0]
-            step = eng.get(ctx) or eng.get(str(ctx))
-            if step:
-                r["tpot_over_engine_step"] = n["median_tpot_ms"] / step["step_ms_median"]
-            summary.setdefault("ratios", {})[sc] = r
+        n = summary["nexrt"].get(sc)
+        r = _ratios(n, (summary["vllm_mtp"] if spec else summary["vllm"]).get(sc))
+        if r is None:
+            continue
+        eng = (summary.get("engine") or {}).get("contexts", {})
+        ctx = scenario(sc)[0]
+        step = eng.get(ctx) or eng.get(str(ctx))
+        if step and not spec:
+            r["tpot_over_engine_step"] = n["median_tpot_ms"] / step["step_ms_median"]
+        al = summary.get("acceptance_length")
+        if step and spec and step.get("round_ms") and al:
+            r["engine_round_ms"] = step["round_ms"]
+            r["tpot_over_round_per_acceptance"] = n["median_tpot_ms"] / (step["round_ms"] / al)
+        summary.setdefault("ratios", {})[sc] = r
+        if spec and (plain := _ratios(n, summary["vllm"].get(sc))):
+            summary.setdefault("ratios_vs_plain_vllm", {})[sc] = plain
 
 
 def _engine_rows(res: dict) -> dict:
     rows = res["shapes"][0]["contexts"] if res.get("shapes") else []
-    return {"copy_bw_Bps": res.get("copy_bw_Bps"),
-            "contexts": {r["context"]: {"step_ms_median": r["step_ms_median"], "mbu": r["mbu"]} for r in rows}}
+
+    def row(r):
+        if "round_ms" in r:  # decode_bench --speculative mtp
+            return {"step_ms_median": r["step_ms"], "round_ms": r["round_ms"], "round_over_step": r["round_over_step"]}
+        return {"step_ms_median": r["step_ms_median"], "mbu": r["mbu"]}
+    return {"copy_bw_Bps": res.get("copy_bw_Bps"), "contexts": {r["context"]: row(r) for r in rows}}
 
 
 def _label(run: dict) -> str:
@@ -229,13 +264,14 @@ def _label(run: dict) -> str:
 
 def _merge_shape(paths: list[str], runs: list[dict]) -> dict:
     m = {**runs[0], "command": [r["command"] for r in runs], "merged_from": [os.path.basename(p) for p in paths]}
-    for key in ("nexrt", "vllm", "node", "ttft_breakdown"):
+    for key in ("nexrt", "vllm", "vllm_mtp", "node", "ttft_breakdown"):
         m[key] = {k: v for r in runs for k, v in r.get(key, {}).items()}
     for key in ("engine", "inferencex_client"):
         vals = [r[key] for r in runs if r.get(key) and "skipped" not in r[key]]
         m[key] = vals[-1] if key == "engine" and vals else {k: v for d in vals for k, v in d.items()}
     m.pop("error", None)
     m.pop("ratios", None)
+    m.pop("ratios_vs_plain_vllm", None)
     return m
 
 
@@ -258,7 +294,7 @@ def merge(paths: list[str], out: str, png: str | None, engine: list[str] = ()) -
                     and cfg["num_hidden_layers"] == m["layers"]:
                 m["engine"] = {**_engine_rows(res), "command": res.get("command")}
     for m in shapes.values():
-        add_ratios(m, sorted(set(m["nexrt"]) | set(m["vllm"])))
+        add_ratios(m, sorted(set(m["nexrt"]) | set(m["vllm"]) | set(m.get("vllm_mtp") or ())))
     first = next(iter(shapes.values()))
     result = first if len(shapes) == 1 else {"hw": first.get("hw"), "shapes": shapes}
     with open(out, "w") as f:
@@ -269,10 +305,15 @@ def merge(paths: list[str], out: str, png: str | None, engine: list[str] = ()) -
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for i, (label, m) in enumerate(shapes.items()):
-            for path, mark in (("nexrt", "o"), ("vllm", "s")):
-                pts = [(1e3 / r["median_tpot_ms"], r["output_throughput"], sc) for sc, r in sorted(m[path].items())]
-                ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=mark, s=50, color=f"C{2 * i + (path == 'vllm')}",
-                           label=f"{label}: {'NexRT' if path == 'nexrt' else 'vLLM only'}")
+            names = {"nexrt": "NexRT" + (" + MTP" if m.get("vllm_mtp") else ""), "vllm": "vLLM only",
+                     "vllm_mtp": "vLLM + MTP"}
+            for j, (path, mark) in enumerate((("nexrt", "o"), ("vllm", "s"), ("vllm_mtp", "^"))):
+                pts = [(1e3 / r["median_tpot_ms"], r["output_throughput"], sc) for sc, r in sorted(m.get(path, {}).items())
+                       if r.get("median_tpot_ms")]
+                if not pts:
+                    continue
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=mark, s=50, color=f"C{3 * i + j}",
+                           label=f"{label}: {names[path]}")
                 for x, y, sc in pts:
                     ax.annotate(sc, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
         ax.set_xlabel("interactivity (tok/s/user, 1000 / median TPOT)")
@@ -283,6 +324,8 @@ def merge(paths: list[str], out: str, png: str | None, engine: list[str] = ()) -
         fig.tight_layout()
         fig.savefig(png, dpi=120)
     log("merged", json.dumps({label: m.get("ratios") for label, m in shapes.items()}))
+    if spec_failed := [label for label, m in shapes.items() if m.get("vllm_mtp") is not None and not m.get("ratios")]:
+        log("no ratio against vLLM + MTP for", spec_failed)
     return 0
 
 
@@ -291,19 +334,21 @@ class Stack:
         self.procs = Procs(workdir)
         self.workdir, self.device = workdir, device
 
-    async def node(self, model: str, max_len: int, transport: str, recv_memory: str) -> str:
+    async def node(self, model: str, max_len: int, transport: str, recv_memory: str, extra=()) -> str:
         ready = os.path.join(self.workdir, "node.ready")
         self.procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", model,
                                   "--device", self.device, "--load-format", "dummy", "--port", "0",
                                   "--transport", transport, "--recv-memory", recv_memory,
                                   "--max-seq-len", str(max_len), "--ready-file", ready,
-                                  "--transfer-timeout", "60", "--start-timeout", "60"])
+                                  "--transfer-timeout", "60", "--start-timeout", "60", *extra])
         return ready
 
     def vllm(self, name: str, model: str, max_len: int, transport: str | None, share: float,
-             kv_bytes: int | None = None) -> str:
+             kv_bytes: int | None = None, speculative: dict | None = None) -> str:
         port = _free_port()
         extra = ["--load-format", "dummy", "--served-model-name", "model"]
+        if speculative:
+            extra += ["--speculative-config", json.dumps(speculative)]
         if kv_bytes:  # a fixed KV cache: vLLM skips the memory profiling a neighbour starting beside it would falsify
             extra += ["--kv-cache-memory-bytes", str(kv_bytes)]
         self.procs.start(name, vllm_argv(model, port, max_len, transport, self.device, share, extra=extra))
@@ -440,9 +485,24 @@ def main(argv=None) -> int:
     ap.add_argument("--ix-num-prompts", type=int, default=None, help="prompts per --ix-client run (default --num-prompts)")
     ap.add_argument("--paths", nargs="+", choices=("nexrt", "vllm"), default=["nexrt", "vllm"],
                     help="which paths to measure (a run cut short can be completed by another with the rest)")
+    ap.add_argument("--speculative", choices=("off", "mtp"), default="off",
+                    help="mtp: the node serves MTP rounds and the baseline is vLLM + MTP, both at the pinned "
+                         "--acceptance-length (plain vLLM interleaved for reference)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=3)
+    ap.add_argument("--acceptance-length", type=float, default=None,
+                    help="pinned mean tokens per round for both (default: InferenceX's golden value for the "
+                         "draft count, e.g. 3.39 at 3)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--start-timeout", type=float, default=420)
     a = ap.parse_args(argv)
+    spec = a.speculative == "mtp"
+    if spec:
+        if a.acceptance_length is None:
+            if a.num_speculative_tokens not in GOLDEN_AL:
+                ap.error(f"no golden acceptance length for {a.num_speculative_tokens} drafts: give --acceptance-length")
+            a.acceptance_length = GOLDEN_AL[a.num_speculative_tokens]
+        if a.paths != ["nexrt", "vllm"] and set(a.paths) != {"nexrt", "vllm"}:
+            ap.error("--speculative mtp measures both paths")
     if a.interleave and not (a.concurrent_baseline and set(a.paths) == {"nexrt", "vllm"}):
         ap.error("--interleave needs --concurrent-baseline and both --paths")
     for sc in a.scenarios:
@@ -457,7 +517,7 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="gpu-e2e-")
     name = NAMES.get(a.shape, "tiny-qwen3-next")
     model = os.path.join(work, name + (f"-{a.layers}L" if a.layers else ""))
-    info = write_model_dir(model, a.shape, a.tokenizer, a.layers)
+    info = write_model_dir(model, a.shape, a.tokenizer, a.layers, mtp=spec)
     share = a.share or (0.25 if a.shape == "2b" else 0.5)
     max_len = max(i + o for i, o in map(scenario, a.scenarios)) + 512
     res_dir = os.path.join(work, "results")
@@ -465,6 +525,16 @@ def main(argv=None) -> int:
                "shape": name, "device": a.device, "layers": info["layers"], "weights": "random (dummy load, both sides)",
                "transport": a.transport, "recv_memory": a.recv_memory, "vllm_gpu_memory_utilization": share,
                "num_prompts": a.num_prompts, "conc": 1, "nexrt": {}, "vllm": {}, "node": {}}
+    node_extra, vspec = [], None
+    if spec:
+        # vLLM's synthetic rejection sampler and the node's --speculative-synthetic-acceptance: the same schedule
+        vspec = {"method": "mtp", "num_speculative_tokens": a.num_speculative_tokens,
+                 "rejection_sample_method": "synthetic", "synthetic_acceptance_length": a.acceptance_length}
+        node_extra = ["--speculative", "mtp", "--num-speculative-tokens", str(a.num_speculative_tokens),
+                      "--speculative-synthetic-acceptance", str(a.acceptance_length)]
+        summary.update({"speculative": "mtp", "num_speculative_tokens": a.num_speculative_tokens,
+                        "acceptance_length": a.acceptance_length, "baseline_speculative_config": vspec,
+                        "node_speculative_flags": node_extra, "vllm_mtp": {}})
     summary["hw"] = "cpu"
     if a.device == "cuda":
         import torch
@@ -489,7 +559,7 @@ def main(argv=None) -> int:
         if "nexrt" in a.paths:
             # One at a time: vLLM sizes its KV cache from the memory it sees while profiling, which a
             # neighbour still allocating would falsify.
-            ready = asyncio.run(stack.node(model, max_len, a.transport, a.recv_memory))
+            ready = asyncio.run(stack.node(model, max_len, a.transport, a.recv_memory, node_extra))
             node = asyncio.run(wait_file(ready, stack.procs, a.start_timeout, "decode node"))
             summary["node_start_s"] = time.monotonic() - t0
             if a.concurrent_baseline and "vllm" in a.paths:
@@ -497,7 +567,11 @@ def main(argv=None) -> int:
                 kv = None if a.device == "cpu" else a.kv_cache_gib << 30
                 vurl = stack.vllm("vllm", model, max_len, a.transport, share, kv)
                 purl = stack.vllm("vllm_plain", model, max_len, None, share, kv)
-                asyncio.run(_up(stack, [(vurl, "vLLM + connector"), (purl, "vLLM plain")], a.start_timeout))
+                ups = [(vurl, "vLLM + connector"), (purl, "vLLM plain")]
+                if spec:
+                    murl = stack.vllm("vllm_mtp", model, max_len, None, share, kv, speculative=vspec)
+                    ups.append((murl, "vLLM + MTP"))
+                asyncio.run(_up(stack, ups, a.start_timeout))
             else:
                 vurl = stack.vllm("vllm", model, max_len, a.transport, share)
                 asyncio.run(_up(stack, [(vurl, "vLLM + connector")], a.start_timeout))
@@ -507,11 +581,12 @@ def main(argv=None) -> int:
             log(f"stack up in {summary['startup_s']:.0f}s")
             for sc in a.scenarios:
                 before = scrape(node["url"])
+                baselines = ({"vllm": purl, **({"vllm_mtp": murl} if spec else {})} if a.interleave else None)
                 res = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir, [], a.transport, hw,
-                                 interleave=purl if a.interleave else None)
+                                 interleave=baselines)
                 summary["nexrt"][sc] = res["nexrt"]
-                if a.interleave:
-                    summary["vllm"][sc] = res["vllm"]
+                for k in baselines or ():
+                    summary[k][sc] = res[k]
                 summary["node"][sc] = node_delta(before, scrape(node["url"]))
                 log(sc, res, summary["node"][sc])
                 save()
@@ -530,6 +605,16 @@ def main(argv=None) -> int:
                                                  hw)["vllm"]
                 log(sc, "vllm", summary["vllm"][sc])
                 save()
+            if spec and not a.interleave:  # one vLLM at a time: plain, then + MTP
+                stack.procs.stop()
+                stack = Stack(work, a.device)
+                murl = stack.vllm("vllm_mtp", model, max_len, None, share, speculative=vspec)
+                asyncio.run(_up(stack, [(murl, "vLLM + MTP")], a.start_timeout))
+                for sc in a.scenarios:
+                    summary["vllm_mtp"][sc] = inferencex(murl, "vllm_mtp", "model", model, sc, a.num_prompts, res_dir,
+                                                         [], "", hw)["vllm_mtp"]
+                    log(sc, "vllm_mtp", summary["vllm_mtp"][sc])
+                    save()
             for sc in ix:
                 summary.setdefault("inferencex_client", {}).setdefault("vllm", {})[sc] = ix_client(
                     a.ix_client, purl, model, sc, ix_n, os.path.join(res_dir, "ix"), "vllm")
@@ -553,7 +638,8 @@ def main(argv=None) -> int:
         save()
     if not a.skip_engine_bench and a.device == "cuda" and "error" not in summary:
         ctxs = sorted({scenario(s)[0] for s in a.scenarios})
-        summary["engine"] = engine_step(a.shape, ctxs, a.layers, os.path.join(work, "decode_bench.json"))
+        summary["engine"] = engine_step(a.shape, ctxs, a.layers, os.path.join(work, "decode_bench.json"),
+                                        a.num_speculative_tokens if spec else 0)
     add_ratios(summary, a.scenarios)
     save()
     log("summary", json.dumps({k: summary.get(k) for k in ("ratios", "error")}))

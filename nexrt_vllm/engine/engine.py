@@ -84,10 +84,15 @@ class Engine:
     @classmethod
     def from_config(cls, config: ModelConfig | dict, device: str | torch.device = "cpu", dtype=None,
                     max_seq_len: int = 4096, seed: int = 0) -> "Engine":
-        """Random weights (std 0.02) made directly on `device`: for benchmarks at real shapes."""
+        """Random weights (std 0.02) made directly on `device`: for benchmarks at real shapes. A config
+        that declares MTP layers gets a random MTP head too (engine/mtp.py), as its checkpoint would have."""
         cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
         dt = _resolve_dtype(dtype, cfg)
-        return cls(cfg, Model(cfg, random_weights(cfg, dt, device, seed), max_seq_len), max_seq_len)
+        mtp = None
+        if cfg.mtp_num_layers:
+            from .mtp import random_mtp_tensors
+            mtp = random_mtp_tensors(cfg, dt, device)
+        return cls(cfg, Model(cfg, random_weights(cfg, dt, device, seed), max_seq_len, mtp=mtp), max_seq_len)
 
     @property
     def max_seq_len(self) -> int:

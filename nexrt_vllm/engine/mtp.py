@@ -60,6 +60,17 @@ class MTPWeights:
     layer: LayerWeights
 
 
+def random_mtp_tensors(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 5) -> dict[str, torch.Tensor]:
+    """A random head of the config's shape, as the loader returns `mtp.*` tensors (matrices N(0, 0.02),
+    norms N(0, 0.1)): what `--load-format dummy` gives a checkpoint whose config declares an MTP layer."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = {}
+    for n, shape in expected_mtp_shapes(cfg).items():
+        std = 0.02 if len(shape) > 1 else 0.1
+        out[PREFIX + n] = (torch.randn(shape, generator=g) * std).to(dtype).to(device)
+    return out
+
+
 def mtp_weights(cfg: ModelConfig, raw: dict[str, torch.Tensor], embed: torch.Tensor) -> MTPWeights:
     """Build the head from the loader's `mtp.*` tensors (checked here: they are loaded unvalidated).
     ConfigError if there is no head; WeightsError listing every missing / misshaped tensor."""
