@@ -120,3 +120,12 @@ def test_control_message_bytes(name):
 @pytest.mark.parametrize("body,text", BODIES, ids=[type(b).__name__ for b, _ in BODIES])
 def test_http_body_json(body, text):
     assert json.dumps(body.to_wire()) == text
+
+
+def test_refusal_reasons_are_typed():
+    """A refusal's reason decodes to a ``Reason``; one the protocol does not name is a bad message."""
+    assert P.decode(P.encode(P.Reject("r1", "busy", "m"))).reason is Reason.BUSY
+    raw = bytes.fromhex(MESSAGE_BYTES["refuse"]).replace(b"\xa4busy", b"\xa4gone")
+    with pytest.raises(P.ProtocolError, match=r"^refuse\.reason 'gone' is not a protocol reason") as ei:
+        P.decode(raw)
+    assert ei.value.reason is Reason.BAD_MESSAGE
