@@ -22,9 +22,9 @@ Refusal             any 4xx answer of the node:                 node -> router
 
 Each body is a wire body (``nexrt_vllm.handoff.wire``): constructing it validates it, so a decoded
 body and a locally built one obey the same rules; a bad value raises ``ContractError`` (a
-``ValueError``) naming the body and the field. Decoders
-take parsed JSON, ignore fields they do not know (forward compatible) except ``GenerateRequest``,
-which refuses them: a sampling option the node would silently drop must not look accepted.
+``ValueError``) naming the body and the field. Decoders take parsed JSON, ignore fields they do
+not know (forward compatible) except ``GenerateRequest``, which refuses them: a sampling option
+the node would silently drop must not look accepted.
 
 Pure Python (no torch, no vLLM): the router imports it.
 """
