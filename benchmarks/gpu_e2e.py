@@ -51,7 +51,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.decode_bench import NAMES, SHAPES  # noqa: E402
-from nexrt_vllm.demo.cli import Procs, _free_port, vllm_argv, wait_file, wait_http  # noqa: E402
+from nexrt_vllm.launch import Procs, vllm_argv, wait_file, wait_http  # noqa: E402
+from nexrt_vllm.launch import free_port as _free_port  # noqa: E402
 
 ARCH = {"2b": "qwen3_5", "35b": "qwen3_5_moe", "tiny": "qwen3_next"}
 # "tiny": a tiny Qwen3-Next with the real vocabulary, to run this script end to end on a CPU

@@ -36,7 +36,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -44,8 +43,8 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nexrt_vllm.demo.cli import tail_log  # noqa: E402
 from nexrt_vllm.handoff.transport import TRANSPORTS  # noqa: E402
+from nexrt_vllm.launch import free_port, tail_log  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -73,12 +72,6 @@ def ensure_package_links() -> None:
         link = os.path.join(ROOT, "nexrt_vllm", pkg)
         if not os.path.exists(link):
             os.symlink(os.path.join("..", pkg), link)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict, timeout: float = 300) -> dict:

@@ -28,8 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.gpu_layout_check import ensure_package_links  # noqa: E402
-from nexrt_vllm.demo.cli import Procs, _free_port, vllm_argv, wait_file, wait_http  # noqa: E402
 from nexrt_vllm.handoff.transport import TRANSPORTS  # noqa: E402
+from nexrt_vllm.launch import Procs, vllm_argv, wait_file, wait_http  # noqa: E402
+from nexrt_vllm.launch import free_port as _free_port  # noqa: E402
 from nexrt_vllm.testing.connector_harness import periodic_prompt  # noqa: E402
 
 LENGTHS = (7, 300, 1500)

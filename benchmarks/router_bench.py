@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     router = None
     try:
         urls = json.loads(fakes.stdout.readline())
-        from nexrt_vllm.testing.router_fakes import free_port
+        from nexrt_vllm.launch import free_port
 
         port = free_port()
         router = subprocess.Popen([sys.executable, "-m", "nexrt_vllm.router.server", "--port",

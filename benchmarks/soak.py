@@ -33,9 +33,8 @@ import time
 
 import aiohttp
 
-from nexrt_vllm.demo.cli import wait_http
+from nexrt_vllm.launch import free_port, wait_http
 from nexrt_vllm.testing.real_stack import ENV, RealStack, idle_state, metric, periodic_texts, text_of
-from nexrt_vllm.testing.router_fakes import free_port
 
 HDR_INTERACTIVE = {"X-NexRT-Class": "interactive"}
 MALFORMED = [b"{not json", b'{"prompt": "x", "max_tokens": "ten"}', b'{"messages": "hi"}',

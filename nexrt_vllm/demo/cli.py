@@ -8,135 +8,15 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 from nexrt_vllm.handoff.transport import TRANSPORTS
+from nexrt_vllm.launch import (Procs, free_port, node_argv, resolve_device, router_argv, tail_log, vllm_argv, wait_file,
+                               wait_http)
 
 DEMO_PROMPT = "Tell me a story about a fast decoder."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Procs:
-    """Child processes, each in its own session so that the whole tree (vLLM's engine core
-    included) can be stopped, whatever way the demo ends."""
-
-    def __init__(self, logdir: str):
-        self.logdir = logdir
-        self.procs: list[tuple[str, subprocess.Popen, str]] = []
-
-    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = os.path.join(self.logdir, f"{name}.log")
-        with open(log, "wb") as f:
-            # NEXRT_RUN_DIR marks the whole tree (grandchildren inherit it) for operators/tests.
-            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                 env={**os.environ, **(env or {}), "NEXRT_RUN_DIR": self.logdir})
-        self.procs.append((name, p, log))
-        return p
-
-    def check(self) -> None:
-        for name, p, log in self.procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {p.returncode}; last lines of {log}:\n"
-                                   + tail_log(log))
-
-    def stop(self, timeout: float = 20.0) -> None:
-        for _, p, _ in reversed(self.procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for _, p, _ in reversed(self.procs):
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
-            # Leftover grandchildren (vLLM's engine core) die with the session.
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def tail_log(path: str, n: int = 30) -> str:
-    """The last n lines of a log file (for error messages)."""
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-def kv_transfer_config(transport: str) -> dict:
-    return {"kv_connector": "NexRTConnector", "kv_connector_module_path": "nexrt_vllm.connector",
-            "kv_role": "kv_producer", "kv_connector_extra_config": {"transport": transport}}
-
-
-def vllm_argv(model: str, port: int, max_model_len: int, transport: str | None, device: str = "cpu",
-              gpu_share: float = 0.3, extra: list[str] | None = None) -> list[str]:
-    """The vLLM prefill server, with the connector unless `transport` is None.
-
-    CPU: small fixed KV memory, eager. GPU: a bounded share of the GPU's memory (the decode node
-    shares the GPU), CUDA graphs on, and the Triton GDN prefill kernels (vLLM's SM90 default,
-    FlashInfer, is often not installed)."""
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
-            "--max-num-seqs", "4", "--uvicorn-log-level", "warning"]
-    if device == "cpu":
-        argv += ["--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager"]
-    else:
-        argv += ["--gpu-memory-utilization", str(gpu_share), "--gdn-prefill-backend", "triton"]
-    if transport is not None:
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(transport))]
-    return argv + list(extra or [])
-
-
-def resolve_device(device: str) -> str:
-    """`auto` -> cuda when torch sees a GPU, else cpu."""
-    if device != "auto":
-        return device
-    try:
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "cpu"
-
-
-async def wait_http(url: str, procs: Procs, timeout: float, what: str) -> None:
-    import aiohttp
-
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while True:
-            procs.check()
-            try:
-                async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 200:
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not ready after {timeout:g}s")
-            await asyncio.sleep(0.5)
-
-
-async def wait_file(path: str, procs: Procs, timeout: float, what: str) -> dict:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        procs.check()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready after {timeout:g}s")
-        await asyncio.sleep(0.2)
-    with open(path) as f:
-        return json.load(f)
 
 
 async def _chat(router_url: str, model: str, prompt: str, max_tokens: int, out) -> dict:
@@ -212,24 +92,21 @@ async def _demo(args, procs: Procs, workdir: str) -> None:
     device = resolve_device(args.device)
     transport = args.transport if args.transport != "auto" else ("nixl" if device == "cuda" else "mooncake")
     threads = {"OMP_NUM_THREADS": "1", "NEXRT_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    vport, rport = _free_port(), _free_port()
+    vport, rport = free_port(), free_port()
     ready = os.path.join(workdir, "node.ready")
     print(f"[demo] starting vLLM ({device}) and a decode node ({device}, transport {transport}); logs in "
           f"{workdir}", flush=True)
     procs.start("vllm", vllm_argv(model, vport, args.max_model_len, transport, device, args.gpu_share),
                 env=threads)
-    procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", model, "--device", device,
-                         "--port", "0", "--transport", transport, "--max-seq-len",
-                         str(args.max_model_len), "--ready-file", ready], env=threads)
+    procs.start("node", node_argv(model, ready, max_seq_len=args.max_model_len, transport=transport, device=device),
+                env=threads)
     node = await wait_file(ready, procs, args.start_timeout, "decode node")
     print(f"[demo] decode node up at {node['url']}", flush=True)
     vllm_url = f"http://127.0.0.1:{vport}"
     await wait_http(f"{vllm_url}/health", procs, args.start_timeout, "vLLM")
     print(f"[demo] vLLM up at {vllm_url}", flush=True)
     router_url = f"http://127.0.0.1:{rport}"
-    procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(rport),
-                           "--vllm-url", vllm_url, "--decode-url", node["url"],
-                           "--default-class", "interactive", "--tokenizer", model])
+    procs.start("router", router_argv(rport, vllm_url, [node["url"]], model))
     await wait_http(f"{router_url}/health", procs, 60, "router")
     print(f"[demo] router up at {router_url}\n", flush=True)
     print(f"user> {args.prompt}\nassistant> ", end="", flush=True)

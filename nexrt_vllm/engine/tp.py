@@ -40,7 +40,6 @@ import math
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from dataclasses import replace
@@ -51,6 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nexrt_vllm.handoff.sharding import Sharding, kv_heads_of, split, vllm_sharding
+from nexrt_vllm.launch import free_port
 
 from .config import ModelConfig
 from .engine import Engine, _resolve_dtype
@@ -230,12 +230,6 @@ def _build(spec: dict, tp: int, rank: int, group, device) -> Engine:
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sizes(world: int) -> list[int]:
     """TP sizes a group of `world` ranks offers: its powers of two below world, and world."""
     out, n = [], 2
@@ -271,7 +265,7 @@ class Group:
             raise ConfigError(f"TP ranks use cuda:0..{world - 1}; give --device cuda, not {device!r}")
         self.world, self.device, self.timeout = world, device, timeout
         self.backend = "nccl" if device == "cuda" else "gloo"
-        port = _free_port()
+        port = free_port()
         ctx = mp.get_context("spawn")
         self.replies = ctx.Queue()
         self.queues = {r: ctx.Queue() for r in range(1, world)}

@@ -20,32 +20,27 @@ Refusal             any 4xx answer of the node:                 node -> router
                     ``{"error": {"type": reason, "message"}}``
 ==================  ==========================================  ===========================
 
-Constructing a body validates it, so a decoded body and a locally built one obey the same rules;
-a bad value raises ``ContractError`` (a ``ValueError``) naming the body and the field. Decoders
-take parsed JSON, ignore fields they do not know (forward compatible) except ``GenerateRequest``,
-which refuses them: a sampling option the node would silently drop must not look accepted.
+Each body is a wire body (``nexrt_vllm.handoff.wire``): constructing it validates it, so a decoded
+body and a locally built one obey the same rules; a bad value raises ``ContractError`` (a
+``ValueError``) naming the body and the field. Decoders take parsed JSON, ignore fields they do
+not know (forward compatible) except ``GenerateRequest``, which refuses them: a sampling option
+the node would silently drop must not look accepted.
 
 Pure Python (no torch, no vLLM): the router imports it.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
 from nexrt_vllm.handoff.protocol import Reason
 from nexrt_vllm.handoff.structured import StructuredError, StructuredSpec, check_logprobs
+from nexrt_vllm.handoff.wire import (ContractError, WireBody, as_enum, as_map, int_at_least, is_int, is_number,
+                                     nonempty_str, opt_int_at_least)
 
 CLAIM_KEY = "nexrt"  # our only key in kv_transfer_params, in and out (MultiConnector-safe)
-
-
-class ContractError(ValueError):
-    """A body that breaks its contract; ``str(e)`` is ``"<body>.<field> <problem>"``."""
-
-    def __init__(self, body: str, field_name: str | None, problem: str):
-        super().__init__(f"{body}.{field_name} {problem}" if field_name else f"{body} {problem}")
-        self.body, self.field, self.problem = body, field_name, problem
 
 
 class HandoffStatus(str, Enum):
@@ -86,33 +81,7 @@ REFUSAL_STATUS = {
 
 
 # --------------------------------------------------------------------------------------------
-# field checks: each raises ContractError(body, name, ...) on a bad value
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _object(body: str, d: Any) -> dict:
-    if not isinstance(d, dict):
-        raise ContractError(body, None, "must be an object")
-    return d
-
-
-def _nonempty_str(body: str, name: str, v: Any) -> str:
-    if not isinstance(v, str) or not v:
-        raise ContractError(body, name, "must be a non-empty string")
-    return v
-
-
-def _int_at_least(body: str, name: str, v: Any, low: int, what: str) -> int:
-    if not _is_int(v) or v < low:
-        raise ContractError(body, name, f"must be {what}, got {v!r}")
-    return v
-
-
-def _opt_int_at_least(body: str, name: str, v: Any, low: int, what: str) -> int | None:
-    return None if v is None else _int_at_least(body, name, v, low, what)
+# checks of this module's bodies (the shared ones are in ``wire``)
 
 
 def _tcp_addr(body: str, name: str, v: Any) -> str:
@@ -131,36 +100,12 @@ def _structured(body: str, v: Any) -> dict | None:
     return None if spec is None else spec.to_wire()
 
 
-def _kwargs(cls, d: dict) -> dict:
-    """Constructor arguments of ``cls`` from a wire map: every required field (``None`` when absent,
-    which its check refuses), and each optional field that is present and not null (else its default)."""
-    return {f.name: d.get(f.name) for f in fields(cls)
-            if (f.default is MISSING and f.default_factory is MISSING) or d.get(f.name) is not None}
-
-
-def _plain(v: Any) -> Any:
-    return v.value if isinstance(v, Enum) else list(v) if isinstance(v, tuple) else v
-
-
-class _Flat:
-    """A body whose wire form is its fields, in declaration order (enums as their values)."""
-
-    BODY = ""
-
-    def to_wire(self) -> dict:
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
-
-    @classmethod
-    def from_wire(cls, d: Any):
-        return cls(**_kwargs(cls, _object(cls.BODY, d)))
-
-
 # --------------------------------------------------------------------------------------------
 # admission
 
 
 @dataclass(frozen=True)
-class AdmitRequest(_Flat):
+class AdmitRequest(WireBody):
     """``POST /v1/admit``: reserve the node's slot for ``rid`` before any byte moves."""
 
     rid: str
@@ -170,9 +115,9 @@ class AdmitRequest(_Flat):
     BODY = "admit"
 
     def __post_init__(self):
-        _nonempty_str(self.BODY, "rid", self.rid)
-        _opt_int_at_least(self.BODY, "prompt_len", self.prompt_len, 1, "a positive integer")
-        object.__setattr__(self, "structured", _structured(self.BODY, self.structured))
+        nonempty_str(self.BODY, "rid", self.rid)
+        opt_int_at_least(self.BODY, "prompt_len", self.prompt_len, 1, "a positive integer")
+        self._set("structured", _structured(self.BODY, self.structured))
 
     def to_wire(self) -> dict:
         return {k: v for k, v in (("rid", self.rid), ("prompt_len", self.prompt_len),
@@ -180,7 +125,7 @@ class AdmitRequest(_Flat):
 
 
 @dataclass(frozen=True)
-class AdmitReply(_Flat):
+class AdmitReply(WireBody):
     """The node's 200 answer to ``/v1/admit``: what the claim needs."""
 
     rid: str
@@ -191,11 +136,11 @@ class AdmitReply(_Flat):
     BODY = "admit_reply"
 
     def __post_init__(self):
-        _nonempty_str(self.BODY, "rid", self.rid)
-        _int_at_least(self.BODY, "generation", self.generation, 0, "a non-negative integer")
+        nonempty_str(self.BODY, "rid", self.rid)
+        int_at_least(self.BODY, "generation", self.generation, 0, "a non-negative integer")
         _tcp_addr(self.BODY, "control_addr", self.control_addr)
         v = self.admit_timeout_s
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+        if not is_number(v) or not v > 0:
             raise ContractError(self.BODY, "admit_timeout_s", f"must be a positive number, got {v!r}")
 
 
@@ -204,7 +149,7 @@ class AdmitReply(_Flat):
 
 
 @dataclass(frozen=True)
-class Claim(_Flat):
+class Claim(WireBody):
     """``kv_transfer_params["nexrt"]`` of the prefill request: hand this request's state to the
     node admission ``(rid, generation)`` at ``control_addr``."""
 
@@ -216,8 +161,8 @@ class Claim(_Flat):
     BODY = f"kv_transfer_params.{CLAIM_KEY}"
 
     def __post_init__(self):
-        _nonempty_str(self.BODY, "rid", self.rid)
-        _int_at_least(self.BODY, "generation", self.generation, 0, "a non-negative integer")
+        nonempty_str(self.BODY, "rid", self.rid)
+        int_at_least(self.BODY, "generation", self.generation, 0, "a non-negative integer")
         _tcp_addr(self.BODY, "control_addr", self.control_addr)
         if self.node_url is not None and not isinstance(self.node_url, str):
             raise ContractError(self.BODY, "node_url", "must be a string")
@@ -235,7 +180,7 @@ class Claim(_Flat):
 
 
 @dataclass(frozen=True)
-class HandoffReport(_Flat):
+class HandoffReport(WireBody):
     """``kv_transfer_params["nexrt"]`` of vLLM's answer: the connector's view of the hand-off when
     vLLM finished the request. ``rid``/``generation``/``seq_len`` are absent for a malformed claim."""
 
@@ -249,22 +194,16 @@ class HandoffReport(_Flat):
     BODY = f"kv_transfer_params.{CLAIM_KEY}"
 
     def __post_init__(self):
-        try:
-            object.__setattr__(self, "status", HandoffStatus(self.status))
-        except ValueError:
-            raise ContractError(self.BODY, "status", f"must be one of {[s.value for s in HandoffStatus]}, "
-                                                     f"got {self.status!r}") from None
+        self._set("status", as_enum(self.BODY, "status", self.status, HandoffStatus))
         if self.rid is not None:
-            _nonempty_str(self.BODY, "rid", self.rid)
-        _opt_int_at_least(self.BODY, "generation", self.generation, 0, "a non-negative integer")
-        _opt_int_at_least(self.BODY, "seq_len", self.seq_len, 0, "a non-negative integer")
+            nonempty_str(self.BODY, "rid", self.rid)
+        opt_int_at_least(self.BODY, "generation", self.generation, 0, "a non-negative integer")
+        opt_int_at_least(self.BODY, "seq_len", self.seq_len, 0, "a non-negative integer")
         if self.reason == "":
-            object.__setattr__(self, "reason", None)  # the wire's "no reason"
+            self._set("reason", None)  # the wire's "no reason"
         if self.reason is not None:
-            try:
-                object.__setattr__(self, "reason", Reason(self.reason))
-            except ValueError:
-                raise ContractError(self.BODY, "reason", f"{self.reason!r} is not a protocol reason") from None
+            self._set("reason", as_enum(self.BODY, "reason", self.reason, Reason,
+                                        f"{self.reason!r} is not a protocol reason"))
         if not isinstance(self.error, str):
             raise ContractError(self.BODY, "error", "must be a string")
 
@@ -304,7 +243,7 @@ def is_probe(params: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class ProbeReply(_Flat):
+class ProbeReply(WireBody):
     """``kv_transfer_params["nexrt"]`` of vLLM's answer to a probe: the connector's configuration
     (``transport``, ``protocol_version``, ``layout_version``, ``model`` {name, architecture,
     num_hidden_layers, hidden_size, vocab_size}, ``dtype``, ``kv_cache_dtype``), compared by the
@@ -338,7 +277,7 @@ class ProbeReply(_Flat):
 
 
 @dataclass(frozen=True)
-class Sampling(_Flat):
+class Sampling(WireBody):
     """How each token is picked; sent identically to vLLM (first token) and the node (the rest).
 
     temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those filters; a stop token id
@@ -359,28 +298,28 @@ class Sampling(_Flat):
         b = self.BODY
 
         def finite(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            return is_number(v) and math.isfinite(v)
 
         if not finite(self.temperature) or self.temperature < 0:
             raise ContractError(b, "temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ContractError(b, "top_p", f"must be a number in (0, 1], got {self.top_p!r}")
-        _int_at_least(b, "top_k", self.top_k, -1, "an integer >= -1 (0 or -1 = off)")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        int_at_least(b, "top_k", self.top_k, -1, "an integer >= -1 (0 or -1 = off)")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ContractError(b, "seed", f"must be null or an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ContractError(b, "ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
         stops = self.stop_token_ids
-        if not isinstance(stops, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in stops):
+        if not isinstance(stops, (list, tuple)) or not all(is_int(t) and t >= 0 for t in stops):
             raise ContractError(b, "stop_token_ids", f"must be a list of non-negative integers, got {stops!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(stops))
+        self._set("stop_token_ids", tuple(stops))
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
 
 
 @dataclass(frozen=True)
-class GenerateRequest:
+class GenerateRequest(WireBody):
     """``POST /v1/generate``: decode the admitted request after ``first_token`` (sampled by vLLM);
     the answer is an NDJSON stream of ``{"token": id}`` lines and one final ``{"finish_reason"}``."""
 
@@ -395,17 +334,17 @@ class GenerateRequest:
     BODY = "generate"
 
     def __post_init__(self):
-        _nonempty_str(self.BODY, "rid", self.rid)
-        _int_at_least(self.BODY, "first_token", self.first_token, 0, "a non-negative integer")
-        _int_at_least(self.BODY, "max_tokens", self.max_tokens, 1, "an integer >= 1")
-        _opt_int_at_least(self.BODY, "generation", self.generation, 0, "a non-negative integer")
+        nonempty_str(self.BODY, "rid", self.rid)
+        int_at_least(self.BODY, "first_token", self.first_token, 0, "a non-negative integer")
+        int_at_least(self.BODY, "max_tokens", self.max_tokens, 1, "an integer >= 1")
+        opt_int_at_least(self.BODY, "generation", self.generation, 0, "a non-negative integer")
         if not isinstance(self.sampling, Sampling):
             raise ContractError(self.BODY, "sampling", "must be a Sampling")
         try:
             check_logprobs(self.logprobs)
         except StructuredError as e:
             raise ContractError(self.BODY, "logprobs", str(e).removeprefix("logprobs ")) from None
-        object.__setattr__(self, "structured", _structured(self.BODY, self.structured))
+        self._set("structured", _structured(self.BODY, self.structured))
 
     def to_wire(self) -> dict:
         out = {"rid": self.rid, "generation": self.generation, "first_token": self.first_token,
@@ -418,7 +357,7 @@ class GenerateRequest:
 
     @classmethod
     def from_wire(cls, d: Any) -> "GenerateRequest":
-        d = _object(cls.BODY, d)
+        d = as_map(cls.BODY, d)
         unknown = sorted(set(d) - {"rid", "generation", "first_token", "max_tokens", "logprobs", "structured",
                                    *_SAMPLING_FIELDS})
         if unknown:
@@ -433,7 +372,7 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
-class CancelRequest(_Flat):
+class CancelRequest(WireBody):
     """``POST /v1/cancel``: stop ``rid`` at whatever stage it is and free the slot."""
 
     rid: str
@@ -441,11 +380,11 @@ class CancelRequest(_Flat):
     BODY = "cancel"
 
     def __post_init__(self):
-        _nonempty_str(self.BODY, "rid", self.rid)
+        nonempty_str(self.BODY, "rid", self.rid)
 
 
 @dataclass(frozen=True)
-class CancelReply(_Flat):
+class CancelReply(WireBody):
     """The node's 200 answer to ``/v1/cancel``: ``state`` is where the request was."""
 
     rid: str
@@ -455,14 +394,10 @@ class CancelReply(_Flat):
     BODY = "cancel_reply"
 
     def __post_init__(self):
-        _nonempty_str(self.BODY, "rid", self.rid)
+        nonempty_str(self.BODY, "rid", self.rid)
         if not isinstance(self.cancelled, bool):
             raise ContractError(self.BODY, "cancelled", "must be a boolean")
-        try:
-            object.__setattr__(self, "state", AdmissionState(self.state))
-        except ValueError:
-            raise ContractError(self.BODY, "state", f"must be one of {[s.value for s in AdmissionState]}, "
-                                                    f"got {self.state!r}") from None
+        self._set("state", as_enum(self.BODY, "state", self.state, AdmissionState))
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,10 +411,7 @@ class Refusal(Exception):
     BODY = "error"
 
     def __init__(self, reason: Reason | str, message: str):
-        try:
-            reason = Reason(reason)
-        except ValueError:
-            raise ContractError(self.BODY, "type", f"{reason!r} is not a protocol reason") from None
+        reason = as_enum(self.BODY, "type", reason, Reason, f"{reason!r} is not a protocol reason")
         if reason not in REFUSAL_STATUS:
             raise ContractError(self.BODY, "type", f"{reason.value!r} is not an HTTP refusal")
         if not isinstance(message, str):
@@ -497,7 +429,7 @@ class Refusal(Exception):
     @classmethod
     def from_wire(cls, status: int, d: Any) -> "Refusal":
         """Decode a refusal answered with HTTP ``status``; the status must be the reason's."""
-        err = _object(cls.BODY, _object("refusal", d).get("error"))
+        err = as_map(cls.BODY, as_map("refusal", d).get("error"))
         r = cls(err.get("type"), err.get("message", ""))
         if r.status != status:
             raise ContractError(cls.BODY, "type", f"{r.reason.value!r} comes with HTTP {r.status}, not {status}")

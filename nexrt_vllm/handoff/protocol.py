@@ -27,11 +27,15 @@ This module imports neither torch nor numpy.
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import dataclass, field
 from enum import Enum
 
 import msgpack
 
+from nexrt_vllm.handoff.wire import ContractError, WireBody, as_enum, check_type
+
+# 1: the first and only version. ``part`` of done / abort (layout version 2, tensor-parallel
+#    senders) was added as an optional field read as 0 when absent, so older senders still match.
 PROTOCOL_VERSION = 1
 REGION_ALIGN = 256  # region offsets are aligned so page copies stay vectorisable on both ends
 
@@ -74,11 +78,12 @@ def align_up(n: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Control messages
+# Control messages: wire bodies (``nexrt_vllm.handoff.wire``) whose wire map is their fields in
+# declaration order, ``type`` included; ``encode`` adds ``"v"``.
 
 
 @dataclass(frozen=True)
-class Region:
+class Region(WireBody):
     """One layer's slice of the receive buffer: page i goes to ``offset + i*page_bytes``."""
 
     layer: int
@@ -87,109 +92,166 @@ class Region:
     page_bytes: int
     num_pages: int
 
+    BODY = "accept.regions"
+
+    def __post_init__(self):
+        for name in ("layer", "offset", "page_bytes", "num_pages"):
+            check_type(self.BODY, name, getattr(self, name), int)
+        check_type(self.BODY, "kind", self.kind, str)
+
     @property
     def nbytes(self) -> int:
         return self.page_bytes * self.num_pages
 
 
+class _Message(WireBody):
+    """A control message; ``BODY`` is its ``type``."""
+
+    def _check(self, **kinds: type) -> None:
+        for name, kind in kinds.items():
+            check_type(self.BODY, name, getattr(self, name), kind)
+
+    def _reason(self) -> None:
+        self._set("reason", as_enum(self.BODY, "reason", self.reason, Reason,
+                                    f"{self.reason!r} is not a protocol reason"))
+
+
 @dataclass(frozen=True)
-class Hello:
+class Hello(_Message):
+    BODY = "hello"
     layout: dict  # Layout.to_wire()
-    type: str = "hello"
+    type: str = field(default=BODY, init=False)
+
+    def __post_init__(self):
+        self._check(layout=dict)
 
 
 @dataclass(frozen=True)
-class HelloOk:
+class HelloOk(_Message):
+    BODY = "hello_ok"
     transport: dict  # backend peer info, see nexrt_vllm.handoff.transport.base.ReceiverTransport.peer_info
     node: dict  # {"model": ..., "max_seq_len": ...}
-    type: str = "hello_ok"
+    type: str = field(default=BODY, init=False)
+
+    def __post_init__(self):
+        self._check(transport=dict, node=dict)
 
 
 @dataclass(frozen=True)
-class Refuse:
-    reason: str
+class Refuse(_Message):
+    BODY = "refuse"
+    reason: Reason
     message: str
-    type: str = "refuse"
+    type: str = field(default=BODY, init=False)
+
+    def __post_init__(self):
+        self._reason()
+        self._check(message=str)
 
 
 @dataclass(frozen=True)
-class Begin:
+class Begin(_Message):
+    BODY = "begin"
     rid: str
     generation: int
     seq_len: int
     layout: dict
-    type: str = "begin"
+    type: str = field(default=BODY, init=False)
+
+    def __post_init__(self):
+        self._check(rid=str, generation=int, seq_len=int, layout=dict)
 
 
 @dataclass(frozen=True)
-class Accept:
+class Accept(_Message):
+    BODY = "accept"
     rid: str
     generation: int
     buffer: dict  # {"base": remote address, "size": bytes} of the buffer assigned to this request
-    regions: list  # [Region as dict]; use .region_list()
+    regions: list  # [Region.to_wire()]; use .region_list()
     deadline_s: float  # done must arrive within this many seconds
-    type: str = "accept"
+    type: str = field(default=BODY, init=False)
+
+    def __post_init__(self):
+        self._check(rid=str, generation=int, buffer=dict, regions=list, deadline_s=float)
 
     def region_list(self) -> list[Region]:
-        return [Region(**r) for r in self.regions]
+        return [Region.from_wire(r) for r in self.regions]
 
 
 @dataclass(frozen=True)
-class Reject:
+class Reject(_Message):
+    BODY = "reject"
     rid: str
-    reason: str
+    reason: Reason
     message: str
-    type: str = "reject"
+    type: str = field(default=BODY, init=False)
+
+    def __post_init__(self):
+        self._reason()
+        self._check(rid=str, message=str)
 
 
 @dataclass(frozen=True)
-class Done:
+class Done(_Message):
+    BODY = "done"
     rid: str
     generation: int
     seq_len: int
     nbytes: int
-    type: str = "done"
+    type: str = field(default=BODY, init=False)
     part: int = 0  # tp_rank of the sender's part (layout sharding); layout version 2
 
+    def __post_init__(self):
+        self._check(rid=str, generation=int, seq_len=int, nbytes=int, part=int)
+
 
 @dataclass(frozen=True)
-class Abort:
+class Abort(_Message):
+    BODY = "abort"
     rid: str
     generation: int
-    reason: str
-    type: str = "abort"
+    reason: str  # free text for the node's log, not a ``Reason``
+    type: str = field(default=BODY, init=False)
     part: int = 0
 
+    def __post_init__(self):
+        self._check(rid=str, generation=int, reason=str, part=int)
+
 
 @dataclass(frozen=True)
-class Ack:
+class Ack(_Message):
+    BODY = "ack"
     rid: str
     generation: int
-    type: str = "ack"
+    type: str = field(default=BODY, init=False)
+
+    def __post_init__(self):
+        self._check(rid=str, generation=int)
 
 
 @dataclass(frozen=True)
-class Error:
+class Error(_Message):
+    BODY = "error"
     rid: str
-    reason: str
+    reason: Reason
     message: str
-    type: str = "error"
+    type: str = field(default=BODY, init=False)
+
+    def __post_init__(self):
+        self._reason()
+        self._check(rid=str, message=str)
 
 
-MESSAGES = {c.type: c for c in (Hello, HelloOk, Refuse, Begin, Accept, Reject, Done, Abort, Ack, Error)}
-_FIELD_TYPES = {"rid": str, "generation": int, "seq_len": int, "nbytes": int, "layout": dict, "reason": str,
-                "message": str, "transport": dict, "node": dict, "buffer": dict, "regions": list,
-                "deadline_s": (int, float), "part": int}
+MESSAGES = {c.BODY: c for c in (Hello, HelloOk, Refuse, Begin, Accept, Reject, Done, Abort, Ack, Error)}
 
 
-def encode(msg) -> bytes:
-    d = {f.name: getattr(msg, f.name) for f in fields(msg)}
-    d["v"] = PROTOCOL_VERSION
-    return msgpack.packb(d, use_bin_type=True)
+def encode(msg: _Message) -> bytes:
+    return msgpack.packb({**msg.to_wire(), "v": PROTOCOL_VERSION}, use_bin_type=True)
 
 
-def decode(data: bytes):
-    """bytes -> message dataclass; raises ProtocolError(BAD_MESSAGE | VERSION_MISMATCH)."""
+def decode(data: bytes) -> _Message:
+    """bytes -> message; raises ProtocolError(BAD_MESSAGE | VERSION_MISMATCH)."""
     try:
         d = msgpack.unpackb(data, raw=False)
     except Exception as e:  # noqa: BLE001 - any msgpack failure is a bad message
@@ -202,24 +264,14 @@ def decode(data: bytes):
     cls = MESSAGES.get(d.get("type"))
     if cls is None:
         raise ProtocolError(Reason.BAD_MESSAGE, f"unknown message type {d.get('type')!r}")
-    kw = {}
-    for f in fields(cls):
-        if f.name == "type":
-            continue
-        if f.name not in d and f.default is not MISSING:
-            continue  # optional field: the dataclass default
-        if f.name not in d:
-            raise ProtocolError(Reason.BAD_MESSAGE, f"{cls.type}: missing field {f.name!r}")
-        v = d[f.name]
-        want = _FIELD_TYPES[f.name]
-        if not isinstance(v, want) or (want is int and isinstance(v, bool)):
-            raise ProtocolError(Reason.BAD_MESSAGE, f"{cls.type}: field {f.name!r} has type {type(v).__name__}")
-        kw[f.name] = v
-    return cls(**kw)
+    try:
+        return cls.from_wire(d)
+    except ContractError as e:
+        raise ProtocolError(Reason.BAD_MESSAGE, str(e)) from None
 
 
 def region_dicts(regions: list[Region]) -> list[dict]:
-    return [asdict(r) for r in regions]
+    return [r.to_wire() for r in regions]
 
 
 __all__ = [

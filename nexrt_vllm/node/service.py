@@ -142,7 +142,7 @@ class DecodeNode:
             return P.encode(P.Refuse(P.Reason.BAD_MESSAGE.value, f"node does not take {msg.type!r}"))
         reply = handler(msg)
         if isinstance(reply, (P.Refuse, P.Reject, P.Error)):
-            self.metrics.refusals.labels(reply.reason).inc()
+            self.metrics.refusals.labels(reply.reason.value).inc()
         return P.encode(reply)
 
     def _layout(self, wire: dict) -> L.Layout:

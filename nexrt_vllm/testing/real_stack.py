@@ -2,7 +2,7 @@
 (each on a fixed port, so that it can be killed and started again at the same URL) — and routers
 served in-process on a `router_fakes.Loop`; plus vLLM-only references, metric reads and the
 leak check. Used by tests/router/test_fullpath.py, tests/router/test_degrade.py and
-benchmarks/soak.py. Process management is the demo's (`nexrt_vllm.demo.cli.Procs`).
+benchmarks/soak.py. Processes are started and stopped by `nexrt_vllm.launch`.
 """
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ import asyncio
 import os
 import random
 import signal
-import sys
 import time
 
 import requests
 from tokenizers import Tokenizer
 
-from nexrt_vllm.demo.cli import Procs, vllm_argv, wait_file, wait_http
-from nexrt_vllm.testing.router_fakes import Loop, free_port
+from nexrt_vllm.launch import Procs, free_port, node_argv, vllm_argv, wait_file, wait_http
+from nexrt_vllm.testing.router_fakes import Loop
 
 MAX_LEN = 2048
 ENV = {"OMP_NUM_THREADS": "1", "NEXRT_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -73,9 +72,8 @@ class RealStack:
         spec = self.specs[i]
         self._starts[i] += 1
         ready = os.path.join(self.workdir, f"node{i}.{self._starts[i]}.ready")
-        argv = [sys.executable, "-m", "nexrt_vllm.node.server", "--model", self.ckpt,
-                "--port", str(self.ports[i]), "--transport", spec.get("transport", "mooncake"),
-                "--max-seq-len", str(self.max_len), "--ready-file", ready, *spec.get("args", ())]
+        argv = node_argv(self.ckpt, ready, max_seq_len=self.max_len, port=self.ports[i],
+                         transport=spec.get("transport", "mooncake"), extra=spec.get("args", ()))
         self.nodes[i] = self.procs.start(f"node{i}.{self._starts[i]}", argv, env={**ENV, **spec.get("env", {})})
         return ready
 

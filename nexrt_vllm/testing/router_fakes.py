@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
@@ -319,12 +318,6 @@ class FakeNode:
             # The router went away without a cancel: like the real node, free after the fact.
             self.rid = None
             raise
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tokenizer_dir(tmp_path_factory) -> str:

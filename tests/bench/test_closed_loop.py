@@ -14,6 +14,7 @@ from aiohttp import web
 
 from benchmarks.inferencex import (RequestInput, RunConfig, main, make_agg, Identity,
                                    run_closed_loop)
+from nexrt_vllm.launch import free_port
 from nexrt_vllm.testing import make_tokenizer
 
 
@@ -166,12 +167,7 @@ def test_too_many_failures_fail_the_run(serve, tmp_path, capsys):
 
 
 def test_server_never_ready(tmp_path, capsys):
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     tok = tmp_path / "tok"
     make_tokenizer(str(tok))
     rc = main(["run", "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer",

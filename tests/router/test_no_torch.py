@@ -25,6 +25,7 @@ def test_router_imports_neither_torch_nor_vllm():
     "nexrt_vllm", "nexrt_vllm.router", "nexrt_vllm.handoff", "nexrt_vllm.handoff.contracts",
     "nexrt_vllm.handoff.protocol", "nexrt_vllm.handoff.layout", "nexrt_vllm.handoff.sharding",
     "nexrt_vllm.handoff.sender", "nexrt_vllm.handoff.transport",
+    "nexrt_vllm.handoff.wire", "nexrt_vllm.launch",
 ])
 def test_light_module_imports_neither_torch_nor_vllm(module):
     _heavy_loaded(f"import {module}")
