@@ -80,26 +80,43 @@ def _report(res: dict, out) -> None:
     out.write("\n".join(lines) + "\n")
 
 
+def has_mtp_head(model: str) -> bool:
+    """The checkpoint's config declares MTP layers (Qwen3.5 / Qwen3-Next checkpoints ship one)."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg.get("mtp_num_hidden_layers") or 0) > 0
+
+
 async def _demo(args, procs: Procs, workdir: str) -> None:
     model = args.model
     if model is None:
         from nexrt_vllm.testing import make_checkpoint
 
         model = os.path.join(workdir, "tiny-qwen3-next")
-        print(f"[demo] writing a tiny random Qwen3-Next checkpoint to {model} (random weights: "
+        print(f"[demo] writing a tiny random Qwen3-Next checkpoint with an MTP head to {model} (random weights: "
               f"the reply is gibberish; the point is the path and its timings)", flush=True)
-        make_checkpoint(model, arch="qwen3_next")
+        make_checkpoint(model, arch="qwen3_next", mtp=True)
+    spec = args.speculative
+    if spec == "auto":
+        spec = "mtp" if has_mtp_head(model) else "off"
+    node_extra = ["--speculative", "mtp", "--num-speculative-tokens", str(args.num_speculative_tokens)] \
+        if spec == "mtp" else []
     device = resolve_device(args.device)
     transport = args.transport if args.transport != "auto" else ("nixl" if device == "cuda" else "mooncake")
     threads = {"OMP_NUM_THREADS": "1", "NEXRT_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     vport, rport = free_port(), free_port()
     ready = os.path.join(workdir, "node.ready")
-    print(f"[demo] starting vLLM ({device}) and a decode node ({device}, transport {transport}); logs in "
+    mode = f"MTP, {args.num_speculative_tokens} drafts per round" if spec == "mtp" else "one token per step"
+    print(f"[demo] starting vLLM ({device}) and a decode node ({device}, transport {transport}, {mode}); logs in "
           f"{workdir}", flush=True)
     procs.start("vllm", vllm_argv(model, vport, args.max_model_len, transport, device, args.gpu_share),
                 env=threads)
-    procs.start("node", node_argv(model, ready, max_seq_len=args.max_model_len, transport=transport, device=device),
-                env=threads)
+    procs.start("node", node_argv(model, ready, max_seq_len=args.max_model_len, transport=transport, device=device,
+                                  extra=node_extra), env=threads)
     node = await wait_file(ready, procs, args.start_timeout, "decode node")
     print(f"[demo] decode node up at {node['url']}", flush=True)
     vllm_url = f"http://127.0.0.1:{vport}"
@@ -178,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="where vLLM and the decode node run (auto: cuda when a GPU is visible)")
     d.add_argument("--gpu-share", type=float, default=0.3,
                    help="GPU only: vLLM's --gpu-memory-utilization (the node needs the rest)")
+    d.add_argument("--speculative", choices=("auto", "off", "mtp"), default="auto",
+                   help="the node's decoding: MTP rounds (the served mode where the checkpoint has an MTP head; "
+                        "auto picks it then), or one token per step")
+    d.add_argument("--num-speculative-tokens", type=int, default=3)
     d.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds to wait for vLLM and the node to start")
     args = ap.parse_args(argv)

@@ -32,11 +32,16 @@ def run_dir_of(text):
     return m.group(1)
 
 
-def test_demo_end_to_end(qwen3_next_ckpt):
-    r = subprocess.run([sys.executable, "-m", "nexrt_vllm.demo.cli", "demo", "--model", qwen3_next_ckpt,
+def test_demo_end_to_end(ckpt_factory):
+    """A checkpoint with an MTP head is served with MTP rounds (the product's mode for it)."""
+    from nexrt_vllm.testing.connector_harness import TRAINED_MTP
+
+    ckpt = ckpt_factory("qwen3_next", "bfloat16", **TRAINED_MTP["qwen3_next"])
+    r = subprocess.run([sys.executable, "-m", "nexrt_vllm.demo.cli", "demo", "--model", ckpt,
                         "--max-tokens", "24"], capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
+    assert "MTP, 3 drafts per round" in out, out
     assert "assistant> " in out
     m = re.search(r"prompt tokens (\d+), completion tokens (\d+)", out)
     assert m and int(m.group(2)) == 24, out
