@@ -11,6 +11,9 @@ import time
 
 from .errors import APIError
 
+# Names the reason on a response that the standard path served (when it precedes the headers).
+DEGRADED_HEADER = "x-nexrt-degraded"
+
 
 class Reason(str, enum.Enum):
     NO_NODE = "no_node"            # no decode node in rotation (down, ejected, misconfigured)
