@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
+import logging
 import uuid
 from collections.abc import Callable
 
@@ -30,6 +31,8 @@ from .presentation import Gen, Renderer
 from .standard import StandardPath
 from .upstream import NodeBusy, NodeClient, NodeError, NodeRefused, vllm_prefill
 
+log = logging.getLogger("nexrt.router")
+
 
 class Lease:
     """One interactive request's hold on a node; cleaned up exactly once."""
@@ -46,10 +49,10 @@ class Lease:
 class InteractiveRequest:
     """One interactive request as received, plus what the router learned along the way."""
 
-    def __init__(self, request: web.Request, kind: str, body: dict, params: P.GenParams,
-                 model: str, info: dict):
-        self.request, self.kind, self.body, self.params = request, kind, body, params
+    def __init__(self, request: web.Request, kind: str, body: dict, model: str, info: dict):
+        self.request, self.kind, self.body = request, kind, body
         self.model, self.info = model, info
+        self.params: P.GenParams | None = None   # None: not one the tier serves (P.Unsupported)
         self.t_recv = time.monotonic()
         self.timing: dict = {}
         self.gen: Gen | None = None
@@ -89,6 +92,7 @@ class InteractivePath:
         self.pool, self.nodes, self.session, self.metrics = pool, nodes, session, metrics
         self.models, self.health, self.renderer, self.standard = models, health, renderer, standard
         self.spawn = spawn
+        self._logged: set[str] = set()       # what _log_once has said
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         raw = await request.read()
@@ -98,12 +102,21 @@ class InteractivePath:
             raise APIError(400, f"request body is not valid JSON: {e}") from None
         model, info = await self.models.resolve(
             self.session, body.get("model") if isinstance(body, dict) else None)
-        params = P.parse(body, kind, info.get("max_model_len"),
-                         auto_tools=bool(self.args.enable_auto_tool_choice
-                                         and self.args.tool_call_parser),
-                         reasoning=self.args.reasoning_parser is not None)
-        rq = InteractiveRequest(request, kind, body, params, model, info)
+        rq = InteractiveRequest(request, kind, body, model, info)
         try:
+            try:
+                rq.params = P.parse(body, kind, info.get("max_model_len"),
+                                    auto_tools=bool(self.args.enable_auto_tool_choice
+                                                    and self.args.tool_call_parser),
+                                    reasoning=self.args.reasoning_parser is not None)
+            except P.Unsupported as e:
+                self._log_unsupported(e)
+                raise Fallback(e.reason, e.message, e) from None
+            if kind == "chat" and self.args.reasoning_parser is None and P.asks_for_reasoning(body):
+                self._log_once("reasoning", logging.WARNING,
+                               "chat requests ask for reasoning but the router runs "
+                               "without --reasoning-parser: their reasoning stays in the content; "
+                               "if vLLM runs one, give the router the same flag")
             return await self._fast(rq)
         except Fallback as f:
             self.metrics.fast_failures.labels(f.reason.value).inc()
@@ -112,6 +125,28 @@ class InteractivePath:
                     return await rq.gen.out.fail(f.error.status, f.error.message)
                 raise f.error from None
             return await self.standard.serve(rq, f)
+
+    def _log_once(self, key: str, level: int, message: str) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.log(level, "%s", message)
+
+    def _log_unsupported(self, e: P.Unsupported) -> None:
+        """Once per reason: what kind of request the tier leaves to the standard path, and when
+        the router's parser flags are why."""
+        level = logging.WARNING
+        if e.reason is Reason.TOOL_PARSER:
+            why = ("the router runs without --enable-auto-tool-choice --tool-call-parser; if vLLM "
+                   "runs them, give the router the same flags")
+        elif e.reason is Reason.REASONING_GRAMMAR:
+            why = ("with --reasoning-parser the node would constrain the reasoning too (vLLM "
+                   "applies the grammar after it)")
+        else:
+            level, why = logging.INFO, f"e.g. {e.message}"
+        what = ("go to the standard path" if self.args.fallback == "standard"
+                else f"are refused with {e.status} (--fallback error)")
+        self._log_once(e.reason.value, level, f"interactive requests the tier does not serve "
+                                              f"({e.reason.value}) {what}: {why}")
 
     async def _fast(self, rq: InteractiveRequest) -> web.StreamResponse:
         node = await self._acquire(rq)

@@ -168,9 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--node-timeout", type=float, default=60.0,
                     help="max seconds between two lines of a node's decode stream")
     ap.add_argument("--fallback", choices=("standard", "error"), default="standard",
-                    help="what an interactive request gets when the fast tier cannot take or finish "
-                         "it before its node's text reaches the client: the standard path (vLLM "
-                         "decodes it) or today's error")
+                    help="what an interactive request gets when the fast tier does not serve it "
+                         "(tools it cannot parse or constrain, n > 1, penalties, ...) or cannot "
+                         "take or finish it before its node's text reaches the client: the "
+                         "standard path (vLLM serves it) or the tier's own 4xx/5xx")
     ap.add_argument("--when-busy", choices=("queue", "429", "standard"), default="queue",
                     help="all nodes busy: wait in the queue (429 when full / timed out), answer 429 "
                          "at once, or serve it on the standard path (needs --fallback standard)")

@@ -132,11 +132,15 @@ class StandardPath:
                                  "known_s": f.known - rq.t_recv, "decide_s": t0 - f.known,
                                  "known_at": f.known_at, "fallback_at": time.time()}
         self.metrics.degraded.labels(f.reason.value).inc()
-        log.info("interactive request continues on the standard path (%s: %s)", f.reason.value,
-                 f.detail)
-        exact = params.logprobs is None and params.structured is None
+        # A request the tier does not serve at all (params None) is said once per reason, at
+        # validation (router/interactive.py); a fast-tier failure each time.
+        log.log(logging.DEBUG if params is None else logging.INFO,
+                "interactive request continues on the standard path (%s: %s)", f.reason.value,
+                f.detail)
+        exact = params is not None and params.logprobs is None and params.structured is None
         if gen is None and not exact:
-            # Logprobs and grammars are vLLM's own there: the client's request, unchanged.
+            # What the tier does not serve, logprobs and grammars are vLLM's own there: the
+            # client's request, unchanged.
             return await self.proxy(rq.request, self.standard_url, {DEGRADED_HEADER: f.reason.value})
         if gen is None:
             # Nothing prefilled: the client's own request, rendered by the router.
