@@ -1,9 +1,10 @@
 """Validation of interactive requests and the body of the vLLM prefill leg.
 
 The interactive tier decodes one sequence with temperature/top-p/top-k sampling, optionally
-with logprobs and under a grammar (structured output); every field it cannot honour is refused
-up front (501 for valid-but-unsupported, 400 for malformed or what vLLM also refuses), never
-silently ignored. Sampling defaults are resolved here once and sent identically to vLLM and the
+with logprobs and under a grammar (structured output). What is malformed, or what vLLM also
+refuses, is a 400 (APIError); what vLLM serves but the tier does not is `Unsupported` (the
+standard path serves it, or with `--fallback error` its 400/501 is the answer), never silently
+ignored. Sampling defaults are resolved here once and sent identically to vLLM and the
 node, so both legs sample the same way (vLLM would otherwise apply the model's
 generation_config defaults to the first token only).
 """
@@ -15,6 +16,7 @@ from nexrt_vllm.handoff.contracts import Claim, ContractError, Sampling
 from nexrt_vllm.handoff.structured import LOGPROBS_MAX, StructuredError, StructuredSpec
 
 from .errors import APIError
+from .fallback import Reason
 
 # field -> predicate that is True when the value is the no-op default the tier can accept.
 _UNSUPPORTED = {
@@ -55,6 +57,15 @@ _AUTO_TOOLS_MSG = ('"auto" tool choice requires --enable-auto-tool-choice and --
 # calls (per tool parser); the router does neither for tools.
 _CONSTRAINED = ("needs constrained decoding to the tools' JSON schema, which the interactive tier "
                 "does not do for tools (send the request as class 'standard' instead)")
+
+
+class Unsupported(APIError):
+    """A request vLLM serves that the interactive tier cannot: `reason` is the degrade reason;
+    status and message are the answer under `--fallback error`."""
+
+    def __init__(self, reason: Reason, status: int, message: str, *, param: str | None = None):
+        super().__init__(status, message, param=param)
+        self.reason = Reason(reason)
 
 
 @dataclass
@@ -117,18 +128,20 @@ def _logprobs(body: dict, kind: str) -> int | None:
         if k is not None and not _is_int(k):
             raise _bad("`logprobs` must be an integer.", "logprobs")
     if k is not None and not 0 <= k <= LOGPROBS_MAX:
-        raise _bad(f"'{name}'={k}: the interactive tier returns at most {LOGPROBS_MAX} logprobs per token "
-                   f"(vLLM's default max_logprobs); -1 (the whole vocabulary) is not supported", name)
+        raise Unsupported(Reason.LOGPROBS, 400, f"'{name}'={k}: the interactive tier returns at most "
+                          f"{LOGPROBS_MAX} logprobs per token (vLLM's default max_logprobs); -1 (the "
+                          f"whole vocabulary) is not supported", param=name)
     return k
 
 
 def _structured(body: dict) -> StructuredSpec | None:
     """The grammar of response_format / structured_outputs (vLLM's precedence: response_format
-    overrides), or None; 400 for what the node cannot enforce as vLLM's xgrammar backend would."""
+    overrides), or None; 400 for a malformed one, Unsupported for what the node does not enforce
+    as vLLM would."""
     for name in _LEGACY_GUIDED:
         if body.get(name) is not None:
-            raise _bad(f"'{name}' is not supported (vLLM 0.32 ignores it); use 'structured_outputs' or "
-                       f"'response_format'", name)
+            raise Unsupported(Reason.GRAMMAR, 400, f"'{name}' is not supported (vLLM 0.32 ignores it); "
+                              f"use 'structured_outputs' or 'response_format'", param=name)
     spec = None
     so = body.get("structured_outputs")
     if so is not None:
@@ -136,11 +149,13 @@ def _structured(body: dict) -> StructuredSpec | None:
             raise _bad("'structured_outputs' must be an object", "structured_outputs")
         for k, default in _SO_OPTIONS.items():
             if so.get(k, default) not in (default, None):
-                raise _bad(f"'structured_outputs.{k}' is not supported on the interactive tier (the node "
-                           f"compiles grammars with vLLM's defaults)", "structured_outputs")
+                raise Unsupported(Reason.GRAMMAR, 400, f"'structured_outputs.{k}' is not supported on the "
+                                  f"interactive tier (the node compiles grammars with vLLM's defaults)",
+                                  param="structured_outputs")
         unknown = sorted(set(so) - set(_SO_KINDS) - set(_SO_OPTIONS))
         if unknown:
-            raise _bad(f"'structured_outputs' has unknown fields {unknown}", "structured_outputs")
+            raise Unsupported(Reason.GRAMMAR, 400, f"'structured_outputs' has unknown fields {unknown}",
+                              param="structured_outputs")
         kinds = [k for k in _SO_KINDS if so.get(k) is not None]
         if len(kinds) != 1:
             raise _bad("'structured_outputs' must set exactly one of json, regex, choice, grammar, "
@@ -163,8 +178,11 @@ def _structured(body: dict) -> StructuredSpec | None:
                            "'schema' must be provided.", "response_format")
             spec = _spec("json_schema", js["schema"], "response_format")
         elif t != "text":
-            raise _bad(f"response_format type {t!r} is not supported on the interactive tier "
-                       f"(supported: text, json_object, json_schema)", "response_format")
+            msg = (f"response_format type {t!r} is not supported on the interactive tier "
+                   f"(supported: text, json_object, json_schema)")
+            if t == "structural_tag":      # vLLM's; any other type vLLM refuses too
+                raise Unsupported(Reason.GRAMMAR, 400, msg, param="response_format")
+            raise _bad(msg, "response_format")
     return spec
 
 
@@ -175,12 +193,14 @@ def _spec(kind: str, value, param: str) -> StructuredSpec:
         raise _bad(f"'{param}': {e}", param) from None
     why = spec.unsupported()
     if why:
-        raise _bad(f"'{param}': {why} on the interactive tier", param)
+        # vLLM's `auto` backend would switch to another library for these
+        raise Unsupported(Reason.GRAMMAR, 400, f"'{param}': {why} on the interactive tier", param=param)
     return spec
 
 
 def _check_tools(body: dict, auto_tools: bool) -> None:
-    """vLLM's own 400s for tool fields, and a refusal where vLLM would constrain decoding."""
+    """vLLM's own 400s for tool fields; Unsupported where the router has no tool parser or vLLM
+    would constrain decoding."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools == []:
         raise _bad("`tools` must not be an empty array. Either provide at least one tool or omit "
@@ -198,20 +218,34 @@ def _check_tools(body: dict, auto_tools: bool) -> None:
         raise _bad(f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", "
                    f"\"auto\" or \"required\" are supported.", "tool_choice")
     if choice == "auto" and not auto_tools:
-        raise _bad(_AUTO_TOOLS_MSG, "tool_choice")
-    if choice == "required" or isinstance(choice, dict):
-        what = "'required'" if choice == "required" else "a named function"
-        raise APIError(400, f"tool_choice {what} {_CONSTRAINED}", param="tool_choice")
+        raise Unsupported(Reason.TOOL_PARSER, 400, _AUTO_TOOLS_MSG, param="tool_choice")
+    if choice == "required":
+        raise Unsupported(Reason.TOOL_CHOICE_REQUIRED, 400, f"tool_choice 'required' {_CONSTRAINED}",
+                          param="tool_choice")
+    if isinstance(choice, dict):
+        raise Unsupported(Reason.TOOL_CHOICE_NAMED, 400, f"tool_choice a named function {_CONSTRAINED}",
+                          param="tool_choice")
     if any(isinstance(t.get("function"), dict) and t["function"].get("strict") for t in tools):
-        raise APIError(400, f"a tool with \"strict\": true {_CONSTRAINED}", param="tools")
+        raise Unsupported(Reason.STRICT_TOOLS, 400, f"a tool with \"strict\": true {_CONSTRAINED}",
+                          param="tools")
     if body.get("parallel_tool_calls") is False:
-        raise APIError(400, f"'parallel_tool_calls': false with tools {_CONSTRAINED}",
-                       param="parallel_tool_calls")
+        raise Unsupported(Reason.PARALLEL_TOOL_CALLS, 400,
+                          f"'parallel_tool_calls': false with tools {_CONSTRAINED}",
+                          param="parallel_tool_calls")
+
+
+def asks_for_reasoning(body: dict) -> bool:
+    """The chat request asks for reasoning (which vLLM with --reasoning-parser splits out)."""
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    return bool(body.get("reasoning_effort") not in (None, "none") or body.get("include_reasoning")
+                or kwargs.get("enable_thinking") or kwargs.get("thinking"))
 
 
 def parse(body, kind: str, max_model_len: int | None, auto_tools: bool = False,
           reasoning: bool = False) -> GenParams:
-    """Validate a chat/completions body for the interactive tier; raise APIError on refusal.
+    """Validate a chat/completions body for the interactive tier; raise APIError for what is
+    malformed (or vLLM refuses too), Unsupported for what only the standard path serves.
 
     `auto_tools`: the router parses tool calls (--enable-auto-tool-choice --tool-call-parser);
     `reasoning`: it splits reasoning out of chat output (--reasoning-parser)."""
@@ -225,8 +259,8 @@ def parse(body, kind: str, max_model_len: int | None, auto_tools: bool = False,
         p = body.get("prompt")
         if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
             if len(p) > 1:
-                raise APIError(501, "batched prompts are not supported on the interactive tier; "
-                                    "send one prompt per request", param="prompt")
+                raise Unsupported(Reason.BATCHED_PROMPT, 501, "batched prompts are not supported on the "
+                                  "interactive tier; send one prompt per request", param="prompt")
             p = p[0]
         ids_ok = isinstance(p, list) and all(_is_int(t) for t in p)
         if not p or not (isinstance(p, str) or ids_ok):
@@ -240,12 +274,14 @@ def parse(body, kind: str, max_model_len: int | None, auto_tools: bool = False,
     else:
         for name in ("tools", "tool_choice"):
             if body.get(name) not in (None, "none", []):
-                raise APIError(501, f"'{name}'={body[name]!r} is not supported on the interactive "
-                                    f"tier (send the request as class 'standard' instead)", param=name)
+                raise Unsupported(Reason.COMPLETION_TOOLS, 501, f"'{name}'={body[name]!r} is not "
+                                  f"supported on the interactive tier (send the request as class "
+                                  f"'standard' instead)", param=name)
     for name, ok in _UNSUPPORTED.items():
         if name in body and not ok(body[name]):
-            raise APIError(501, f"'{name}'={body[name]!r} is not supported on the interactive "
-                                f"tier (send the request as class 'standard' instead)", param=name)
+            raise Unsupported(Reason.REQUEST_OPTION, 501, f"'{name}'={body[name]!r} is not supported "
+                              f"on the interactive tier (send the request as class 'standard' "
+                              f"instead)", param=name)
 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -309,27 +345,28 @@ def parse(body, kind: str, max_model_len: int | None, auto_tools: bool = False,
     if not isinstance(ignore_eos, bool):
         raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
     try:
-        # the node's contract is stricter in corners (finite numbers, seed range): refuse here
+        # the node's contract is stricter in corners (finite numbers, seed range) than vLLM's
         sampling = Sampling(temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
                             ignore_eos=ignore_eos, stop_token_ids=tuple(stop_ids))
     except ContractError as e:
-        raise _bad(f"'{e.field}' {e.problem}", e.field) from None
+        raise Unsupported(Reason.REQUEST_OPTION, 400, f"'{e.field}' {e.problem}", param=e.field) from None
 
     return_ids = body.get("return_token_ids", False)
     if return_ids not in (None, False, True):
         raise _bad("'return_token_ids' must be a boolean", "return_token_ids")
     if return_ids and stream:
-        raise APIError(501, "'return_token_ids' is supported without streaming only on the "
-                            "interactive tier", param="return_token_ids")
+        raise Unsupported(Reason.REQUEST_OPTION, 501, "'return_token_ids' is supported without "
+                          "streaming only on the interactive tier", param="return_token_ids")
 
     logprobs = _logprobs(body, kind)
     structured = _structured(body)
     if structured is not None and reasoning and kind == "chat":
         # vLLM enforces the grammar only after the reasoning ends; the node enforces it from the
         # first token on.
-        raise _bad("structured output together with a reasoning parser is not supported on the "
-                   "interactive tier (the grammar would apply to the reasoning too)",
-                   "response_format" if body.get("response_format") is not None else "structured_outputs")
+        raise Unsupported(Reason.REASONING_GRAMMAR, 400, "structured output together with a reasoning "
+                          "parser is not supported on the interactive tier (the grammar would apply "
+                          "to the reasoning too)", param="response_format"
+                          if body.get("response_format") is not None else "structured_outputs")
 
     return GenParams(kind=kind, model=model, stream=stream, include_usage=include_usage,
                      max_tokens=max_tokens, stop=stop, sampling=sampling,

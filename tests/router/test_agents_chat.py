@@ -222,9 +222,20 @@ REFUSALS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def strict(tok_dir):
+    """The hermes router with --fallback error: the tier's own refusals (with the default
+    `standard`, vLLM serves what the tier does not: tests/router/test_degrade_unsupported.py)."""
+    s = Stack(tok_dir, router_args=("--default-class", "interactive", "--reasoning-parser", "qwen3",
+                                    "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                                    "--fallback", "error"))
+    yield s
+    s.close()
+
+
 @pytest.mark.parametrize("body,status,needle", REFUSALS)
-def test_refusals(stacks, body, status, needle):
-    stack = stacks["hermes"]
+def test_refusals(strict, body, status, needle):
+    stack = strict
     admits = stack.nodes[0].admits
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.APIStatusError) as e:
@@ -272,8 +283,8 @@ def test_default_chat_template_kwargs(tok_dir, tok):
             m = r["choices"][0]["message"]
             assert (m["reasoning"], m["content"]) == (reasoning, content), extra
             assert (reasoning is not None) == thinking
-        # no tool parser: tools with "auto" are vLLM's 400
+        # no tool parser: tools with "auto" go to the standard path (vLLM parses them there)
         r = requests.post(f"{stack.url}/v1/chat/completions", json=_body(), timeout=30)
-        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        assert r.status_code == 200 and r.headers["x-nexrt-degraded"] == "tool_parser"
     finally:
         stack.close()

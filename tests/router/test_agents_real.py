@@ -9,12 +9,14 @@ tool with a `<think>` block and a call in Qwen3.5's markup, and a JSON request w
 The router's `tool_calls`, `reasoning` (vLLM 0.32's name for `reasoning_content`), `content`,
 finish reason and usage equal vLLM-only's, streaming (the deltas in order, and assembled) and
 not, and are the trained answer; every request is decoded on the node (`--fallback error`, the
-node's admissions and tokens counted).
+node's admissions and tokens counted). A router without the flags leaves tool requests to vLLM
+(the standard path): vLLM's own answers.
 """
 import json
 import re
 
 import openai
+import requests
 import pytest
 import torch
 import transformers
@@ -208,3 +210,26 @@ def test_streaming_equals_vllm(real, router, key):
     assert admitted == 1 and tokens == got["usage"]["completion_tokens"] - 1
     assert_idle(real, router)
 
+
+
+def test_router_without_parser_flags_leaves_tools_to_vllm(real):
+    """A router started without the tool / reasoning flags (vLLM with them) sends tool requests to
+    the standard path: vLLM's own answer, with the reason in `x-nexrt-degraded`; no node used."""
+    url = real.router()[0]                       # no parser flags, --fallback standard
+    body = {**agent_request("tool", "Paris", 3), "model": real.ckpt, "max_tokens": 300, "temperature": 0}
+    before = _node_counts(real)
+    cases = [({}, "tool_parser"), ({"tool_choice": "required", "max_tokens": 40}, "tool_choice_required"),
+             ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 40},
+              "tool_choice_named")]
+    for extra, reason in cases:
+        r = requests.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=300)
+        ref = requests.post(f"{real.vllm_url}/v1/chat/completions", json={**body, **extra}, timeout=300)
+        assert (r.status_code, ref.status_code) == (200, 200), r.text
+        assert r.headers["x-nexrt-degraded"] == reason
+        got, want = r.json()["choices"][0], ref.json()["choices"][0]
+        assert _ID.sub("", json.dumps(got)) == _ID.sub("", json.dumps(want))
+        assert r.json()["usage"] == ref.json()["usage"]
+        if not extra:                            # the trained answer
+            assert got["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert _node_counts(real) == before
+    assert_idle(real, url)

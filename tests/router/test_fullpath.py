@@ -99,7 +99,8 @@ def test_client_disconnects(real, router):
 
 def test_bad_requests(real, router):
     """4xx with a message on the real stack, including vLLM's own refusal (prompt longer than
-    the context), which is passed through after the node reservation is cancelled."""
+    the context), which is passed through after the node reservation is cancelled; what vLLM
+    serves but the tier does not (n > 1) is vLLM's answer."""
     url, _ = router
     cases = [
         (b"{oops", 400, "not valid JSON"),
@@ -108,7 +109,6 @@ def test_bad_requests(real, router):
         (json.dumps({"model": real.ckpt, "prompt": "x", "max_tokens": 10**7}), 400,
          "maximum context length"),
         (json.dumps({"model": "no-such-model", "prompt": "x"}), 404, "does not exist"),
-        (json.dumps({"model": real.ckpt, "prompt": "x", "n": 3}), 501, "not supported"),
         (json.dumps({"model": real.ckpt, "prompt": " ".join(["alpha beta"] * 1200),
                      "max_tokens": 4}), 400, "vLLM"),
     ]
@@ -117,6 +117,43 @@ def test_bad_requests(real, router):
                           headers={"Content-Type": "application/json"})
         assert r.status_code == status, (data[:80], r.text)
         assert needle in r.json()["error"]["message"], r.text
+    r = requests.post(url + "/v1/completions", timeout=60, json={
+        "model": real.ckpt, "prompt": "x", "n": 3, "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-nexrt-degraded"] == "request_option", r.text
+    assert len(r.json()["choices"]) == 3
+    assert_idle(real, url)
+
+
+TOOL = {"type": "function", "function": {"name": "search", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+NOT_SERVED = [  # what the tier leaves to vLLM (this router runs no tool parser; vLLM neither)
+    ("chat/completions", {"tools": [TOOL]}, "tool_parser"),
+    ("chat/completions", {"tools": [TOOL], "tool_choice": "required"}, "tool_choice_required"),
+    ("chat/completions", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "search"}}},
+     "tool_choice_named"),
+    ("completions", {"tools": [TOOL]}, "completion_tools"),
+]
+
+
+def _without_ids(obj):
+    """The response without what differs between two equal answers (ids, creation time)."""
+    if isinstance(obj, dict):
+        return {k: _without_ids(v) for k, v in obj.items() if k not in ("id", "created")}
+    if isinstance(obj, list):
+        return [_without_ids(v) for v in obj]
+    return obj
+
+
+@pytest.mark.parametrize("path,extra,reason", NOT_SERVED, ids=[c[2] for c in NOT_SERVED])
+def test_what_the_tier_does_not_serve_is_vllms_answer(real, router, path, extra, reason):
+    url, _ = router
+    body = {"model": real.ckpt, "max_tokens": 8, "temperature": 0, **extra,
+            **({"messages": [{"role": "user", "content": "find cats"}]} if path.startswith("chat")
+               else {"prompt": "find cats"})}
+    r = requests.post(f"{url}/v1/{path}", json=body, timeout=120)
+    ref = requests.post(f"{real.vllm_url}/v1/{path}", json=body, timeout=120)
+    assert r.status_code == ref.status_code and r.headers["x-nexrt-degraded"] == reason, r.text
+    assert _without_ids(r.json()) == _without_ids(ref.json())
     assert_idle(real, url)
 
 

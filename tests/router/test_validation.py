@@ -1,17 +1,26 @@
-"""Bad input on the interactive path → 4xx/501 with an OpenAI error body, before any node is
-reserved: malformed JSON, wrong types, negative/huge max_tokens, unknown model, fields the tier
-cannot honour."""
+"""Bad input on the interactive path → 4xx with an OpenAI error body, before any node is
+reserved: malformed JSON, wrong types, negative/huge max_tokens, unknown model, what vLLM refuses
+too. Fields the tier cannot honour get its 400/501 with `--fallback error` (with the default
+`standard`, vLLM serves them: tests/router/test_degrade_unsupported.py)."""
 import time
 
 import pytest
 import requests
 
-from nexrt_vllm.testing.router_fakes import interactive_stack
+from nexrt_vllm.testing.router_fakes import Stack, interactive_stack, tokenizer_dir
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     yield from interactive_stack(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory):
+    s = Stack(tokenizer_dir(tmp_path_factory), router_args=("--default-class", "interactive",
+                                                            "--fallback", "error"))
+    yield s
+    s.close()
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
@@ -36,8 +45,6 @@ CASES = [
     ("completions", {**CMPL, "top_p": 0}, 400, "top_p"),
     ("completions", {**CMPL, "top_k": -5}, 400, "top_k"),
     ("completions", {**CMPL, "seed": "x"}, 400, "seed"),
-    ("completions", {**CMPL, "seed": -1}, 400, "seed"),             # the node's range: [0, 2**63)
-    ("completions", {**CMPL, "seed": 2**63}, 400, "seed"),
     ("completions", {**CMPL, "stream": "yes"}, 400, "stream"),
     ("completions", {**CMPL, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completions", {**CMPL, "stop": 3}, 400, "stop"),
@@ -45,22 +52,28 @@ CASES = [
     ("completions", {**CMPL, "ignore_eos": "no"}, 400, "ignore_eos"),
     ("completions", {**CMPL, "model": 3}, 400, "model"),
     ("completions", {**CMPL, "model": "nope"}, 404, "does not exist"),
+    # logprobs and structured output: vLLM's own 400s
+    ("completions", {**CMPL, "logprobs": "2"}, 400, "`logprobs` must be an integer"),
+    ("chat/completions", {**CHAT, "top_logprobs": 2}, 400, "`logprobs` must be set to true"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "'json_schema' field"),
+    ("completions", {**CMPL, "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400, "exactly one of"),
+    ("completions", {**CMPL, "structured_outputs": {"choice": []}}, 400, "non-empty list"),
+]
+
+# What vLLM serves but the tier does not: its answer with --fallback error.
+TIER_CASES = [
+    ("completions", {**CMPL, "seed": -1}, 400, "seed"),             # the node's range: [0, 2**63)
+    ("completions", {**CMPL, "seed": 2**63}, 400, "seed"),
     ("completions", {**CMPL, "n": 2}, 501, "'n'"),
     ("completions", {**CMPL, "best_of": 3}, 501, "best_of"),
-    # logprobs and structured output: vLLM's own 400s, and what the node cannot serve
     ("completions", {**CMPL, "logprobs": 21}, 400, "at most 20 logprobs"),
-    ("completions", {**CMPL, "logprobs": "2"}, 400, "`logprobs` must be an integer"),
     ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, 400, "at most 20 logprobs"),
-    ("chat/completions", {**CHAT, "top_logprobs": 2}, 400, "`logprobs` must be set to true"),
     ("completions", {**CMPL, "prompt_logprobs": 1}, 501, "prompt_logprobs"),
     ("chat/completions", {**CHAT, "response_format": {"type": "structural_tag"}}, 400,
      "response_format type 'structural_tag' is not supported"),
-    ("chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "'json_schema' field"),
     ("chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "n", "schema": {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 2}}}}}},
      400, "multipleOf on a number is not supported (at $.properties.x)"),
-    ("completions", {**CMPL, "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400, "exactly one of"),
-    ("completions", {**CMPL, "structured_outputs": {"choice": []}}, 400, "non-empty list"),
     ("completions", {**CMPL, "structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": True}},
      400, "disable_any_whitespace"),
     ("completions", {**CMPL, "guided_regex": "a+"}, 400, "'guided_regex' is not supported"),
@@ -77,8 +90,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("path,body,status,needle", CASES)
-def test_bad_request(stack, path, body, status, needle):
+def _refused(stack, path, body, status, needle):
     admits = stack.nodes[0].admits
     data = b"{not json" if body is None else requests.models.complexjson.dumps(body)
     r = requests.post(f"{stack.url}/v1/{path}", data=data, timeout=10,
@@ -88,6 +100,16 @@ def test_bad_request(stack, path, body, status, needle):
     assert needle in err["message"] and err["code"] == status and err["type"]
     assert stack.nodes[0].admits == admits                 # nothing reserved
     assert stack.idle()
+
+
+@pytest.mark.parametrize("path,body,status,needle", CASES)
+def test_bad_request(stack, path, body, status, needle):
+    _refused(stack, path, body, status, needle)
+
+
+@pytest.mark.parametrize("path,body,status,needle", TIER_CASES)
+def test_tier_refusal_with_fallback_error(strict, path, body, status, needle):
+    _refused(strict, path, body, status, needle)
 
 
 def test_bad_class_header(stack):
