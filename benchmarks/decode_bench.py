@@ -4,7 +4,7 @@ For each shape and context it reports: median step time over >= `--steps` graph 
 events), tok/s, the bytes a step must move (counted from the tensors it reads and writes), the
 device-to-device copy bandwidth measured in the same run, MBU = bytes / step time / copy bandwidth,
 the end-to-end tok/s of the pipelined host loop, the eager path's tok/s and the speed-ups over the
-eager path and over HF transformers (the issue's measurement on this H200, not re-run here). It
+eager path and over plain HF transformers (measured once on the H200, `shapes.HF_TOKS`; not re-run). It
 also checks greedy parity (graph vs eager, 256 steps; with `--graft DIR` on a trained tiny checkpoint
 carried into the real shape, nexrt_vllm/bench/graft.py) and times each kernel group. Writes JSON and a PNG
 (tok/s and MBU vs context with the roofline). Exits 1 if a parity check fails or a shape fails to run

@@ -14,5 +14,5 @@ SHAPES = {
                 moe_intermediate_size=512, shared_expert_intermediate_size=512, tie_word_embeddings=False),
 }
 NAMES = {"2b": "Qwen3.5-2B", "35b": "Qwen3.5-35B-A3B"}
-HF_TOKS = {"2b": 12.9, "35b": 6.4}  # plain HF transformers on this H200 (issue #6), tok/s
+HF_TOKS = {"2b": 12.9, "35b": 6.4}  # plain HF transformers on the H200, tok/s: the baseline of decode_bench's xHF
 GRAFT_ARCH = {"2b": "qwen3_5", "35b": "qwen3_5_moe"}  # the tiny family each shape can carry (graft.py)
