@@ -4,7 +4,8 @@ Runs the same batch-1 decode workload on three vLLM configurations, each in its 
 in alternating rounds (the box is shared, so neighbours' load spreads over all three):
 
 * ``plain``   - vLLM without any KV connector;
-* ``null``    - vLLM with a connector whose every hook does nothing (``NullConnector`` below):
+* ``null``    - vLLM with a connector whose every hook does nothing
+                (``nexrt_vllm.bench.null_connector.NullConnector``):
                 what vLLM itself charges for having *a* connector;
 * ``nexrt``   - vLLM with NexRTConnector (mooncake transport), no request claimed.
 
@@ -27,48 +28,14 @@ import tempfile
 import time
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, SupportsHMA
-
 CONFIGS = ("plain", "null", "nexrt")
-
-
-class NullConnector(KVConnectorBase_V1, SupportsHMA):
-    """Control: a connector that claims nothing and does nothing in every hook."""
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return 0, False
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        return
-
-    def build_connector_meta(self, scheduler_output):
-        return _NullMeta()
-
-    def request_finished_all_groups(self, request, block_ids):
-        return False, None
-
-    def start_load_kv(self, forward_context, **kwargs):
-        return
-
-    def wait_for_layer_load(self, layer_name):
-        return
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        return
-
-    def wait_for_save(self):
-        return
-
-
-class _NullMeta(KVConnectorMetadata):
-    pass
 
 
 def kv_transfer_config(name: str) -> dict | None:
     if name == "plain":
         return None
     if name == "null":
-        return {"kv_connector": "NullConnector", "kv_connector_module_path": "benchmarks.connector_overhead",
+        return {"kv_connector": "NullConnector", "kv_connector_module_path": "nexrt_vllm.bench.null_connector",
                 "kv_role": "kv_both"}
     return {"kv_connector": "NexRTConnector", "kv_connector_module_path": "nexrt_vllm.connector",
             "kv_role": "kv_producer", "kv_connector_extra_config": {"transport": "mooncake"}}

@@ -4,10 +4,11 @@ For each shape and context it reports: median step time over >= `--steps` graph 
 events), tok/s, the bytes a step must move (counted from the tensors it reads and writes), the
 device-to-device copy bandwidth measured in the same run, MBU = bytes / step time / copy bandwidth,
 the end-to-end tok/s of the pipelined host loop, the eager path's tok/s and the speed-ups over the
-eager path and over HF transformers (the issue's measurement on this H200, not re-run here). It
+eager path and over plain HF transformers (measured once on the H200, `shapes.HF_TOKS`; not re-run). It
 also checks greedy parity (graph vs eager, 256 steps; with `--graft DIR` on a trained tiny checkpoint
-carried into the real shape, benchmarks/graft.py) and times each kernel group. Writes JSON and a PNG
-(tok/s and MBU vs context with the roofline).
+carried into the real shape, nexrt_vllm/bench/graft.py) and times each kernel group. Writes JSON and a PNG
+(tok/s and MBU vs context with the roofline). Exits 1 if a parity check fails or a shape fails to run
+(`judge`; the JSON's "checks").
 
     python benchmarks/decode_bench.py --shapes 35b,2b --contexts 1024,8192,32768,131072 --eager-steps 5 \\
         --graft .work/graft --json $OUT/decode_h200.json --png $OUT/decode_h200.png
@@ -20,7 +21,6 @@ and `fp8_vs_bf16` compares the two per context.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -29,150 +29,12 @@ import time
 
 import torch
 
-from nexrt_vllm.engine.fp8 import FP8Weight
-from nexrt_vllm.engine.state import AttentionState, GDNState
-
-# Qwen3.5 shapes: the published Qwen3.5-2B / Qwen3.5-35B-A3B configs and the family's transformers defaults.
-_COMMON = dict(vocab_size=248320, hidden_size=2048, head_dim=256, linear_num_key_heads=16,
-               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-               full_attention_interval=4, rms_norm_eps=1e-6, hidden_act="silu", dtype="bfloat16",
-               max_position_embeddings=262144,
-               rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
-SHAPES = {
-    "2b": dict(_COMMON, architectures=["Qwen3_5ForCausalLM"], num_hidden_layers=24, num_attention_heads=8,
-               num_key_value_heads=2, linear_num_value_heads=16, intermediate_size=6144, tie_word_embeddings=True),
-    "35b": dict(_COMMON, architectures=["Qwen3_5MoeForCausalLM"], num_hidden_layers=40, num_attention_heads=16,
-                num_key_value_heads=2, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
-                moe_intermediate_size=512, shared_expert_intermediate_size=512, tie_word_embeddings=False),
-}
-NAMES = {"2b": "Qwen3.5-2B", "35b": "Qwen3.5-35B-A3B"}
-HF_TOKS = {"2b": 12.9, "35b": 6.4}  # plain HF transformers on this H200 (issue #6), tok/s
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
-    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written (median)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(times)
-
-
-def tuning_from(kvs: str):
-    """"field=value,..." -> a graph.Tuning with those fields replaced (ints; 0/1 for bools; a/b/c tuples;
-    a/b/c+d/e/f tuples of tuples, e.g. the `gemv` rules)."""
-    import dataclasses
-
-    from nexrt_vllm.engine.graph import Tuning
-    types = {f.name: f.type for f in dataclasses.fields(Tuning)}
-    kw = {}
-    for kv in filter(None, kvs.split(",")):
-        k, _, v = kv.partition("=")
-        if k not in types:
-            raise SystemExit(f"unknown Tuning field {k!r}; fields: {sorted(types)}")
-        if "+" in v:
-            kw[k] = tuple(tuple(int(x) for x in part.split("/")) for part in v.split("+"))
-        elif "/" in v:
-            kw[k] = tuple(int(x) for x in v.split("/"))
-        elif types[k] in ("bool", "bool | None"):
-            kw[k] = v.lower() in ("1", "true")
-        else:
-            kw[k] = int(v)
-    return dataclasses.replace(Tuning(), **kw), kw
-
-
-def time_replays(g, n: int) -> list[float]:
-    """Per-replay device time (s) of `n` back-to-back replays, from events between them."""
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
-    ev[0].record()
-    for i in range(n):
-        g.replay()
-        ev[i + 1].record()
-    ev[-1].synchronize()
-    return [ev[i].elapsed_time(ev[i + 1]) / 1e3 for i in range(n)]
-
-
-def fill_context(eng, ctx: int, gen: torch.Generator) -> None:
-    """Make the state hold `ctx` tokens of plausible magnitude (timing only: values do not matter)."""
-    st = eng.state
-    for layer in st.layers:
-        if isinstance(layer, AttentionState):
-            layer.k[:, :ctx].normal_(generator=gen)
-            layer.v[:, :ctx].normal_(generator=gen)
-        else:
-            layer.conv.normal_(generator=gen)
-            layer.rec.normal_(generator=gen).mul_(0.05)
-    st.set_seq_len(ctx)
-
-
-def _nb(t) -> int:
-    """Bytes a launch reads to stream weight / state `t` once: an FP8 weight's e4m3 values, block
-    scales, scale-row map and bf16 tail (fp8.FP8Weight.nbytes); a tensor's elements."""
-    if isinstance(t, FP8Weight):
-        return t.nbytes()
-    return t.numel() * t.element_size()
-
-
-def _experts_nb(w, k: int, n_experts: int) -> int:
-    """Bytes of k of the n_experts stacked experts of `w` (the selected ones), and an FP8 weight's
-    scale-row map (shared by the experts) once."""
-    if isinstance(w, FP8Weight):
-        return k * (w.q.numel() + 4 * w.scale.numel()) // n_experts + 4 * w.srow.numel()
-    return k * _nb(w) // n_experts
-
-
-def _kv_row(c, layer) -> int:
-    return c.num_kv_heads * c.head_dim * layer.mixer.state.k.element_size()
-
-
-# Each group of graph.FusedDecoder.plan(): the part of its layer it computes (None: not a layer's) and
-# the bytes one launch must move at context n, from the decoder d and the layer's record L: each
-# weight / state byte read once, state written once, K/V rows 0..n read, only the selected experts.
-GROUPS = {
-    "embed": (None, lambda d, L, n: d.cfg.hidden_size * d.embed.element_size()),
-    "gdn_in_proj+conv": ("mixer", lambda d, L, n: _nb(L.mixer.w_in) + _nb(L.mixer.conv_w) + 2 * _nb(L.mixer.state.conv)),
-    "gdn_step": ("mixer", lambda d, L, n: 2 * _nb(L.mixer.state.rec)),
-    "gdn_out_proj": ("mixer", lambda d, L, n: _nb(L.mixer.w_out)),
-    "attn_qkv_proj": ("mixer", lambda d, L, n: _nb(L.mixer.w_qkv)),
-    "attn_qknorm_rope_kvwrite": ("mixer", lambda d, L, n: 2 * _kv_row(d.cfg, L)),
-    "attn_splitk+combine": ("mixer", lambda d, L, n: 2 * _kv_row(d.cfg, L) * (n + 1)),
-    "attn_o_proj": ("mixer", lambda d, L, n: _nb(L.mixer.w_o)),
-    "moe_router": ("ffn", lambda d, L, n: _nb(L.ffn.w_router)),
-    "moe_experts": ("ffn", lambda d, L, n: _experts_nb(L.ffn.gate_up, d.cfg.num_experts_per_tok, d.cfg.num_experts)
-                    + _experts_nb(L.ffn.down, d.cfg.num_experts_per_tok, d.cfg.num_experts)
-                    + _nb(L.ffn.s_gate_up) + _nb(L.ffn.s_down)),
-    "mlp_gate_up+swiglu": ("ffn", lambda d, L, n: _nb(L.ffn.w_gate_up)),
-    "mlp_down": ("ffn", lambda d, L, n: _nb(L.ffn.w_down)),
-    "lm_head+argmax": (None, lambda d, L, n: _nb(d.lm_head)),
-}
-
-
-def step_bytes(d, seq_len: int) -> list[tuple[object, int]]:
-    """(launch, bytes it must move at context `seq_len`) for every launch of the fused step, in order."""
-    return [(s, GROUPS[s.group][1](d, None if s.layer is None else d.layers[s.layer], seq_len)) for s in d.plan()]
-
-
-def bytes_per_step(d, seq_len: int) -> dict[str, int]:
-    """Bytes the fused step must move at context `seq_len`, per kernel group and in total."""
-    out: dict[str, int] = {}
-    for s, nb in step_bytes(d, seq_len):
-        out[s.group] = out.get(s.group, 0) + nb
-    out["total"] = sum(out.values())
-    return out
+from nexrt_vllm.bench import spec_round
+from nexrt_vllm.bench.checks import finish, record, write
+from nexrt_vllm.bench.shapes import HF_TOKS, NAMES, SHAPES
+from nexrt_vllm.bench.step import (GROUPS, bytes_per_step, copy_bandwidth, fill_context, graft_engine, kernel_groups,
+                                   log, periodic_prompt, random_engine, time_replays, tuning_from)
+from nexrt_vllm.engine.state import GDNState
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
@@ -308,96 +170,6 @@ def eager_controls(eng, n0: int, snap, first: int, eager_tokens: list[int], eage
         "first_divergence": next((i for i, (a, b) in enumerate(zip(toks, eager_tokens)) if a != b), None),
         "logits_rel_err_step0": errs[0], "logits_rel_err_median": statistics.median(errs),
         "logits_rel_err_per_step": errs}}
-
-
-def kernel_groups(d, reps: int = 20) -> dict:
-    """Device time of each kernel group of the fused step: the group's launches for every layer back
-    to back in one graph (weights stream from HBM as in a real step), with the bytes they move."""
-    groups: dict[str, list] = {}
-    for s, nb in step_bytes(d, int(d.state.seq_len)):
-        groups.setdefault(s.group, []).append((s.run, nb))
-    out = {}
-    saved = [(t, t.clone()) for layer in d.state.layers for p, t in layer.parts().items() if p not in layer.ROWS]
-    pos = d.state.position.clone()
-    for name, items in groups.items():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s), d.launch_options():
-            for fn, _ in items:
-                fn()
-            torch.cuda.synchronize()
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr, stream=s):
-                for fn, _ in items:
-                    fn()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        ts = time_replays(gr, reps)
-        sec = statistics.median(ts)
-        nb = sum(x[1] for x in items)
-        out[name] = {"launches": len(items), "us_per_step": sec * 1e6, "us_per_launch": sec * 1e6 / len(items),
-                     "bytes_per_step": nb, "GBps": nb / sec / 1e9 if nb else None}
-        del gr
-    for t, x in saved:
-        t.copy_(x)
-    d.state.position.copy_(pos)
-    return out
-
-
-GRAFT_ARCH = {"2b": "qwen3_5", "35b": "qwen3_5_moe"}  # the tiny family each shape can carry
-
-
-def fp8_weights(tensors: dict, cfg) -> dict:
-    """The model's tensors in the published FP8 checkpoints' format (fp8.quantize_tensors: 128 x 128
-    blocks; head, router, shared-expert gate and GDN b / a in bf16), as an FP8 checkpoint loads them
-    on the GPU path (Engine.from_pretrained with fp8_weights="auto")."""
-    from nexrt_vllm.engine.fp8 import quantize_tensors
-    out = quantize_tensors(tensors, cfg)
-    torch.cuda.empty_cache()
-    return out
-
-
-def graft_engine(key: str, ckpt_dir: str, max_len: int, device: str = "cuda", dtype: str = "bf16"):
-    """The real shape `key` carrying the trained tiny checkpoint `ckpt_dir`/<family> (benchmarks/graft.py;
-    trained there first when absent); `dtype` "fp8": then quantized into the block format."""
-    try:
-        from benchmarks import graft as G
-    except ImportError:  # run as a script: benchmarks/ is on the path
-        import graft as G
-
-    from nexrt_vllm.engine import Engine
-    from nexrt_vllm.engine.config import ModelConfig
-    from nexrt_vllm.engine.model import Model
-    from nexrt_vllm.engine.weights import load_checkpoint
-    path = G.ensure_checkpoint(os.path.join(ckpt_dir, GRAFT_ARCH[key]), GRAFT_ARCH[key], SHAPES[key])
-    tcfg, rcfg = ModelConfig.from_pretrained(path), ModelConfig.from_dict(SHAPES[key])
-    tiny = load_checkpoint(path, tcfg, torch.float32, device, progress=False)[0]
-    tensors = G.graft(tiny, tcfg, rcfg, torch.bfloat16, device)
-    if dtype == "fp8":
-        tensors = fp8_weights(tensors, rcfg)
-    return Engine(rcfg, Model(rcfg, tensors, max_len), max_len), tcfg
-
-
-def periodic_prompt(vocab: int, period: int = 7, n: int = 40, seed: int = 7) -> tuple[list[int], list[int]]:
-    """(prompt, the segment it repeats): what the trained checkpoints continue (gpu_check.trained_parity)."""
-    import random
-    seg = random.Random(seed).sample(range(3, vocab), period)
-    return [seg[i % period] for i in range(n)], seg
-
-
-def random_engine(key: str, max_len: int, dtype: str = "bf16"):
-    """An engine of shape `key` with random bf16 weights on the GPU (seed 0), quantized as the published
-    FP8 checkpoints with dtype "fp8"."""
-    from nexrt_vllm.engine import Engine
-    from nexrt_vllm.engine.config import ModelConfig
-    from nexrt_vllm.engine.model import Model
-    from nexrt_vllm.engine.weights import random_weights
-
-    if dtype != "fp8":
-        return Engine.from_config(SHAPES[key], device="cuda", dtype="bfloat16", max_seq_len=max_len, seed=0)
-    cfg = ModelConfig.from_dict(SHAPES[key])
-    tensors = fp8_weights(random_weights(cfg, torch.bfloat16, "cuda", seed=0), cfg)
-    return Engine(cfg, Model(cfg, tensors, max_len), max_len)
 
 
 def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eager_steps: int, bw: float,
@@ -547,7 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="cut every shape to N layers (labelled; the cut shape gpu_e2e --layers serves)")
     ap.add_argument("--graft", default="", help="dir of trained tiny checkpoints (<family>/, trained there when "
-                    "absent) to carry into the real shapes (benchmarks/graft.py) instead of random weights: "
+                    "absent) to carry into the real shapes (nexrt_vllm/bench/graft.py) instead of random weights: "
                     "parity on confident tokens")
     ap.add_argument("--dtype", default="bf16", help="weight formats to run, comma-separated: bf16 (the checkpoint "
                     "dtype), fp8 (the same weights quantized into 128x128 block-scaled e4m3 as the published FP8 "
@@ -555,7 +327,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-eager-controls", action="store_true", help="skip the perturbed-eager control of the "
                     "parity (two more eager runs of --parity-steps)")
     ap.add_argument("--speculative", choices=("off", "mtp"), default="off",
-                    help="mtp: time the captured MTP round (benchmarks/spec_round.py) against the plain step, "
+                    help="mtp: time the captured MTP round (nexrt_vllm/bench/spec_round.py) against the plain step, "
                          "bytes per round, effective tok/s at acceptance 2.0-3.5 (computed), round-graph parity")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=None, help="the head drafts from the first N token ids")
@@ -592,12 +364,13 @@ def main(argv=None) -> int:
             SHAPES[key] = {**SHAPES[key], "num_hidden_layers": args.layers}
             NAMES[key] = f"{NAMES[key]} ({args.layers} of its layers)"
         results["layers"] = args.layers
+
+    def save():  # after every shape: a run cut short keeps what it measured
+        judge(results)
+        write(results, args.json)
+
     for key in args.shapes.split(","):
         if args.speculative == "mtp":
-            try:
-                from benchmarks import spec_round
-            except ImportError:  # run as a script
-                import spec_round
             try:
                 results["shapes"].append(spec_round.run_spec_shape(
                     key, contexts, args.steps, args.parity_steps, bw, tuning, args.graft, args.num_speculative_tokens,
@@ -607,8 +380,7 @@ def main(argv=None) -> int:
                 traceback.print_exc()
                 results.setdefault("errors", {})[key + "/mtp"] = f"{type(e).__name__}: {e}"
                 torch.cuda.empty_cache()
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+            save()
             continue
         for dt in dtypes:
             try:
@@ -622,10 +394,10 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
             if len(dtypes) > 1:
                 results["fp8_vs_bf16"] = compare_dtypes(results["shapes"])
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+            save()
     if args.speculative == "mtp":
-        return 0
+        judge(results)
+        return finish(results, args.json)
     if args.png:
         plot(results, args.png)
     log(f"{'shape':<22}{'ctx':>7}{'ms/step':>9}{'tok/s':>8}{'e2e':>7}{'GB/tok':>8}{'MBU%':>7}{'xEager':>8}{'xHF':>7}")
@@ -642,7 +414,36 @@ def main(argv=None) -> int:
     for c in results.get("fp8_vs_bf16", []):
         log(f"fp8 vs bf16 {c['shape']} ctx {c['context']}: tok/s x{c['tok_s_ratio']:.3f}, MBU {100 * c['mbu_fp8']:.1f}% "
             f"vs {100 * c['mbu_bf16']:.1f}% ({c['mbu_points']:+.1f} points), bytes x{c['bytes_ratio']:.3f}")
-    return 0
+    judge(results)
+    return finish(results, args.json)
+
+
+def judge(results: dict) -> None:
+    """Record the checks of this run (nexrt_vllm.bench.checks): every shape ran; the eager ops in one
+    graph give the eager engine's greedy tokens; on grafted (trained) weights the fused graph and the
+    MTP round give them too, and the model continues its period. On random weights the fused kernels'
+    tokens are reported, not checked: near-tied logits flip with the summation order (docs/GPU.md,
+    "Parity")."""
+    for key in results.get("errors", {}):
+        record(results, f"{key}/ran", False)
+    for r in results["shapes"]:
+        p = r.get("parity")
+        if not p:
+            continue
+        trained = r.get("weights") == "graft"
+        if "round_graph_equals_eager" in p:  # the MTP round (spec_round.run_spec_shape)
+            tag = f"{r['shape']}/mtp"
+            if trained:
+                record(results, f"{tag}/round_graph_parity", p["round_graph_equals_eager"])
+                record(results, f"{tag}/plain_graph_parity", p["plain_graph_equals_eager"])
+                record(results, f"{tag}/continues_period", p.get("continues_period"))
+            continue
+        tag = f"{r['shape']}/{r.get('dtype', 'bf16')}"
+        if p.get("graph_eager_ops") is not None:
+            record(results, f"{tag}/eager_ops_graph_parity", p["graph_eager_ops"]["equal"])
+        if trained:
+            record(results, f"{tag}/fused_graph_parity", p["graph_fused"]["equal"])
+            record(results, f"{tag}/continues_period", p.get("continues_period"))
 
 
 def compare_dtypes(shapes: list[dict]) -> list[dict]:

@@ -47,12 +47,11 @@ import tempfile
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from nexrt_vllm.bench.shapes import NAMES, SHAPES
+from nexrt_vllm.launch import Procs, vllm_argv, wait_file, wait_http
+from nexrt_vllm.launch import free_port as _free_port
 
-from benchmarks.decode_bench import NAMES, SHAPES  # noqa: E402
-from nexrt_vllm.launch import Procs, vllm_argv, wait_file, wait_http  # noqa: E402
-from nexrt_vllm.launch import free_port as _free_port  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # children run from here: `-m benchmarks.X`
 
 ARCH = {"2b": "qwen3_5", "35b": "qwen3_5_moe", "tiny": "qwen3_next"}
 # "tiny": a tiny Qwen3-Next with the real vocabulary, to run this script end to end on a CPU
@@ -176,7 +175,8 @@ def _run(cmd: list[str], cwd: str, timeout: float, tail: int = 2000) -> str | No
     if p.returncode == 0:
         return None
     sys.stdout.write(p.stderr[-3000:])
-    return f"{os.path.basename(cmd[1])} exited {p.returncode}: {p.stderr[-500:]}"
+    name = cmd[2] if cmd[1] == "-m" else os.path.basename(cmd[1])
+    return f"{name} exited {p.returncode}: {p.stderr[-500:]}"
 
 
 def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, out_dir: str, label: str) -> dict:
@@ -204,12 +204,12 @@ def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, o
 def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str, spec_tokens: int = 0) -> dict:
     """decode_bench at the scenario contexts (the engine alone, same GPU, nothing else running); with
     `spec_tokens`, the captured MTP round against the plain step."""
-    cmd = [sys.executable, "benchmarks/decode_bench.py", "--shapes", shape, "--contexts",
+    cmd = [sys.executable, "-m", "benchmarks.decode_bench", "--shapes", shape, "--contexts",
            ",".join(map(str, contexts)), "--steps", "200", "--parity-steps", "0", "--eager-steps", "2",
            "--json", out_json] + (["--layers", str(layers)] if layers else [])
     if spec_tokens:
         cmd += ["--speculative", "mtp", "--num-speculative-tokens", str(spec_tokens)]
-    log("run", " ".join(cmd[1:]))
+    log("run", " ".join(cmd[2:]))
     err = _run(cmd, ROOT, 900, 1500)
     if err:
         return {"error": err}
@@ -401,7 +401,7 @@ async def ttft_breakdown(urls: dict[str, str], tok_dir: str, isl: int, osl: int,
     import aiohttp
     import statistics
 
-    from benchmarks.inferencex import PromptTokenizer, sample_random_requests
+    from nexrt_vllm.bench.inferencex import PromptTokenizer, sample_random_requests
 
     tok = PromptTokenizer(tok_dir)
     paths = {"vllm_plain": (urls["vllm_plain"], True), "vllm_connector": (urls["vllm_connector"], True),

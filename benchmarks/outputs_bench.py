@@ -10,13 +10,14 @@ both) and reports:
   JSON-schema mask (the host fills step k+1's mask while the device runs it), with both; and the
   host's per-token grammar work (accept + bitmask fill), which is what the pipelining hides;
 * checks: the graph's logprobs (teacher-forced, every variant) against torch's log_softmax / topk
-  of the same logits, and every constrained token accepted by a fresh matcher.
+  of the same logits (a failure exits 1, nexrt_vllm.bench.checks), and every constrained token
+  accepted by a fresh matcher.
 
 The mask needs a tokenizer of the shape's vocabulary size: `--tokenizer DIR` (a Hugging Face
 tokenizer, e.g. Qwen3.5's), else a synthetic one (random printable tokens, 248320 of them), which
 the report says.
 
-    PYTHONPATH=. python3 benchmarks/outputs_bench.py --shape 2b --contexts 1024,8192 --steps 200 \\
+    python3 benchmarks/outputs_bench.py --shape 2b --contexts 1024,8192 --steps 200 \\
         --tokens 256 --json $OUT/outputs_h200.json
 """
 from __future__ import annotations
@@ -31,16 +32,17 @@ import time
 
 import torch
 
-try:
-    from benchmarks import decode_bench as DB
-except ImportError:  # run as a script: benchmarks/ is on the path
-    import decode_bench as DB
+from nexrt_vllm.bench.checks import finish, record
+from nexrt_vllm.bench.shapes import NAMES, SHAPES
+from nexrt_vllm.bench.step import fill_context, time_replays
 
 # A schema whose answers do not end by themselves (an open array of records): the run is
 # `--tokens` long whatever the weights pick.
 SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
     "id": {"type": "integer"}, "name": {"type": "string"}, "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
     "score": {"type": "number"}, "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"]}}
+# The graph's logprobs against torch's log_softmax of the same fp32 logits (nats): both are fp32.
+LOGPROB_TOL = 1e-3
 VARIANTS = {"plain": (False, False), "logprobs": (True, False), "mask": (False, True), "mask+logprobs": (True, True)}
 
 
@@ -109,7 +111,7 @@ def run(args) -> dict:
     from nexrt_vllm.engine.structured import Grammars
     from nexrt_vllm.handoff.structured import StructuredSpec
 
-    cfg = DB.SHAPES[args.shape]
+    cfg = SHAPES[args.shape]
     contexts = [int(x) for x in args.contexts.split(",") if x]
     max_len = max(contexts) + max(args.steps, args.tokens) + 64
     t0 = time.time()
@@ -131,14 +133,14 @@ def run(args) -> dict:
     t1 = time.time()
     compiled = grammars.compile(StructuredSpec("json_schema", SCHEMA))
     compile_s = time.time() - t1
-    res = {"shape": DB.NAMES[args.shape], "vocab_size": vocab, "tokenizer": tok_kind, "logprobs_k": args.k,
+    res = {"shape": NAMES[args.shape], "vocab_size": vocab, "tokenizer": tok_kind, "logprobs_k": args.k,
            "schema": SCHEMA, "compile_s": compile_s, "control": d.control, "pdl": d.pdl,
            "launches": {name: launches(d, lp, m) for name, (lp, m) in VARIANTS.items()},
            "logprobs_check": check_logprobs(runner, args.k), "contexts": []}
     log(f"logprobs check {res['logprobs_check']}")
     gen = torch.Generator(device="cuda").manual_seed(1234)
     for ctx in contexts:
-        DB.fill_context(eng, ctx, gen)
+        fill_context(eng, ctx, gen)
         row = {"context": ctx, "device_step_ms": {}, "e2e_tok_s": {}}
         # device time: the flag raised for every step, the mask all-allowed
         d.mem.host["masks"].fill_(-1)
@@ -148,9 +150,9 @@ def run(args) -> dict:
             g = runner._graph(False, lp, m)
             d.state.position.fill_(ctx)
             d.tok.fill_(1)
-            DB.time_replays(g, 5)
+            time_replays(g, 5)
             d.state.position.fill_(ctx)
-            row["device_step_ms"][name] = statistics.median(DB.time_replays(g, args.steps)) * 1e3
+            row["device_step_ms"][name] = statistics.median(time_replays(g, args.steps)) * 1e3
         d.mem.host["flag"].fill_(int(d.step))
         base = row["device_step_ms"]["plain"]
         row["device_overhead_pct"] = {n: 100 * (v / base - 1) for n, v in row["device_step_ms"].items() if n != "plain"}
@@ -206,7 +208,7 @@ class _Timed:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="2b", choices=sorted(DB.SHAPES))
+    ap.add_argument("--shape", default="2b", choices=sorted(SHAPES))
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--steps", type=int, default=200, help="replays per device-time median")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per end-to-end run")
@@ -225,9 +227,9 @@ def main(argv=None) -> int:
     except ImportError:
         pass
     out.update(run(args))
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
-    return 0
+    for name, c in out["logprobs_check"].items():
+        record(out, f"logprobs_check/{name}", c["top_ids_equal"] and c["max_abs_err"] <= LOGPROB_TOL)
+    return finish(out, args.json)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ CPU_ISA_FORMATS = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}
 REC_BY_PLATFORM = {"cuda": "HVK", "cpu": "HKV"}
 # Where a speculating vLLM's state (its conv states widened by the speculative tokens, its MTP
 # drafter's own KV cache) has been read end to end: vLLM-CPU (tests/connector/test_state_parity.py,
-# tests/router/test_fullpath_mtp.py), CUDA (benchmarks/gpu_layout_check.py, variant mtp).
+# tests/router/test_fullpath_mtp.py), CUDA (benchmarks/checks/gpu_layout_check.py, variant mtp).
 SPEC_PLATFORMS = ("cpu", "cuda")
 KV_DTYPES = {TORCH_DTYPES[n]: n for n in ("bfloat16", "float16", "float32")}  # the dtypes the node takes
 STATE_DTYPES = KV_DTYPES

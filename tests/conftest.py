@@ -40,6 +40,22 @@ def _preload_interpreted_kernels():
 _preload_interpreted_kernels()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU, skipped without one (run them: pytest -m gpu)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip on a machine without a CUDA GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def trained_ckpt(ckpt_factory):
     """The connector tests' trained tiny Qwen3-Next (connector_harness.TRAINED), bf16: greedy tokens

@@ -157,7 +157,7 @@ def make_checkpoint(path: str, arch: str = "qwen3_next", dtype: str = "bfloat16"
     `overrides` go into the transformers config (e.g. num_hidden_layers=8, full_attention_interval=2,
     num_key_value_heads=1, num_experts=4, num_experts_per_tok=1, tie_word_embeddings=True).
     `final_norm_fixed`: the final norm's weight stays 0 (scale 1), also in training, so the model can be
-    rotated into a larger hidden size with its embeddings tied (benchmarks/graft.py).
+    rotated into a larger hidden size with its embeddings tied (nexrt_vllm/bench/graft.py).
     `mtp`: also an MTP head (`mtp.*`, vLLM's names; testing/mtp_head.py), trained after the model
     (which it fine-tunes) when ``train="periodic"``, else random.
     """

@@ -1,6 +1,6 @@
 """The kernel tests' plumbing (tests/engine/test_kernels_*.py): run a kernel wrapper on the device
 the tests target, NEXRT_KERNEL_DEVICE (cpu: the Triton interpreter, CI; cuda: the compiled kernels,
-benchmarks/gpu_check.py on the H200), and compare with torch."""
+benchmarks/checks/gpu_check.py on the H200), and compare with torch."""
 from __future__ import annotations
 
 import os

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from benchmarks.inferencex import BenchmarkError, Identity, main, make_agg
+from benchmarks.inferencex import main
+from nexrt_vllm.bench.inferencex import BenchmarkError, Identity, make_agg
 
 RAW = {
     "date": "20261129-120000", "backend": "openai-chat", "model_id": "tiny", "tokenizer_id": "t",

@@ -12,8 +12,8 @@ import threading
 import pytest
 from aiohttp import web
 
-from benchmarks.inferencex import (RequestInput, RunConfig, main, make_agg, Identity,
-                                   run_closed_loop)
+from benchmarks.inferencex import main
+from nexrt_vllm.bench.inferencex import Identity, RequestInput, RunConfig, make_agg, run_closed_loop
 from nexrt_vllm.launch import free_port
 from nexrt_vllm.testing import make_tokenizer
 

@@ -4,7 +4,7 @@ once, the new K/V row written and rows 0..n read, the embedding row read (CPU, n
 import pytest
 import torch
 
-from benchmarks.decode_bench import bytes_per_step
+from nexrt_vllm.bench.step import bytes_per_step
 from nexrt_vllm.engine import DecodeState, Engine
 from nexrt_vllm.engine.graph import FusedDecoder
 
@@ -49,7 +49,7 @@ def test_step_bytes_follow_the_model_config(ckpt_factory, arch):
 @pytest.mark.parametrize("shape", ["2b", "35b"])
 def test_step_bytes_at_the_benchmarked_shapes(shape):
     """The real shapes decode_bench measures, built on the meta device (no memory, no kernel runs)."""
-    from benchmarks.decode_bench import SHAPES
+    from nexrt_vllm.bench.shapes import SHAPES
     from nexrt_vllm.engine import ModelConfig
     from nexrt_vllm.engine.model import Model
     from nexrt_vllm.engine.weights import expected_shapes
@@ -124,7 +124,8 @@ def test_fp8_step_bytes_count_what_is_read(ckpt_factory, arch, tmp_path):
 def test_fp8_step_bytes_at_the_benchmarked_shapes(shape):
     """decode_bench --dtype fp8 at the real shapes (meta device): its quantization, its byte count; the
     weight bytes are 0.51-0.52 of bf16's."""
-    from benchmarks.decode_bench import SHAPES, fp8_weights
+    from nexrt_vllm.bench.shapes import SHAPES
+    from nexrt_vllm.bench.step import fp8_weights
     from nexrt_vllm.engine import ModelConfig
     from nexrt_vllm.engine.model import Model
     from nexrt_vllm.engine.weights import expected_shapes

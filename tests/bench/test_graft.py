@@ -1,10 +1,10 @@
-"""benchmarks/graft.py: a tiny checkpoint carried into a larger Qwen3.5 shape computes the same function."""
+"""nexrt_vllm/bench/graft.py: a tiny checkpoint carried into a larger Qwen3.5 shape computes the same function."""
 import copy
 
 import pytest
 import torch
 
-from benchmarks.graft import GraftError, graft, tiny_overrides
+from nexrt_vllm.bench.graft import GraftError, graft, tiny_overrides
 from nexrt_vllm.engine import Engine
 from nexrt_vllm.engine.config import ModelConfig
 from nexrt_vllm.engine.model import Model

@@ -2,8 +2,7 @@
 import numpy as np
 import pytest
 
-from benchmarks.inferencex import (BenchmarkFailed, RequestOutput, calculate_metrics,
-                                   check_failure_rate)
+from nexrt_vllm.bench.inferencex import BenchmarkFailed, RequestOutput, calculate_metrics, check_failure_rate
 
 
 def ok(ttft, latency, tokens, itl, prompt_len=10):

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from benchmarks.plot_pareto import load_series, main, pareto_front
+from benchmarks.plot_pareto import main
+from nexrt_vllm.bench.pareto import load_series, pareto_front
 
 
 def test_frontier_keeps_points_not_beaten_on_both_axes():

@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from benchmarks.inferencex import BenchmarkError, PromptTokenizer, sample_random_requests
+from nexrt_vllm.bench.inferencex import BenchmarkError, PromptTokenizer, sample_random_requests
 from nexrt_vllm.testing import make_tokenizer
 
 UPSTREAM = {  # use_chat_template -> (input lens, sha256 of "\0".join(prompts)) for 64/16 x 20

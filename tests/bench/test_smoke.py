@@ -15,7 +15,8 @@ import urllib.request
 
 import pytest
 
-from benchmarks.inferencex import PromptTokenizer, main, sample_random_requests
+from benchmarks.inferencex import main
+from nexrt_vllm.bench.inferencex import PromptTokenizer, sample_random_requests
 from nexrt_vllm.launch import Procs, free_port, node_argv, router_argv, vllm_argv, wait_file, wait_http
 
 ISL, OSL, N, WARM = 48, 8, 4, 2

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.inferencex import RequestOutput, calculate_metrics, consume_stream
+from nexrt_vllm.bench.inferencex import RequestOutput, calculate_metrics, consume_stream
 
 
 def sse(obj) -> bytes:

@@ -316,7 +316,7 @@ def test_unreadable_caches_are_refused_naming_what_was_met(models):
 def test_speculative_widened_conv_state(models, conv):
     """vLLM with 3 speculative tokens allocates the conv state 3 positions wider; its prefill keeps the
     state in the first kernel-1 (vLLM-CPU's causal_conv1d_fn_cpu, Triton's causal_conv1d_fn). Read so
-    on CPU and CUDA (end to end: tests/connector/test_state_parity.py, benchmarks/gpu_layout_check.py);
+    on CPU and CUDA (end to end: tests/connector/test_state_parity.py, benchmarks/checks/gpu_layout_check.py);
     refused on a platform not characterised. The MTP drafter's own cache ("mtp.layers.0") is shipped as
     layer num_layers (layout version 4), read back as written."""
     cfg, prompt, state = models["qwen3_next"]

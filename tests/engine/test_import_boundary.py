@@ -14,6 +14,14 @@ def test_package_import_does_not_load_torch():
     assert _loaded("import nexrt_vllm") == "[]"
 
 
+def test_bench_library_pure_parts_do_not_load_torch():
+    """What a serving benchmark needs of nexrt_vllm.bench (shapes, the InferenceX client, the plot,
+    the checks' exit rule) loads no torch; only the step / graft / MTP-round modules do."""
+    stmt = ("import nexrt_vllm.bench, nexrt_vllm.bench.shapes, nexrt_vllm.bench.checks, nexrt_vllm.bench.inferencex, "
+            "nexrt_vllm.bench.pareto")
+    assert _loaded(stmt) == "[]"
+
+
 def test_engine_import_loads_torch_but_not_transformers():
     assert _loaded("import nexrt_vllm.engine") == "['torch']"
 

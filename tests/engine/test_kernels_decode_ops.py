@@ -2,7 +2,7 @@
 
 On CPU (CI) the Triton interpreter runs the same kernel source with numpy, so the math (indexing,
 masking, rounding points, the in-place state updates) is checked without a GPU. With
-NEXRT_KERNEL_DEVICE=cuda (benchmarks/gpu_check.py on the H200) the same tests run the compiled
+NEXRT_KERNEL_DEVICE=cuda (benchmarks/checks/gpu_check.py on the H200) the same tests run the compiled
 kernels. Outputs are poisoned (NaN) before each launch so an unwritten element fails the comparison.
 """
 import pytest

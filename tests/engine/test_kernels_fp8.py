@@ -3,7 +3,7 @@ dequantized weights: every prologue / epilogue the FP8 path uses, the MoE expert
 mix, fused projections that keep every source's scale grid, N and K not multiples of the block.
 
 On CPU (CI) through the Triton interpreter (it loads float8_e4m3fn and converts it exactly); with
-NEXRT_KERNEL_DEVICE=cuda (benchmarks/gpu_check.py) the compiled kernels. Block scales span 2^-6..2^3
+NEXRT_KERNEL_DEVICE=cuda (benchmarks/checks/gpu_check.py) the compiled kernels. Block scales span 2^-6..2^3
 from block to block, so reading a wrong scale row or column is an error of order one, far outside the
 bounds below; outputs are poisoned (NaN) before each launch.
 """

@@ -5,7 +5,7 @@ Reference: vLLM's raw_logprobs (log_softmax of the fp32 logits, after the gramma
 torch.topk. The bitmask is xgrammar's int32 layout, bit t % 32 of word t // 32. The flag
 protocol: the tail waits until the host's flag reaches the step; a mask that never comes leaves
 the step's number in `status` and the finish publishes INVALID_TOKEN instead of a token.
-With NEXRT_KERNEL_DEVICE=cuda (benchmarks/gpu_check.py) the same tests run the compiled kernels,
+With NEXRT_KERNEL_DEVICE=cuda (benchmarks/checks/gpu_check.py) the same tests run the compiled kernels,
 the flag and the masks then in device memory (the host-mapped case runs in benchmarks/outputs_bench.py).
 """
 import os

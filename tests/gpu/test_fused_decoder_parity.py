@@ -6,7 +6,7 @@ must give the eager logits, the same greedy token and leave the same state. The 
 wherever the eager path materialises a bf16 tensor (the attention probabilities included), so from the
 same state the step differs only by fp32 accumulation order (step 0: < 1e-3; bit-equal here today);
 later steps allow for one bf16 rounding flip carried in the state and amplified by the layers.
-The graph capture, pinned control ring and timing are GPU-only (benchmarks/gpu_check.py).
+The graph capture, pinned control ring and timing are GPU-only (benchmarks/checks/gpu_check.py).
 """
 import dataclasses
 

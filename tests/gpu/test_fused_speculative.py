@@ -5,7 +5,7 @@ MTP head) of the MoE family (Qwen3-Next) and the dense one (Qwen3.5); with the d
 eager speculative loop accepts (the same histogram of tokens per round); after a hand-off without
 that context, with the head drafting from half the vocabulary, and across a stop id the tokens stay
 exact; the committed K/V rows equal the plain loop's. The graph capture and the pipelined replays are
-GPU-only (benchmarks/gpu_check.py --speculative); here each replay runs the round's launches in order.
+GPU-only (benchmarks/checks/gpu_check.py --speculative); here each replay runs the round's launches in order.
 The interpreter takes ~10-20 s per round, hence the short streams (the H200 run checks 256 tokens)."""
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """How the product reaches the GPU graph path (Engine.use_graph, nexrt-decode --graph) on a CPU machine.
 
 The path itself (capture, replays, tokens equal to the eager engine through Engine.stream) needs
-CUDA and is checked on the device by benchmarks/gpu_check.py (`engine_graph`). Here: the refusals
+CUDA and is checked on the device by benchmarks/checks/gpu_check.py (`engine_graph`). Here: the refusals
 are typed and early, and a CPU engine keeps its eager stream.
 """
 import pytest

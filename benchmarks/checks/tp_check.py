@@ -3,8 +3,10 @@ one process per GPU, against TP = 1 on cuda:0 — greedy tokens equal in fp32, t
 as re-sharded shards continues identically, and the eager step time per TP size (the eager path:
 the CUDA graph path is single-device). Random weights at a small shape (no checkpoint needed).
 
-    python -m benchmarks.tp_check --json $OUT/tp_check.json [--tp 2,4] [--tokens 32]
-    python -m benchmarks.tp_check --device cpu --tp 2 --json /tmp/tp_check.json   # the same over gloo
+    python benchmarks/checks/tp_check.py --json OUT/tp_check.json [--tp 2,4] [--tokens 32]
+    python benchmarks/checks/tp_check.py --device cpu --tp 2 --json /tmp/tp_check.json   # the same over gloo
+
+The exit status is 1 if any TP size's tokens differ (nexrt_vllm.bench.checks).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import sys
 import time
 
 import torch
+
+from nexrt_vllm.bench.checks import finish, record
 
 CONFIG = dict(architectures=["Qwen3NextForCausalLM"], vocab_size=4096, hidden_size=512, num_hidden_layers=8,
               full_attention_interval=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
@@ -72,14 +76,14 @@ def main(argv=None) -> int:
             run = {"tp": tp, "greedy_equal": got == want, "handoff_equal": [first, *streamed] == want,
                    "step_ms": step_ms(eng)}
             out["runs"].append(run)
+            record(out, f"tp{tp}/greedy", run["greedy_equal"])
+            record(out, f"tp{tp}/handoff", run["handoff_equal"])
             print(json.dumps(run), flush=True)
     finally:
         group.close()
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=2)
-    ok = all(r["greedy_equal"] and r["handoff_equal"] for r in out["runs"])
+    rc = finish(out, args.json)
     print(json.dumps(out, indent=2))
-    return 0 if ok else 1
+    return rc
 
 
 if __name__ == "__main__":

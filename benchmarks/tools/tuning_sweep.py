@@ -7,7 +7,7 @@ step and group times and the candidate with the least step time summed over the 
 `--dtype fp8` sweeps the FP8 kernels' launch shapes on block-quantized weights, `bf16` the bf16
 ones; the first candidate of each (`vec` 1) is the kernels' elementwise accumulators of before.
 
-    python3 benchmarks/tuning_sweep.py --dtype bf16 --shapes 2b,35b --context 8192 --json $OUT/sweep.json
+    python3 benchmarks/tools/tuning_sweep.py --dtype bf16 --shapes 2b,35b --context 8192 --json OUT/sweep.json
 """
 import argparse
 import dataclasses
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import decode_bench as D  # noqa: E402
+from nexrt_vllm.bench import spec_round as SR
+from nexrt_vllm.bench import step as D
 
 # candidates: Tuning overrides, each timed against the defaults
 _BIG = 1 << 62
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--candidates", default="", help="a JSON list of Tuning overrides to time instead of the "
                     "dtype's built-in list (lists become tuples), e.g. '[{\"moe_fp8\": [4, 1024, 1]}]'")
-    ap.add_argument("--speculative", action="store_true", help="time the MTP round (benchmarks/spec_round.py, "
+    ap.add_argument("--speculative", action="store_true", help="time the MTP round (nexrt_vllm/bench/spec_round.py, "
                     "random head, bf16) and its launch groups per candidate instead of the step")
     ap.add_argument("--draft-vocab", type=int, default=None)
     a = ap.parse_args(argv)
@@ -83,7 +83,6 @@ def main(argv=None) -> int:
     for key in a.shapes.split(","):
         t0 = time.time()
         if a.speculative:
-            import spec_round as SR
             eng = SR.spec_engine(key, a.context + 256, draft_vocab=a.draft_vocab)
 
             def run(t):

@@ -1,4 +1,4 @@
-"""The captured MTP round at a real shape (`decode_bench.py --speculative mtp`): round time against the
+"""The captured MTP round at a real shape (`benchmarks/decode_bench.py --speculative mtp`): round time against the
 plain step in the same process, bytes per round, effective tok/s at given acceptance lengths, and
 greedy parity of the round graph against the plain step graph and the eager engine.
 
@@ -19,10 +19,8 @@ import time
 
 import torch
 
-try:
-    from benchmarks import decode_bench as DB
-except ImportError:  # run as a script: benchmarks/ is on the path
-    import decode_bench as DB
+from nexrt_vllm.bench import step as S
+from nexrt_vllm.bench.shapes import NAMES, SHAPES
 
 ACCEPT = (2.0, 2.5, 3.0, 3.5)
 
@@ -56,12 +54,12 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
     """Bytes one round must move at context n (module doc), per launch group and in total."""
     from nexrt_vllm.engine.graph import MoEFFN
 
-    c, M, nb = sd.cfg, sd.M, DB._nb
+    c, M, nb = sd.cfg, sd.M, S.nbytes
     kv_row = c.num_kv_heads * c.head_dim * sd.f.embed.element_size()
     E, k = c.num_experts, c.num_experts_per_tok
 
     def experts(ff, n_e):
-        return DB._experts_nb(ff.gate_up, n_e, E) + DB._experts_nb(ff.down, n_e, E) + nb(ff.s_gate_up) + nb(ff.s_down)
+        return S.experts_nbytes(ff.gate_up, n_e, E) + S.experts_nbytes(ff.down, n_e, E) + nb(ff.s_gate_up) + nb(ff.s_down)
 
     def layer_bytes(group, L, rows, ctx, n_e):
         mx, ff = L.mixer, L.ffn
@@ -113,7 +111,7 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
 
 def round_groups(sd, nb: dict, reps: int = 20) -> dict:
     """Device time of each launch group of the round (every launch of the group back to back in one
-    graph, as DB.kernel_groups does for the step), with the bytes `round_bytes` counts for it."""
+    graph, as step.kernel_groups does for the step), with the bytes `round_bytes` counts for it."""
     groups: dict[str, list] = {}
     for s in sd.plan():
         groups.setdefault(s.group, []).append(s.run)
@@ -134,7 +132,7 @@ def round_groups(sd, nb: dict, reps: int = 20) -> dict:
         torch.cuda.synchronize()
         for t, x in saved:
             t.copy_(x)
-        sec = statistics.median(DB.time_replays(gr, reps))
+        sec = statistics.median(S.time_replays(gr, reps))
         for t, x in saved:
             t.copy_(x)
         out[name] = {"launches": len(fns), "us_per_round": sec * 1e6, "bytes_per_round": nb.get(name, 0),
@@ -160,19 +158,19 @@ def time_step_and_round(eng, fused, g_plain, spec, ctx: int, reps: int) -> tuple
     """Median device time (s) of the plain step graph and of the round graph, each from position ctx."""
     fused.state.position.fill_(ctx)
     fused.tok.fill_(1)
-    DB.time_replays(g_plain, 5)
+    S.time_replays(g_plain, 5)
     fused.state.position.fill_(ctx)
-    t_step = statistics.median(DB.time_replays(g_plain, reps))
+    t_step = statistics.median(S.time_replays(g_plain, reps))
     eng.state.position.fill_(ctx)
     spec.d.tokens.fill_(1)
-    DB.time_replays(spec.graph, 5)
+    S.time_replays(spec.graph, 5)
     eng.state.position.fill_(ctx)
-    return t_step, statistics.median(DB.time_replays(spec.graph, reps))
+    return t_step, statistics.median(S.time_replays(spec.graph, reps))
 
 
 def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab: int | None = None):
     """A random-weight engine of shape `key` with a random MTP head, speculating."""
-    eng = DB.random_engine(key, max_len)
+    eng = S.random_engine(key, max_len)
     random_mtp_head(eng)
     eng.enable_speculative("mtp", num_spec, draft_vocab)
     return eng
@@ -204,17 +202,17 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
     max_len = max(contexts, default=0) + (steps + 8) * M + max(parity_steps, 64) + 64
     prompt = seg = None
     if graft_dir:
-        eng, tcfg = DB.graft_engine(key, graft_dir, max_len)
-        prompt, seg = DB.periodic_prompt(tcfg.vocab_size)
+        eng, tcfg = S.graft_engine(key, graft_dir, max_len)
+        prompt, seg = S.periodic_prompt(tcfg.vocab_size)
         random_mtp_head(eng)
         eng.enable_speculative("mtp", num_spec, draft_vocab)
     else:
         eng = spec_engine(key, max_len, num_spec, draft_vocab)
     fused, runner, spec = capture(eng, tuning, draft_vocab)
     sd = spec.d
-    DB.log(f"[{key}/mtp] built + captured in {time.time() - t0:.1f}s; GPU mem "
+    S.log(f"[{key}/mtp] built + captured in {time.time() - t0:.1f}s; GPU mem "
            f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; {len(sd.plan())} launches per round")
-    res = {"shape": DB.NAMES[key], "config": DB.SHAPES[key], "weights": "graft" if graft_dir else "random",
+    res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "graft" if graft_dir else "random",
            "num_speculative_tokens": num_spec, "verify_width": M, "draft_vocab": sd.draft_vocab,
            "launches_per_round": len(sd.plan()), "launches_per_step": len(fused.plan()), "contexts": []}
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -241,16 +239,16 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
                          "tokens_head": got[:24]}
         if seg:
             res["parity"]["continues_period"] = got[:21] == [seg[(len(prompt) + i) % len(seg)] for i in range(21)]
-        DB.log(f"[{key}/mtp] parity: round graph == eager {got == eager} (plain graph == eager {plain == eager}, "
+        S.log(f"[{key}/mtp] parity: round graph == eager {got == eager} (plain graph == eager {plain == eager}, "
                f"first divergence {div}), acceptance length {res['parity']['acceptance_length']:.2f} over "
                f"{sum(rounds)} rounds")
     g_plain = runner._graph(False)
     for ctx in contexts:
-        DB.fill_context(eng, ctx, gen)
+        S.fill_context(eng, ctx, gen)
         eng.state.position.fill_(ctx)
         distinct = _distinct_experts(sd)
         nb_round = round_bytes(sd, ctx, distinct)
-        nb_step = DB.bytes_per_step(fused, ctx)
+        nb_step = S.bytes_per_step(fused, ctx)
         t_step, t_round = time_step_and_round(eng, fused, g_plain, spec, ctx, steps)
         row = {"context": ctx, "steps": steps, "step_ms": t_step * 1e3, "round_ms": t_round * 1e3,
                "round_over_step": t_round / t_step, "bytes_per_step": nb_step["total"],
@@ -265,10 +263,10 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
             eng.state.position.fill_(ctx)
             row["round_groups"] = round_groups(sd, nb_round)
             for name, v in sorted(row["round_groups"].items(), key=lambda kv: -kv[1]["us_per_round"])[:14]:
-                DB.log(f"[{key}/mtp]   {name:<34}{v['launches']:>4} launches {v['us_per_round']:>9.1f} us "
+                S.log(f"[{key}/mtp]   {name:<34}{v['launches']:>4} launches {v['us_per_round']:>9.1f} us "
                        f"{v['bytes_per_round'] / 1e6:>9.1f} MB {v['GBps']:>7.0f} GB/s")
         res["contexts"].append(row)
-        DB.log(f"[{key}/mtp] ctx {ctx}: step {t_step * 1e3:.3f} ms (MBU {100 * row['mbu_step']:.1f}%), round "
+        S.log(f"[{key}/mtp] ctx {ctx}: step {t_step * 1e3:.3f} ms (MBU {100 * row['mbu_step']:.1f}%), round "
                f"{t_round * 1e3:.3f} ms = {row['round_over_step']:.3f}x (MBU {100 * row['mbu_round']:.1f}%, "
                f"{nb_round['total'] / 1e9:.2f} GB), at acceptance 2.0/2.5/3.0/3.5: "
                + "/".join(f"{a / t_round:.0f}" for a in ACCEPT) + " tok/s (computed)")

@@ -1,6 +1,6 @@
 """vLLM-GPU prefill + NexRT GPU decode == vLLM-only greedy, through the router with the `openai` client.
 
-    python3 benchmarks/gpu_parity.py --checkpoints DIR --families qwen3_next qwen3_5 \
+    python3 benchmarks/checks/gpu_parity.py --checkpoints DIR --families qwen3_next qwen3_5 \
         --transports mooncake nixl --json OUT.json
 
 DIR/<family> are trained tiny checkpoints (`nexrt_vllm.testing.make_checkpoint(train="periodic",
@@ -11,27 +11,24 @@ three lengths, the longest over vLLM's --max-num-batched-tokens (chunked prefill
 (a) through the router's interactive path (prefill on vLLM, hand-off, decode on the node), completions
 and chat, and (b) to the same vLLM as an ordinary request (vLLM-only greedy). Tokens must be equal for
 --tokens tokens. The JSON has per case both token lists, the first divergence, the hand-off status, the
-layout line the connector logged, and "ok".
+layout line the connector logged, and "ok"; the exit status is 1 unless every run is ok
+(nexrt_vllm.bench.checks).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from benchmarks.gpu_layout_check import ensure_package_links  # noqa: E402
-from nexrt_vllm.handoff.transport import TRANSPORTS  # noqa: E402
-from nexrt_vllm.launch import Procs, vllm_argv, wait_file, wait_http  # noqa: E402
-from nexrt_vllm.launch import free_port as _free_port  # noqa: E402
-from nexrt_vllm.testing.connector_harness import periodic_prompt  # noqa: E402
+from nexrt_vllm.bench.checks import finish, record, write
+from nexrt_vllm.handoff.transport import TRANSPORTS
+from nexrt_vllm.launch import Procs, vllm_argv, wait_file, wait_http
+from nexrt_vllm.launch import free_port as _free_port
+from nexrt_vllm.testing.connector_harness import periodic_prompt
 
 LENGTHS = (7, 300, 1500)
 CHUNK = 512  # --max-num-batched-tokens: the 1500-token prompt is prefilled in 3 chunks
@@ -129,7 +126,6 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
-    ensure_package_links()  # vLLM imports the connector as nexrt_vllm.connector, also from a bare checkout
     res = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": a.device,
            "prompt_lengths": LENGTHS, "max_num_batched_tokens": CHUNK, "tokens": a.tokens, "runs": []}
     if a.device == "cuda":
@@ -138,12 +134,13 @@ def main(argv=None) -> int:
     for fam in a.families:
         for tr in a.transports:
             with tempfile.TemporaryDirectory(prefix=f"parity-{fam}-{tr}-") as work:
-                res["runs"].append(run_case(fam, os.path.join(a.checkpoints, fam), tr, a.device, a.tokens, work))
-            res["ok"] = all(r["ok"] for r in res["runs"])
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
-    log("ok" if res["ok"] else "NOT ok", [(r["family"], r["transport"], r["ok"]) for r in res["runs"]])
-    return 0 if res["ok"] else 1
+                run = run_case(fam, os.path.join(a.checkpoints, fam), tr, a.device, a.tokens, work)
+            res["runs"].append(run)
+            record(res, f"{fam}/{tr}", run["ok"])
+            write(res, a.json)
+    log("ok" if all(r["ok"] for r in res["runs"]) else "NOT ok",
+        [(r["family"], r["transport"], r["ok"]) for r in res["runs"]])
+    return finish(res, a.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""One-call GPU driver for the device machine: the GPU product checks, then optionally the benchmark.
+"""One-call GPU check: the GPU product checks, then optionally the decode benchmark.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py --out $OUT [--trained-parity] [--sampling] [--bench-args "..."]
+    python benchmarks/checks/gpu_check.py --out OUT [--trained-parity] [--sampling] [--bench-args "..."]
 
 1. the kernel tests (tests/engine/test_kernels_decode_ops.py) on the GPU: compiled kernels, random inputs,
    poisoned outputs, relative-error bounds; again with PDL on (NEXRT_PDL=1);
@@ -14,7 +14,8 @@
    checkpoint, with the kernels' default numerics and with fp8_round_weights, and through the
    product wiring;
 6. optionally benchmarks/decode_bench.py with the given arguments (`--dtype bf16,fp8`: both formats).
-Everything lands in --out as JSON.
+Everything lands in --out as JSON (gpu_check.json). Each claim is a recorded check (`judge`); the exit
+status is 1 if any failed (nexrt_vllm.bench.checks), the benchmark's own failure included.
 """
 from __future__ import annotations
 
@@ -30,8 +31,11 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from nexrt_vllm.bench import step
+from nexrt_vllm.bench.checks import finish, record, write
+from nexrt_vllm.bench.shapes import SHAPES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 TINY_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # the model families of the tiny test checkpoints
 
 
@@ -128,8 +132,6 @@ def trained_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
     tokens, so a difference means a wrong result rather than a near-tie flipped by summation order.
     `checkpoints/<arch>`, where it exists, is such a checkpoint trained beforehand (training takes
     2-5 min of the device's CPU per family); otherwise it is trained here."""
-    import decode_bench as db
-
     from nexrt_vllm.engine import Engine
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
     from nexrt_vllm.testing import make_checkpoint
@@ -142,7 +144,7 @@ def trained_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
         else:
             make_checkpoint(d, arch=arch, dtype="bfloat16", train="periodic")
         eng = Engine.from_pretrained(d, device="cuda", dtype="bfloat16", max_seq_len=steps + 128, progress=False)
-    prompt, seg = db.periodic_prompt(eng.config.vocab_size)
+    prompt, seg = step.periodic_prompt(eng.config.vocab_size)
     first, n0, snap, ref = eager_greedy(eng, prompt, steps)
     eng.import_state(n0, snap)
     runner = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused"))
@@ -173,8 +175,6 @@ def fp8_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
     the kept weights; and the product wiring (use_graph + stream)."""
     import dataclasses
 
-    import decode_bench as db
-
     from nexrt_vllm.engine import Engine, SamplingParams
     from nexrt_vllm.engine.fp8 import PUBLISHED_NOT_CONVERT
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner, Tuning
@@ -187,7 +187,7 @@ def fp8_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
         kw = dict(device="cuda", dtype="bfloat16", max_seq_len=steps + 128, progress=False)
         eng = Engine.from_pretrained(path, **kw)
         deq = Engine.from_pretrained(path, fp8_weights="dequantize", **kw)
-    prompt, seg = db.periodic_prompt(eng.config.vocab_size)
+    prompt, seg = step.periodic_prompt(eng.config.vocab_size)
     first, n0, snap, ref = eager_greedy(deq, prompt, steps)
     del deq
     torch.cuda.empty_cache()
@@ -265,9 +265,6 @@ def spec_parity(steps: int, arch: str, checkpoints: str) -> dict:
     the eager one-token loop for `steps` tokens, from the full prompt context (prefill) and after a
     hand-off (no head context); the acceptance length of the trained head; a stop id and a context
     too short for another round (the plain step graph finishes it)."""
-    sys.path.insert(0, HERE)
-    from decode_bench import periodic_prompt
-
     from nexrt_vllm.engine import Engine, SamplingParams
 
     path = os.path.join(checkpoints, arch) if checkpoints else None
@@ -282,7 +279,7 @@ def spec_parity(steps: int, arch: str, checkpoints: str) -> dict:
     t0 = time.time()
     eng.use_graph("fused")
     out = {"capture_s": time.time() - t0, "launches_per_round": len(eng.spec_graph.d.plan())}
-    prompt = periodic_prompt(380, period=11)[0]  # what the tiny checkpoints were trained to continue
+    prompt = step.periodic_prompt(380, period=11)[0]  # what the tiny checkpoints were trained to continue
     sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     first = int(ref.prefill(prompt).argmax())
     want = list(ref.stream(first, sp))
@@ -355,24 +352,70 @@ def sampling_check(steps: int = 64) -> dict:
     out["tokens_outside_support"] = bad
     eng.import_state(n0, snap)
     del eng, runner
-    sys.path.insert(0, HERE)
-    import decode_bench
-    eng = Engine.from_config(decode_bench.SHAPES["2b"], device="cuda", dtype="bfloat16", max_seq_len=8192 + 512)
-    decode_bench.fill_context(eng, 8192, torch.Generator(device="cuda").manual_seed(0))
+    eng = Engine.from_config(SHAPES["2b"], device="cuda", dtype="bfloat16", max_seq_len=8192 + 512)
+    step.fill_context(eng, 8192, torch.Generator(device="cuda").manual_seed(0))
     runner = GraphRunner(FusedDecoder(eng.model, eng.state))
     for sample in (False, True):
         gr = runner._graph(sample)
         eng.state.set_seq_len(8192)
-        decode_bench.time_replays(gr, 5)
+        step.time_replays(gr, 5)
         eng.state.set_seq_len(8192)
         out[f"2b_8k_step_ms_{'sampling' if sample else 'greedy'}"] = \
-            statistics.median(decode_bench.time_replays(gr, 100)) * 1e3
+            statistics.median(step.time_replays(gr, 100)) * 1e3
     log(f"sampling: {json.dumps(out)}")
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def _ok(r) -> bool:
+    """A section's result ran (no "error")."""
+    return isinstance(r, dict) and "error" not in r
+
+
+def judge(report: dict) -> None:
+    """Record each claim of the sections in `report` as a check (nexrt_vllm.bench.checks), as docs/GPU.md
+    ("Parity") states them. The fused graph on the random tiny checkpoints is held to its contracts
+    (replays, sequence length, stop ids, the stream's finish reasons), not to the eager tokens: its
+    near-tied logits flip with the summation order; the trained checkpoints' tokens must be equal."""
+    for key in ("kernel_tests", "kernel_tests_pdl"):
+        if key in report:
+            record(report, key, report[key]["rc"] == 0)
+    for arch, r in report.get("trained_parity", {}).items():
+        record(report, f"trained_parity/{arch}", r["equal"] and r["continues_period"])
+    tiny = report.get("tiny_parity", {})
+    if "error" in tiny:
+        record(report, "tiny_parity", False)
+    for arch, r in ({} if "error" in tiny else tiny).items():
+        for mode in ("fused", "eager"):
+            m = r[mode]
+            record(report, f"tiny_parity/{arch}/{mode}_contract",
+                   _ok(m) and m["replays_per_token"] == 1 and m["seq_len_after"] == m["expected_seq_len"])
+        record(report, f"tiny_parity/{arch}/eager_ops_tokens", _ok(r["eager"]) and r["eager"]["equal"])
+        record(report, f"tiny_parity/{arch}/stream_contract",
+               all(c["equal"] and c["finish_reason"][0] == c["finish_reason"][1] for c in r["stream_contract"]))
+        record(report, f"tiny_parity/{arch}/stop", r["stop"]["prefix_equal"] and r["stop"]["tokens"] == r["stop"]["expected"])
+    graph = report.get("engine_graph", {})
+    if "error" in graph:
+        record(report, "engine_graph", False)
+    for arch, r in ({} if "error" in graph else graph).items():
+        for mode, m in r.items():
+            record(report, f"engine_graph/{arch}/{mode}",
+                   _ok(m) and m["finish_reason"] == "length" and m["stop"]["equal"]
+                   and m["stop"]["finish_reason"] == "stop" and m["sampled_seed_repro"]
+                   and (mode != "eager" or m["equal"]))
+    for arch, r in report.get("fp8_parity", {}).items():
+        record(report, f"fp8_parity/{arch}",
+               _ok(r) and r["continues_period"] and r["eager_on_kept_fp8_equal"] and r["fused"]["equal"]
+               and r["fused_round_weights"]["equal"] and r["engine_stream"]["equal"])
+    for arch, r in report.get("spec_parity", {}).items():
+        record(report, f"spec_parity/{arch}",
+               _ok(r) and all(r[k]["equal"] for k in ("full_context", "handed_off", "stop", "full_context_window")))
+    if "sampling" in report:
+        r = report["sampling"]
+        record(report, "sampling", r["same_seed_equal"] and r["other_seed_differs"] and r["tokens_outside_support"] == 0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--kernel-tests-only", action="store_true", help="of the tests, only the kernel tests")
@@ -390,14 +433,15 @@ def main() -> int:
     ap.add_argument("--speculative", action="store_true", help="the captured MTP round (Engine.use_graph with "
                     "speculative decoding) against the eager one-token loop on trained tiny checkpoints with a "
                     "trained MTP head (--checkpoints: <arch>/ made with connector_harness.TRAINED_MTP)")
-    ap.add_argument("--bench-args", default="")
-    args = ap.parse_args()
+    ap.add_argument("--bench-args", default="", help="then run benchmarks/decode_bench.py with these arguments")
+    args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "gpu_check.json")
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
-    def save():  # after every section: a run cut short by the device's time limit keeps what it did
-        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    def save():  # after every section: a run cut short keeps what it did
+        judge(report)
+        write(report, path)
 
     if args.trained_parity:  # first: the longest and the one a cut-short run must not lose
         for arch in filter(None, args.arches.split(",")):
@@ -416,7 +460,6 @@ def main() -> int:
                 traceback.print_exc()
                 report[name] = {"error": f"{type(e).__name__}: {e}"}
             save()
-    sys.path.insert(0, HERE)
     for on, key, fn in ((args.fp8, "fp8_parity", fp8_parity), (args.speculative, "spec_parity", spec_parity)):
         for arch in filter(None, args.arches.split(",")) if on else ():
             try:
@@ -428,13 +471,12 @@ def main() -> int:
             save()
     if args.sampling:
         report["sampling"] = sampling_check()
-    save()
-    rc = 0
-    if args.bench_args:
-        sys.path.insert(0, HERE)
-        import decode_bench
-        rc = decode_bench.main(shlex.split(args.bench_args))
-    return rc
+    if args.bench_args:  # its own process (and JSON, --json in the arguments); its exit status is a check here
+        torch.cuda.empty_cache()
+        cmd = [sys.executable, "-m", "benchmarks.decode_bench", *shlex.split(args.bench_args)]
+        record(report, "decode_bench", subprocess.run(cmd, cwd=ROOT).returncode == 0)
+    judge(report)
+    return finish(report, path)
 
 
 if __name__ == "__main__":

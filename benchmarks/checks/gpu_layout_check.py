@@ -1,6 +1,6 @@
-"""One-command GPU check of the connector's page layouts (issue #15, item 1), run on the H200:
+"""One-command GPU check of the connector's page layouts:
 
-    PYTHONPATH=. python3 benchmarks/gpu_layout_check.py --model CKPT --json $OUT/gpu_layouts.json \\
+    python3 benchmarks/checks/gpu_layout_check.py --model CKPT --json OUT/gpu_layouts.json \\
         [--make-tiny qwen3_next] [--variants fa3,hnd_ds_fp32,triton,staged] [--transport mooncake|nixl]
         [--recv-memory host|device]
 
@@ -27,7 +27,8 @@ Variants (each one vLLM start):
   mtp          fa3 with vLLM's own MTP speculative decoding (3 tokens): conv states 3 positions wider,
                scratch GDN blocks after the running one (--model needs an MTP head: --make-tiny-mtp)
 The JSON has, per variant: the layout the connector logged, per prompt and tensor the error and the
-misread error, the hand-off bytes, and ok; a top-level "ok" is true only if every variant passed.
+misread error, the hand-off bytes, and ok; a top-level "ok" is true only if every variant passed,
+and the exit status is 1 otherwise (nexrt_vllm.bench.checks).
 """
 from __future__ import annotations
 
@@ -42,12 +43,11 @@ import time
 import urllib.error
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nexrt_vllm.handoff.transport import TRANSPORTS  # noqa: E402
-from nexrt_vllm.launch import free_port, tail_log  # noqa: E402
+from nexrt_vllm.bench.checks import finish, record, write
+from nexrt_vllm.handoff.transport import TRANSPORTS
+from nexrt_vllm.launch import free_port, tail_log
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 VARIANTS = {
     "fa3": ({}, [], {}),
@@ -65,13 +65,6 @@ def log(*a):
     print(*a, flush=True)
 
 
-def ensure_package_links() -> None:
-    """``connector/`` installs as ``nexrt_vllm.connector`` (setup.py package_dir); a bare checkout
-    (the GPU machine's copy) has no install, so link it where vLLM's import looks."""
-    for pkg in ("connector", "router"):
-        link = os.path.join(ROOT, "nexrt_vllm", pkg)
-        if not os.path.exists(link):
-            os.symlink(os.path.join("..", pkg), link)
 
 
 def post(url: str, body: dict, timeout: float = 300) -> dict:
@@ -227,7 +220,7 @@ def run_variant(args, variant: str, refs: dict, prompts: dict) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="checkpoint dir (a Qwen3-Next / Qwen3.5 family model)")
     ap.add_argument("--make-tiny", default=None, metavar="ARCH",
@@ -252,11 +245,9 @@ def main() -> int:
     ap.add_argument("--recv-mib", type=int, default=512)
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--logs", default=None, help="vLLM logs (default: next to --json)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.logs = args.logs or os.path.dirname(os.path.abspath(args.json))
     os.makedirs(args.logs, exist_ok=True)
-    ensure_package_links()
-    sys.path.insert(0, ROOT)
 
     import torch
 
@@ -293,11 +284,6 @@ def main() -> int:
               "tol": args.tol, "far": args.far,
               "hw": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "variants": []}
 
-    def save():
-        result["ok"] = bool(result["variants"]) and all(v.get("ok") for v in result["variants"])
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-
     for variant in args.variants.split(","):
         log(f"variant {variant}")
         try:
@@ -305,10 +291,10 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - a variant vLLM refuses is a result too
             result["variants"].append({"variant": variant, "ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]})
             log(f"  {variant}: {type(e).__name__}: {str(e)[-2000:]}")
-        save()
-    save()
-    log(json.dumps({"ok": result["ok"], **{v["variant"]: v.get("ok") for v in result["variants"]}}))
-    return 0 if result["ok"] else 1
+        record(result, variant, result["variants"][-1].get("ok"))
+        write(result, args.json)
+    log(json.dumps({v["variant"]: v.get("ok") for v in result["variants"]}))
+    return finish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Developer tools: launch-shape tuners of the fused step."""
