@@ -29,7 +29,7 @@ ACCEPT = (2.0, 2.5, 3.0, 3.5)
 
 def random_mtp_head(eng, seed: int = 5) -> None:
     """Give the engine's model a random MTP head of its shape (bf16; matrices N(0, 0.02), norms N(0, 0.1))."""
-    from nexrt_vllm.engine.mtp import expected_mtp_shapes
+    from nexrt_vllm.engine.spec.mtp import expected_mtp_shapes
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     heads = {}
@@ -146,7 +146,7 @@ def round_groups(sd, nb: dict, reps: int = 20) -> dict:
 def capture(eng, tuning, draft_vocab: int | None):
     """The fused step graph and the round graph of a speculating engine under `tuning`: (fused, runner, spec)."""
     from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
-    from nexrt_vllm.engine.spec_graph import SpecRunner
+    from nexrt_vllm.engine.gpu.spec_round import SpecRunner
 
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
     runner = GraphRunner(fused)

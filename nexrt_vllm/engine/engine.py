@@ -154,7 +154,7 @@ class Engine:
             self._capture_spec()
 
     def _capture_spec(self) -> None:
-        from .spec_graph import SpecRunner
+        from nexrt_vllm.engine.gpu.spec_round import SpecRunner
         spec = SpecRunner(self.graph, self.speculative, self.draft_vocab)
         spec.capture()
         self.spec_graph = spec
@@ -168,8 +168,8 @@ class Engine:
         or the method is unknown. Grammar-constrained requests keep the one-token loop. On the graph
         path (`use_graph("fused")`, before or after this) greedy requests run the captured round,
         whose head drafts from the first `draft_vocab` token ids only (None: all; exact either way)."""
-        from .mtp import Drafter, mtp_weights
-        from .speculative import Speculator
+        from nexrt_vllm.engine.spec.mtp import Drafter, mtp_weights
+        from nexrt_vllm.engine.spec.speculative import Speculator
 
         if method != "mtp":
             raise ConfigError(f"unknown speculative method {method!r}; supported: 'mtp'")

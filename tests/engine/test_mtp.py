@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2
 
 from nexrt_vllm.engine import ConfigError, Engine, NotBuiltError, SamplingParams, WeightsError
-from nexrt_vllm.engine.speculative import Speculator, accept_sampled
+from nexrt_vllm.engine.spec.speculative import Speculator, accept_sampled
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, period_continuation, periodic_prompt
 
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import torch
 
 from nexrt_vllm.engine import Engine, SamplingParams, kernels
 from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner, Tuning
-from nexrt_vllm.engine.spec_graph import SpecRunner
+from nexrt_vllm.engine.gpu.spec_round import SpecRunner
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
 
 kernels.load(interpret=True)

@@ -35,9 +35,9 @@ from collections.abc import Iterator
 
 import torch
 
-from .model import Model, VerifyScratch
-from .mtp import Drafter
-from .sampling import Sampled, Sampler, SamplingParams, sampling_probs, token_logprobs
+from nexrt_vllm.engine.model import Model, VerifyScratch
+from nexrt_vllm.engine.spec.mtp import Drafter
+from nexrt_vllm.engine.sampling import Sampled, Sampler, SamplingParams, sampling_probs, token_logprobs
 
 
 def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +113,7 @@ class Speculator:
         0..N-1} without the hidden state (what a speculating prefill vLLM's MTP cache holds: its row
         N-1 is (H_{N-1}, the first token)): the first step is a plain one, the drafts after it
         attend to every row."""
-        from .errors import StateError
+        from nexrt_vllm.engine.errors import StateError
 
         d = self.drafter
         n = seq_len - 1 if "hidden" in ctx else seq_len

@@ -34,11 +34,11 @@ from collections.abc import Iterator
 
 import torch
 
-from .errors import EngineError, NotBuiltError
-from .fp8 import FP8Weight
-from .graph import RING, AttentionMixer, FusedDecoder, FusedLayer, GDNMixer, GraphRunner, Launch, MoEFFN, \
-    _concat_shared
-from .state import AttentionState
+from nexrt_vllm.engine.errors import EngineError, NotBuiltError
+from nexrt_vllm.engine.fp8 import FP8Weight
+from nexrt_vllm.engine.graph import (RING, AttentionMixer, FusedDecoder, FusedLayer, GDNMixer, GraphRunner, Launch,
+                                     MoEFFN, _concat_shared)
+from nexrt_vllm.engine.state import AttentionState
 
 
 class SpecDecoder:
@@ -48,7 +48,7 @@ class SpecDecoder:
     def __init__(self, fused: FusedDecoder, spec, draft_vocab: int | None = None):
         if fused.mode != "fused":
             raise EngineError("the speculative round needs the fused decoder (mode 'fused')")
-        from .kernels import spec as k_spec  # triton: GPU path only
+        from nexrt_vllm.engine.kernels import spec as k_spec  # triton: GPU path only
         self.k_spec = k_spec
         f, c, M = fused, fused.cfg, spec.M
         if M > 4:  # the M-row kernels keep up to 4 rows in registers
