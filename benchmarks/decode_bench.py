@@ -77,7 +77,7 @@ def tuning_from(kvs: str):
     a/b/c+d/e/f tuples of tuples, e.g. the `gemv` rules)."""
     import dataclasses
 
-    from nexrt_vllm.engine.graph import Tuning
+    from nexrt_vllm.engine.gpu.tuning import Tuning
     types = {f.name: f.type for f in dataclasses.fields(Tuning)}
     kw = {}
     for kv in filter(None, kvs.split(",")):
@@ -402,7 +402,8 @@ def random_engine(key: str, max_len: int, dtype: str = "bf16"):
 
 def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eager_steps: int, bw: float,
               breakdown_ctx: int, tuning=None, graft_dir: str = "", dtype: str = "bf16", controls: bool = True) -> dict:
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
 
     t0 = time.time()
     tag = key if dtype == "bf16" else f"{key}/{dtype}"
@@ -543,7 +544,7 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown-ctx", type=int, default=8192)
     ap.add_argument("--json", required=True)
     ap.add_argument("--png")
-    ap.add_argument("--tuning", default="", help="Tuning fields for the fused path, e.g. pdl=1,moe_block_n=8")
+    ap.add_argument("--tuning", default="", help="Tuning fields for the fused path, e.g. pdl=1,moe=8/256/1")
     ap.add_argument("--layers", type=int, default=None,
                     help="cut every shape to N layers (labelled; the cut shape gpu_e2e --layers serves)")
     ap.add_argument("--graft", default="", help="dir of trained tiny checkpoints (<family>/, trained there when "

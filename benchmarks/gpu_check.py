@@ -75,7 +75,8 @@ def eager_greedy(eng, prompt: list[int], steps: int):
 
 def tiny_parity(steps: int) -> dict:
     from nexrt_vllm.engine import Engine
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
     from nexrt_vllm.testing import make_checkpoint
 
     out = {}
@@ -131,7 +132,8 @@ def trained_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
     import decode_bench as db
 
     from nexrt_vllm.engine import Engine
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
     from nexrt_vllm.testing import make_checkpoint
 
     t0 = time.time()
@@ -177,7 +179,9 @@ def fp8_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
 
     from nexrt_vllm.engine import Engine, SamplingParams
     from nexrt_vllm.engine.fp8 import PUBLISHED_NOT_CONVERT
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner, Tuning
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
+    from nexrt_vllm.engine.gpu.tuning import Tuning
     from nexrt_vllm.testing import make_fp8_checkpoint
 
     t0 = time.time()
@@ -320,7 +324,8 @@ def sampling_check(steps: int = 64) -> dict:
     the support of the engine's own sampling distribution for the step's logits; a seed reproduces
     the stream, another seed changes it. Also times the sampling step at the 2B shape."""
     from nexrt_vllm.engine import Engine, sampling_probs
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
     from nexrt_vllm.testing import make_checkpoint
 
     out = {}

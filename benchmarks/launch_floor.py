@@ -26,7 +26,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_bench as D  # noqa: E402
 
-from nexrt_vllm.engine.graph import Tuning  # noqa: E402
+from nexrt_vllm.engine.gpu.tuning import Tuning  # noqa: E402
 from nexrt_vllm.engine.kernels import common, gemv  # noqa: E402
 from nexrt_vllm.engine.kernels.common import pdl_begin  # noqa: E402
 

@@ -173,7 +173,7 @@ def mlp_tasks(layers: int = 24, hidden: int = 2048, inter: int = 6144, seed: int
 
 
 def triton_mlp(h, act, blocks):
-    from nexrt_vllm.engine.graph import Tuning
+    from nexrt_vllm.engine.gpu.tuning import Tuning
     from nexrt_vllm.engine.kernels import common, gemv
     t = Tuning()
     ws = [w for b in blocks for w in ((b["gate_up"], True), (b["down"], False))]

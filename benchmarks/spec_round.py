@@ -54,7 +54,7 @@ def _distinct_experts(sd) -> dict[int | str, int]:
 
 def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
     """Bytes one round must move at context n (module doc), per launch group and in total."""
-    from nexrt_vllm.engine.graph import MoEFFN
+    from nexrt_vllm.engine.gpu.fusion import MoEFFN
 
     c, M, nb = sd.cfg, sd.M, DB._nb
     kv_row = c.num_kv_heads * c.head_dim * sd.f.embed.element_size()
@@ -145,7 +145,8 @@ def round_groups(sd, nb: dict, reps: int = 20) -> dict:
 
 def capture(eng, tuning, draft_vocab: int | None):
     """The fused step graph and the round graph of a speculating engine under `tuning`: (fused, runner, spec)."""
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
     from nexrt_vllm.engine.gpu.spec_round import SpecRunner
 
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)

@@ -5,13 +5,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .config import ModelConfig
-from .dtypes import MODEL_DTYPES, TORCH_DTYPES
-from .errors import ConfigError, EngineError, InputError, NotBuiltError, StateError
-from .model import Model
-from .sampling import Sampled, Sampler, SamplingParams, token_logprobs
-from .state import DecodeState
-from .weights import load_checkpoint, random_weights
+from nexrt_vllm.engine.config import ModelConfig
+from nexrt_vllm.engine.dtypes import MODEL_DTYPES, TORCH_DTYPES
+from nexrt_vllm.engine.errors import ConfigError, EngineError, InputError, NotBuiltError, StateError
+from nexrt_vllm.engine.model import Model
+from nexrt_vllm.engine.sampling import Sampled, Sampler, SamplingParams, token_logprobs
+from nexrt_vllm.engine.state import DecodeState
+from nexrt_vllm.engine.weights import load_checkpoint, random_weights
 
 _DTYPES = {name: TORCH_DTYPES[name] for name in MODEL_DTYPES}
 
@@ -144,7 +144,8 @@ class Engine:
         if self.speculative is not None and mode != "fused":
             raise NotBuiltError(f"speculative decoding (MTP) on the CUDA graph path runs the fused kernels "
                                 f"(graph mode 'fused'), not {mode!r}")
-        from .graph import FusedDecoder, GraphRunner  # triton: imported by the GPU path only
+        from nexrt_vllm.engine.gpu.decoder import FusedDecoder  # triton: imported by the GPU path only
+        from nexrt_vllm.engine.gpu.runner import GraphRunner
         runner = GraphRunner(FusedDecoder(self.model, self.state, mode=mode))
         for sample, logprobs, mask in runner.VARIANTS:
             if runner.masks or not mask:
@@ -272,7 +273,7 @@ class Engine:
                 break
             logits = self.decode_step(token)
             if constraint is not None:
-                from .structured import apply_mask
+                from nexrt_vllm.engine.structured import apply_mask
                 logits = apply_mask(logits, constraint.fill())
             token = sampler(logits)
             produced += 1

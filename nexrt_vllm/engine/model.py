@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from nexrt_vllm.engine.config import ModelConfig
 from .fp8 import linear  # F.linear, or an FP8Weight dequantized for the op (GPU engines keep fp8)
-from .state import DecodeState
+from nexrt_vllm.engine.state import DecodeState
 
 # ---------------------------------------------------------------------------------------------
 # weights
@@ -457,7 +457,7 @@ class Model:
         self.final_norm = t["norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
         self.dtype, self.device = self.embed.dtype, self.embed.device
-        self.mtp = mtp or {}  # the multi-token-prediction head's raw tensors (engine/mtp.py builds it)
+        self.mtp = mtp or {}  # the multi-token-prediction head's raw tensors (engine/spec/mtp.py builds it)
         self.layers = [layer_weights(cfg, t, f"layers.{i}.", kind, cfg.is_moe_layer(i))
                        for i, kind in enumerate(cfg.layer_types)]
         self.rope_cos, self.rope_sin = rope_tables(cfg, max_seq_len, self.dtype, self.device)

@@ -52,11 +52,11 @@ import torch.nn.functional as F
 
 from nexrt_vllm.handoff.sharding import Sharding, kv_heads_of, split, vllm_sharding
 
-from .config import ModelConfig
-from .engine import Engine, _resolve_dtype
-from .errors import ConfigError, EngineError, NotBuiltError, StateError
-from .model import Model, rms_norm
-from .weights import load_checkpoint, random_weights
+from nexrt_vllm.engine.config import ModelConfig
+from nexrt_vllm.engine.engine import Engine, _resolve_dtype
+from nexrt_vllm.engine.errors import ConfigError, EngineError, NotBuiltError, StateError
+from nexrt_vllm.engine.model import Model, rms_norm
+from nexrt_vllm.engine.weights import load_checkpoint, random_weights
 
 log = logging.getLogger("nexrt.tp")
 

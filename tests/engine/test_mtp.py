@@ -1,4 +1,4 @@
-"""MTP speculative decoding in the eager engine (engine/mtp.py, engine/speculative.py): greedy
+"""MTP speculative decoding in the eager engine (engine/spec/mtp.py, engine/spec/speculative.py): greedy
 output equals the one-token loop token for token on trained tiny checkpoints of the three families
 (with the drafter's full prompt context and without it, as after a hand-off); every acceptance
 length commits the right state; sampled output keeps the target distribution (chi-square against

@@ -1,4 +1,4 @@
-"""The fused decode step (graph.FusedDecoder, all Triton kernels) against the eager model, end to end.
+"""The fused decode step (gpu/decoder.py FusedDecoder, all Triton kernels) against the eager model, end to end.
 
 Runs on CPU through the Triton interpreter on the tiny checkpoints of all three families: the
 same kernel launches the CUDA graph captures, fed the eager path's own tokens (teacher forcing),
@@ -15,15 +15,16 @@ import torch
 
 from nexrt_vllm.engine import Engine, kernels
 from nexrt_vllm.engine.errors import EngineError
-from nexrt_vllm.engine.graph import FusedDecoder, Tuning
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+from nexrt_vllm.engine.gpu.tuning import Tuning
 
 kernels.load(interpret=True)  # the decoder's lazy kernel imports then get the interpreted versions
 
 torch.set_num_threads(1)
 STEPS = 4
 # Few, large programs: the interpreter's cost is per program, not per element.
-CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), block_n_lm=128, attn_splits=4, attn_block=32, gdn_block_v=64,
-                    moe_block_n=64, moe_block_k=128, moe_down_block_n=64, moe_down_block_k=64)
+CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), lm=(128, 256, 4), attn_splits=4, attn_block=32, gdn_block_v=64,
+                    moe=(64, 128, 1), moe_down=(64, 64, 1))
 
 
 def rel(a, b):

@@ -85,7 +85,7 @@ MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2, BLOCK_K=2
 ALIGN_G = ("x_ptr", "w_ptr", "s_ptr", "srow_ptr", "t_ptr", "y_ptr", "nw_ptr", "z_ptr", "K", "stride_w", "stride_t")
 ALIGN_M = ("x_ptr", "gu_ptr", "sgu_ptr", "act_ptr", "stride_ge", "act_ptr", "dn_ptr", "sdn_ptr", "stride_de")
 FP8_VARIANTS = [
-    # the 2B / 35B-A3B step's FP8 launches at the graph.Tuning fp8 defaults
+    # the 2B / 35B-A3B step's FP8 launches at the Tuning fp8 defaults
     ("fp8_qkv", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=0), 4, F8, ALIGN_G),
     ("fp8_in_proj_conv_tail", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=3, BLOCK_N=16, BLOCK_K=512, TAIL=True), 4, F8,
      ALIGN_G),
@@ -111,7 +111,7 @@ FP8_VARIANTS = [
 
     ("fp8_moe_down_round", moe.moe_down_fp8_kernel, dict(MDF, ROUND_W=True, UNI_E=False, BLOCK_N=2), 1, F8, ALIGN_M),
 ]
-# The speculative round (engine/spec_graph.py) at M = 4 verify rows, the 2B / 35B-A3B shapes at the Tuning defaults.
+# The speculative round (engine/gpu/spec_round.py) at M = 4 verify rows, the 2B / 35B-A3B shapes at the Tuning defaults.
 R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, M=4, MP=4)
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
 RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1)
@@ -180,7 +180,7 @@ for pdl in (False, True):
         ("gdn_step_prefetch", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1),
         ("moe_gate_up", moe.moe_gate_up_kernel, dict(MU, BLOCK_N=16), 4),
         ("moe_down", moe.moe_down_kernel, dict(MD, BLOCK_N=2), 4),
-        # the GPU defaults (graph.Tuning): one-warp MoE and GDN programs
+        # the GPU defaults (gpu/tuning.py Tuning): one-warp MoE and GDN programs
         ("moe_gate_up_1warp", moe.moe_gate_up_kernel, MU, 1),
         ("moe_down_1warp", moe.moe_down_kernel, MD, 1),
         ("gdn_step_1warp", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1),
