@@ -445,8 +445,8 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
         for label, c in p["eager_controls"].items():
             log(f"[{tag}] control {label}: equal {c['equal']} first divergence {c['first_divergence']} "
                 f"teacher-forced step0 err {c['logits_rel_err_step0']:.4f} median {c['logits_rel_err_median']:.4f}")
-    g = runner._graph(False)
-    g_eager = eager_runner._graph(False) if eager_runner else None
+    g = runner.capture(False)
+    g_eager = eager_runner.capture(False) if eager_runner else None
     for ctx in contexts:
         fill_context(eng, ctx, gen)
         nb = bytes_per_step(fused, ctx)

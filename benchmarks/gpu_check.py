@@ -346,7 +346,7 @@ def sampling_check(steps: int = 64) -> dict:
     # step by step: the drawn token must have non-zero probability under the eager sampler's rule
     eng.import_state(n0, snap)
     dec = runner.d
-    g = runner._graph(True)
+    g = runner.capture(True)
     dec.params.copy_(torch.tensor([params["temperature"], params["top_p"], float(params["top_k"])]))
     dec.seed.fill_(3)
     dec.tok.fill_(first)
@@ -366,7 +366,7 @@ def sampling_check(steps: int = 64) -> dict:
     decode_bench.fill_context(eng, 8192, torch.Generator(device="cuda").manual_seed(0))
     runner = GraphRunner(FusedDecoder(eng.model, eng.state))
     for sample in (False, True):
-        gr = runner._graph(sample)
+        gr = runner.capture(sample)
         eng.state.set_seq_len(8192)
         decode_bench.time_replays(gr, 5)
         eng.state.set_seq_len(8192)

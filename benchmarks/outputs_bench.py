@@ -146,7 +146,7 @@ def run(args) -> dict:
         d.mem.host["flag"].fill_(1 << 62)
         d.lp_k.fill_(args.k)
         for name, (lp, m) in VARIANTS.items():
-            g = runner._graph(False, lp, m)
+            g = runner.capture(False, lp, m)
             d.state.position.fill_(ctx)
             d.tok.fill_(1)
             DB.time_replays(g, 5)

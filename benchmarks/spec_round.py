@@ -186,7 +186,7 @@ def measure_round(eng, tuning, ctx: int, draft_vocab: int | None = None, reps: i
     sd = spec.d
     eng.state.position.fill_(ctx)
     nb = round_bytes(sd, ctx, _distinct_experts(sd))
-    g = runner._graph(False)
+    g = runner.capture(False)
     t_step, t_round = time_step_and_round(eng, fused, g, spec, ctx, reps)
     eng.state.position.fill_(ctx)
     groups = round_groups(sd, nb)
@@ -245,7 +245,7 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
         DB.log(f"[{key}/mtp] parity: round graph == eager {got == eager} (plain graph == eager {plain == eager}, "
                f"first divergence {div}), acceptance length {res['parity']['acceptance_length']:.2f} over "
                f"{sum(rounds)} rounds")
-    g_plain = runner._graph(False)
+    g_plain = runner.capture(False)
     for ctx in contexts:
         DB.fill_context(eng, ctx, gen)
         eng.state.position.fill_(ctx)

@@ -54,7 +54,7 @@ def measure(eng, tuning, ctx: int) -> dict:
     groups = D.kernel_groups(fused)
     runner = GraphRunner(fused)
     runner.capture()
-    g = runner._graph(False)
+    g = runner.capture(False)
     fused.state.position.fill_(ctx)
     D.time_replays(g, 5)
     fused.state.position.fill_(ctx)

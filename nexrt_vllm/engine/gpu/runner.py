@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from nexrt_vllm.engine.decode_loop import DecodeLoop
 from nexrt_vllm.engine.errors import EngineError
 from nexrt_vllm.engine.gpu.control import RING
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder
@@ -30,14 +31,21 @@ class GraphRunner:
         self.d = decoder
         self.graphs: dict[tuple[bool, bool, bool], torch.cuda.CUDAGraph] = {}
         self.replays = 0
-        self.finish_reason: str | None = None
+        self.loop: DecodeLoop | None = None  # the last `stream_steps` request's
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the last `stream_steps` ended ("stop" | "length"); None before it ended."""
+        return self.loop.finish_reason if self.loop is not None else None
 
     @property
     def masks(self) -> bool:
         """Whether grammar-constrained requests can run on the graph (host-mapped control memory)."""
         return self.d.mem.masks
 
-    def _graph(self, sample: bool, logprobs: bool = False, mask: bool = False) -> torch.cuda.CUDAGraph:
+    def capture(self, sample: bool = False, logprobs: bool = False, mask: bool = False) -> torch.cuda.CUDAGraph:
+        """One variant's step graph, compiled and captured on the first call (`use_graph` captures every
+        variant at start-up, so no request pays for it)."""
         key = (sample, logprobs, mask)
         if key not in self.graphs:
             if mask and not self.masks:
@@ -80,36 +88,27 @@ class GraphRunner:
         for t, c in saved.values():
             t.copy_(c)
 
-    def capture(self, sample: bool = False, logprobs: bool = False, mask: bool = False) -> None:
-        """Compile and capture one variant's step graph now rather than on first use."""
-        self._graph(sample, logprobs, mask)
-
     def stream(self, first_token: int, params, constraint=None) -> Iterator[int]:
         """The token ids of `stream_steps`."""
         return (rec.token for rec in self.stream_steps(first_token, params, constraint))
 
-    def stream_steps(self, first_token: int, params, constraint=None) -> Iterator:
+    def stream_steps(self, first_token: int, params, constraint=None, loop: DecodeLoop | None = None) -> Iterator:
         """`Engine.steps`'s contract (docs/ARCHITECTURE.md §1) on the graph path: the state holds N
         tokens and token N is `first_token` (already accepted by `constraint`); yields `Sampled`
-        records of the following tokens until EOS (unless ignore_eos) / a stop id (both yielded) /
-        max_tokens, which counts first_token / a full context / the grammar's end. Sets
-        `finish_reason` ("stop" | "length")."""
+        records of the following tokens until `loop` (decode_loop.py; None: a new one for `params`)
+        ends the request, whose `finish_reason` this runner's is."""
         st = self.d.state
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.d.cfg.eos_token_ids))
-        self.finish_reason = None
-        if first_token in stops or (constraint is not None and constraint.terminated):
-            self.finish_reason = "stop"
+        loop = self.loop = loop or DecodeLoop(params, self.d.cfg.eos_token_ids, constraint)
+        if not loop.start(first_token):
             return
-        n = min(params.max_tokens - 1, st.max_seq_len - st.seq_len)
         seed = params.seed if params.seed is not None else random.getrandbits(31)
-        for rec in self.steps(first_token, n, temperature=params.temperature, top_p=params.top_p,
-                              top_k=max(params.top_k, 0), seed=seed, stop_token_ids=stops,
+        for rec in self.steps(first_token, loop.room(st), temperature=params.temperature, top_p=params.top_p,
+                              top_k=max(params.top_k, 0), seed=seed, stop_token_ids=loop.stop_ids,
                               logprobs=params.logprobs, constraint=constraint):
             yield rec
-            if rec.token in stops or (constraint is not None and constraint.terminated):
-                self.finish_reason = "stop"
+            if loop.emit(rec.token):
                 return
-        self.finish_reason = "length"
+        loop.end()
 
     def generate(self, first_token: int, max_new_tokens: int, **kw) -> Iterator[int]:
         """The token ids of `steps` (same arguments)."""
@@ -140,7 +139,7 @@ class GraphRunner:
         if sample and not (0.0 < top_p <= 1.0):
             raise EngineError(f"top_p must be in (0, 1], got {top_p}")
         lp, mask = logprobs is not None, constraint is not None
-        g = self._graph(sample, lp, mask)
+        g = self.capture(sample, lp, mask)
         d.params.copy_(torch.tensor([temperature if sample else 1.0, top_p, float(top_k)]))
         d.seed.fill_(seed)
         d.tok.fill_(first_token)

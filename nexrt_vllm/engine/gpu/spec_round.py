@@ -253,7 +253,6 @@ class SpecRunner:
         self.d = SpecDecoder(runner.d, spec, draft_vocab)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.rounds_run = 0
-        self.finish_reason: str | None = None
 
     def _live(self) -> list[torch.Tensor]:
         d, f = self.d, self.d.f
@@ -299,9 +298,9 @@ class SpecRunner:
         `max_new_tokens`. `drafts` [M-1] (device): the first round's drafts (else placeholders). At
         most max_new_tokens; a full context ends the stream early only where the plain step graph
         also has no room. Afterwards state.seq_len counts every position the rounds that ran
-        committed (also the in-flight round past a stop; its tokens are discarded)."""
+        committed (also the in-flight round past a stop; its tokens are discarded). The request's
+        stop / length rules stay with its caller (`Engine`, decode_loop.py)."""
         d, f, st, M = self.d, self.d.f, self.d.f.state, self.M
-        self.finish_reason = None
         if max_new_tokens <= 0:
             return
         stops = set(stop_token_ids)
@@ -345,11 +344,7 @@ class SpecRunner:
                     last = tv & 0xFFFFFFFF
                     done += 1
                     yield last
-                    if last in stops:
-                        self.finish_reason = "stop"
-                        return
-                    if done >= max_new_tokens:
-                        self.finish_reason = "length"
+                    if last in stops or done >= max_new_tokens:
                         return
                 if read == launched and room(0) and done < max_new_tokens:
                     self._replay()
@@ -365,9 +360,7 @@ class SpecRunner:
             for rec in self.plain.steps(last, rest, stop_token_ids=stops, timeout_s=timeout_s):
                 yield rec.token
                 if rec.token in stops:
-                    self.finish_reason = "stop"
                     return
-        self.finish_reason = "length"
 
     @property
     def M(self) -> int:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from nexrt_vllm.engine.config import ModelConfig
 from nexrt_vllm.engine.errors import ConfigError, WeightsError
 from nexrt_vllm.engine.fp8 import linear
-from nexrt_vllm.engine.model import (LayerWeights, MoEWeights, _attn_qkv, attention_decode, layer_weights, mlp,
+from nexrt_vllm.engine.model import (LayerWeights, MoEWeights, attention_decode, attn_qkv, layer_weights, mlp,
                                      moe_decode, rms_norm, rope_tables)
 
 PREFIX = "mtp."
@@ -163,6 +163,6 @@ class Drafter:
         if T == 0:
             return
         x = rms_norm(self._input(hidden, tokens), layer.input_norm, eps)
-        _, k, v, _ = _attn_qkv(layer.mixer, cfg, x, self.rope_cos[:T], self.rope_sin[:T])
+        _, k, v, _ = attn_qkv(layer.mixer, cfg, x, self.rope_cos[:T], self.rope_sin[:T])
         self.k[:, :T].copy_(k)
         self.v[:, :T].copy_(v)
