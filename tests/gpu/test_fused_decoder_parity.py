@@ -89,36 +89,30 @@ def test_plan_launches_per_layer(ckpt_factory, arch):
         assert layer.mixer.state is eng.state.layers[i]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
-def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory, arch):
+def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory):
     """Tuning.l2_prefetch: every GEMV launch asks L2 for the first bytes of the next GEMV's weight (both
-    halves of a SwiGLU weight; the last layer's, of the lm_head), none across an MoE experts launch,
-    none from the lm_head or the other kernels; the step's outputs are the same bytes as without it."""
-    eng = Engine.from_pretrained(ckpt_factory(arch, "bfloat16"), device="cpu", dtype="bfloat16", max_seq_len=16,
-                                 progress=False)
+    halves of a SwiGLU weight; the last layer's, of the lm_head), none from the lm_head or the other
+    kernels; the step's outputs are the same bytes as without it."""
+    eng = Engine.from_pretrained(ckpt_factory("qwen3_5", "bfloat16"), device="cpu", dtype="bfloat16",
+                                 max_seq_len=16, progress=False)
     eng.prefill([5, 17, 3])
     n0, snap = eng.export_state()
     nbytes = 4096
-    dec = FusedDecoder(eng.model, eng.state, mode="fused",
-                       tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=nbytes, l2_prefetch_moe=nbytes))
+    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=nbytes))
     plan = dec.plan()
-    off = dataclasses.replace(CPU_TUNING, **{"l2_prefetch_moe" if eng.config.num_experts else "l2_prefetch": 0})
+    off = dataclasses.replace(CPU_TUNING, l2_prefetch=0)
     assert not any(hasattr(s.run, "keywords") for s in FusedDecoder(eng.model, eng.state, mode="fused",
                                                                     tuning=off).plan())
-    # the defaults: dense models ask, MoE models do not (docs/GPU.md: measured mixed on the MoE shape)
-    asks = any(hasattr(s.run, "keywords") for s in FusedDecoder(eng.model, eng.state, mode="fused").plan())
-    assert asks == (not eng.config.num_experts)
+    assert any(hasattr(s.run, "keywords") for s in FusedDecoder(eng.model, eng.state, mode="fused").plan())
     gemvs = {"gdn_in_proj+conv": lambda L: L.mixer.w_in, "gdn_out_proj": lambda L: L.mixer.w_out,
              "attn_qkv_proj": lambda L: L.mixer.w_qkv, "attn_o_proj": lambda L: L.mixer.w_o,
-             "moe_router": lambda L: L.ffn.w_router, "mlp_gate_up+swiglu": lambda L: L.ffn.w_gate_up,
-             "mlp_down": lambda L: L.ffn.w_down, "lm_head+argmax": lambda L: dec.lm_head}
+             "mlp_gate_up+swiglu": lambda L: L.ffn.w_gate_up, "mlp_down": lambda L: L.ffn.w_down,
+             "lm_head+argmax": lambda L: dec.lm_head}
     asked = 0
     for j, s in enumerate(plan):
         want, halves = None, False
         if s.group in gemvs:
             for nxt in plan[j + 1:]:
-                if nxt.group == "moe_experts":
-                    break
                 if nxt.group in gemvs:
                     want = gemvs[nxt.group](nxt.layer is not None and dec.layers[nxt.layer])
                     halves = nxt.group == "mlp_gate_up+swiglu"
@@ -145,3 +139,11 @@ def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory, arch):
     assert torch.equal(plain.logits, with_l2[0]) and int(plain.tok) == with_l2[1]
     for name, t in eng.export_state()[1].items():
         assert torch.equal(t, with_l2[2][name]), name
+
+
+def test_moe_models_ask_l2_for_nothing(ckpt_factory):
+    """Tuning.l2_prefetch is for dense models: no launch of an MoE model's step asks L2 for anything."""
+    eng = Engine.from_pretrained(ckpt_factory("qwen3_5_moe", "bfloat16"), device="cpu", dtype="bfloat16",
+                                 max_seq_len=16, progress=False)
+    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=4096))
+    assert not any(hasattr(s.run, "keywords") for s in dec.plan())

@@ -103,7 +103,7 @@ def test_fused_fp8_step_matches_eager_dequantized(fp8_ckpt, arch, variant, round
     kinds = {type(w) for L in dec.layers for w in (getattr(L.mixer, "w_in", None), getattr(L.mixer, "w_qkv", None))
              if w is not None}
     assert kinds == {FP8Weight}
-    # Tuning.l2_prefetch_fp8 (0): no launch over fp8 weights asks L2 for the next weight
+    # no launch over fp8 weights asks L2 for the next weight (Tuning.l2_prefetch is for bf16 ones)
     asked = [s.group for s in dec.plan() if hasattr(s.run, "keywords")]
     assert "gdn_in_proj+conv" not in asked and "attn_qkv_proj" not in asked, asked
     if variant.startswith("published"):  # b / a (Qwen3.5) or ba (Qwen3-Next) stay bf16: the in_proj's tail

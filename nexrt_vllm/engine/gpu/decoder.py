@@ -24,8 +24,6 @@ from nexrt_vllm.engine.gpu.fusion import FusedLayer, GDNMixer, MoEFFN, fuse_ffn,
 from nexrt_vllm.engine.gpu.tuning import GemvShape, Tuning, gemv_kwargs, pdl_enabled
 from nexrt_vllm.engine.state import DecodeState
 
-MOE = "moe"  # a plan entry's stream: the MoE experts launch (`FusedDecoder._l2_plan`)
-
 
 def _require_gpu_dtype(cfg: ModelConfig, dtype: torch.dtype) -> None:
     if dtype != torch.bfloat16:
@@ -144,20 +142,17 @@ class FusedDecoder:
                 for (group, i, fn, _), t in zip(entries, targets)]
 
     def _l2_plan(self, streams: list) -> list:
-        """Per launch, the `gemv` l2 target it asks for: the next GEMV's first `Tuning.l2_prefetch` bytes
-        (`l2_prefetch_moe` in an MoE model, `l2_prefetch_fp8` from a GEMV over fp8 weights), for GEMV
-        launches (stream = (weight, SwiGLU halves)) followed by another before any MoE experts launch
-        (stream MOE: its tens of MB of expert weights would evict what was asked for)."""
+        """Per launch, the `gemv` l2 target it asks for: each GEMV launch over bf16 weights (stream =
+        (weight, SwiGLU halves)) asks for the first `Tuning.l2_prefetch` bytes of the next GEMV's
+        weight; in an MoE model no launch asks (see `Tuning.l2_prefetch`)."""
         out, nxt = [None] * len(streams), None
+        if self.cfg.num_experts or self.t.l2_prefetch <= 0:
+            return out
         for j in range(len(streams) - 1, -1, -1):
             s = streams[j]
-            if s is MOE:
-                nxt = None
-            elif s is not None:
-                nbytes = self.t.l2_prefetch_fp8 if isinstance(s[0], FP8Weight) else \
-                    self.t.l2_prefetch_moe if self.cfg.num_experts else self.t.l2_prefetch
-                if nxt is not None and nbytes > 0:
-                    out[j] = self.k_gemv.l2_target(nxt[0], nbytes, halves=nxt[1])
+            if s is not None:
+                if nxt is not None and not isinstance(s[0], FP8Weight):
+                    out[j] = self.k_gemv.l2_target(nxt[0], self.t.l2_prefetch, halves=nxt[1])
                 nxt = s
         return out
 
@@ -211,7 +206,7 @@ class FusedDecoder:
                 self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=up.block_n,
                 block_k=up.block_k, down_block_n=dn.block_n, down_block_k=dn.block_k, num_warps=up.num_warps,
                 down_num_warps=dn.num_warps, norm_topk=c.norm_topk_prob,
-                round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec), MOE)]
+                round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec), None)]
 
     def _dense(self, L: FusedLayer) -> list[tuple]:
         c, g, f = self.cfg, self.k_gemv, L.ffn

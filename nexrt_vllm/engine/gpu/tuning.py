@@ -97,16 +97,17 @@ class Tuning:
     pdl: bool | None = True
     # With PDL: K blocks of its bf16 weight rows each GEMV program loads before it waits on the
     # previous kernel, and (when > 0) the GDN step's state slice too; what neither depends on the
-    # previous kernel streams while it drains. 0: every load after the wait.
+    # previous kernel streams while it drains. 0: every load after the wait. GEMVs over fp8 weights
+    # load nothing early: it did not make their step faster.
     prefetch: int = 2
-    prefetch_conv: int = 0  # the same for the GDN in_proj + conv launches (their own measured best)
+    prefetch_conv: int = 0  # the same for the GDN in_proj + conv launches, tuned on its own
     # Columns each GEMV / MoE thread sums in registers before accumulating (kernels/gemv_step.py `_fold`):
     # 0 the elements of one 16-byte load (8 bf16, 16 e4m3), 1 elementwise accumulators. `vec` for
-    # bf16 weights (the fold measured mixed there: +40 / -7 us per step), `vec_fp8` for fp8 ones
-    # (-198 / -94 us: their fp32 accumulators were what limited the bytes in flight).
+    # bf16 weights (the fold was no faster there), `vec_fp8` for fp8 ones (their fp32 accumulators
+    # were what limited the bytes in flight, and the fold frees those registers).
     vec: int = 1
     # Logprobs / grammar masks: logits per program of the tail launch, and how many reads of the
-    # host's mask flag a step makes before it gives up on the mask (each read crosses PCIe, ~1 us).
+    # host's mask flag a step makes before it gives up on the mask (each read crosses PCIe).
     tail_chunk: int = 2048
     mask_spin: int = 1 << 21
     # FP8 weights (fp8.FP8Weight, e4m3 + block scales; docs/GPU.md "FP8"): the same rules for the
@@ -119,18 +120,15 @@ class Tuning:
     moe_fp8: GemvShape = GemvShape(8, 512, 2)
     moe_down_fp8: GemvShape = GemvShape(2, 256, 1)
     vec_fp8: int = 0
-    prefetch_fp8: int = 0  # `prefetch` for fp8 weights: measured to cost them (-42 / +45 us per step without)
     # Round every e4m3 * scale to bf16 in the kernels, as the eager oracle's dequantized weights are:
     # the fp8 step then differs from the eager one only in the order of sums (parity diagnostics).
     fp8_round_weights: bool = False
-    # Bytes of the next GEMV's weight each M = 1 GEMV launch asks L2 for as its programs finish
-    # (kernels/common.py `l2_prefetch`, `FusedDecoder._l2_plan`); 0: none. Measured on the H200 against
-    # none in one process (docs/GPU.md): 1 MiB takes 12-27 us off the bf16 2B step at 1K-128K; on the
-    # MoE 35B-A3B shape it was mixed (-23 us at 8K, +19 us at 32K), so MoE models (`l2_prefetch_moe`)
-    # and GEMVs over fp8 weights (`l2_prefetch_fp8`, +5 to +20 us) ask nothing; 16 MiB cost 92 us.
+    # Bytes of the next GEMV's weight each M = 1 GEMV launch over bf16 weights asks L2 for as its
+    # programs finish (kernels/common.py `l2_prefetch`, `FusedDecoder._l2_plan`); 0: none. The next
+    # weight's first bytes are then in L2 when its launch starts, which shortens a dense model's
+    # step; asking for much more made it slower. MoE models ask nothing (their step was not reliably
+    # faster with it), nor do GEMVs over fp8 weights (theirs was slower).
     l2_prefetch: int = 1 << 20
-    l2_prefetch_moe: int = 0
-    l2_prefetch_fp8: int = 0
 
     def __post_init__(self):
         for f in fields(self):
@@ -154,12 +152,12 @@ class Tuning:
 def gemv_kwargs(t: Tuning, w, shape: GemvShape | RowsShape, prefetch: int | None = None) -> dict:
     """The `kernels.gemv.gemv` keywords of a launch of `shape` over the weight `w` (bf16, or an
     fp8.FP8Weight, whose fp8 rows before a bf16 tail must fill whole programs). `prefetch`: K blocks
-    of a bf16 `w` ahead of the wait (None: `t.prefetch`; fp8 weights take `t.prefetch_fp8`)."""
+    of a bf16 `w` ahead of the wait (None: `t.prefetch`; fp8 weights load none early)."""
     kw = {"block_n": shape.block_n, "block_k": shape.block_k, "num_warps": shape.num_warps}
     if isinstance(shape, RowsShape):
         kw["dot"] = shape.stages
     if isinstance(w, FP8Weight):
-        kw.update(prefetch=t.prefetch_fp8, vec=t.vec_fp8, round_w=t.fp8_round_weights)
+        kw.update(vec=t.vec_fp8, round_w=t.fp8_round_weights)
         if w.tail is not None:
             kw["block_n"] = min(kw["block_n"], w.n8 & -w.n8)
         return kw

@@ -45,7 +45,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
          prefetch=0, vec=0, m=1, window=None, dot=0, l2=None):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
     optionally a bf16 tail; `round_w`: see gemv_step `_acc`'s ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
-    N = rows of y); `prefetch`: K blocks of W (bf16 or e4m3) each program loads before it waits on the
+    N = rows of y); `prefetch`: K blocks of a bf16 W each program loads before it waits on the
     previous kernel (PDL), cut to a power of two within K; `vec`: columns each thread sums in
     registers before accumulating (`_fold`; 0: a 16-byte load's, 1: elementwise); returns the grid size.
 
@@ -58,8 +58,11 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     With m > 1 each thread always folds its 16-byte runs (`vec` is not used: elementwise
     accumulators for m rows would not fit in registers) and `prefetch` is cut to 4 blocks. `dot` > 0:
     `gemv_rows_dot_kernel` (tensor cores, >= 16 weight rows per program) with `dot` pipeline stages.
-    `l2` (m = 1): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for when done."""
+    `l2` (m = 1, bf16 W): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for
+    when done."""
     fp8 = hasattr(w, "scale")
+    if fp8 and (prefetch or l2 is not None):
+        raise ValueError("gemv: prefetch and l2 are for bf16 weights (got an FP8Weight)")
     if m != 1:
         if l2 is not None:
             raise ValueError("gemv: l2 prefetch is for m = 1 launches")
@@ -86,10 +89,9 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         pf_ptr, pf, segs = dummy, (0, 0, 0), 0
     common = dict(PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
                   STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-                  EVEN_K=(k % block_k == 0), PF=segs, **LAUNCH, num_warps=num_warps)
-    args = (*args, pf_ptr)
+                  EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
     if not fp8:
-        gemv_kernel[(grid,)](x, w, y, *args, n, k, w.stride(0), eps, conv_n, *pf,
+        gemv_kernel[(grid,)](x, w, y, *args, pf_ptr, n, k, w.stride(0), eps, conv_n, *pf, PF=segs,
                              PRE=head_blocks(prefetch, k, block_k), VEC=fold_vec(vec, 2, block_k), **common)
         return grid
     n8 = w.n8
@@ -104,10 +106,9 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     uniform = w.row_uniform(block_n) and (epi != EPI_SWIGLU or w.row_uniform(block_n, n))
     gemv_fp8_kernel[(grid,)](
         x, w.q, w.scale, w.srow, tail if tail is not None else dummy, y, *args, n, k, n8 if tail is not None else n,
-        w.q.stride(0), w.scale.stride(0), tail.stride(0) if tail is not None else 0, eps, conv_n, *pf,
+        w.q.stride(0), w.scale.stride(0), tail.stride(0) if tail is not None else 0, eps, conv_n,
         BKS=w.block[1], UNIFORM=uniform, ROUND_W=round_w, TAIL=tail is not None,
-        PRE=head_blocks(prefetch, k, block_k), VEC=fold_vec(vec, 1, block_k), VEC_T=fold_vec(vec, 2, block_k),
-        **common)
+        VEC=fold_vec(vec, 1, block_k), VEC_T=fold_vec(vec, 2, block_k), **common)
     return grid
 
 

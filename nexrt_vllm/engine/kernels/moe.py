@@ -46,8 +46,8 @@ def topk_select(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexp
 @triton.jit
 def _row_mask(rows, n, EVEN: tl.constexpr):
     """rows < n, or (EVEN: all of them lie below n) a constant true mask, which the compiler drops. The
-    fp8 kernels use it (measured on the H200, 35B-A3B experts: 845 -> 668 us per step); the bf16 ones
-    keep their masks (unmasked, the same launches took 990 us instead of 801)."""
+    fp8 kernels use it (their expert launches are faster without the mask); the bf16 ones keep their
+    masks (unmasked, theirs were slower)."""
     if EVEN:
         m = tl.full(rows.shape, 1, tl.int1)
     else:
