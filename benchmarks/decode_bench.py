@@ -73,7 +73,7 @@ def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
 
 
 def tuning_from(kvs: str):
-    """"field=value,..." -> a graph.Tuning with those fields replaced (ints; 0/1 for bools; a/b/c tuples;
+    """"field=value,..." -> a gpu.tuning.Tuning with those fields replaced (ints; 0/1 for bools; a/b/c tuples;
     a/b/c+d/e/f tuples of tuples, e.g. the `gemv` rules)."""
     import dataclasses
 
@@ -139,7 +139,7 @@ def _kv_row(c, layer) -> int:
     return c.num_kv_heads * c.head_dim * layer.mixer.state.k.element_size()
 
 
-# Each group of graph.FusedDecoder.plan(): the part of its layer it computes (None: not a layer's) and
+# Each group of gpu.decoder.FusedDecoder.plan(): the part of its layer it computes (None: not a layer's) and
 # the bytes one launch must move at context n, from the decoder d and the layer's record L: each
 # weight / state byte read once, state written once, K/V rows 0..n read, only the selected experts.
 GROUPS = {

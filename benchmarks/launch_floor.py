@@ -4,7 +4,7 @@ Chains of launches, each captured in one CUDA graph and replayed (median of `--r
 - `floor`: N launches of a kernel that only waits on its predecessor (PDL) and stores one value,
   with 1 program and with one program per SM: the launch + dependency cost alone;
 - `gemv`: N launches of the step's GEMV (`kernels.gemv.gemv`, RMSNorm prologue, residual epilogue,
-  the `graph.Tuning` launch shapes and head prefetch) over distinct bf16 weights [B / 4096, 2048] of
+  the `gpu.tuning.Tuning` launch shapes and head prefetch) over distinct bf16 weights [B / 4096, 2048] of
   B bytes each, for several B, with enough launches that the chain's weights (>= 256 MB) cannot stay
   in L2 between replays. The line t = a + B / bw through the per-launch times gives the fixed cost a
   of a GEMV launch and its streaming rate bw; the copy bandwidth is measured in the same run.

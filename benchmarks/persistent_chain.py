@@ -4,7 +4,7 @@ launches, in one process on the GPU (issue #19: what a task boundary costs insid
 - `mlp`: the Qwen3.5-2B shape's 24 dense MLP blocks back to back (gate_up [12288, 2048] with the
   RMSNorm prologue, down [2048, 6144] with the SwiGLU prologue and the residual epilogue): 48 GEMVs,
   1.81 GB of distinct weights. Triton: the step's two launches per block (`kernels.gemv.gemv`,
-  `graph.Tuning` shapes, head prefetch, L2 requests for the next weight, PDL on) — the step's MLP
+  `gpu.tuning.Tuning` shapes, head prefetch, L2 requests for the next weight, PDL on) — the step's MLP
   launches without the layers between them. Persistent: one launch of 48 tasks; again without the
   dependency waits (wrong numbers, the streaming alone); and one profiled launch (%globaltimer per CTA
   and task: waiting + building the input, the dots, the epilogue up to the counter's release, the

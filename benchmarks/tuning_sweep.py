@@ -1,5 +1,5 @@
 """Launch-option sweep of the fused step on the GPU (one shape built once, random weights, then every
-candidate graph.Tuning timed, per kernel group as decode_bench's kernel_groups does and as a whole
+candidate gpu.tuning.Tuning timed, per kernel group as decode_bench's kernel_groups does and as a whole
 captured step at one context).
 
 Each candidate overrides one or more Tuning fields of the defaults; the JSON holds every candidate's

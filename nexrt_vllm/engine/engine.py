@@ -136,15 +136,15 @@ class Engine:
 
     # ---- GPU graph path (hook owned by the GPU path, docs/GPU.md) ------------------------------
     def use_graph(self, mode: str = "fused") -> None:
-        """Make `stream` decode through one captured CUDA graph per token (graph.GraphRunner over
-        graph.FusedDecoder; CUDA + bfloat16 only, EngineError otherwise). Every variant (greedy and
-        sampling, each plain / with logprobs / with a grammar mask / both) is captured here, at
-        start-up, so no request pays for compilation or capture. mode "fused": the Triton
+        """Make `stream` decode through one captured CUDA graph per token (gpu.runner.GraphRunner
+        over gpu.decoder.FusedDecoder; CUDA + bfloat16 only, EngineError otherwise). Every variant
+        (greedy and sampling, each plain / with logprobs / with a grammar mask / both) is captured
+        here, at start-up, so no request pays for compilation or capture. mode "fused": the Triton
         kernels; "eager": this model's own ops in the graph (bit-equal tokens, slower). Prefill,
         decode_step and the hand-off stay on the eager path; so do grammar-constrained requests
         when the control memory could not be host-mapped (`graph.masks` False). With speculative
-        decoding (mode "fused" only) the round graph is captured too (`spec_graph.SpecRunner`): it
-        serves greedy requests without logprobs; the others take the one-token graph."""
+        decoding (mode "fused" only) the round graph is captured too (gpu.spec_round.SpecRunner):
+        it serves greedy requests without logprobs; the others take the one-token graph."""
         if self.device.type != "cuda":
             raise EngineError(f"the graph path needs a CUDA device (engine is on {self.device})")
         if self.speculative is not None and mode != "fused":

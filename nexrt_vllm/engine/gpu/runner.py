@@ -22,8 +22,8 @@ from nexrt_vllm.engine.gpu.decoder import FusedDecoder
 
 class GraphRunner:
     """One captured CUDA graph per decode step over a `FusedDecoder`, one graph per variant
-    (sample, logprobs, mask): the plain greedy and sampling steps stay as they were; logprobs and
-    grammar masks add the tail launch and a longer finish."""
+    (sample, logprobs, mask): logprobs and grammar masks add the tail launch and a longer finish to
+    the plain greedy or sampling step."""
 
     VARIANTS = tuple((s, lp, m) for s in (False, True) for lp in (False, True) for m in (False, True))
 

@@ -152,7 +152,8 @@ class SpecDecoder:
             ("gdn_in_proj+conv", lambda: g.gemv(
                 self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
                 aux0=m.state.conv, aux1=m.conv_w, window=self.scratch.window(i, M), eps=eps, conv_n=c.conv_dim,
-                kc=c.conv_kernel, m=M, **f.gemv_shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv, rows=True))),
+                kc=c.conv_kernel, m=M,
+                **f.gemv_shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv, rows=True))),
             ("gdn_step", lambda: f.k_gdn.gdn_verify_step(
                 self.buf, m.state.rec, self.scratch.rec_after[i], self.o, m.a_log, m.dt_bias, m=M,
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
@@ -196,8 +197,8 @@ class SpecDecoder:
                         xs(self.xn), xs(x), xs(self.router_logits), ff.gate_up, ff.s_gate_up, ff.down, ff.s_down,
                         xs(self.act), xs(self.ids), xs(self.wts), top_k=c.num_experts_per_tok,
                         block_n=t.moe.block_n, block_k=t.moe.block_k, down_block_n=t.moe_down.block_n,
-                        down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps, down_num_warps=t.moe_down.num_warps,
-                        norm_topk=c.norm_topk_prob, vec=t.vec))]
+                        down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps,
+                        down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))]
         return [
             ("mlp_gate_up+swiglu", lambda: g.gemv(
                 x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
@@ -299,7 +300,7 @@ class SpecRunner:
         most max_new_tokens; a full context ends the stream early only where the plain step graph
         also has no room. Afterwards state.seq_len counts every position the rounds that ran
         committed (also the in-flight round past a stop; its tokens are discarded). The request's
-        stop / length rules stay with its caller (`Engine`, decode_loop.py)."""
+        stop / length rules and finish reason are its caller's (`Engine`, decode_loop.py)."""
         d, f, st, M = self.d, self.d.f, self.d.f.state, self.M
         if max_new_tokens <= 0:
             return
