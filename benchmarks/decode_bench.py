@@ -216,8 +216,8 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
         for label, c in p["eager_controls"].items():
             log(f"[{tag}] control {label}: equal {c['equal']} first divergence {c['first_divergence']} "
                 f"teacher-forced step0 err {c['logits_rel_err_step0']:.4f} median {c['logits_rel_err_median']:.4f}")
-    g = runner._graph(False)
-    g_eager = eager_runner._graph(False) if eager_runner else None
+    g = runner.capture(False)
+    g_eager = eager_runner.capture(False) if eager_runner else None
     for ctx in contexts:
         fill_context(eng, ctx, gen)
         nb = bytes_per_step(fused, ctx)
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown-ctx", type=int, default=8192)
     ap.add_argument("--json", required=True)
     ap.add_argument("--png")
-    ap.add_argument("--tuning", default="", help="Tuning fields for the fused path, e.g. pdl=1,moe_block_n=8")
+    ap.add_argument("--tuning", default="", help="Tuning fields for the fused path, e.g. pdl=1,moe=8/256/1")
     ap.add_argument("--layers", type=int, default=None,
                     help="cut every shape to N layers (labelled; the cut shape gpu_e2e --layers serves)")
     ap.add_argument("--graft", default="", help="dir of trained tiny checkpoints (<family>/, trained there when "

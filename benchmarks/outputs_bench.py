@@ -78,7 +78,7 @@ def launches(d, logprobs: bool, mask: bool) -> int:
 def check_logprobs(runner, k: int, steps: int = 6) -> dict:
     """Teacher-forced: the logprob ring after each step == log_softmax / stable sort of the logits the
     step left, for both logprob variants (the mask variant with every token allowed)."""
-    from nexrt_vllm.engine.graph import RING
+    from nexrt_vllm.engine.gpu.control import RING
 
     d = runner.d
     out = {}
@@ -107,7 +107,8 @@ def check_logprobs(runner, k: int, steps: int = 6) -> dict:
 
 def run(args) -> dict:
     from nexrt_vllm.engine import Engine
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
     from nexrt_vllm.engine.structured import Grammars
     from nexrt_vllm.handoff.structured import StructuredSpec
 
@@ -147,7 +148,7 @@ def run(args) -> dict:
         d.mem.host["flag"].fill_(1 << 62)
         d.lp_k.fill_(args.k)
         for name, (lp, m) in VARIANTS.items():
-            g = runner._graph(False, lp, m)
+            g = runner.capture(False, lp, m)
             d.state.position.fill_(ctx)
             d.tok.fill_(1)
             time_replays(g, 5)

@@ -79,7 +79,8 @@ def eager_greedy(eng, prompt: list[int], steps: int):
 
 def tiny_parity(steps: int) -> dict:
     from nexrt_vllm.engine import Engine
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
     from nexrt_vllm.testing import make_checkpoint
 
     out = {}
@@ -133,7 +134,8 @@ def trained_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
     `checkpoints/<arch>`, where it exists, is such a checkpoint trained beforehand (training takes
     2-5 min of the device's CPU per family); otherwise it is trained here."""
     from nexrt_vllm.engine import Engine
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
     from nexrt_vllm.testing import make_checkpoint
 
     t0 = time.time()
@@ -177,7 +179,9 @@ def fp8_parity(steps: int, arch: str, checkpoints: str = "") -> dict:
 
     from nexrt_vllm.engine import Engine, SamplingParams
     from nexrt_vllm.engine.fp8 import PUBLISHED_NOT_CONVERT
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner, Tuning
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
+    from nexrt_vllm.engine.gpu.tuning import Tuning
     from nexrt_vllm.testing import make_fp8_checkpoint
 
     t0 = time.time()
@@ -317,7 +321,8 @@ def sampling_check(steps: int = 64) -> dict:
     the support of the engine's own sampling distribution for the step's logits; a seed reproduces
     the stream, another seed changes it. Also times the sampling step at the 2B shape."""
     from nexrt_vllm.engine import Engine, sampling_probs
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
     from nexrt_vllm.testing import make_checkpoint
 
     out = {}
@@ -338,7 +343,7 @@ def sampling_check(steps: int = 64) -> dict:
     # step by step: the drawn token must have non-zero probability under the eager sampler's rule
     eng.import_state(n0, snap)
     dec = runner.d
-    g = runner._graph(True)
+    g = runner.capture(True)
     dec.params.copy_(torch.tensor([params["temperature"], params["top_p"], float(params["top_k"])]))
     dec.seed.fill_(3)
     dec.tok.fill_(first)
@@ -356,7 +361,7 @@ def sampling_check(steps: int = 64) -> dict:
     step.fill_context(eng, 8192, torch.Generator(device="cuda").manual_seed(0))
     runner = GraphRunner(FusedDecoder(eng.model, eng.state))
     for sample in (False, True):
-        gr = runner._graph(sample)
+        gr = runner.capture(sample)
         eng.state.set_seq_len(8192)
         step.time_replays(gr, 5)
         eng.state.set_seq_len(8192)

@@ -1,5 +1,5 @@
 """Launch-option sweep of the fused step on the GPU (one shape built once, random weights, then every
-candidate graph.Tuning timed, per kernel group as decode_bench's kernel_groups does and as a whole
+candidate gpu.tuning.Tuning timed, per kernel group as decode_bench's kernel_groups does and as a whole
 captured step at one context).
 
 Each candidate overrides one or more Tuning fields of the defaults; the JSON holds every candidate's
@@ -37,8 +37,8 @@ CANDIDATES = {
     + [{"gemv": v} for v in [((4096, 4, 1024, 4), (10000, 8, 512, 4), (_BIG, 16, 512, 4)),
                              ((4096, 2, 2048, 4), (10000, 8, 1024, 4), (_BIG, 16, 256, 4)),
                              ((4096, 4, 1024, 4), (10000, 8, 256, 4), (_BIG, 4, 1024, 4))]]
-    + [{"gemv_gated": (8, 1024, 4)}, {"block_n_lm": 8}, {"moe_block_n": 4}, {"moe_block_k": 512},
-       {"moe_down_block_n": 2}],
+    + [{"gemv_gated": (8, 1024, 4)}, {"lm": (8, 256, 4)}, {"moe": (4, 256, 1)}, {"moe": (2, 512, 1)},
+       {"moe_down": (2, 512, 1)}],
 }
 
 
@@ -47,13 +47,14 @@ def _tuples(v):
 
 
 def measure(eng, tuning, ctx: int) -> dict:
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
     fused.state.position.fill_(ctx)
     groups = D.kernel_groups(fused)
     runner = GraphRunner(fused)
     runner.capture()
-    g = runner._graph(False)
+    g = runner.capture(False)
     fused.state.position.fill_(ctx)
     D.time_replays(g, 5)
     fused.state.position.fill_(ctx)
@@ -63,7 +64,7 @@ def measure(eng, tuning, ctx: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from nexrt_vllm.engine.graph import Tuning
+    from nexrt_vllm.engine.gpu.tuning import Tuning
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", choices=sorted(CANDIDATES), default="bf16")
     ap.add_argument("--shapes", default="2b,35b")

@@ -27,7 +27,7 @@ ACCEPT = (2.0, 2.5, 3.0, 3.5)
 
 def random_mtp_head(eng, seed: int = 5) -> None:
     """Give the engine's model a random MTP head of its shape (bf16; matrices N(0, 0.02), norms N(0, 0.1))."""
-    from nexrt_vllm.engine.mtp import expected_mtp_shapes
+    from nexrt_vllm.engine.spec.mtp import expected_mtp_shapes
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     heads = {}
@@ -52,7 +52,7 @@ def _distinct_experts(sd) -> dict[int | str, int]:
 
 def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
     """Bytes one round must move at context n (module doc), per launch group and in total."""
-    from nexrt_vllm.engine.graph import MoEFFN
+    from nexrt_vllm.engine.gpu.fusion import MoEFFN
 
     c, M, nb = sd.cfg, sd.M, S.nbytes
     kv_row = c.num_kv_heads * c.head_dim * sd.f.embed.element_size()
@@ -143,8 +143,9 @@ def round_groups(sd, nb: dict, reps: int = 20) -> dict:
 
 def capture(eng, tuning, draft_vocab: int | None):
     """The fused step graph and the round graph of a speculating engine under `tuning`: (fused, runner, spec)."""
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
-    from nexrt_vllm.engine.spec_graph import SpecRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
+    from nexrt_vllm.engine.gpu.spec_round import SpecRunner
 
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
     runner = GraphRunner(fused)
@@ -183,7 +184,7 @@ def measure_round(eng, tuning, ctx: int, draft_vocab: int | None = None, reps: i
     sd = spec.d
     eng.state.position.fill_(ctx)
     nb = round_bytes(sd, ctx, _distinct_experts(sd))
-    g = runner._graph(False)
+    g = runner.capture(False)
     t_step, t_round = time_step_and_round(eng, fused, g, spec, ctx, reps)
     eng.state.position.fill_(ctx)
     groups = round_groups(sd, nb)
@@ -242,7 +243,7 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
         S.log(f"[{key}/mtp] parity: round graph == eager {got == eager} (plain graph == eager {plain == eager}, "
                f"first divergence {div}), acceptance length {res['parity']['acceptance_length']:.2f} over "
                f"{sum(rounds)} rounds")
-    g_plain = runner._graph(False)
+    g_plain = runner.capture(False)
     for ctx in contexts:
         S.fill_context(eng, ctx, gen)
         eng.state.position.fill_(ctx)

@@ -38,11 +38,11 @@ def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
 
 
 def tuning_from(kvs: str):
-    """"field=value,..." -> a graph.Tuning with those fields replaced (ints; 0/1 for bools; a/b/c tuples;
+    """"field=value,..." -> a gpu.tuning.Tuning with those fields replaced (ints; 0/1 for bools; a/b/c tuples;
     a/b/c+d/e/f tuples of tuples, e.g. the `gemv` rules)."""
     import dataclasses
 
-    from nexrt_vllm.engine.graph import Tuning
+    from nexrt_vllm.engine.gpu.tuning import Tuning
     types = {f.name: f.type for f in dataclasses.fields(Tuning)}
     kw = {}
     for kv in filter(None, kvs.split(",")):

@@ -5,12 +5,12 @@
 
 Importing this package imports torch; `import nexrt_vllm` alone does not.
 """
-from .config import ModelConfig
-from .engine import Engine
-from .errors import (ConfigError, EngineError, InputError, NotBuiltError, SamplingParamsError, StateError,
-                     WeightsError)
-from .sampling import Sampler, SamplingParams, sampling_probs
-from .state import AttentionState, DecodeState, GDNState
+from nexrt_vllm.engine.config import ModelConfig
+from nexrt_vllm.engine.engine import Engine
+from nexrt_vllm.engine.errors import (ConfigError, EngineError, InputError, NotBuiltError, SamplingParamsError,
+                                      StateError, WeightsError)
+from nexrt_vllm.engine.sampling import Sampler, SamplingParams, sampling_probs
+from nexrt_vllm.engine.state import AttentionState, DecodeState, GDNState
 
 __all__ = [
     "AttentionState", "ConfigError", "DecodeState", "Engine", "EngineError", "GDNState", "InputError", "ModelConfig",

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dtypes import MODEL_DTYPES
-from .errors import ConfigError
+from nexrt_vllm.engine.dtypes import MODEL_DTYPES
+from nexrt_vllm.engine.errors import ConfigError
 
 # (architecture name, its model_type, family, whether the text config is nested under "text_config")
 _CHECKPOINT_KINDS = (

@@ -5,18 +5,19 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .config import ModelConfig
-from .dtypes import MODEL_DTYPES, TORCH_DTYPES
-from .errors import ConfigError, EngineError, InputError, NotBuiltError, StateError
-from .model import Model
-from .sampling import Sampled, Sampler, SamplingParams, token_logprobs
-from .state import DecodeState
-from .weights import load_checkpoint, random_weights
+from nexrt_vllm.engine.config import ModelConfig
+from nexrt_vllm.engine.decode_loop import DecodeLoop
+from nexrt_vllm.engine.dtypes import MODEL_DTYPES, TORCH_DTYPES
+from nexrt_vllm.engine.errors import ConfigError, EngineError, InputError, NotBuiltError, StateError
+from nexrt_vllm.engine.model import Model
+from nexrt_vllm.engine.sampling import Sampled, Sampler, SamplingParams, token_logprobs
+from nexrt_vllm.engine.state import DecodeState
+from nexrt_vllm.engine.weights import load_checkpoint, random_weights
 
 _DTYPES = {name: TORCH_DTYPES[name] for name in MODEL_DTYPES}
 
 
-def _resolve_dtype(dtype, cfg: ModelConfig) -> torch.dtype:
+def resolve_dtype(dtype, cfg: ModelConfig) -> torch.dtype:
     if dtype is None:
         return _DTYPES[cfg.dtype]
     if isinstance(dtype, str):
@@ -41,8 +42,8 @@ def keep_fp8(mode: str, cfg: ModelConfig, device: torch.device, dtype: torch.dty
 class Engine:
     """Prefill, decode and sample for one request at a time.
 
-    `finish_reason` is set when `generate` / `stream` end: "stop" (EOS or a stop id) or "length"
-    (max tokens or a full context).
+    `finish_reason` is set when `generate` / `stream` end: "stop" (EOS, a stop id or the grammar's
+    end) or "length" (max tokens or a full context), by the request's `DecodeLoop` (decode_loop.py).
     """
 
     def __init__(self, config: ModelConfig, model: Model, max_seq_len: int):
@@ -51,11 +52,16 @@ class Engine:
         self.device, self.dtype = model.device, model.dtype
         # the model's config: a tensor-parallel shard's state holds only its heads (engine/tp.py)
         self.state = DecodeState(model.config, max_seq_len, model.dtype, model.device)
-        self.finish_reason: str | None = None
+        self.loop: DecodeLoop | None = None  # the last request's stop / length bookkeeping
         self.graph = None  # GPU graph path (use_graph); None: `stream` runs the eager decode loop
-        self.speculative = None  # speculative.Speculator (enable_speculative); None: one token per step
-        self.spec_graph = None  # spec_graph.SpecRunner: the speculative round on the graph path (fused + MTP)
+        self.speculative = None  # spec.speculative.Speculator (enable_speculative); None: one token per step
+        self.spec_graph = None  # gpu.spec_round.SpecRunner: the speculative round on the graph path (fused + MTP)
         self.draft_vocab: int | None = None  # the head's lm_head rows on the graph path (None: all)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the last request's stream ended ("stop" | "length"); None before it ended."""
+        return self.loop.finish_reason if self.loop is not None else None
 
     @property
     def weight_format(self) -> str:
@@ -76,7 +82,7 @@ class Engine:
         dequantized at load (the CPU oracle); "auto" = keep on CUDA with a bfloat16 engine (what the
         fused graph path runs), dequantize otherwise."""
         cfg = ModelConfig.from_pretrained(path)
-        dt = _resolve_dtype(dtype, cfg)
+        dt = resolve_dtype(dtype, cfg)
         tensors, mtp = load_checkpoint(path, cfg, dt, device, progress=progress,
                                        keep_fp8=keep_fp8(fp8_weights, cfg, torch.device(device), dt))
         return cls(cfg, Model(cfg, tensors, max_seq_len, mtp=mtp), max_seq_len)
@@ -85,12 +91,12 @@ class Engine:
     def from_config(cls, config: ModelConfig | dict, device: str | torch.device = "cpu", dtype=None,
                     max_seq_len: int = 4096, seed: int = 0) -> "Engine":
         """Random weights (std 0.02) made directly on `device`: for benchmarks at real shapes. A config
-        that declares MTP layers gets a random MTP head too (engine/mtp.py), as its checkpoint would have."""
+        that declares MTP layers gets a random MTP head too (engine/spec/mtp.py), as its checkpoint would have."""
         cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
-        dt = _resolve_dtype(dtype, cfg)
+        dt = resolve_dtype(dtype, cfg)
         mtp = None
         if cfg.mtp_num_layers:
-            from .mtp import random_mtp_tensors
+            from nexrt_vllm.engine.spec.mtp import random_mtp_tensors
             mtp = random_mtp_tensors(cfg, dt, device)
         return cls(cfg, Model(cfg, random_weights(cfg, dt, device, seed), max_seq_len, mtp=mtp), max_seq_len)
 
@@ -135,21 +141,22 @@ class Engine:
 
     # ---- GPU graph path (hook owned by the GPU path, docs/GPU.md) ------------------------------
     def use_graph(self, mode: str = "fused") -> None:
-        """Make `stream` decode through one captured CUDA graph per token (graph.GraphRunner over
-        graph.FusedDecoder; CUDA + bfloat16 only, EngineError otherwise). Every variant (greedy and
-        sampling, each plain / with logprobs / with a grammar mask / both) is captured here, at
-        start-up, so no request pays for compilation or capture. mode "fused": the Triton
+        """Make `stream` decode through one captured CUDA graph per token (gpu.runner.GraphRunner
+        over gpu.decoder.FusedDecoder; CUDA + bfloat16 only, EngineError otherwise). Every variant
+        (greedy and sampling, each plain / with logprobs / with a grammar mask / both) is captured
+        here, at start-up, so no request pays for compilation or capture. mode "fused": the Triton
         kernels; "eager": this model's own ops in the graph (bit-equal tokens, slower). Prefill,
         decode_step and the hand-off stay on the eager path; so do grammar-constrained requests
         when the control memory could not be host-mapped (`graph.masks` False). With speculative
-        decoding (mode "fused" only) the round graph is captured too (`spec_graph.SpecRunner`): it
-        serves greedy requests without logprobs; the others take the one-token graph."""
+        decoding (mode "fused" only) the round graph is captured too (gpu.spec_round.SpecRunner):
+        it serves greedy requests without logprobs; the others take the one-token graph."""
         if self.device.type != "cuda":
             raise EngineError(f"the graph path needs a CUDA device (engine is on {self.device})")
         if self.speculative is not None and mode != "fused":
             raise NotBuiltError(f"speculative decoding (MTP) on the CUDA graph path runs the fused kernels "
                                 f"(graph mode 'fused'), not {mode!r}")
-        from .graph import FusedDecoder, GraphRunner  # triton: imported by the GPU path only
+        from nexrt_vllm.engine.gpu.decoder import FusedDecoder  # triton: imported by the GPU path only
+        from nexrt_vllm.engine.gpu.runner import GraphRunner
         runner = GraphRunner(FusedDecoder(self.model, self.state, mode=mode))
         for sample, logprobs, mask in runner.VARIANTS:
             if runner.masks or not mask:
@@ -159,7 +166,7 @@ class Engine:
             self._capture_spec()
 
     def _capture_spec(self) -> None:
-        from .spec_graph import SpecRunner
+        from nexrt_vllm.engine.gpu.spec_round import SpecRunner
         spec = SpecRunner(self.graph, self.speculative, self.draft_vocab)
         spec.capture()
         self.spec_graph = spec
@@ -173,10 +180,10 @@ class Engine:
         or the method is unknown. Grammar-constrained requests keep the one-token loop. On the graph
         path (`use_graph("fused")`, before or after this) greedy requests run the captured round,
         whose head drafts from the first `draft_vocab` token ids only (None: all; exact either way).
-        `synthetic` (engine.synthetic.SyntheticAcceptance, benchmarks only): every round accepts the
+        `synthetic` (engine.spec.synthetic.SyntheticAcceptance, benchmarks only): every round accepts the
         drafts its schedule says instead of the matching ones - output is then no longer the target's."""
-        from .mtp import Drafter, mtp_weights
-        from .speculative import Speculator
+        from nexrt_vllm.engine.spec.mtp import Drafter, mtp_weights
+        from nexrt_vllm.engine.spec.speculative import Speculator
 
         if method != "mtp":
             raise ConfigError(f"unknown speculative method {method!r}; supported: 'mtp'")
@@ -201,14 +208,11 @@ class Engine:
             self._capture_spec()
 
     # ---- generation -----------------------------------------------------------------------------
-    def _stops(self, token: int, params: SamplingParams) -> bool:
-        return token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids)
-
     def stream(self, first_token: int, params: SamplingParams, constraint=None) -> Iterator[int]:
         """Continue a request whose state holds N tokens and whose token N is `first_token` (already
         emitted by the caller). Yields the following tokens until EOS / a stop id (yielded too) /
         max_tokens (which counts first_token, so at most max_tokens-1 are yielded) / a full context
-        / the grammar's end. The token ids of `steps`."""
+        / the grammar's end (decode_loop.py). The token ids of `steps`."""
         it = self.steps(first_token, params, constraint)
         return (s.token for s in it)
 
@@ -218,7 +222,11 @@ class Engine:
         `constraint` (engine.structured.Constraint, fresh for the request): the tokens obey its
         grammar. It accepts `first_token` first (vLLM sampled that one under the same grammar;
         InputError if the grammar refuses it), each step's logits are masked with its bitmask
-        before sampling and before the logprobs, and generation ends ("stop") once it terminates."""
+        before sampling and before the logprobs, and generation ends ("stop") once it terminates.
+
+        On the graph path sampled tokens come from the device sampler (same distribution, another
+        random stream), and after a stop state.seq_len also counts the replay or round that ran past
+        it (its tokens discarded)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check_ids([first_token], "first_token")
@@ -229,74 +237,52 @@ class Engine:
                 constraint.accept(first_token)
             except EngineError as e:
                 raise InputError(f"first_token: {e}") from None
-        self.finish_reason = None
+        loop = self.loop = DecodeLoop(params, self.config.eos_token_ids, constraint)
         if self.graph is not None and (constraint is None or self.graph.masks):
             if self.spec_graph is not None and constraint is None and params.greedy and params.logprobs is None:
-                return self._spec_graph_stream(first_token, params)
-            return self._graph_stream(first_token, params, constraint)
+                return self._spec_graph_stream(first_token, loop)
+            return self.graph.stream_steps(first_token, params, constraint, loop)
         if self.speculative is not None and constraint is None:
-            return self.speculative.steps(self, first_token, params)
-        return self._stream(first_token, params, constraint)  # checked above, at call time; decoding is lazy
+            return self.speculative.steps(self, first_token, params, loop)
+        return self._stream(first_token, params, constraint, loop)  # checked above, at call time; decoding is lazy
 
-    def _graph_stream(self, first_token: int, params: SamplingParams, constraint) -> Iterator[Sampled]:
-        # Same contract as _stream. Differences: sampled tokens come from the device sampler (same
-        # distribution, another random stream), and after a stop state.seq_len also counts the one
-        # replay that ran past it (its token discarded).
-        yield from self.graph.stream_steps(first_token, params, constraint)
-        self.finish_reason = self.graph.finish_reason
-
-    def _spec_graph_stream(self, first_token: int, params: SamplingParams) -> Iterator[Sampled]:
-        # The eager Speculator's contract and drafter context (speculative.py), rounds from the graph.
+    def _spec_graph_stream(self, first_token: int, loop: DecodeLoop) -> Iterator[Sampled]:
+        # The eager Speculator's drafter context (spec/speculative.py), rounds from the graph.
         spec, st = self.speculative, self.state
-        rows = spec._ctx_len == st.seq_len  # the head's rows of the prompt are armed
-        ctx_hidden = spec._ctx_hidden if rows else None
-        spec.drop_context()  # one stream per prefill
-        if self._stops(first_token, params):
-            self.finish_reason = "stop"
+        rows, ctx_hidden = spec.take_context(st.seq_len)
+        if not loop.start(first_token):
             return
-        n = min(params.max_tokens - 1, self.max_seq_len - st.seq_len)
         drafts = None
         if not rows:  # the head's context begins at the node's first decoded position
             spec.drafter.start.fill_(st.seq_len)
         elif ctx_hidden is not None and st.seq_len + spec.M <= self.max_seq_len:
-            # the head's row N-1 (H_{N-1}, first_token) drafts the first round
-            dev = self.device
-            drafts, _ = spec._draft(ctx_hidden, torch.tensor([first_token], device=dev),
-                                    torch.tensor([st.seq_len - 1], device=dev), torch.zeros(1, dtype=torch.long,
-                                                                                            device=dev),
-                                    SamplingParams(), None)
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
-        self.finish_reason = "length"
-        for tok in self.spec_graph.stream(first_token, n, stops, drafts=drafts):
+            drafts = spec.first_drafts(ctx_hidden, first_token, st.seq_len)
+        # the round graph ends by itself at a stop id or after `room` tokens
+        for tok in self.spec_graph.stream(first_token, loop.room(st), loop.stop_ids, drafts=drafts):
             yield Sampled(tok)
-        if self.spec_graph.finish_reason == "stop":
-            self.finish_reason = "stop"
+            loop.emit(tok)
+        loop.end()
 
-    def _stream(self, first_token: int, params: SamplingParams, constraint) -> Iterator[Sampled]:
+    def _stream(self, first_token: int, params: SamplingParams, constraint, loop: DecodeLoop) -> Iterator[Sampled]:
         sampler = Sampler(params, self.device)
-        token, produced = first_token, 1
-        if self._stops(token, params) or (constraint is not None and constraint.terminated):
-            self.finish_reason = "stop"
+        token = first_token
+        if not loop.start(token):
             return
-        while produced < params.max_tokens:
-            if self.state.seq_len >= self.max_seq_len:
-                break
+        while loop.room(self.state) > 0:
             logits = self.decode_step(token)
             if constraint is not None:
-                from .structured import apply_mask
+                from nexrt_vllm.engine.structured import apply_mask
                 logits = apply_mask(logits, constraint.fill())
             token = sampler(logits)
-            produced += 1
             if params.logprobs is None:
                 yield Sampled(token)
             else:
                 yield Sampled(token, *token_logprobs(logits, token, params.logprobs))
             if constraint is not None:
                 constraint.accept(token)
-            if self._stops(token, params) or (constraint is not None and constraint.terminated):
-                self.finish_reason = "stop"
+            if loop.emit(token):
                 return
-        self.finish_reason = "length"
+        loop.end()
 
     def generate(self, prompt_token_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,

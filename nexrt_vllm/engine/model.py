@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from nexrt_vllm.engine.config import ModelConfig
 from .fp8 import linear  # F.linear, or an FP8Weight dequantized for the op (GPU engines keep fp8)
-from .state import DecodeState
+from nexrt_vllm.engine.state import DecodeState
 
 # ---------------------------------------------------------------------------------------------
 # weights
@@ -149,7 +149,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
 # ---------------------------------------------------------------------------------------------
 
 
-def _attn_qkv(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def attn_qkv(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [nH, T, d], k/v [nKV, T, d] (normed, rotated) and the output gate [T, nH*d]."""
     T, d, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
     q, gate = torch.chunk(linear(x, w.q_proj).view(T, -1, 2 * d), 2, dim=-1)
@@ -164,7 +164,7 @@ def attention_prefill(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, co
                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """Causal attention over a prompt x [T, H] at positions 0..T-1; writes K/V rows 0..T-1."""
     T = x.shape[0]
-    q, k, v, gate = _attn_qkv(w, cfg, x, cos[:T], sin[:T])
+    q, k, v, gate = attn_qkv(w, cfg, x, cos[:T], sin[:T])
     k_cache[:, :T].copy_(k)
     v_cache[:, :T].copy_(v)
     causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
@@ -177,7 +177,7 @@ def attention_decode(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, cos
                      visible: torch.Tensor) -> torch.Tensor:
     """One token x [1, H] at `position` (int64 [1], device); cos/sin [1, rotary_dim] for it; visible
     [1, max_seq_len] marks rows <= position. Writes the token's K/V row, attends over the whole buffer."""
-    q, k, v, gate = _attn_qkv(w, cfg, x, cos, sin)
+    q, k, v, gate = attn_qkv(w, cfg, x, cos, sin)
     k_cache.index_copy_(1, position, k)
     v_cache.index_copy_(1, position, v)
     out = _attend(q, k_cache, v_cache, visible, cfg.head_dim ** -0.5)
@@ -457,7 +457,7 @@ class Model:
         self.final_norm = t["norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
         self.dtype, self.device = self.embed.dtype, self.embed.device
-        self.mtp = mtp or {}  # the multi-token-prediction head's raw tensors (engine/mtp.py builds it)
+        self.mtp = mtp or {}  # the multi-token-prediction head's raw tensors (engine/spec/mtp.py builds it)
         self.layers = [layer_weights(cfg, t, f"layers.{i}.", kind, cfg.is_moe_layer(i))
                        for i, kind in enumerate(cfg.layer_types)]
         self.rope_cos, self.rope_sin = rope_tables(cfg, max_seq_len, self.dtype, self.device)

@@ -11,7 +11,7 @@ import torch
 
 from nexrt_vllm.handoff.structured import LOGPROBS_MAX
 
-from .errors import SamplingParamsError
+from nexrt_vllm.engine.errors import SamplingParamsError
 
 
 @dataclass(frozen=True)

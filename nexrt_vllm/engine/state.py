@@ -23,8 +23,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .config import ModelConfig
-from .errors import StateError
+from nexrt_vllm.engine.config import ModelConfig
+from nexrt_vllm.engine.errors import StateError
 
 
 def _name(layer: int, part: str) -> str:

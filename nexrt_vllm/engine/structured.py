@@ -19,7 +19,7 @@ import torch
 
 from nexrt_vllm.handoff.structured import StructuredError, StructuredSpec
 
-from .errors import EngineError
+from nexrt_vllm.engine.errors import EngineError
 
 CACHE = 64  # compiled grammars kept (vLLM relies on xgrammar's own cache the same way)
 

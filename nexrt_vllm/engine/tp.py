@@ -52,11 +52,11 @@ import torch.nn.functional as F
 from nexrt_vllm.handoff.sharding import Sharding, kv_heads_of, split, vllm_sharding
 from nexrt_vllm.launch import free_port
 
-from .config import ModelConfig
-from .engine import Engine, _resolve_dtype
-from .errors import ConfigError, EngineError, NotBuiltError, StateError
-from .model import Model, rms_norm
-from .weights import load_checkpoint, random_weights
+from nexrt_vllm.engine.config import ModelConfig
+from nexrt_vllm.engine.engine import Engine, resolve_dtype
+from nexrt_vllm.engine.errors import ConfigError, EngineError, NotBuiltError, StateError
+from nexrt_vllm.engine.model import Model, rms_norm
+from nexrt_vllm.engine.weights import load_checkpoint, random_weights
 
 log = logging.getLogger("nexrt.tp")
 
@@ -214,7 +214,7 @@ def _build(spec: dict, tp: int, rank: int, group, device) -> Engine:
     else:
         cfg = ModelConfig.from_dict(spec["config"])
     local_config(cfg, tp)  # ConfigError before any weight is read
-    dt = _resolve_dtype(spec.get("dtype"), cfg)
+    dt = resolve_dtype(spec.get("dtype"), cfg)
     if spec.get("path") is not None and spec.get("load_format", "auto") != "dummy":
         tensors, mtp = load_checkpoint(spec["path"], cfg, dt, device, progress=False)
     else:

@@ -25,9 +25,9 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from . import fp8
-from .config import ModelConfig
-from .errors import WeightsError
+from nexrt_vllm.engine import fp8
+from nexrt_vllm.engine.config import ModelConfig
+from nexrt_vllm.engine.errors import WeightsError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

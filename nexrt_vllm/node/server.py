@@ -255,7 +255,7 @@ def _synthetic(ap, args):
         ap.error("--speculative-synthetic-acceptance / --speculative-synthetic-rates need --speculative mtp")
     if length is not None and rates is not None:
         ap.error("give --speculative-synthetic-acceptance or --speculative-synthetic-rates, not both")
-    from nexrt_vllm.engine.synthetic import SyntheticAcceptance, SyntheticAcceptanceError, check_rates, \
+    from nexrt_vllm.engine.spec.synthetic import SyntheticAcceptance, SyntheticAcceptanceError, check_rates, \
         rates_for_length
     n = args.num_speculative_tokens
     try:

@@ -6,7 +6,7 @@ import torch
 
 from nexrt_vllm.bench.step import bytes_per_step
 from nexrt_vllm.engine import DecodeState, Engine
-from nexrt_vllm.engine.graph import FusedDecoder
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder
 
 
 def expected_bytes(c, n: int) -> int:

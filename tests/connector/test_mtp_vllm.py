@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nexrt_vllm.engine import Engine
-from nexrt_vllm.engine.speculative import Speculator
+from nexrt_vllm.engine.spec.speculative import Speculator
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, VLLMProc, periodic_prompt
 
 torch.set_num_threads(1)

@@ -340,15 +340,16 @@ def test_gumbel_sampling_respects_top_k_and_top_p():
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_l2_prefetch_leaves_the_same_bytes(fmt):
-    """Tuning.l2_prefetch: a GEMV asking L2 for the next weight's first bytes (one segment, or a SwiGLU
-    weight's two halves; more bytes than the weight holds are cut to it) leaves exactly the bytes it
-    leaves without."""
+    """Tuning.l2_prefetch: a GEMV over bf16 weights asking L2 for the next weight's first bytes (bf16,
+    or an fp8 weight's e4m3 values; one segment, or a SwiGLU weight's two halves; more bytes than the
+    weight holds are cut to it) leaves exactly the bytes it leaves without. A GEMV over fp8 weights
+    asks for nothing."""
     from nexrt_vllm.engine.fp8 import quantize_weight
 
     g = torch.Generator().manual_seed(21)
     q = (lambda w, parts=None: quantize_weight(w, (128, 128), parts)) if fmt == "fp8" else (lambda w, parts=None: w)
     x = torch.randn(256, generator=g).to(BF)
-    w = q((torch.randn(96, 256, generator=g) * 0.1).to(BF))
+    w = (torch.randn(96, 256, generator=g) * 0.1).to(BF)
     nxt = to_dev(q((torch.randn(2 * 64, 256, generator=g) * 0.1).to(BF), (64, 64)))  # only its address is read
     res0 = torch.randn(96, generator=g).to(BF)
     outs = []
@@ -357,3 +358,6 @@ def test_l2_prefetch_leaves_the_same_bytes(fmt):
         call(gemv.gemv, x, w, y, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=128, l2=l2)
         outs.append(y)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    with pytest.raises(ValueError, match="bf16 weights"):
+        gemv.gemv(to_dev(x), to_dev(quantize_weight(w, (128, 128))), to_dev(res0.clone()), epi=gemv.EPI_RESIDUAL,
+                  l2=gemv.l2_target(nxt, 5000))

@@ -151,7 +151,7 @@ def test_attention_verify_matches_eager_causal(m, pos, start, hd):
         visible &= kv_index[None, :] >= start  # ... and the drafter's first valid row
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = eager.attention_decode(w, cfg, x, cos[positions], sin[positions], kc_ref, vc_ref, positions, visible)
-    q_ref = eager._attn_qkv(w, cfg, x, cos[positions], sin[positions])[0]  # [H, m, hd]
+    q_ref = eager.attn_qkv(w, cfg, x, cos[positions], sin[positions])[0]  # [H, m, hd]
 
     # the fused qkv row as the GPU path's projection leaves it, with a row stride past the row
     rows = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], -1)

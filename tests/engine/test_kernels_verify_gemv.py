@@ -1,4 +1,4 @@
-"""The M-row GEMV of the verify pass (`gemv(..., m=M)`, kernels/gemv.py `gemv_rows_kernel` and the
+"""The M-row GEMV of the verify pass (`gemv(..., m=M)`, kernels/gemv_verify.py `gemv_rows_kernel` and the
 tensor-core `gemv_rows_dot_kernel`): every row against the M = 1 kernel on that row alone and against torch.
 
 Each prologue x epilogue the decode step launches, for M = 2 and 4 (3 once: padded to 4 rows), with

@@ -1,4 +1,4 @@
-"""MTP speculative decoding in the eager engine (engine/mtp.py, engine/speculative.py): greedy
+"""MTP speculative decoding in the eager engine (engine/spec/mtp.py, engine/spec/speculative.py): greedy
 output equals the one-token loop token for token on trained tiny checkpoints of the three families
 (with the drafter's full prompt context and without it, as after a hand-off); every acceptance
 length commits the right state; sampled output keeps the target distribution (chi-square against
@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2
 
 from nexrt_vllm.engine import ConfigError, Engine, NotBuiltError, SamplingParams, WeightsError
-from nexrt_vllm.engine.speculative import Speculator, accept_sampled
+from nexrt_vllm.engine.spec.speculative import Speculator, accept_sampled
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, period_continuation, periodic_prompt
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Pinned (synthetic) acceptance, vLLM's semantics (engine/synthetic.py): the schedule derived from a
+"""Pinned (synthetic) acceptance, vLLM's semantics (engine/spec/synthetic.py): the schedule derived from a
 mean length, its checks, its draws, and the eager speculative loop under it. It never changes a
 normal run: without a schedule the loop is exact (test_mtp.py); with every rate 0 each round accepts
 nothing and the output is still the target's own."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nexrt_vllm.engine import ConfigError, Engine, SamplingParams
-from nexrt_vllm.engine.synthetic import SyntheticAcceptance, SyntheticAcceptanceError, check_rates, \
+from nexrt_vllm.engine.spec.synthetic import SyntheticAcceptance, SyntheticAcceptanceError, check_rates, \
     rates_for_length
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
 

@@ -1,4 +1,4 @@
-"""The fused decode step (graph.FusedDecoder, all Triton kernels) against the eager model, end to end.
+"""The fused decode step (gpu/decoder.py FusedDecoder, all Triton kernels) against the eager model, end to end.
 
 Runs on CPU through the Triton interpreter on the tiny checkpoints of all three families: the
 same kernel launches the CUDA graph captures, fed the eager path's own tokens (teacher forcing),
@@ -15,15 +15,16 @@ import torch
 
 from nexrt_vllm.engine import Engine, kernels
 from nexrt_vllm.engine.errors import EngineError
-from nexrt_vllm.engine.graph import FusedDecoder, Tuning
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+from nexrt_vllm.engine.gpu.tuning import Tuning
 
 kernels.load(interpret=True)  # the decoder's lazy kernel imports then get the interpreted versions
 
 torch.set_num_threads(1)
 STEPS = 4
 # Few, large programs: the interpreter's cost is per program, not per element.
-CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), block_n_lm=128, attn_splits=4, attn_block=32, gdn_block_v=64,
-                    moe_block_n=64, moe_block_k=128, moe_down_block_n=64, moe_down_block_k=64)
+CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), lm=(128, 256, 4), attn_splits=4, attn_block=32, gdn_block_v=64,
+                    moe=(64, 128, 1), moe_down=(64, 64, 1))
 
 
 def rel(a, b):
@@ -88,36 +89,30 @@ def test_plan_launches_per_layer(ckpt_factory, arch):
         assert layer.mixer.state is eng.state.layers[i]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
-def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory, arch):
+def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory):
     """Tuning.l2_prefetch: every GEMV launch asks L2 for the first bytes of the next GEMV's weight (both
-    halves of a SwiGLU weight; the last layer's, of the lm_head), none across an MoE experts launch,
-    none from the lm_head or the other kernels; the step's outputs are the same bytes as without it."""
-    eng = Engine.from_pretrained(ckpt_factory(arch, "bfloat16"), device="cpu", dtype="bfloat16", max_seq_len=16,
-                                 progress=False)
+    halves of a SwiGLU weight; the last layer's, of the lm_head), none from the lm_head or the other
+    kernels; the step's outputs are the same bytes as without it."""
+    eng = Engine.from_pretrained(ckpt_factory("qwen3_5", "bfloat16"), device="cpu", dtype="bfloat16",
+                                 max_seq_len=16, progress=False)
     eng.prefill([5, 17, 3])
     n0, snap = eng.export_state()
     nbytes = 4096
-    dec = FusedDecoder(eng.model, eng.state, mode="fused",
-                       tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=nbytes, l2_prefetch_moe=nbytes))
+    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=nbytes))
     plan = dec.plan()
-    off = dataclasses.replace(CPU_TUNING, **{"l2_prefetch_moe" if eng.config.num_experts else "l2_prefetch": 0})
+    off = dataclasses.replace(CPU_TUNING, l2_prefetch=0)
     assert not any(hasattr(s.run, "keywords") for s in FusedDecoder(eng.model, eng.state, mode="fused",
                                                                     tuning=off).plan())
-    # the defaults: dense models ask, MoE models do not (docs/GPU.md: measured mixed on the MoE shape)
-    asks = any(hasattr(s.run, "keywords") for s in FusedDecoder(eng.model, eng.state, mode="fused").plan())
-    assert asks == (not eng.config.num_experts)
+    assert any(hasattr(s.run, "keywords") for s in FusedDecoder(eng.model, eng.state, mode="fused").plan())
     gemvs = {"gdn_in_proj+conv": lambda L: L.mixer.w_in, "gdn_out_proj": lambda L: L.mixer.w_out,
              "attn_qkv_proj": lambda L: L.mixer.w_qkv, "attn_o_proj": lambda L: L.mixer.w_o,
-             "moe_router": lambda L: L.ffn.w_router, "mlp_gate_up+swiglu": lambda L: L.ffn.w_gate_up,
-             "mlp_down": lambda L: L.ffn.w_down, "lm_head+argmax": lambda L: dec.lm_head}
+             "mlp_gate_up+swiglu": lambda L: L.ffn.w_gate_up, "mlp_down": lambda L: L.ffn.w_down,
+             "lm_head+argmax": lambda L: dec.lm_head}
     asked = 0
     for j, s in enumerate(plan):
         want, halves = None, False
         if s.group in gemvs:
             for nxt in plan[j + 1:]:
-                if nxt.group == "moe_experts":
-                    break
                 if nxt.group in gemvs:
                     want = gemvs[nxt.group](nxt.layer is not None and dec.layers[nxt.layer])
                     halves = nxt.group == "mlp_gate_up+swiglu"
@@ -144,3 +139,11 @@ def test_l2_prefetch_asks_for_the_next_gemv_weight(ckpt_factory, arch):
     assert torch.equal(plain.logits, with_l2[0]) and int(plain.tok) == with_l2[1]
     for name, t in eng.export_state()[1].items():
         assert torch.equal(t, with_l2[2][name]), name
+
+
+def test_moe_models_ask_l2_for_nothing(ckpt_factory):
+    """Tuning.l2_prefetch is for dense models: no launch of an MoE model's step asks L2 for anything."""
+    eng = Engine.from_pretrained(ckpt_factory("qwen3_5_moe", "bfloat16"), device="cpu", dtype="bfloat16",
+                                 max_seq_len=16, progress=False)
+    dec = FusedDecoder(eng.model, eng.state, mode="fused", tuning=dataclasses.replace(CPU_TUNING, l2_prefetch=4096))
+    assert not any(hasattr(s.run, "keywords") for s in dec.plan())

@@ -18,7 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from nexrt_vllm.engine import Engine, kernels
 from nexrt_vllm.engine.fp8 import PUBLISHED_NOT_CONVERT, FP8Weight
-from nexrt_vllm.engine.graph import FusedDecoder, MoEFFN, Tuning
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+from nexrt_vllm.engine.gpu.fusion import MoEFFN
+from nexrt_vllm.engine.gpu.tuning import Tuning
 from nexrt_vllm.testing import FP8_NOT_CONVERT, make_fp8_checkpoint
 from nexrt_vllm.testing.connector_harness import period_continuation, periodic_prompt
 
@@ -27,10 +29,10 @@ kernels.load(interpret=True)
 torch.set_num_threads(1)
 STEPS = 4
 # Few, large programs (the interpreter's cost is per program); K blocks of whole 128-column scale blocks.
-CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_fp8=((1 << 62, 64, 128, 4),), block_n_lm=128,
-                    block_n_lm_fp8=128, block_k_lm_fp8=128, gemv_gated_fp8=(64, 128, 4), gemv_router_fp8=(64, 128, 4),
-                    attn_splits=4, attn_block=32, gdn_block_v=64, moe_block_n=64, moe_block_k=128, moe_down_block_n=64,
-                    moe_down_block_k=64, moe_fp8=(64, 128, 4), moe_down_fp8=(64, 64, 4))
+CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_fp8=((1 << 62, 64, 128, 4),), lm=(128, 256, 4),
+                    lm_fp8=(128, 128, 4), gemv_gated_fp8=(64, 128, 4), gemv_router_fp8=(64, 128, 4),
+                    attn_splits=4, attn_block=32, gdn_block_v=64, moe=(64, 128, 1), moe_down=(64, 64, 1),
+                    moe_fp8=(64, 128, 4), moe_down_fp8=(64, 64, 4))
 VARIANTS = {"published": dict(block=128, not_convert=PUBLISHED_NOT_CONVERT),
             "published_pow2": dict(block=128, not_convert=PUBLISHED_NOT_CONVERT),
             "all_fp8_48x40": dict(block=(48, 40), not_convert=FP8_NOT_CONVERT)}
@@ -101,7 +103,7 @@ def test_fused_fp8_step_matches_eager_dequantized(fp8_ckpt, arch, variant, round
     kinds = {type(w) for L in dec.layers for w in (getattr(L.mixer, "w_in", None), getattr(L.mixer, "w_qkv", None))
              if w is not None}
     assert kinds == {FP8Weight}
-    # Tuning.l2_prefetch_fp8 (0): no launch over fp8 weights asks L2 for the next weight
+    # no launch over fp8 weights asks L2 for the next weight (Tuning.l2_prefetch is for bf16 ones)
     asked = [s.group for s in dec.plan() if hasattr(s.run, "keywords")]
     assert "gdn_in_proj+conv" not in asked and "attn_qkv_proj" not in asked, asked
     if variant.startswith("published"):  # b / a (Qwen3.5) or ba (Qwen3-Next) stay bf16: the in_proj's tail

@@ -1,4 +1,4 @@
-"""The captured speculative round (engine/spec_graph.py: M-row verify, accept, commit, the MTP head's
+"""The captured speculative round (engine/gpu/spec_round.py: M-row verify, accept, commit, the MTP head's
 drafts, all fused Triton launches) against the eager engine, on CPU through the Triton interpreter:
 greedy tokens equal the one-token loop's token for token on trained tiny checkpoints (with a trained
 MTP head) of the MoE family (Qwen3-Next) and the dense one (Qwen3.5); with the drafter's full prompt context every round accepts what the
@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from nexrt_vllm.engine import Engine, SamplingParams, kernels
-from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner, Tuning
-from nexrt_vllm.engine.spec_graph import SpecRunner
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+from nexrt_vllm.engine.gpu.runner import GraphRunner
+from nexrt_vllm.engine.gpu.tuning import Tuning
+from nexrt_vllm.engine.gpu.spec_round import SpecRunner
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
 
 kernels.load(interpret=True)
@@ -22,10 +24,9 @@ K = 3  # drafts per round: M = 4
 # Few, large programs: the interpreter's cost is per program, not per element.
 # The verify's GEMVs on the tensor-core kernel (2 stages), its GDN out_proj on the fold kernel, as on the H200.
 CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128, 4, 2),), gemv_gated=(64, 128, 4),
-                    gemv_gated_rows=(64, 128, 4, 0), gemv_router=(64, 128, 4), prefetch=0, block_n_lm=128,
-                    lm_rows=(128, 128, 4, 2), attn_splits=2,
-                    attn_block=32, gdn_block_v=64, moe_block_n=64, moe_block_k=128, moe_down_block_n=64,
-                    moe_down_block_k=64)
+                    gemv_gated_rows=(64, 128, 4, 0), gemv_router=(64, 128, 4), prefetch=0, lm=(128, 256, 4),
+                    lm_rows=(128, 128, 4, 2), attn_splits=2, attn_block=32, gdn_block_v=64, moe=(64, 128, 1),
+                    moe_down=(64, 64, 1))
 
 
 def engines(ckpt_factory, arch):

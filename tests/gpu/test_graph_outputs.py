@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from nexrt_vllm.engine import Engine, EngineError, SamplingParams, kernels
-from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner, Tuning
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+from nexrt_vllm.engine.gpu.runner import GraphRunner
+from nexrt_vllm.engine.gpu.tuning import Tuning
 from nexrt_vllm.engine.structured import Grammars, apply_mask
 from nexrt_vllm.handoff.structured import StructuredSpec
 
@@ -167,11 +169,11 @@ def test_fused_step_variants_choose_from_the_masked_logits(setup, sample):
     """The fused step (all Triton kernels) with the logprobs + mask variant: the greedy token is the
     argmax of the masked logits the step computed, the sampled one an allowed token, and the
     logprob ring holds log_softmax of the masked logits."""
-    from nexrt_vllm.engine.graph import RING
+    from nexrt_vllm.engine.gpu.control import RING
 
     eng, grammars, logits, (n0, snap) = setup
     eng.import_state(n0, snap)
-    tuning = Tuning(gemv=((1 << 62, 64, 128, 4),), block_n_lm=128, attn_splits=4, attn_block=32, gdn_block_v=64,
+    tuning = Tuning(gemv=((1 << 62, 64, 128, 4),), lm=(128, 256, 4), attn_splits=4, attn_block=32, gdn_block_v=64,
                     tail_chunk=128)
     d = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
     c = _constraint(grammars, eng, StructuredSpec("regex", "[a-z]{2,8}"))

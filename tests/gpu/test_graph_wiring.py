@@ -47,7 +47,7 @@ def test_decode_cli_graph_default_is_auto():
 def test_pdl_only_where_the_gpu_has_it():
     """PDL (on by default in Tuning) must never reach a GPU without griddepcontrol (pre-Hopper) or the
     CPU interpreter; an explicit False or the process default still decide on a Hopper GPU."""
-    from nexrt_vllm.engine.graph import Tuning, pdl_enabled
+    from nexrt_vllm.engine.gpu.tuning import Tuning, pdl_enabled
 
     assert Tuning().pdl is True
     assert pdl_enabled(True, False, (9, 0)) and pdl_enabled(None, True, (10, 0))

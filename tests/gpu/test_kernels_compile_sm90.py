@@ -75,9 +75,10 @@ TAIL = dict(CHUNK=2048, KMAX=sampling.KMAX, MASK=False, TOPK=False, WRITE=False,
 F8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "aux0_ptr": "*bf16", "aux1_ptr": "*bf16",
       "gu_ptr": "*fp8e4nv", "gus_ptr": "*fp32", "gur_ptr": "*i32", "sgu_ptr": "*fp8e4nv", "sgus_ptr": "*fp32",
       "sgur_ptr": "*i32", "dn_ptr": "*fp8e4nv", "dns_ptr": "*fp32", "dnr_ptr": "*i32", "sdn_ptr": "*fp8e4nv",
-      "sdns_ptr": "*fp32", "sdnr_ptr": "*i32", "pf_ptr": "*u8"}
+      "sdns_ptr": "*fp32", "sdnr_ptr": "*i32"}
 F8_ARGMAX = dict(F8, aux0_ptr="*fp32", aux1_ptr="*i32")
-GF = dict(G, BLOCK_N=2, BLOCK_K=2048, BKS=128, UNIFORM=True, ROUND_W=False, TAIL=False, PRE=0, VEC=16, VEC_T=8)
+GF = dict({k: v for k, v in G.items() if k != "PF"}, BLOCK_N=2, BLOCK_K=2048, BKS=128, UNIFORM=True, ROUND_W=False,
+          TAIL=False, VEC=16, VEC_T=8)
 MF = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=8, BLOCK_K=512, E=256, EP=256, NORM=True, BKS=128,
           FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1)
 MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, BKS=128, FP8_E=True,
@@ -85,7 +86,7 @@ MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2, BLOCK_K=2
 ALIGN_G = ("x_ptr", "w_ptr", "s_ptr", "srow_ptr", "t_ptr", "y_ptr", "nw_ptr", "z_ptr", "K", "stride_w", "stride_t")
 ALIGN_M = ("x_ptr", "gu_ptr", "sgu_ptr", "act_ptr", "stride_ge", "act_ptr", "dn_ptr", "sdn_ptr", "stride_de")
 FP8_VARIANTS = [
-    # the 2B / 35B-A3B step's FP8 launches at the graph.Tuning fp8 defaults
+    # the 2B / 35B-A3B step's FP8 launches at the Tuning fp8 defaults
     ("fp8_qkv", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=0), 4, F8, ALIGN_G),
     ("fp8_in_proj_conv_tail", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=3, BLOCK_N=16, BLOCK_K=512, TAIL=True), 4, F8,
      ALIGN_G),
@@ -97,13 +98,6 @@ FP8_VARIANTS = [
     ("fp8_rows_per_row_scales", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=2, BLOCK_N=16, BLOCK_K=512, UNIFORM=False),
      4, F8, ALIGN_G),
     ("fp8_round_weights", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=0, ROUND_W=True), 4, F8, ALIGN_G),
-    # e4m3 rows loaded ahead of the PDL wait (Tuning.prefetch)
-    ("fp8_swiglu_prefetch", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=2, BLOCK_N=16, BLOCK_K=512, PRE=2), 4, F8,
-     ALIGN_G),
-    ("fp8_residual_prefetch", gemv.gemv_fp8_kernel, dict(GF, PRE=1, PRO=0, EPI=1), 4, F8, ALIGN_G),
-    # the next GEMV's first weight bytes asked of L2 (Tuning.l2_prefetch): one segment, or a SwiGLU's two
-    ("fp8_residual_l2", gemv.gemv_fp8_kernel, dict(GF, PRO=0, EPI=1, PF=1), 4, F8, ALIGN_G),
-    ("fp8_swiglu_l2", gemv.gemv_fp8_kernel, dict(GF, PRO=1, EPI=2, BLOCK_N=8, BLOCK_K=512, PF=2), 4, F8, ALIGN_G),
     ("fp8_moe_gate_up", moe.moe_gate_up_fp8_kernel, MF, 2, F8, ALIGN_M),
     ("fp8_moe_gate_up_bf16_shared", moe.moe_gate_up_fp8_kernel, dict(MF, FP8_S=False, VEC_S=8), 1,
      dict(F8, sgu_ptr="*bf16"), ALIGN_M),
@@ -111,7 +105,7 @@ FP8_VARIANTS = [
 
     ("fp8_moe_down_round", moe.moe_down_fp8_kernel, dict(MDF, ROUND_W=True, UNI_E=False, BLOCK_N=2), 1, F8, ALIGN_M),
 ]
-# The speculative round (engine/spec_graph.py) at M = 4 verify rows, the 2B / 35B-A3B shapes at the Tuning defaults.
+# The speculative round (engine/gpu/spec_round.py) at M = 4 verify rows, the 2B / 35B-A3B shapes at the Tuning defaults.
 R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, M=4, MP=4)
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
 RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1)
@@ -180,7 +174,7 @@ for pdl in (False, True):
         ("gdn_step_prefetch", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1),
         ("moe_gate_up", moe.moe_gate_up_kernel, dict(MU, BLOCK_N=16), 4),
         ("moe_down", moe.moe_down_kernel, dict(MD, BLOCK_N=2), 4),
-        # the GPU defaults (graph.Tuning): one-warp MoE and GDN programs
+        # the GPU defaults (gpu/tuning.py Tuning): one-warp MoE and GDN programs
         ("moe_gate_up_1warp", moe.moe_gate_up_kernel, MU, 1),
         ("moe_down_1warp", moe.moe_down_kernel, MD, 1),
         ("gdn_step_1warp", gdn.gdn_step_kernel, dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1),
@@ -217,7 +211,7 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 34 + 54 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 54 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
@@ -233,7 +227,7 @@ def test_fp8_kernels_stream_e4m3_in_16_byte_loads(compiled):
     """Every FP8 variant converts e4m3 in the kernel (weight-only: no bf16 copy of the weights) and, at
     the aligned real shapes, reads its weight stream with 16-byte evict-first loads."""
     fp8 = {k: v for k, v in compiled.items() if k.startswith("fp8_")}
-    assert len(fp8) == 34
+    assert len(fp8) == 26
     for name, v in fp8.items():
         assert v["e4m3_cvt"] > 0 and v["evict_first_v4"] > 0, (name, v)
 
@@ -273,7 +267,7 @@ def test_l2_prefetch_variants_ask_l2_once_per_segment(compiled):
     """Tuning.l2_prefetch: a GEMV with PF segments holds PF bulk L2 prefetches (thread 0's, after its
     epilogue); every other kernel none."""
     for name, v in compiled.items():
-        want = 2 if name.startswith(("fp8_swiglu_l2", "gemv_conv_l2")) else 1 if "_l2" in name else 0
+        want = 2 if name.startswith("gemv_conv_l2") else 1 if "_l2" in name else 0
         assert v["l2_prefetch"] == want, (name, v)
         if name.endswith("_pdl"):  # after the wait: the programs ask when done
             assert v["l2_before_wait"] == 0, (name, v)

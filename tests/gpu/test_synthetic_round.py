@@ -5,9 +5,10 @@ round (no head context) accepts nothing."""
 import torch
 
 from nexrt_vllm.engine import Engine, SamplingParams, kernels
-from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
-from nexrt_vllm.engine.spec_graph import SpecRunner
-from nexrt_vllm.engine.synthetic import SyntheticAcceptance
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+from nexrt_vllm.engine.gpu.runner import GraphRunner
+from nexrt_vllm.engine.gpu.spec_round import SpecRunner
+from nexrt_vllm.engine.spec.synthetic import SyntheticAcceptance
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
 
 from test_fused_speculative import CPU_TUNING

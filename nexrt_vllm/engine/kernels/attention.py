@@ -19,8 +19,8 @@ import os
 import triton
 import triton.language as tl
 
-from .common import LAUNCH, pdl_begin
-from .common import bf16_round as _bf16
+from nexrt_vllm.engine.kernels.common import LAUNCH, pdl_begin
+from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 
 
 @triton.jit

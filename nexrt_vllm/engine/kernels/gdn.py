@@ -13,8 +13,8 @@ token; `gdn_commit` then makes the accepted token's state (recurrent and conv wi
 import triton
 import triton.language as tl
 
-from .common import LAUNCH, pdl_begin
-from .common import bf16_round as _bf16
+from nexrt_vllm.engine.kernels.common import LAUNCH, pdl_begin
+from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 
 
 @triton.jit

@@ -13,10 +13,11 @@ are `moe_gate_up_fp8_kernel` / `moe_down_fp8_kernel`: the same design reading e4
 import triton
 import triton.language as tl
 
-from .common import LAUNCH, pdl_begin
-from .gemv import _col_scales, _fold, _scale_row, _scaled_dot, _w_dot, fold_vec
-from .common import bf16_round as _bf16
-from .common import silu as _silu
+from nexrt_vllm.engine.kernels.common import LAUNCH, pdl_begin
+from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
+from nexrt_vllm.engine.kernels.common import silu as _silu
+from nexrt_vllm.engine.kernels.gemv import fold_vec
+from nexrt_vllm.engine.kernels.gemv_step import _col_scales, _fold, _scale_row, _scaled_dot, _w_dot
 
 
 @triton.jit
@@ -45,8 +46,8 @@ def topk_select(logits_ptr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexp
 @triton.jit
 def _row_mask(rows, n, EVEN: tl.constexpr):
     """rows < n, or (EVEN: all of them lie below n) a constant true mask, which the compiler drops. The
-    fp8 kernels use it (measured on the H200, 35B-A3B experts: 845 -> 668 us per step); the bf16 ones
-    keep their masks (unmasked, the same launches took 990 us instead of 801)."""
+    fp8 kernels use it (their expert launches are faster without the mask); the bf16 ones keep their
+    masks (unmasked, theirs were slower)."""
     if EVEN:
         m = tl.full(rows.shape, 1, tl.int1)
     else:
@@ -187,7 +188,7 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts
 
 @triton.jit
 def _fold3(p, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """`gemv._fold` of [S, BLOCK_N, BLOCK_K] products (one slice per selected expert)."""
+    """`gemv_step._fold` of [S, BLOCK_N, BLOCK_K] products (one slice per selected expert)."""
     return tl.sum(tl.reshape(p, (S, BLOCK_N, BLOCK_K // VEC, VEC)), 3)
 
 
@@ -195,7 +196,7 @@ def _fold3(p, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC
 def _shared_tile(sdn_ptr, sdns_ptr, sr, stride_sds, rows, rmask, k0, IS: tl.constexpr, BLOCK_K: tl.constexpr,
                  BKS: tl.constexpr, FP8: tl.constexpr, UNIFORM: tl.constexpr):
     """K block k0 of the shared expert's down rows `rows` [BLOCK_N, BLOCK_K] and, when FP8, each
-    column's block scale (`gemv._col_scales`)."""
+    column's block scale (`gemv_step._col_scales`)."""
     cols = k0 + tl.arange(0, BLOCK_K)
     cm = _row_mask(cols, IS, FP8 and IS % BLOCK_K == 0)
     wv = tl.load(sdn_ptr + rows[:, None] * IS + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0,
@@ -340,7 +341,7 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     (one program per row, slot and block: an expert several rows chose is read from HBM about once,
     the rows' concurrent reads of its tiles meeting in L2). Any of the four weights may be an
     fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8 kernels, which read each
-    weight in its own format (`round_w`: gemv._acc's ROUND_W; `vec`: gemv.gemv's)."""
+    weight in its own format (`round_w`: gemv_step._acc's ROUND_W; `vec`: gemv.gemv's)."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)

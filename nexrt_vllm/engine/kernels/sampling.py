@@ -3,7 +3,7 @@
 Greedy: the lm_head GEMV (EPI_ARGMAX) leaves one (max, index) pair per program; `finish_kernel`
 reduces them (ties -> lowest id, as torch.argmax), stores the token for the next step, advances the
 device position and step counter and publishes (step << 32 | token) in a slot of the control ring
-(host-mapped memory, see graph.py).
+(host-mapped memory, see engine/gpu/control.py).
 
 Sampling (temperature / top-k / top-p): the allowed set is a prefix of the logits sorted in
 descending order, so after a (captured) sort + softmax + cumsum, `gumbel_partial_kernel` takes
@@ -26,7 +26,7 @@ token k reads complete logprobs for it.
 import triton
 import triton.language as tl
 
-from .common import ASM, LAUNCH, fence_sys, pdl_begin
+from nexrt_vllm.engine.kernels.common import ASM, LAUNCH, fence_sys, pdl_begin
 
 INVALID_TOKEN = 0x7FFFFFFF  # published instead of a token when the step's grammar mask did not arrive
 KMAX = 32  # top-k slots per program and per ring slot (a power of two >= handoff.structured.LOGPROBS_MAX)

@@ -61,7 +61,7 @@ def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, roun
     """Reduce the verify's lm_head partials pmax/pidx [M, n_partials] (row stride n_partials) to the
     target's tokens y [M]; accept the leading drafts tok[1:] that match; publish; advance (module doc).
     `forced` (int64 [NF], optional): pinned acceptance - round r accepts forced[(r - 1) % NF] drafts and
-    emits them as they are, then the target's token after them (engine/synthetic.py)."""
+    emits them as they are, then the target's token after them (engine/spec/synthetic.py)."""
     m = tok.numel()
     block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
     synth = forced is not None

@@ -35,9 +35,10 @@ from collections.abc import Iterator
 
 import torch
 
-from .model import Model, VerifyScratch
-from .mtp import Drafter
-from .sampling import Sampled, Sampler, SamplingParams, sampling_probs, token_logprobs
+from nexrt_vllm.engine.decode_loop import DecodeLoop
+from nexrt_vllm.engine.model import Model, VerifyScratch
+from nexrt_vllm.engine.sampling import Sampled, Sampler, SamplingParams, sampling_probs, token_logprobs
+from nexrt_vllm.engine.spec.mtp import Drafter
 
 
 def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +73,7 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
 
 def accept_synthetic(k: int, tokens: torch.Tensor, target: torch.Tensor, generator: torch.Generator | None,
                      greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A round with `k` drafts accepted by a pinned schedule (engine/synthetic.py): out[0..k-1] are the
+    """A round with `k` drafts accepted by a pinned schedule (engine/spec/synthetic.py): out[0..k-1] are the
     drafts tokens[1..k], out[k] the target's token after them (argmax of logits `target[k]` when greedy,
     else drawn from the distribution `target[k]`). Returns (a int64 [1], out [M])."""
     nxt = (torch.argmax(target[k]) if greedy else torch.multinomial(target[k:k + 1], 1, generator=generator)[0, 0])
@@ -106,6 +107,24 @@ class Speculator:
     def drop_context(self) -> None:
         self._ctx_len, self._ctx_hidden = -1, None
 
+    def take_context(self, seq_len: int) -> tuple[bool, torch.Tensor | None]:
+        """What a stream from a state of `seq_len` tokens has of the armed context, which it disarms (one
+        stream per prefill): whether the head's rows of the prompt are armed (0..N-2 or 0..N-1), and the
+        target's last hidden state [1, H] when the first round can draft at once (else None)."""
+        rows = self._ctx_len == seq_len
+        hidden = self._ctx_hidden if rows else None
+        self.drop_context()
+        return rows, hidden
+
+    def first_drafts(self, hidden: torch.Tensor, first_token: int, seq_len: int) -> torch.Tensor:
+        """Greedy drafts [M-1] of a stream's first round from `take_context`'s hidden state: the head's
+        row N-1 = (H_{N-1}, first_token) drafts d_1, then the chained steps."""
+        dev = hidden.device
+        zero = torch.zeros(1, dtype=torch.long, device=dev)
+        drafts, _ = self._draft(hidden, torch.tensor([first_token], device=dev),
+                                torch.tensor([seq_len - 1], device=dev), zero, SamplingParams(), None)
+        return drafts
+
     def export_context(self, first_token: int | None = None) -> dict[str, torch.Tensor] | None:
         """The armed full context (after a prefill of N tokens) as copies: {"hidden": [1, H] the
         target's last hidden state, "k", "v": the head's K/V rows 0..N-2}; with `first_token`,
@@ -126,7 +145,7 @@ class Speculator:
         0..N-1} without the hidden state (what a speculating prefill vLLM's MTP cache holds: its row
         N-1 is (H_{N-1}, the first token)): the first step is a plain one, the drafts after it
         attend to every row."""
-        from .errors import StateError
+        from nexrt_vllm.engine.errors import StateError
 
         d = self.drafter
         n = seq_len - 1 if "hidden" in ctx else seq_len
@@ -167,19 +186,16 @@ class Speculator:
         return torch.cat(drafts), (None if params.greedy else torch.cat(qs))
 
     # ---- the decode loop ------------------------------------------------------------------------
-    def steps(self, engine, first_token: int, params: SamplingParams) -> Iterator[Sampled]:
-        """Engine.steps' contract (no grammar): tokens after `first_token`, stop/EOS yielded, at most
-        max_tokens - 1, until the context is full. After a stop, state.seq_len may count accepted
-        positions past the stop token (their tokens are discarded)."""
+    def steps(self, engine, first_token: int, params: SamplingParams, loop: DecodeLoop) -> Iterator[Sampled]:
+        """Engine.steps' contract (no grammar), decided by `loop` (decode_loop.py): tokens after
+        `first_token`, stop/EOS yielded, at most max_tokens - 1, until the context is full. After a
+        stop, state.seq_len may count accepted positions past the stop token (their tokens are
+        discarded)."""
         model, state, M, dev = self.model, engine.state, self.M, engine.device
         gen = Sampler(params, dev).generator  # seeded as the plain sampler's (None when greedy)
-        produced = 1
-        rows = self._ctx_len == state.seq_len  # the head's rows 0..N-2 or 0..N-1 are armed
-        full = rows and self._ctx_hidden is not None
-        ctx_hidden = self._ctx_hidden
-        self.drop_context()  # one stream per prefill
-        if engine._stops(first_token, params):
-            engine.finish_reason = "stop"
+        rows, ctx_hidden = self.take_context(state.seq_len)
+        full = ctx_hidden is not None
+        if not loop.start(first_token):
             return
         drafts = q = None
         pending = torch.tensor([first_token], device=dev)  # the next round's first token, on the device
@@ -188,10 +204,7 @@ class Speculator:
             base = state.position - 1
             drafts, q = self._draft(ctx_hidden, pending, base, torch.zeros(1, dtype=torch.long, device=dev),
                                     params, gen)
-        while produced < params.max_tokens:
-            n = state.seq_len
-            if n >= engine.max_seq_len:
-                break
+        while loop.room(state) > 0:
             T = M if drafts is not None else 1
             tokens = pending if drafts is None else torch.cat((pending, drafts))
             base = state.position.clone()
@@ -217,16 +230,11 @@ class Speculator:
                     self.on_round(n_acc)
             emitted = out[:n_acc].tolist()
             for j, tok in enumerate(emitted):
-                produced += 1
                 if params.logprobs is None:
                     yield Sampled(tok)
                 else:
                     yield Sampled(tok, *token_logprobs(logits[j], tok, params.logprobs))
-                if engine._stops(tok, params):
-                    engine.finish_reason = "stop"
-                    return
-                if produced >= params.max_tokens:
-                    engine.finish_reason = "length"
+                if loop.emit(tok):
                     return
             pending = out.index_select(0, a)
             drafts = q = None
@@ -236,4 +244,4 @@ class Speculator:
                         self.drafter.start.copy_(base)
                     full = True
                 drafts, q = self._draft(hidden, out, base, a, params, gen)
-        engine.finish_reason = "length"
+        loop.end()

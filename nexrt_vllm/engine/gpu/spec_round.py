@@ -1,6 +1,6 @@
 """MTP speculative decoding on the GPU path: one captured CUDA graph per round.
 
-A round is the eager round of engine/speculative.py (greedy) as fused Triton launches, with no
+A round is the eager round of engine/spec/speculative.py (greedy) as fused Triton launches, with no
 host value in it:
 
 1. verify: the target runs tokens [t, d_1 .. d_{M-1}] at positions pos..pos+M-1 in one pass. Every
@@ -34,11 +34,14 @@ from collections.abc import Iterator
 
 import torch
 
-from .errors import EngineError, NotBuiltError
-from .fp8 import FP8Weight
-from .graph import RING, AttentionMixer, FusedDecoder, FusedLayer, GDNMixer, GraphRunner, Launch, MoEFFN, \
-    _concat_shared
-from .state import AttentionState
+from nexrt_vllm.engine.errors import EngineError, NotBuiltError
+from nexrt_vllm.engine.fp8 import FP8Weight
+from nexrt_vllm.engine.gpu.control import RING
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch
+from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
+from nexrt_vllm.engine.gpu.runner import GraphRunner
+from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
+from nexrt_vllm.engine.state import AttentionState
 
 # Pinned-acceptance counts held on the device; a stream longer than this many rounds reuses them in order.
 SYNTHETIC_ROUNDS = 1 << 16
@@ -51,7 +54,7 @@ class SpecDecoder:
     def __init__(self, fused: FusedDecoder, spec, draft_vocab: int | None = None):
         if fused.mode != "fused":
             raise EngineError("the speculative round needs the fused decoder (mode 'fused')")
-        from .kernels import spec as k_spec  # triton: GPU path only
+        from nexrt_vllm.engine.kernels import spec as k_spec  # triton: GPU path only
         self.k_spec = k_spec
         f, c, M = fused, fused.cfg, spec.M
         if M > 4:  # the M-row kernels keep up to 4 rows in registers
@@ -91,12 +94,12 @@ class SpecDecoder:
         # the head: its layer fused like the target's, its attention over the drafter's own cache
         w = self.drafter.w
         lw = w.layer
-        w_qkv, (lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj) = _concat_shared(
+        w_qkv, (lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj) = concat_shared(
             [lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj])
         self.head = FusedLayer(lw.input_norm, lw.post_norm,
                                AttentionMixer(w_qkv, lw.mixer.q_norm, lw.mixer.k_norm, lw.mixer.o_proj,
                                               AttentionState(self.drafter.k, self.drafter.v)),
-                               FusedDecoder._fuse_ffn(lw.ffn))
+                               fuse_ffn(lw.ffn))
         self.fc_in, self.u = z(M, 2 * H), z(M, H)
         self.u1, self.g1 = z(1, H), z(1, H)
         self.dlogits = z(self.draft_vocab, d=torch.float32)
@@ -144,9 +147,9 @@ class SpecDecoder:
         steps += self._draft()
         return steps
 
-    def _rows_rule(self, w, rule: tuple) -> dict:
-        """An M-row GEMV's launch from a (rows, K block, warps, stages) rule (Tuning.lm_rows, gemv_gated_rows)."""
-        return dict(self.f._fit(w, dict(zip(("block_n", "block_k", "num_warps"), rule[:3]))), dot=rule[3])
+    def _rows_rule(self, w, shape: RowsShape) -> dict:
+        """An M-row GEMV's launch keywords from a fixed shape (Tuning.lm_rows, gemv_gated_rows)."""
+        return gemv_kwargs(self.f.t, w, shape)
 
     def _gdn(self, i: int, L: FusedLayer):
         c, g, t, m, eps, M, f = self.cfg, self.f.k_gemv, self.f.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.f
@@ -154,7 +157,8 @@ class SpecDecoder:
             ("gdn_in_proj+conv", lambda: g.gemv(
                 self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
                 aux0=m.state.conv, aux1=m.conv_w, window=self.scratch.window(i, M), eps=eps, conv_n=c.conv_dim,
-                kc=c.conv_kernel, m=M, **f._shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv, rows=True))),
+                kc=c.conv_kernel, m=M,
+                **f.gemv_shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv, rows=True))),
             ("gdn_step", lambda: f.k_gdn.gdn_verify_step(
                 self.buf, m.state.rec, self.scratch.rec_after[i], self.o, m.a_log, m.dt_bias, m=M,
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
@@ -173,7 +177,7 @@ class SpecDecoder:
         return [
             ("attn_qkv_proj", lambda: g.gemv(
                 x, a.w_qkv, buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, m=m,
-                **f._shape(a.w_qkv, a.w_qkv.shape[0], rows=m > 1))),
+                **f.gemv_shape(a.w_qkv, a.w_qkv.shape[0], rows=m > 1))),
             ("attn_qknorm_rope_kvwrite", lambda: f.k_attn.qk_rope_cache(
                 buf, q, a.state.k, a.state.v, a.q_norm, a.k_norm, cos, sin, pos, num_heads=c.num_heads,
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim, eps=eps, m=m)),
@@ -182,7 +186,7 @@ class SpecDecoder:
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.attn_splits,
                 block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(
-                o, a.w_o, x, epi=g.EPI_RESIDUAL, m=m, **f._shape(a.w_o, c.hidden_size, rows=m > 1)))]
+                o, a.w_o, x, epi=g.EPI_RESIDUAL, m=m, **f.gemv_shape(a.w_o, c.hidden_size, rows=m > 1)))]
 
     def _ffn(self, L: FusedLayer, x, m: int):
         c, g, t, ff, eps, f = self.cfg, self.f.k_gemv, self.f.t, L.ffn, self.cfg.rms_norm_eps, self.f
@@ -193,20 +197,20 @@ class SpecDecoder:
             xs = (lambda b: b[:m]) if m > 1 else (lambda b: b[0])  # noqa: E731
             return [("moe_router", lambda: g.gemv(
                         x, ff.w_router, self.router_logits[:m], pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
-                        xn_out=self.xn[:m], m=m, **f._rule(ff.w_router, t.gemv_router, t.gemv_router_fp8))),
+                        xn_out=self.xn[:m], m=m, **f.fixed_shape(ff.w_router, t.gemv_router, t.gemv_router_fp8))),
                     ("moe_experts", lambda: f.k_moe.moe_experts(
                         xs(self.xn), xs(x), xs(self.router_logits), ff.gate_up, ff.s_gate_up, ff.down, ff.s_down,
                         xs(self.act), xs(self.ids), xs(self.wts), top_k=c.num_experts_per_tok,
-                        block_n=t.moe_block_n, block_k=t.moe_block_k, down_block_n=t.moe_down_block_n,
-                        down_block_k=t.moe_down_block_k, num_warps=t.moe_warps, down_num_warps=t.moe_down_warps,
-                        norm_topk=c.norm_topk_prob, vec=t.vec))]
+                        block_n=t.moe.block_n, block_k=t.moe.block_k, down_block_n=t.moe_down.block_n,
+                        down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps,
+                        down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))]
         return [
             ("mlp_gate_up+swiglu", lambda: g.gemv(
                 x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
-                eps=eps, m=m, **f._shape(ff.w_gate_up, ff.w_gate_up.shape[0] // 2, rows=m > 1))),
+                eps=eps, m=m, **f.gemv_shape(ff.w_gate_up, ff.w_gate_up.shape[0] // 2, rows=m > 1))),
             ("mlp_down", lambda: g.gemv(
                 self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m,
-                **f._shape(ff.w_down, c.hidden_size, rows=m > 1)))]
+                **f.gemv_shape(ff.w_down, c.hidden_size, rows=m > 1)))]
 
     def _draft(self) -> list[Launch]:
         """The head's launches: groups draft_* (the M-row pass and its pick) and chain_* (each chained step)."""
@@ -217,7 +221,7 @@ class SpecDecoder:
         def head(x, fc_in, tok, hidden, pos, m):
             steps = [("input", lambda: ks.mtp_input(tok, w.embed, hidden, w.pre_fc_norm_embedding,
                                                     w.pre_fc_norm_hidden, fc_in, eps)),
-                     ("fc", lambda: g.gemv(fc_in, w.fc, x, m=m, **f._shape(w.fc, c.hidden_size, rows=m > 1)))]
+                     ("fc", lambda: g.gemv(fc_in, w.fc, x, m=m, **f.gemv_shape(w.fc, c.hidden_size, rows=m > 1)))]
             steps += self._attention(self.head, x, pos, d.start, m, d.rope_cos, d.rope_sin)
             return steps + self._ffn(self.head, x, m)
 
@@ -241,7 +245,7 @@ class SpecDecoder:
         with self.f.launch_options():
             for s in self.plan():
                 s.run()
-        if self.f.control == "pinned-copy":  # the rings reach the host by copy nodes (graph.ControlMemory)
+        if self.f.control == "pinned-copy":  # the rings reach the host by copy nodes (gpu/control.py)
             self.f.ring_host.copy_(self.f.ring, non_blocking=True)
             self.rounds_host.copy_(self.rounds, non_blocking=True)
 
@@ -255,7 +259,6 @@ class SpecRunner:
         self.d = SpecDecoder(runner.d, spec, draft_vocab)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.rounds_run = 0
-        self.finish_reason: str | None = None
 
     def _live(self) -> list[torch.Tensor]:
         d, f = self.d, self.d.f
@@ -301,9 +304,9 @@ class SpecRunner:
         `max_new_tokens`. `drafts` [M-1] (device): the first round's drafts (else placeholders). At
         most max_new_tokens; a full context ends the stream early only where the plain step graph
         also has no room. Afterwards state.seq_len counts every position the rounds that ran
-        committed (also the in-flight round past a stop; its tokens are discarded)."""
+        committed (also the in-flight round past a stop; its tokens are discarded). The request's
+        stop / length rules and finish reason are its caller's (`Engine`, decode_loop.py)."""
         d, f, st, M = self.d, self.d.f, self.d.f.state, self.M
-        self.finish_reason = None
         if max_new_tokens <= 0:
             return
         stops = set(stop_token_ids)
@@ -354,11 +357,7 @@ class SpecRunner:
                     last = tv & 0xFFFFFFFF
                     done += 1
                     yield last
-                    if last in stops:
-                        self.finish_reason = "stop"
-                        return
-                    if done >= max_new_tokens:
-                        self.finish_reason = "length"
+                    if last in stops or done >= max_new_tokens:
                         return
                 if read == launched and room(0) and done < max_new_tokens:
                     self._replay()
@@ -374,9 +373,7 @@ class SpecRunner:
             for rec in self.plain.steps(last, rest, stop_token_ids=stops, timeout_s=timeout_s):
                 yield rec.token
                 if rec.token in stops:
-                    self.finish_reason = "stop"
                     return
-        self.finish_reason = "length"
 
     @property
     def M(self) -> int:

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .errors import ConfigError, WeightsError
-from .fp8 import linear
-from .model import (LayerWeights, MoEWeights, _attn_qkv, attention_decode, layer_weights, mlp, moe_decode, rms_norm,
-                    rope_tables)
+from nexrt_vllm.engine.config import ModelConfig
+from nexrt_vllm.engine.errors import ConfigError, WeightsError
+from nexrt_vllm.engine.fp8 import linear
+from nexrt_vllm.engine.model import (LayerWeights, MoEWeights, attention_decode, attn_qkv, layer_weights, mlp,
+                                     moe_decode, rms_norm, rope_tables)
 
 PREFIX = "mtp."
 _EXPERT_RE = re.compile(r"^layers\.0\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -40,7 +40,7 @@ def mtp_layer_count(tensors: dict[str, torch.Tensor]) -> int:
 
 def expected_mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical names (without `mtp.`) and shapes of the head, experts stacked."""
-    from .weights import expected_shapes
+    from nexrt_vllm.engine.weights import expected_shapes
 
     H = cfg.hidden_size
     one = ModelConfig(**{**cfg.__dict__, "num_layers": 1, "layer_types": ("full_attention",)})
@@ -174,6 +174,6 @@ class Drafter:
         if T == 0:
             return
         x = rms_norm(self._input(hidden, tokens), layer.input_norm, eps)
-        _, k, v, _ = _attn_qkv(layer.mixer, cfg, x, self.rope_cos[:T], self.rope_sin[:T])
+        _, k, v, _ = attn_qkv(layer.mixer, cfg, x, self.rope_cos[:T], self.rope_sin[:T])
         self.k[:, :T].copy_(k)
         self.v[:, :T].copy_(v)

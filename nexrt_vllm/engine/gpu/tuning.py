@@ -1,0 +1,172 @@
+"""Launch shapes of the fused step: named shapes, the rules that pick one per GEMV, PDL on/off.
+
+The defaults were chosen by on-device sweeps (benchmarks' launch-shape tuners, docs/GPU.md). A
+shape given as a plain tuple (a sweep's candidate, a `--tuning` override) becomes its named type.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+from nexrt_vllm.engine.fp8 import FP8Weight
+
+
+class GemvShape(NamedTuple):
+    """One GEMV launch: output rows per program, K columns per loop step, warps per program."""
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+class RowsShape(NamedTuple):
+    """One M-row GEMV launch (the speculative verify): `GemvShape`'s fields and the kernel, as pipeline
+    stages of the tensor-core kernel (kernels/gemv_verify.py `gemv_rows_dot_kernel`; 0: the fold kernel
+    `gemv_rows_kernel`)."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    stages: int
+
+
+class GemvRule(NamedTuple):
+    """The shape of a GEMV with at most `max_rows` output rows (rules are tried in order)."""
+    max_rows: int
+    block_n: int
+    block_k: int
+    num_warps: int
+
+    @property
+    def shape(self) -> GemvShape:
+        return GemvShape(self.block_n, self.block_k, self.num_warps)
+
+
+class RowsRule(NamedTuple):
+    """`GemvRule` for the M-row GEMVs: the shape a `RowsShape`."""
+    max_rows: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    stages: int
+
+    @property
+    def shape(self) -> RowsShape:
+        return RowsShape(self.block_n, self.block_k, self.num_warps, self.stages)
+
+
+NO_LIMIT = 1 << 62  # the last rule's max_rows
+
+# field name -> the named type of a shape field, or (the rule type,) for a field of rules
+_NAMED = {"gemv": (GemvRule,), "gemv_fp8": (GemvRule,), "gemv_rows": (RowsRule,),
+          "gemv_gated": GemvShape, "gemv_router": GemvShape, "gemv_gated_fp8": GemvShape,
+          "gemv_router_fp8": GemvShape, "lm": GemvShape, "lm_fp8": GemvShape, "moe": GemvShape,
+          "moe_down": GemvShape, "moe_fp8": GemvShape, "moe_down_fp8": GemvShape,
+          "gemv_gated_rows": RowsShape, "lm_rows": RowsShape}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch shapes of the fused step and PDL on/off.
+
+    `gemv`: rules, first match wins. Few output rows need few rows per program and long K blocks, so
+    that enough programs stream enough bytes each."""
+    gemv: tuple[GemvRule, ...] = (GemvRule(4096, 2, 1024, 4), GemvRule(10000, 8, 256, 4),
+                                  GemvRule(NO_LIMIT, 16, 256, 4))
+    # The speculative verify's M-row GEMVs (engine/gpu/spec_round.py): the same rules plus the kernel;
+    # its GDN out_proj and lm_head. The best per launch group of sweeps at two shapes (docs/GPU.md).
+    gemv_rows: tuple[RowsRule, ...] = (RowsRule(4096, 16, 256, 1, 5), RowsRule(10000, 32, 256, 2, 3),
+                                       RowsRule(NO_LIMIT, 32, 256, 2, 3))
+    gemv_gated_rows: RowsShape = RowsShape(8, 1024, 8, 0)
+    lm_rows: RowsShape = RowsShape(64, 256, 4, 3)
+    gemv_gated: GemvShape = GemvShape(8, 1024, 8)  # GDN out_proj (gated-norm prologue)
+    gemv_router: GemvShape = GemvShape(4, 1024, 4)  # MoE router (E+1 rows)
+    lm: GemvShape = GemvShape(16, 256, 4)  # lm_head + argmax partials
+    attn_splits: int = 128
+    attn_block: int = 64
+    attn_min_per: int = 64
+    attn_warps: int = 4
+    gdn_block_v: int = 16
+    # One-warp programs for the GDN step and the MoE experts: their reductions (the L2 norms, the
+    # top-k picks of the routing, the per-expert dot products) stay in warp shuffles, no CTA barrier
+    # between a program's loads and its arithmetic.
+    gdn_warps: int = 1
+    moe: GemvShape = GemvShape(2, 256, 1)  # experts' gate_up (and the shared expert's)
+    moe_down: GemvShape = GemvShape(1, 512, 1)  # experts' down
+    # Programmatic dependent launch for every kernel of the step (kernels/common.py) where the GPU has
+    # it (`pdl_enabled`); None: the process default (NEXRT_PDL). With the small programs above, a
+    # kernel's CTAs can be resident while its predecessor drains.
+    pdl: bool | None = True
+    # With PDL: K blocks of its bf16 weight rows each GEMV program loads before it waits on the
+    # previous kernel, and (when > 0) the GDN step's state slice too; what neither depends on the
+    # previous kernel streams while it drains. 0: every load after the wait. GEMVs over fp8 weights
+    # load nothing early: it did not make their step faster.
+    prefetch: int = 2
+    prefetch_conv: int = 0  # the same for the GDN in_proj + conv launches, tuned on its own
+    # Columns each GEMV / MoE thread sums in registers before accumulating (kernels/gemv_step.py `_fold`):
+    # 0 the elements of one 16-byte load (8 bf16, 16 e4m3), 1 elementwise accumulators. `vec` for
+    # bf16 weights (the fold was no faster there), `vec_fp8` for fp8 ones (their fp32 accumulators
+    # were what limited the bytes in flight, and the fold frees those registers).
+    vec: int = 1
+    # Logprobs / grammar masks: logits per program of the tail launch, and how many reads of the
+    # host's mask flag a step makes before it gives up on the mask (each read crosses PCIe).
+    tail_chunk: int = 2048
+    mask_spin: int = 1 << 21
+    # FP8 weights (fp8.FP8Weight, e4m3 + block scales; docs/GPU.md "FP8"): the same rules for the
+    # fp8 kernels, chosen by their own sweeps (16 e4m3 per thread and load).
+    gemv_fp8: tuple[GemvRule, ...] = (GemvRule(4096, 4, 2048, 4), GemvRule(10000, 16, 512, 4),
+                                      GemvRule(NO_LIMIT, 16, 512, 4))
+    gemv_gated_fp8: GemvShape = GemvShape(8, 2048, 8)
+    gemv_router_fp8: GemvShape = GemvShape(4, 2048, 8)
+    lm_fp8: GemvShape = GemvShape(32, 512, 4)
+    moe_fp8: GemvShape = GemvShape(8, 512, 2)
+    moe_down_fp8: GemvShape = GemvShape(2, 256, 1)
+    vec_fp8: int = 0
+    # Round every e4m3 * scale to bf16 in the kernels, as the eager oracle's dequantized weights are:
+    # the fp8 step then differs from the eager one only in the order of sums (parity diagnostics).
+    fp8_round_weights: bool = False
+    # Bytes of the next GEMV's weight each M = 1 GEMV launch over bf16 weights asks L2 for as its
+    # programs finish (kernels/common.py `l2_prefetch`, `FusedDecoder._l2_plan`); 0: none. The next
+    # weight's first bytes are then in L2 when its launch starts, which shortens a dense model's
+    # step; asking for much more made it slower. MoE models ask nothing (their step was not reliably
+    # faster with it), nor do GEMVs over fp8 weights (theirs was slower).
+    l2_prefetch: int = 1 << 20
+
+    def __post_init__(self):
+        for f in fields(self):
+            kind, v = _NAMED.get(f.name), getattr(self, f.name)
+            if isinstance(kind, tuple):
+                object.__setattr__(self, f.name, tuple(kind[0](*r) for r in v))
+            elif kind is not None:
+                object.__setattr__(self, f.name, kind(*v))
+
+    def shape(self, n: int, fp8: bool = False, rows: bool = False) -> GemvShape | RowsShape:
+        """The shape of a GEMV with `n` output rows over bf16 or `fp8` weights; `rows`: an M-row GEMV's
+        (`gemv_rows`; by the `gemv` rules with the fold kernel when that is empty)."""
+        rules = self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv
+        for rule in rules:
+            if n <= rule.max_rows:
+                s = rule.shape
+                return RowsShape(*s, 0) if rows and isinstance(s, GemvShape) else s
+        raise AssertionError("unreachable: the last gemv rule has no row limit")
+
+
+def gemv_kwargs(t: Tuning, w, shape: GemvShape | RowsShape, prefetch: int | None = None) -> dict:
+    """The `kernels.gemv.gemv` keywords of a launch of `shape` over the weight `w` (bf16, or an
+    fp8.FP8Weight, whose fp8 rows before a bf16 tail must fill whole programs). `prefetch`: K blocks
+    of a bf16 `w` ahead of the wait (None: `t.prefetch`; fp8 weights load none early)."""
+    kw = {"block_n": shape.block_n, "block_k": shape.block_k, "num_warps": shape.num_warps}
+    if isinstance(shape, RowsShape):
+        kw["dot"] = shape.stages
+    if isinstance(w, FP8Weight):
+        kw.update(vec=t.vec_fp8, round_w=t.fp8_round_weights)
+        if w.tail is not None:
+            kw["block_n"] = min(kw["block_n"], w.n8 & -w.n8)
+        return kw
+    return {**kw, "prefetch": t.prefetch if prefetch is None else prefetch, "vec": t.vec}
+
+
+def pdl_enabled(requested: bool | None, process_default: bool, capability: tuple[int, int] | None) -> bool:
+    """Whether the step's kernels launch with PDL: as requested (None: the process default), and only
+    on a device that has it (compute capability 9.0+, Hopper; None: not a CUDA device). The kernels
+    then carry `griddepcontrol`, which an older GPU cannot run."""
+    want = process_default if requested is None else requested
+    return bool(want) and capability is not None and capability >= (9, 0)

@@ -1,0 +1,339 @@
+"""The speculative verify's GEMV kernels: M <= 4 rows of x (positions pos..pos+M-1), bf16 W.
+
+`gemv_rows_kernel`: y_j = W x_j for the M rows of x, each weight tile loaded once and multiplied by
+every row, so M rows stream W's bytes once. The rows are a leading [MP] dimension (M padded to a
+power of two, masked). Per row the M = 1 kernel's (kernels/gemv_step.py) ops and rounding points;
+only the order of the fp32 sums differs (one FMA chain per 16-byte run). The conv epilogue runs the
+M tokens in order from the live conv state without writing it, into a window the commit picks the
+new state from. `gemv_rows_dot_kernel` does the same on the tensor cores, the weight tile as the
+left operand of the product (the compiler then streams it through shared memory in pipeline stages).
+Launched through `kernels.gemv.gemv(..., m=M)`.
+"""
+import triton
+import triton.language as tl
+
+from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
+from nexrt_vllm.engine.kernels.common import pdl_begin
+from nexrt_vllm.engine.kernels.common import silu as _silu
+from nexrt_vllm.engine.kernels.gemv_step import _conv_state, _store_out
+
+
+@triton.jit
+def _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO: tl.constexpr, KP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_rstd` of each row of x [MP]: one load of all rows where MP * KP <= 8192, else a loop over K."""
+    MP: tl.constexpr = jrow.shape[0]
+    rstd = tl.zeros([MP], dtype=tl.float32)
+    if PRO == 1:
+        if MP * KP <= 8192:
+            kk = tl.arange(0, KP)
+            xa = tl.load(x_ptr + jrow[:, None] * stride_x + kk[None, :], mask=jm[:, None] & (kk[None, :] < K),
+                         other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xa * xa, 1) / K + eps)
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            ss = tl.zeros([MP, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ck = k0 + offs_k
+                xv = tl.load(x_ptr + jrow[:, None] * stride_x + ck[None, :], mask=jm[:, None] & (ck[None, :] < K),
+                             other=0.0).to(tl.float32)
+                ss += xv * xv
+            rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)
+    return rstd
+
+
+@triton.jit
+def _load_x_rows(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, PRO: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_load_x` of each row: x [MP, BLOCK_K] after the prologue (rstd [MP]; PRO 2: z rows at stride_z)."""
+    MP: tl.constexpr = jrow.shape[0]
+    m2 = jm[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + jrow[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    if PRO == 1:
+        w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        x = _bf16((x * rstd[:, None]) * (1.0 + w[None, :]))
+    elif PRO == 2:
+        NH: tl.constexpr = BLOCK_K // GROUP
+        x3 = tl.reshape(x, (MP, NH, GROUP))
+        r = tl.rsqrt(tl.sum(x3 * x3, 2) / GROUP + eps)
+        xn = tl.reshape(_bf16(x3 * r[:, :, None]), (MP, BLOCK_K))
+        w = tl.load(nw_ptr + (cols % GROUP), mask=cmask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + jrow[:, None] * stride_z + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        x = _bf16(_bf16(w[None, :] * xn) * _silu(z))
+    return x
+
+
+@triton.jit
+def _fma_pairs(acc, w, x):
+    """acc + w[..., 0] x[..., 0] + w[..., 1] x[..., 1] (last dim 2, in one thread): two chained FMAs."""
+    w0, w1 = tl.split(w)
+    x0, x1 = tl.split(x)
+    return acc + w0 * x0 + w1 * x1
+
+
+@triton.jit
+def _halves(t):
+    """A [A, B, C, V] tensor (V in one thread's registers) as its [A, B, C, V / 2] halves."""
+    A: tl.constexpr = t.shape[0]
+    B: tl.constexpr = t.shape[1]
+    C: tl.constexpr = t.shape[2]
+    V: tl.constexpr = t.shape[3]
+    return tl.split(tl.reshape(t, (A, B, C, V // 2, 2)))
+
+
+@triton.jit
+def _fma_run(acc, w, x, VEC: tl.constexpr):
+    """acc + the products w x [.., VEC] summed over their last dim (VEC <= 8 adjacent columns of one
+    thread) as one chain of FMAs: a tree sum costs a multiply and an add more per two products."""
+    if VEC == 1:
+        out = acc + tl.sum(w * x, 3)
+    elif VEC == 2:
+        out = _fma_pairs(acc, w, x)
+    else:
+        wa, wb = _halves(w)
+        xa, xb = _halves(x)
+        if VEC == 4:
+            out = _fma_pairs(_fma_pairs(acc, wa, xa), wb, xb)
+        else:
+            wa0, wa1 = _halves(wa)
+            xa0, xa1 = _halves(xa)
+            wb0, wb1 = _halves(wb)
+            xb0, xb1 = _halves(xb)
+            out = _fma_pairs(_fma_pairs(_fma_pairs(_fma_pairs(acc, wa0, xa0), wa1, xa1), wb0, xb0), wb1, xb1)
+    return out
+
+
+@triton.jit
+def _fold_rows(acc, w, xv, VEC: tl.constexpr):
+    """acc [MP, BN, BK // VEC] + the products of a [1, BN, BK] weight tile with each row of x [MP, 1, BK],
+    fp32, each run of VEC adjacent columns (one thread's 16-byte load, `_fold`) summed in registers."""
+    MP: tl.constexpr = xv.shape[0]
+    BN: tl.constexpr = w.shape[1]
+    BK: tl.constexpr = w.shape[2]
+    # both operands at the full [MP, BN, BK] (a broadcast reuses registers): their splits then share
+    # one layout
+    w4 = tl.reshape(tl.broadcast_to(w.to(tl.float32), (MP, BN, BK)), (MP, BN, BK // VEC, VEC))
+    x4 = tl.reshape(tl.broadcast_to(xv, (MP, BN, BK)), (MP, BN, BK // VEC, VEC))
+    return _fma_run(acc, w4, x4, VEC)
+
+
+@triton.jit
+def _w_tile(w_ptr, rows, rmask, cols, K, stride_w, EVEN_K: tl.constexpr):
+    """The [1, BLOCK_N, BLOCK_K] weight tile at `cols`, loaded with evict_first: a 3-D load whose layout
+    the rows of x broadcast into (each thread's products for all rows from its own registers)."""
+    wp = w_ptr + rows[None, :, None] * stride_w + cols[None, None, :]
+    if EVEN_K:
+        wmask = rmask[None, :, None]
+    else:
+        wmask = rmask[None, :, None] & (cols < K)[None, None, :]
+    return tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr):
+    """`_w_head` for `gemv_rows_kernel`: the first PRE (0, 1, 2 or 4) K blocks as separate tiles
+    (`_w_tile`; 0.0 past PRE), and those of the SwiGLU up rows."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w0 = 0.0
+    w1 = 0.0
+    w2 = 0.0
+    w3 = 0.0
+    u0 = 0.0
+    u1 = 0.0
+    u2 = 0.0
+    u3 = 0.0
+    if PRE > 0:
+        w0 = _w_tile(w_ptr, rows, rmask, offs_k, K, stride_w, True)
+        if EPI == 2:
+            u0 = _w_tile(w_ptr + N * stride_w, rows, rmask, offs_k, K, stride_w, True)
+    if PRE > 1:
+        w1 = _w_tile(w_ptr, rows, rmask, BLOCK_K + offs_k, K, stride_w, True)
+        if EPI == 2:
+            u1 = _w_tile(w_ptr + N * stride_w, rows, rmask, BLOCK_K + offs_k, K, stride_w, True)
+    if PRE > 2:
+        w2 = _w_tile(w_ptr, rows, rmask, 2 * BLOCK_K + offs_k, K, stride_w, True)
+        w3 = _w_tile(w_ptr, rows, rmask, 3 * BLOCK_K + offs_k, K, stride_w, True)
+        if EPI == 2:
+            u2 = _w_tile(w_ptr + N * stride_w, rows, rmask, 2 * BLOCK_K + offs_k, K, stride_w, True)
+            u3 = _w_tile(w_ptr + N * stride_w, rows, rmask, 3 * BLOCK_K + offs_k, K, stride_w, True)
+    return w0, w1, w2, w3, u0, u1, u2, u3
+
+
+@triton.jit
+def _x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, pid, PRO: tl.constexpr,
+             GROUP: tl.constexpr, STORE_XN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The x rows of one K block after the prologue (`_load_x_rows`); with STORE_XN program 0 also leaves
+    them at z_ptr for a later launch (the MoE experts' normed input)."""
+    xv = _load_x_rows(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, PRO, GROUP, BLOCK_K)
+    if STORE_XN:
+        tl.store(z_ptr + jrow[:, None] * stride_z + cols[None, :], xv.to(z_ptr.dtype.element_ty),
+                 mask=jm[:, None] & cmask[None, :] & ((tl.zeros_like(cols) + pid) == 0)[None, :])
+    return xv
+
+
+@triton.jit
+def _block_rows(acc, acc_u, w, wu, k0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd, eps, pid, K,
+                PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
+                BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """One K block (columns k0..) of the rows: the prologue's x rows, xn stored by program 0, and the
+    loaded weight tile(s) [1, BLOCK_N, BLOCK_K] folded into acc (acc_u: SwiGLU up rows)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    xv = _x_block(x_ptr, stride_x, jrow, jm, cols, cols < K, nw_ptr, z_ptr, stride_z, rstd, eps, pid, PRO, GROUP,
+                  STORE_XN, BLOCK_K)
+    acc = _fold_rows(acc, w, xv[:, None, :], VEC)
+    if EPI == 2:
+        acc_u = _fold_rows(acc_u, wu, xv[:, None, :], VEC)
+    return acc, acc_u
+
+
+@triton.jit
+def _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w, eps, rstd,
+              w0, w1, w2, w3, u0, u1, u2, u3, PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr,
+              STORE_XN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              PRE: tl.constexpr, VEC: tl.constexpr):
+    """`_acc` (bf16 W) for every row of x: (y, y_up) [MP, BLOCK_N] fp32. The head tiles (w0.., u0..:
+    the first PRE K blocks, `_w_head_rows`) are folded as the loop folds the rest."""
+    MP: tl.constexpr = jrow.shape[0]
+    acc = tl.zeros([MP, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    acc_u = acc
+    if PRE > 0:
+        acc, acc_u = _block_rows(acc, acc_u, w0, u0, 0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd, eps,
+                                 pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+    if PRE > 1:
+        acc, acc_u = _block_rows(acc, acc_u, w1, u1, BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd,
+                                 eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+    if PRE > 2:
+        acc, acc_u = _block_rows(acc, acc_u, w2, u2, 2 * BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z,
+                                 rstd, eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+        acc, acc_u = _block_rows(acc, acc_u, w3, u3, 3 * BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z,
+                                 rstd, eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
+        w = _w_tile(w_ptr, rows, rmask, k0 + offs_k, K, stride_w, EVEN_K)
+        wu = w
+        if EPI == 2:
+            wu = _w_tile(w_ptr + N * stride_w, rows, rmask, k0 + offs_k, K, stride_w, EVEN_K)
+        acc, acc_u = _block_rows(acc, acc_u, w, wu, k0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd,
+                                 eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+    return tl.sum(acc, 2), tl.sum(acc_u, 2)
+
+
+@triton.jit
+def _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows,
+                   rmask, pid, CONV_N, EPI: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
+    """`_epilogue` of each row j (y [MP, BLOCK_N]) into y row j (stride_y). EPI 4: (max, argmax) of
+    row j at aux0/aux1 [j * stride_a + pid]. EPI 3 (M consecutive tokens): the live conv state aux0 is
+    only read; the window [CONV_N, KC-1+M] (win_ptr, row stride stride_win) receives the state and
+    bf16(y_j) at column KC-1+j, and token j's conv runs over window columns j..j+KC-1, in registers."""
+    m2 = jm[:, None] & rmask[None, :]
+    yp = y_ptr + jrow[:, None] * stride_y + rows[None, :]
+    if EPI < 3:
+        _store_out(yp, 0, y, y_up, m2, EPI)
+    elif EPI == 3:
+        yb = _bf16(y)
+        cm, taps, tm, st = _conv_state(aux0_ptr, rows, rmask, CONV_N, KC, KCP)
+        # the window: the live state, then the M new inputs
+        tl.store(win_ptr + rows[:, None] * stride_win + taps[None, :], st, mask=tm)
+        tl.store(win_ptr + rows[None, :] * stride_win + (KC - 1) + jrow[:, None], yb.to(win_ptr.dtype.element_ty),
+                 mask=jm[:, None] & cm[None, :])
+        # token j: taps t with j + t < KC-1 read the state (column j + t), the others y_i with i = j + t - (KC-1)
+        j3 = jrow[:, None, None]
+        r3 = rows[None, :, None]
+        t3 = taps[None, None, :]
+        sm = (j3 + t3 < KC - 1) & cm[None, :, None]
+        sj = tl.load(aux0_ptr + r3 * (KC - 1) + j3 + t3, mask=sm, other=0.0).to(tl.float32)
+        cw = tl.load(aux1_ptr + r3 * KC + t3, mask=sm, other=0.0).to(tl.float32)
+        conv = tl.sum(tl.where(sm, cw * sj, 0.0), 2)  # [MP, BLOCK_N]
+        # the new inputs: weight tap KC-1-(j-i) on y_i for 0 <= j-i <= KC-1
+        i3 = jrow[None, :, None]
+        d = jrow[:, None, None] - i3  # [MP, MP, 1]: j - i
+        r3 = rows[None, None, :]
+        ym = (d >= 0) & (d <= KC - 1) & cm[None, None, :]
+        cy = tl.load(aux1_ptr + r3 * KC + (KC - 1) - d, mask=ym, other=0.0).to(tl.float32)
+        conv += tl.sum(tl.where(ym, cy * yb[None, :, :], 0.0), 1)
+        out = tl.where(rows[None, :] < CONV_N, _bf16(_silu(_bf16(conv))), yb)
+        tl.store(yp, out.to(y_ptr.dtype.element_ty), mask=m2)
+    else:
+        yb = _bf16(y)
+        tl.store(yp, yb, mask=m2)
+        v = tl.where(m2, yb, float("-inf"))
+        mx = tl.max(v, 1)
+        idx = tl.min(tl.where(v == mx[:, None], rows[None, :], 2147483647), 1)  # ties -> lowest index
+        tl.store(aux0_ptr + jrow * stride_a + pid, mx, mask=jm)
+        tl.store(aux1_ptr + jrow * stride_a + pid, idx, mask=jm)
+
+
+@triton.jit
+def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win_ptr,
+                     N, K, stride_w, stride_x, stride_y, stride_z, stride_a, stride_win, eps, CONV_N,
+                     M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr,
+                     KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
+                     VEC: tl.constexpr, PDL: tl.constexpr):
+    """`gemv_kernel` over the M rows of x [M, K] (row stride stride_x) into y [M, N] (stride_y): one
+    load of each weight tile (the same tiles, prefetch head and eviction as M = 1) feeds M dot
+    products. Same prologues and epilogues per row (`_epilogue_rows`)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    jrow = tl.arange(0, MP)
+    jm = jrow < M
+    w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
+    pdl_begin(PDL)
+    rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
+    y, y_up = _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
+                        eps, rstd, w0, w1, w2, w3, u0, u1, u2, u3, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K,
+                        PRE, VEC)
+    _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows, rmask,
+                   pid, CONV_N, EPI, KC, KCP)
+
+
+@triton.jit
+def _dot_t(w, xt, acc, DOT: tl.constexpr):
+    """acc [BLOCK_N, MP] + w [BLOCK_N, BLOCK_K] (bf16) @ xt [BLOCK_K, MP] (bf16 values in fp32): DOT 1 on the
+    tensor cores (bf16 operands, fp32 sums; exact products); DOT 2 as fp32 "ieee" (the interpreter,
+    whose bf16 dot reads raw bits): the same products either way."""
+    if DOT == 1:
+        out = tl.dot(w, xt.to(tl.bfloat16), acc)
+    else:
+        out = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
+    return out
+
+
+@triton.jit
+def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win_ptr,
+                         N, K, stride_w, stride_x, stride_y, stride_z, stride_a, stride_win, eps, CONV_N,
+                         M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr,
+                         GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr,
+                         KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         DOT: tl.constexpr, PDL: tl.constexpr):
+    """`gemv_rows_kernel` through the tensor cores with the weight as the left operand: acc [BLOCK_N, MP] =
+    W[rows] @ x^T (the compiler pads the MP columns to the instruction's). Each weight tile goes from the load
+    straight into the product, so the compiler streams it through shared memory in pipeline stages
+    (num_stages); the x rows take the prologue per K block. Same epilogues (`_epilogue_rows`)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    jrow = tl.arange(0, MP)
+    jm = jrow < M
+    pdl_begin(PDL)
+    rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
+    acc_u = acc
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        cmask = cols < K
+        if EVEN_K:
+            wmask = rmask[:, None]
+        else:
+            wmask = rmask[:, None] & cmask[None, :]
+        wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
+        w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
+        xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, pid, PRO,
+                               GROUP, STORE_XN, BLOCK_K))
+        acc = _dot_t(w, xt, acc, DOT)
+        if EPI == 2:
+            wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
+            acc_u = _dot_t(wu, xt, acc_u, DOT)
+    _epilogue_rows(tl.trans(acc), tl.trans(acc_u), y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr,
+                   stride_win, jrow, jm, rows, rmask, pid, CONV_N, EPI, KC, KCP)
