@@ -174,7 +174,8 @@ def eager_controls(eng, n0: int, snap, first: int, eager_tokens: list[int], eage
 
 def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eager_steps: int, bw: float,
               breakdown_ctx: int, tuning=None, graft_dir: str = "", dtype: str = "bf16", controls: bool = True) -> dict:
-    from nexrt_vllm.engine.graph import FusedDecoder, GraphRunner
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
 
     t0 = time.time()
     tag = key if dtype == "bf16" else f"{key}/{dtype}"
