@@ -18,7 +18,8 @@ def test_wheel_carries_every_deployable_and_imports_from_anywhere(tmp_path):
     (wheel,) = list((tmp_path / "dist").glob("nexrt_vllm-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in ("nexrt_vllm/connector/connector.py", "nexrt_vllm/router/server.py",
-              "nexrt_vllm/router/parsing/__init__.py", "nexrt_vllm/node/server.py"):
+              "nexrt_vllm/router/parsing/__init__.py", "nexrt_vllm/node/server.py", "nexrt_vllm/launch.py",
+              "nexrt_vllm/engine/gpu/runner.py", "nexrt_vllm/engine/spec/synthetic.py", "nexrt_vllm/bench/checks.py"):
         assert f in names, f
     site = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
