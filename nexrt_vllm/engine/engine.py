@@ -171,7 +171,7 @@ class Engine:
         spec.capture()
         self.spec_graph = spec
 
-    # ---- speculative decoding (engine/speculative.py) ---------------------------------------------
+    # ---- speculative decoding (engine/spec/speculative.py) ----------------------------------------
     def enable_speculative(self, method: str = "mtp", num_speculative_tokens: int = 3,
                            draft_vocab: int | None = None, synthetic=None) -> None:
         """Decode with the checkpoint's MTP head drafting `num_speculative_tokens` tokens per round,

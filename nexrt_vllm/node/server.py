@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _synthetic(ap, args):
-    """The pinned acceptance schedule the flags ask for (engine.synthetic), or None."""
+    """The pinned acceptance schedule the flags ask for (engine.spec.synthetic), or None."""
     length, rates = args.speculative_synthetic_acceptance, args.speculative_synthetic_rates
     if length is None and rates is None:
         return None

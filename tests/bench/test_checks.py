@@ -43,12 +43,21 @@ def load(name):
         return json.load(f)
 
 
-@pytest.mark.parametrize("name", ["gpu/gpu_kernel_tests.json", "gpu/gpu_kernel_tests_all_h200.json",
-                                  "gpu/spec_parity_h200.json", "gpu/trained_parity_h200.json"])
+@pytest.mark.parametrize("name", ["gpu/gpu_kernel_tests_all_h200.json", "gpu/spec_parity_h200.json",
+                                  "gpu/trained_parity_h200.json"])
 def test_gpu_check_passes_the_cited_results(name):
     report = load(name)
     gpu_check.judge(report)
     assert report["checks"] and not failed(report)
+
+
+def test_gpu_check_passes_the_cited_fp8_parity():
+    """gpu_fp8_checks.json keeps its fp8 parity runs beside the run's command and a note."""
+    runs = load("gpu/gpu_fp8_checks.json")["fp8_parity"]
+    report = {"fp8_parity": {arch: r for arch, r in runs.items() if isinstance(r, dict)}}
+    gpu_check.judge(report)
+    assert set(report["checks"]) == {"fp8_parity/qwen3_next", "fp8_parity/qwen3_5", "fp8_parity/qwen3_5_moe"}
+    assert not failed(report)
 
 
 def test_gpu_check_fails_failed_kernel_tests_and_holds_random_fused_tokens_to_contracts():

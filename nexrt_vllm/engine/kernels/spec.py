@@ -1,6 +1,6 @@
 """On-device accept / commit bookkeeping and MTP-head glue of the captured speculative round.
 
-A round (engine/spec_graph.py) verifies M tokens [t, d_1 .. d_{M-1}] at positions pos..pos+M-1; the
+A round (engine/gpu/spec_round.py) verifies M tokens [t, d_1 .. d_{M-1}] at positions pos..pos+M-1; the
 lm_head leaves per-program (max, argmax) partials per row. `accept_kernel` reduces them to the
 target's tokens y_0..y_{M-1}, counts the drafts that equal them (a: d_{j+1} == y_j for every j < a),
 publishes the round's a + 1 tokens y_0..y_a into the control ring (one (step << 32 | token) store
