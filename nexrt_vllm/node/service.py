@@ -140,6 +140,7 @@ class DecodeNode:
         except P.ProtocolError as e:
             self.metrics.refusals.labels(e.reason.value).inc()
             return P.encode(P.Refuse(e.reason.value, e.message))
+        self.metrics.control.labels(msg.type).inc()
         handler = {"hello": self._on_hello, "begin": self._on_begin, "done": self._on_done,
                    "abort": self._on_abort}.get(msg.type)
         if handler is None:
