@@ -22,6 +22,7 @@ import uuid
 import aiohttp
 
 from nexrt_vllm.handoff.contracts import Claim, GenerateRequest, Sampling
+from nexrt_vllm.handoff.protocol import Reason
 
 from .errors import APIError
 from .metrics import Metrics
@@ -37,7 +38,9 @@ SAMPLING = Sampling(temperature=0.0, ignore_eos=True)
 
 
 class WarmupFailed(Exception):
-    pass
+    def __init__(self, message: str, stale: bool = False):
+        super().__init__(message)
+        self.stale = stale      # the transfer failed: the sender had a stale connection to the node
 
 
 class Warmup:
@@ -50,33 +53,45 @@ class Warmup:
         """Warm `node` if its slot is free (a request that got there first sets the path up
         itself: None). Returns the outcome."""
         if not self.pool.take(node):
-            log.info("decode node %s was taken by a request before its warm-up", node.url)
+            log.info("decode node %s is busy: no warm-up (its request sets the path up)", node.url)
             return None
-        rid = f"nexrt-warmup-{uuid.uuid4().hex}"
         t0 = time.monotonic()
-        held = {"admitted": False, "ended": False}
         try:
             try:
                 async with asyncio.timeout(self.args.warmup_timeout):
-                    timing = await self._probe(node, rid, held)
-            except TimeoutError:
-                self._record(node, "timeout", f"no answer within --warmup-timeout "
-                                              f"{self.args.warmup_timeout:g}s")
-            except (NodeError, NodeBusy, NodeRefused, APIError, WarmupFailed) as e:
-                self._record(node, "failed", str(getattr(e, "message", None) or e))
-            else:
-                self._record(node, "ok")
-                log.info("decode node %s warmed in %.0f ms (prefill %.0f ms, hand-off %.1f ms on the "
-                         "node)", node.url, 1e3 * (time.monotonic() - t0), 1e3 * timing["prefill_s"],
-                         1e3 * float((timing["node"] or {}).get("transfer_s") or 0.0))
-            if held["admitted"] and not held["ended"]:
-                # Free the node's reservation before its slot is handed out again.
-                with contextlib.suppress(NodeError):
-                    await self.nodes.cancel(node.url, rid)
-                    await self.nodes.wait_free(node.url, self.args.admit_timeout)
+                    timing = await self._attempt(node)
+            except WarmupFailed as e:
+                if not e.stale:
+                    raise
+                # The sender dropped a connection to an earlier process at this control address
+                # (a node restarted with a fixed --control-port): the next hand-off sets up anew.
+                log.info("warm-up of decode node %s: %s; once more", node.url, e)
+                async with asyncio.timeout(self.args.warmup_timeout):
+                    timing = await self._attempt(node)
+        except TimeoutError:
+            self._record(node, "timeout", f"no answer within --warmup-timeout {self.args.warmup_timeout:g}s")
+        except (NodeError, NodeBusy, NodeRefused, APIError, WarmupFailed) as e:
+            self._record(node, "failed", str(getattr(e, "message", None) or e))
+        else:
+            self._record(node, "ok")
+            log.info("decode node %s warmed in %.0f ms (prefill %.0f ms, hand-off %.1f ms on the node)",
+                     node.url, 1e3 * (time.monotonic() - t0), 1e3 * timing["prefill_s"],
+                     1e3 * float((timing["node"] or {}).get("transfer_s") or 0.0))
         finally:
             self.pool.release(node)
         return node.warmup
+
+    async def _attempt(self, node: Node) -> dict:
+        """One probe hand-off; its node reservation is gone when this returns or raises."""
+        rid = f"nexrt-warmup-{uuid.uuid4().hex}"
+        held = {"admitted": False, "ended": False}
+        try:
+            return await self._probe(node, rid, held)
+        finally:
+            if held["admitted"] and not held["ended"]:
+                with contextlib.suppress(NodeError):
+                    await self.nodes.cancel(node.url, rid)
+                    await self.nodes.wait_free(node.url, self.args.admit_timeout)
 
     def _record(self, node: Node, outcome: str, detail: str = "") -> None:
         node.warmup = outcome
@@ -102,8 +117,8 @@ class Warmup:
         prefill_s = time.monotonic() - t
         h = pre["handoff"]
         if h is not None and h.status.failed:
-            raise WarmupFailed(f"connector: {h.reason.value if h.reason else None}: "
-                               f"{h.error or h.status.value}")
+            raise WarmupFailed(f"connector: {h.reason.value if h.reason else None}: {h.error or h.status.value}",
+                               stale=h.reason is Reason.TRANSFER_FAILED)
         req = GenerateRequest(rid, pre["first_token"], TOKENS, adm.generation, SAMPLING)
         final: dict = {}
         async with contextlib.aclosing(self.nodes.generate(node.url, req)) as lines:
@@ -112,6 +127,7 @@ class Warmup:
                     final = msg
         held["ended"] = True
         if final.get("finish_reason") not in ("stop", "length"):
-            raise WarmupFailed(f"the node ended it with {final.get('finish_reason')!r}: "
-                               f"{final.get('error') or 'no detail'}")
+            error = str(final.get("error") or "no detail")
+            raise WarmupFailed(f"the node ended it with {final.get('finish_reason')!r}: {error}",
+                               stale=error.startswith(Reason.TRANSFER_FAILED.value))
         return {"prefill_s": prefill_s, "node": final.get("timing")}

@@ -126,7 +126,7 @@ def test_a_failed_warmup_changes_nothing_else(stack, caplog, fault):
     else:
         s.nodes[0].refuse = (Reason.UNKNOWN_RID, "forgot it")
     url, rt = another_router(s)
-    assert warmups(url, "failed") == 1 and warmups(url) == 0
+    assert warmups(url, "failed") == 1 and warmups(url) == 0 and len(claimed(s)) == 1
     assert rt.pool.nodes[0].healthy and not rt.pool.nodes[0].busy and rt.pool.nodes[0].warmup == "failed"
     assert any("warm-up of decode node" in r.getMessage() and "stays in rotation" in r.getMessage()
                for r in caplog.records)
@@ -136,6 +136,16 @@ def test_a_failed_warmup_changes_nothing_else(stack, caplog, fault):
                                                                  "max_tokens": 5})
     assert r.status_code == 200 and "degraded" not in r.json()["nexrt_timing"]
     assert metric(url, "nexrt_router_degraded_total") == 0
+
+
+def test_a_transfer_failure_is_tried_once_more(stack):
+    """A failed transfer means the sender dropped a stale connection (a node restarted behind the
+    same control address): a second probe sets up a fresh one. Other failures are not retried."""
+    s = stack(1, warmup=False)
+    s.vllm.handoff_status = HandoffReport(HandoffStatus.FAILED, reason=Reason.TRANSFER_FAILED, error="rc=-1")
+    url, rt = another_router(s)
+    assert len(claimed(s)) == 2 and warmups(url, "failed") == 1
+    assert s.nodes[0].rid is None and not rt.pool.nodes[0].busy
 
 
 def test_a_warmup_is_bounded_by_its_timeout(stack):
