@@ -13,6 +13,7 @@ docs/CONNECTOR.md for the options, the protocol and what overlaps with prefill.
 """
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import torch
@@ -29,8 +30,9 @@ from nexrt_vllm.connector.metadata import NexRTMetadata
 
 
 def probe_info(cfg: ConnectorConfig, vllm_config) -> dict:
-    """What a configuration probe is told: the connector's transport and versions, and the model
-    vLLM serves (identity fields as the node's /capabilities names them, compute dtype)."""
+    """What a configuration probe is told: the connector's transport and versions, the model vLLM
+    serves (identity fields as the node's /capabilities names them, compute dtype), and an id of
+    this vLLM process (a new one after a restart: its senders hold no connection to any node)."""
     from nexrt_vllm.handoff import layout as L
     from nexrt_vllm.handoff import protocol as P
 
@@ -43,7 +45,7 @@ def probe_info(cfg: ConnectorConfig, vllm_config) -> dict:
                       "num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size,
                       "vocab_size": hf.vocab_size},
             "dtype": str(mc.dtype).removeprefix("torch."),
-            "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype)}
+            "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype), "instance": uuid.uuid4().hex}
 
 
 class NexRTConnector(KVConnectorBase_V1, SupportsHMA):

@@ -5,7 +5,7 @@ The probe is one ordinary one-token vLLM completion whose `kv_transfer_params` a
 `{"nexrt": {"probe": true}}`: the connector claims nothing and answers, in the response's
 `kv_transfer_params.nexrt`, `{"status": "probe", "connector": {transport, protocol_version,
 layout_version, model: {name, architecture, num_hidden_layers, hidden_size, vocab_size}, dtype,
-kv_cache_dtype}}` (connector/connector.py `probe_info`). A reply without `kv_transfer_params`
+kv_cache_dtype, instance}}` (connector/connector.py `probe_info`). A reply without `kv_transfer_params`
 means vLLM runs no NexRTConnector at all.
 """
 from __future__ import annotations

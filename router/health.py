@@ -1,6 +1,8 @@
 """Health and configuration of the decode tier: vLLM's connector as its probe reports it
 (router/config_check.py), and every decode node checked against it (`/health` +
-`/capabilities` every `--health-interval` s) before it is taken into rotation."""
+`/capabilities` every `--health-interval` s) before it is taken into rotation. A node taken into
+rotation, restarted (another `instance` in its /health) or facing a restarted vLLM (another
+`instance` in the connector's probe) is warmed once (router/warmup.py)."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +17,7 @@ from . import config_check
 from .metrics import Metrics
 from .pool import NodePool
 from .upstream import NodeClient, NodeError
+from .warmup import Warmup
 
 log = logging.getLogger("nexrt.router")
 
@@ -23,9 +26,10 @@ REPROBE_MIN_S = 5.0     # at most one connector probe per this many seconds afte
 
 class NodeHealth:
     def __init__(self, args: argparse.Namespace, vllm_url: str, pool: NodePool, nodes: NodeClient,
-                 session: aiohttp.ClientSession, metrics: Metrics, spawn: Callable):
+                 session: aiohttp.ClientSession, metrics: Metrics, spawn: Callable,
+                 warmup: Warmup | None):
         self.args, self.vllm_url, self.pool, self.nodes = args, vllm_url, pool, nodes
-        self.session, self.metrics, self.spawn = session, metrics, spawn
+        self.session, self.metrics, self.spawn, self.warmup = session, metrics, spawn, warmup
         # vLLM's connector as its configuration probe reported it (router/config_check.py).
         self.connector: dict | None = None
         self.connector_state = "not probed"
@@ -36,7 +40,9 @@ class NodeHealth:
     async def start(self) -> None:
         # Learn vLLM's side first, so a misconfigured node is never taken into rotation.
         await self._probe_connector()
-        await self._round()
+        # The router serves once the nodes found healthy are warmed (each bounded by
+        # --warmup-timeout), so no user request meets a cold path at start.
+        await asyncio.gather(*await self._round())
         self.spawn(self._loop())
 
     async def _loop(self) -> None:
@@ -47,8 +53,10 @@ class NodeHealth:
                 self._probe_task = self.spawn(self._probe_connector(recheck=True))
             await self._round()
 
-    async def _round(self) -> None:
-        await asyncio.gather(*(self._check(n) for n in self.pool.nodes))
+    async def _round(self) -> list[asyncio.Task]:
+        """Check every node; returns the warm-ups this round started (they run on)."""
+        warming = await asyncio.gather(*(self._check(n) for n in self.pool.nodes))
+        return [t for t in warming if t is not None]
 
     def reprobe(self) -> None:
         """A hand-off failed or vLLM was unreachable: its configuration may have changed."""
@@ -68,9 +76,9 @@ class NodeHealth:
         if recheck:
             await self._round()
 
-    async def _check(self, node) -> None:
+    async def _check(self, node) -> asyncio.Task | None:
         try:
-            caps = await self.nodes.probe(node.url, self.args.health_timeout)
+            health, caps = await self.nodes.probe(node.url, self.args.health_timeout)
         except asyncio.TimeoutError:
             # A node busy decoding on a loaded host may answer slowly; its own stream tells us
             # if it died. Idle nodes that stop answering are ejected.
@@ -96,7 +104,25 @@ class NodeHealth:
             log.warning("decode node %s serves %r, vLLM %r (same shapes; is it the same "
                         "checkpoint?)", node.url, caps.get("model"),
                         (self.connector or {}).get("model", {}).get("name"))
+        node.instance = health.get("instance")
         self.pool.mark_up(node, caps)
+        return self._warm(node)
+
+    def _warm(self, node) -> asyncio.Task | None:
+        """Start a warm-up of `node` unless it was warmed for this node process and this vLLM
+        process (or is being warmed now). Not before vLLM answered a probe: a warm-up then cannot
+        reach vLLM; the round after its first answer warms every node."""
+        if self.warmup is None or self.connector_state == "not probed":
+            return None
+        key = (node.instance, (self.connector or {}).get("instance"))
+        if node.warmed == key:
+            return None
+        node.warmed = key
+        return self.spawn(self._warm_run(node))
+
+    async def _warm_run(self, node) -> None:
+        if await self.warmup.run(node) not in (None, "ok"):
+            self.reprobe()      # vLLM may have restarted: a new instance is warmed again
 
     def node_failed(self, node, reason: str) -> None:
         self.metrics.node_failures.labels(node.url).inc()

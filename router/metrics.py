@@ -8,6 +8,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from .fallback import Reason
 from .pool import NodePool
 
+WARMUP_OUTCOMES = ("ok", "failed", "timeout")
+
 
 class Metrics:
     def __init__(self, pool: NodePool):
@@ -27,6 +29,11 @@ class Metrics:
             self.degraded.labels(reason.value)
         self.node_failures = Counter("nexrt_router_node_failures", "Decode-node failures seen by "
                                      "the router", ["node"], registry=r)
+        self.warmups = Counter("nexrt_router_warmups", "Probe hand-offs that warm the transport "
+                               "path to a decode node when it is (re)admitted, by outcome (not "
+                               "counted as requests)", ["outcome"], registry=r)
+        for outcome in WARMUP_OUTCOMES:
+            self.warmups.labels(outcome)
         self.tokens = Counter("nexrt_router_generated_tokens", "Completion tokens streamed on the "
                               "interactive path", registry=r)
         self.ttft = Histogram("nexrt_router_ttft_seconds", "Router receive → first token sent",

@@ -42,6 +42,9 @@ class Node:
         self.down_reason = "not checked yet"
         self.service_times: collections.deque[float] = collections.deque(maxlen=SERVICE_WINDOW)
         self.mismatch: list[str] = []  # what /capabilities contradicts in vLLM's configuration
+        self.instance: str | None = None  # the node process's id, from its /health
+        self.warmed: tuple | None = None  # (node instance, vLLM instance) last warmed; None: since admitted
+        self.warmup: str | None = None    # the last warm-up's outcome (router/warmup.py)
 
     def __repr__(self) -> str:
         return f"Node({self.url}, healthy={self.healthy}, busy={self.busy})"
@@ -106,6 +109,13 @@ class NodePool:
                 return node
         return None
 
+    def take(self, node: Node) -> bool:
+        """Hold this node's slot now if it is free (a warm-up); False when a request holds it."""
+        if not node.healthy or node.busy:
+            return False
+        node.busy = True
+        return True
+
     def try_acquire(self) -> Node | None:
         """A free healthy node now, or None (never queues; waiters keep their turn)."""
         return None if self.queue_depth else self._take_free()
@@ -162,6 +172,7 @@ class NodePool:
             log.warning("ejecting decode node %s: %s", node.url, reason)
         node.healthy = False
         node.down_reason = reason
+        node.warmed = None            # once back in rotation, it is warmed again
         if not self.healthy_count:
             # Nobody can serve the queue any more: fail the waiters now rather than at timeout.
             while self._waiters:

@@ -27,6 +27,7 @@ from .reasoning import REASONING_PARSERS
 from .standard import StandardPath
 from .tool_parsers import TOOL_PARSERS
 from .upstream import NodeClient
+from .warmup import Warmup
 
 log = logging.getLogger("nexrt.router")
 
@@ -60,8 +61,10 @@ class Router:
         self.proxy_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                                    auto_decompress=False)
         nodes = NodeClient(self.session, self.args.admit_timeout, self.args.node_timeout)
+        warmup = None if self.args.no_warmup else Warmup(self.args, self.vllm_url, self.pool, nodes,
+                                                         self.session, self.metrics, self.models)
         self.node_health = NodeHealth(self.args, self.vllm_url, self.pool, nodes, self.session,
-                                      self.metrics, self._spawn)
+                                      self.metrics, self._spawn, warmup)
         self.standard = StandardPath(self.args, self.standard_url, self.session,
                                      self.proxy_session, self.metrics, self.renderer)
         self.interactive = InteractivePath(self.args, self.vllm_url, self.standard_url, self.pool,
@@ -136,7 +139,8 @@ class Router:
                 "connector": {"state": self.node_health.connector_state,
                               "config": self.node_health.connector},
                 "nodes": [{"url": n.url, "healthy": n.healthy, "busy": n.busy,
-                           "reason": n.down_reason, "mismatch": n.mismatch} for n in p.nodes]}
+                           "reason": n.down_reason, "mismatch": n.mismatch, "warmup": n.warmup}
+                          for n in p.nodes]}
         return web.json_response(body, status=200 if status != "unavailable" else 503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
@@ -181,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--health-timeout", type=float, default=2.0)
     ap.add_argument("--probe-timeout", type=float, default=10.0,
                     help="seconds for the configuration probe of vLLM's connector")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="do not send a probe hand-off to a decode node when it is (re)admitted "
+                         "(its first request then pays the transport's connection set-up)")
+    ap.add_argument("--warmup-timeout", type=float, default=30.0,
+                    help="seconds for one warm-up probe hand-off")
     ap.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                     help="parse tool calls out of chat output as vLLM's parser of this name does")
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -209,6 +218,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
         raise SystemExit("--queue-size must be >= 0 and --queue-timeout > 0")
     if args.when_busy == "standard" and args.fallback != "standard":
         raise SystemExit("--when-busy standard needs --fallback standard")
+    if args.warmup_timeout <= 0:
+        raise SystemExit("--warmup-timeout must be > 0")
     if args.retry_after_max < 1:
         raise SystemExit("--retry-after-max must be >= 1")
     if args.enable_auto_tool_choice and not args.tool_call_parser:

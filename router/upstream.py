@@ -114,17 +114,21 @@ class NodeClient:
                 raise NodeError(f"still busy {timeout:g}s after cancel")
             await asyncio.sleep(0.05)
 
-    async def probe(self, url: str, timeout: float) -> dict:
-        """GET /health then /capabilities; returns the capabilities."""
+    async def probe(self, url: str, timeout: float) -> tuple[dict, dict]:
+        """GET /health then /capabilities; returns both bodies (the health one {} if not JSON)."""
         t = aiohttp.ClientTimeout(total=timeout)
         async with self.session.get(f"{url}/health", timeout=t) as r:
-            await r.read()
+            raw = await r.read()
             if r.status != 200:
                 raise NodeError(f"/health answered {r.status}")
+        try:
+            health = json.loads(raw)
+        except ValueError:
+            health = {}
         async with self.session.get(f"{url}/capabilities", timeout=t) as r:
             if r.status != 200:
                 raise NodeError(f"/capabilities answered {r.status}")
-            return await r.json(content_type=None)
+            return (health if isinstance(health, dict) else {}), await r.json(content_type=None)
 
 
 def _refusal(status: int, text: str) -> NodeRefused | None:

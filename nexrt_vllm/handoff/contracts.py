@@ -247,7 +247,8 @@ class ProbeReply(WireBody):
     """``kv_transfer_params["nexrt"]`` of vLLM's answer to a probe: the connector's configuration
     (``transport``, ``protocol_version``, ``layout_version``, ``model`` {name, architecture,
     num_hidden_layers, hidden_size, vocab_size}, ``dtype``, ``kv_cache_dtype``), compared by the
-    router with each node's ``/capabilities``."""
+    router with each node's ``/capabilities``, and ``instance`` (an id of the vLLM process: the
+    router warms every node again when it changes)."""
 
     connector: dict
     status: str = "probe"

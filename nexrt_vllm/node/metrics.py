@@ -15,6 +15,11 @@ class NodeMetrics:
         self.admissions = Counter("nexrt_admissions", "Requests admitted", registry=r)
         self.refusals = Counter("nexrt_refusals", "Refused admissions/messages by reason", ["reason"], registry=r)
         self.finished = Counter("nexrt_requests_finished", "Admissions ended, by outcome", ["outcome"], registry=r)
+        # a `hello` is a sender's connection set-up towards this node (it caches the answer after)
+        self.control = Counter("nexrt_control_messages", "Control messages received, by type", ["type"],
+                               registry=r)
+        for kind in ("hello", "begin", "done", "abort"):
+            self.control.labels(kind)
         self.transfer_bytes = Counter("nexrt_transfer_bytes", "Hand-off bytes received", registry=r)
         self.transfer_seconds = Histogram("nexrt_transfer_seconds", "accept -> done per hand-off",
                                           buckets=_XFER_BUCKETS, registry=r)

@@ -372,6 +372,7 @@ async def serve(args) -> None:
             raise ValueError(f"--graph {args.graph}: {e}") from None
         log.info("graph path %s captured in %.1fs (control ring %s)", args.graph, time.monotonic() - t0,
                  engine.graph.d.control)
+    _warm_engine(engine)
     if args.recv_buffer_mib:
         size = int(args.recv_buffer_mib * (1 << 20))
     else:
@@ -447,6 +448,26 @@ async def serve(args) -> None:
             group.close()
     if group is not None and group.broken:
         raise RuntimeError(f"tensor-parallel group failed: {group.broken}")
+
+
+def _warm_engine(engine) -> None:
+    """A short greedy and a short sampled decode before the node serves, so that the first request
+    does not pay the engine's first-call costs (allocations, kernel selection, lazy initialisation).
+    Every hand-off imports its own state over what this leaves behind. The transport's connection to
+    vLLM's sender is warmed by the router's probe hand-off (router/README.md, "Warm-up")."""
+    from nexrt_vllm.engine import EngineError, SamplingParams
+
+    t0 = time.monotonic()
+    try:
+        for sp in (SamplingParams(max_tokens=3, ignore_eos=True),
+                   SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, seed=0)):
+            engine.prefill([0])
+            for _ in engine.steps(0, sp):
+                pass
+    except (EngineError, RuntimeError) as e:
+        log.warning("engine warm-up failed (the first request pays its first-call costs): %s", e)
+        return
+    log.info("engine warmed in %.2fs", time.monotonic() - t0)
 
 
 async def _watch(group, stop: asyncio.Event) -> None:

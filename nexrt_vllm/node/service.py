@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -85,6 +86,9 @@ class DecodeNode:
         self._tombstones: collections.OrderedDict[str, tuple[int, bool]] = collections.OrderedDict()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nexrt-decode")
         self._dtypes = engine.state.native_dtypes()
+        # Who this process is: a peer that sees another instance at the same URL knows the node
+        # restarted (its connections and warm-up are gone).
+        self.instance, self.started_at = uuid.uuid4().hex, time.time()
 
     # ---- admission (HTTP) -------------------------------------------------------------------
     def admit(self, req: AdmitRequest) -> Admission:
@@ -136,6 +140,7 @@ class DecodeNode:
         except P.ProtocolError as e:
             self.metrics.refusals.labels(e.reason.value).inc()
             return P.encode(P.Refuse(e.reason.value, e.message))
+        self.metrics.control.labels(msg.type).inc()
         handler = {"hello": self._on_hello, "begin": self._on_begin, "done": self._on_done,
                    "abort": self._on_abort}.get(msg.type)
         if handler is None:
@@ -464,7 +469,8 @@ class DecodeNode:
         now = time.monotonic()
         return {"status": "busy" if adm else "free", "busy_slots": 1 if adm else 0,
                 "rid": adm.rid if adm else None, "state": adm.state.value if adm else None,
-                "free_buffers": sum(b.available(now) for b in self.buffers)}
+                "free_buffers": sum(b.available(now) for b in self.buffers),
+                "instance": self.instance, "started_at": self.started_at}
 
     def _update_busy(self) -> None:
         self.metrics.busy.set(1 if self.current or self._decoding else 0)

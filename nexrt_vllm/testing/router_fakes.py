@@ -233,6 +233,7 @@ class FakeNode:
         self.caps_extra: dict = {}             # more /capabilities fields (transport, dtype, ...)
         self.admit_delay = 0.0                 # seconds between reserving and answering /v1/admit
         self.refuse: tuple | None = None       # (Reason, message): refuse /v1/generate with it
+        self.instance: str | None = None       # the process id /health reports (a restart changes it)
         self.app = self.new_app()
 
     def new_app(self) -> web.Application:
@@ -246,7 +247,7 @@ class FakeNode:
         return app
 
     async def health(self, request):
-        return web.json_response({"status": "ok", "busy": self.rid is not None})
+        return web.json_response({"status": "ok", "busy": self.rid is not None, "instance": self.instance})
 
     async def caps(self, request):
         return web.json_response({"model": "tiny", "max_seq_len": self.max_seq_len,
@@ -336,9 +337,10 @@ def wait(cond, timeout: float = 5.0) -> None:
 
 
 class Stack:
-    """Fake vLLM + `n_nodes` fake decode nodes + a real in-process router, on one Loop."""
+    """Fake vLLM + `n_nodes` fake decode nodes + a real in-process router, on one Loop. The router
+    sends no warm-up hand-offs unless `warmup` (tests count the fakes' requests)."""
 
-    def __init__(self, tokenizer_dir: str, n_nodes: int = 1, router_args: tuple = ()):
+    def __init__(self, tokenizer_dir: str, n_nodes: int = 1, router_args: tuple = (), warmup: bool = False):
         from nexrt_vllm.router.server import ROUTER_KEY, build_parser, make_app
 
         self.loop = Loop()
@@ -347,7 +349,7 @@ class Stack:
         self.vllm_url = self.loop.serve(self.vllm.app)
         self.nodes = [FakeNode(self.model, self.vllm) for _ in range(n_nodes)]
         self.node_urls = [self.loop.serve(n.app) for n in self.nodes]
-        argv = ["--vllm-url", self.vllm_url, "--health-interval", "0.2"]
+        argv = ["--vllm-url", self.vllm_url, "--health-interval", "0.2"] + ([] if warmup else ["--no-warmup"])
         for u in self.node_urls:
             argv += ["--decode-url", u]
         self.app = make_app(build_parser().parse_args(argv + list(router_args)))
