@@ -110,7 +110,7 @@ R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256,
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
 RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1)
 ARGMAX = {"y_ptr": "*fp32", "aux0_ptr": "*fp32", "aux1_ptr": "*i32"}
-SPEC_T = {"rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
+SPEC_T = {"forced_ptr": "*i64", "rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
           "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
           "dpos_ptr": "*i64"}
 # the MoE experts at the step's one-warp defaults (M = 1 token row; the verify: M = 4)
@@ -151,7 +151,9 @@ SPEC_VARIANTS = [
     ("gdn_commit", gdn.gdn_commit_kernel, dict(KM1=3, KM1P=4, BLOCK=4096, BLOCK_C=256), 4, SPEC_T, ()),
     ("moe_gate_up_m4", moe.moe_gate_up_kernel, dict(MU, M=4), 1, SPEC_T, ALIGN_M),
     ("moe_down_m4", moe.moe_down_kernel, dict(MD, M=4), 1, SPEC_T, ALIGN_M),
-    ("accept", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True), 8, SPEC_T, ()),
+    ("accept", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True, SYNTH=False), 8, SPEC_T, ()),
+    # pinned acceptance (engine/spec/synthetic.py): the accepted count read from the host-filled ring
+    ("accept_synthetic", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True, SYNTH=True), 8, SPEC_T, ()),
     ("mtp_input", spec.mtp_input_kernel, dict(HP=2048), 4, SPEC_T, ()),
     ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192), 8, SPEC_T, ()),
 ]
@@ -211,7 +213,7 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 54 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 56 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
@@ -238,7 +240,8 @@ def test_host_memory_ordering_is_compiled_in(compiled):
     for pdl in ("", "_pdl"):
         assert compiled[f"finish_logprobs_mask{pdl}"]["fence_sys"] >= 1
         assert compiled[f"finish{pdl}"]["fence_sys"] == 0
-        assert compiled[f"accept{pdl}"]["fence_sys"] >= 1  # the round's tokens before its record
+        for name in ("accept", "accept_synthetic"):  # the round's tokens before its record
+            assert compiled[f"{name}{pdl}"]["fence_sys"] >= 1
         assert compiled[f"tail_logprobs{pdl}"]["volatile_loads"] == 0
         for name in ("tail_mask", "tail_mask_logprobs_write"):
             assert compiled[f"{name}{pdl}"]["volatile_loads"] >= 1 and compiled[f"{name}{pdl}"]["fence_sys"] >= 1
