@@ -48,8 +48,7 @@ import time
 import urllib.request
 
 from nexrt_vllm.bench.shapes import NAMES, SHAPES
-from nexrt_vllm.launch import Procs, vllm_argv, wait_file, wait_http
-from nexrt_vllm.launch import free_port as _free_port
+from nexrt_vllm.launch import Procs, free_port, vllm_argv, wait_file, wait_http
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # children run from here: `-m benchmarks.X`
 
@@ -326,8 +325,6 @@ def merge(paths: list[str], out: str, png: str | None, engine: list[str] = ()) -
         fig.tight_layout()
         fig.savefig(png, dpi=120)
     log("merged", json.dumps({label: m.get("ratios") for label, m in shapes.items()}))
-    if spec_failed := [label for label, m in shapes.items() if m.get("vllm_mtp") is not None and not m.get("ratios")]:
-        log("no ratio against vLLM + MTP for", spec_failed)
     return 0
 
 
@@ -347,7 +344,7 @@ class Stack:
 
     def vllm(self, name: str, model: str, max_len: int, transport: str | None, share: float,
              kv_bytes: int | None = None, speculative: dict | None = None) -> str:
-        port = _free_port()
+        port = free_port()
         extra = ["--load-format", "dummy", "--served-model-name", "model"]
         if speculative:
             extra += ["--speculative-config", json.dumps(speculative)]
@@ -357,7 +354,7 @@ class Stack:
         return f"http://127.0.0.1:{port}"
 
     def router(self, vllm_url: str, node_url: str, tokenizer: str) -> str:
-        port = _free_port()
+        port = free_port()
         self.procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(port),
                                     "--vllm-url", vllm_url, "--decode-url", node_url, "--tokenizer", tokenizer,
                                     "--default-class", "interactive",

@@ -26,8 +26,7 @@ import time
 
 from nexrt_vllm.bench.checks import finish, record, write
 from nexrt_vllm.handoff.transport import TRANSPORTS
-from nexrt_vllm.launch import Procs, vllm_argv, wait_file, wait_http
-from nexrt_vllm.launch import free_port as _free_port
+from nexrt_vllm.launch import Procs, free_port, vllm_argv, wait_file, wait_http
 from nexrt_vllm.testing.connector_harness import periodic_prompt
 
 LENGTHS = (7, 300, 1500)
@@ -56,7 +55,7 @@ def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int,
         procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", ckpt, "--device", device,
                              "--port", "0", "--transport", transport, "--max-seq-len", str(max_len),
                              "--ready-file", ready])
-        vport = _free_port()
+        vport = free_port()
         extra = ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"]
         if device == "cuda":
             extra += ["--enforce-eager"]  # tiny model: a fast start; the kernels are the same
@@ -64,7 +63,7 @@ def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int,
         node = asyncio.run(wait_file(ready, procs, 420, "decode node"))
         vurl = f"http://127.0.0.1:{vport}"
         asyncio.run(wait_http(vurl + "/health", procs, 600, "vLLM"))
-        rport = _free_port()
+        rport = free_port()
         procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(rport),
                                "--vllm-url", vurl, "--decode-url", node["url"], "--tokenizer", ckpt,
                                # parity of the fast path: never let the standard path answer

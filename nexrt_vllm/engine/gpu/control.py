@@ -9,10 +9,24 @@ round records.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
+from nexrt_vllm.engine.errors import EngineError
+
 RING = 64  # control slots; must exceed the replays in flight (2)
+
+
+def wait_record(ring: torch.Tensor, seq: int, timeout_s: float, what: str) -> int:
+    """The value of record `seq` (seq << 32 | value, in slot (seq - 1) % RING of a host ring) once the
+    captured work has published it; EngineError naming `what` after `timeout_s`."""
+    slot = (seq - 1) % RING
+    deadline = time.monotonic() + timeout_s
+    while (v := int(ring[slot])) >> 32 != seq:
+        if time.monotonic() > deadline:
+            raise EngineError(f"{what} {seq} did not publish within {timeout_s}s")
+    return v & 0xFFFFFFFF
 
 _PAGE = 4096
 _ALIGN = 128

@@ -9,14 +9,13 @@ past a stop.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 
 import torch
 
 from nexrt_vllm.engine.decode_loop import DecodeLoop
 from nexrt_vllm.engine.errors import EngineError
-from nexrt_vllm.engine.gpu.control import RING
+from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder
 
 
@@ -161,17 +160,12 @@ class GraphRunner:
                     g.replay()  # k+1 in flight before we read k
                     launched += 1
                 want = base + done + 1
-                slot = (want - 1) % RING
-                deadline = time.monotonic() + timeout_s
-                while (v := int(ring[slot])) >> 32 != want:
-                    if time.monotonic() > deadline:
-                        raise EngineError(f"decode step {want} did not publish within {timeout_s}s")
-                tok = v & 0xFFFFFFFF
+                tok = wait_record(ring, want, timeout_s, "decode step")
                 if tok == INVALID_TOKEN:
                     raise EngineError(f"decode step {want}: its grammar mask did not arrive within "
                                       f"{d.t.mask_spin} flag reads")
                 done += 1
-                rec = Sampled(tok, *self._logprobs(slot, logprobs, vocab)) if lp else Sampled(tok)
+                rec = Sampled(tok, *self._logprobs((want - 1) % RING, logprobs, vocab)) if lp else Sampled(tok)
                 end = tok in stops
                 if mask:
                     constraint.accept(tok)

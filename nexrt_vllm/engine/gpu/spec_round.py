@@ -29,14 +29,13 @@ has no room for M more positions with the plain step graph.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import torch
 
 from nexrt_vllm.engine.errors import EngineError, NotBuiltError
 from nexrt_vllm.engine.fp8 import FP8Weight
-from nexrt_vllm.engine.gpu.control import RING
+from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch
 from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
 from nexrt_vllm.engine.gpu.runner import GraphRunner
@@ -336,12 +335,7 @@ class SpecRunner:
                     self._replay()  # round r+1 in flight before we read round r
                     launched += 1
                 want = round0 + read + 1
-                slot = (want - 1) % RING
-                deadline = time.monotonic() + timeout_s
-                while (v := int(rounds[slot])) >> 32 != want:
-                    if time.monotonic() > deadline:
-                        raise EngineError(f"speculative round {want} did not publish within {timeout_s}s")
-                n = v & 0xFFFFFFFF
+                n = wait_record(rounds, want, timeout_s, "speculative round")
                 read += 1
                 pos += n
                 if not placeholder:
