@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-batch", type=int, default=1, help="each node's --max-batch (requests decoded together)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=24, help="distinct prompts")
     ap.add_argument("--max-tokens", type=int, nargs=2, default=(8, 40), metavar=("MIN", "MAX"))
@@ -397,7 +398,9 @@ def main(argv=None) -> int:
             log(f"training the tiny checkpoint into {model}")
             make_checkpoint(model, arch="qwen3_next", dtype="bfloat16", **TRAINED)
     log(f"starting vLLM + 2 nodes (logs in {workdir})")
-    stack = RealStack(model, workdir, nodes=[{}, {"env": {"NEXRT_TEST_FAULTS": f"refuse_begin={args.refuse}"}}])
+    batch = ["--max-batch", str(args.max_batch)]
+    stack = RealStack(model, workdir, nodes=[{"args": batch}, {"args": batch, "env": {
+        "NEXRT_TEST_FAULTS": f"refuse_begin={args.refuse}"}}])
     router = None
     report: dict = {}
     try:

@@ -82,7 +82,7 @@ class NodeHealth:
         except asyncio.TimeoutError:
             # A node busy decoding on a loaded host may answer slowly; its own stream tells us
             # if it died. Idle nodes that stop answering are ejected.
-            if not node.busy:
+            if not node.in_flight:
                 self.pool.mark_down(node, "health check timed out")
             return
         except (aiohttp.ClientError, NodeError, ValueError) as e:

@@ -209,7 +209,7 @@ class InteractivePath:
     async def _cancel_and_release(self, node, rid: str) -> None:
         try:
             await self.nodes.cancel(node.url, rid)
-            await self.nodes.wait_free(node.url, self.args.admit_timeout)
+            await self.nodes.wait_free(node.url, rid, self.args.admit_timeout)
         except NodeError as e:
             self.health.node_failed(node, str(e))
         finally:

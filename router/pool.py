@@ -1,5 +1,6 @@
-"""Decode-node pool: hard limit of one request in flight per node, bounded FIFO of waiters,
-ejection on failure and re-admission by active health checks.
+"""Decode-node pool: hard limit of a node's slots in flight per node (its `/capabilities`
+`max_batch`, 1 for a node that does not say), the least-loaded node first, bounded FIFO of
+waiters, ejection on failure and re-admission by active health checks.
 
 A slot is owned from `acquire()` until `release()`; the router releases only when the client's
 stream has ended and the node has acknowledged any cancel, so there are no phantom free slots.
@@ -36,7 +37,7 @@ class Node:
     def __init__(self, url: str):
         self.url = url.rstrip("/")
         self.healthy = False          # until the first health check or a successful request
-        self.busy = False             # held by a router request
+        self.in_flight = 0            # slots held by router requests (and warm-ups)
         self.caps: dict = {}
         self.failures = 0
         self.down_reason = "not checked yet"
@@ -46,8 +47,19 @@ class Node:
         self.warmed: tuple | None = None  # (node instance, vLLM instance) last warmed; None: since admitted
         self.warmup: str | None = None    # the last warm-up's outcome (router/warmup.py)
 
+    @property
+    def capacity(self) -> int:
+        """Requests the node decodes at once, from its /capabilities (1 until it said)."""
+        n = self.caps.get("max_batch", 1)
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+    @property
+    def busy(self) -> bool:
+        """Every slot held."""
+        return self.in_flight >= self.capacity
+
     def __repr__(self) -> str:
-        return f"Node({self.url}, healthy={self.healthy}, busy={self.busy})"
+        return f"Node({self.url}, healthy={self.healthy}, in_flight={self.in_flight}/{self.capacity})"
 
 
 class NodePool:
@@ -65,7 +77,8 @@ class NodePool:
     # -- state -------------------------------------------------------------------------------
     @property
     def busy_count(self) -> int:
-        return sum(n.busy for n in self.nodes)
+        """Slots held, over all nodes."""
+        return sum(n.in_flight for n in self.nodes)
 
     @property
     def queue_depth(self) -> int:
@@ -78,13 +91,13 @@ class NodePool:
     def expected_wait(self, position: int) -> float:
         """Seconds until the request at queue `position` (1 = next to be served) gets a node:
         `position` completions at the tier's service rate, the sum over healthy nodes of
-        1 / (that node's recent mean service time). A node without finished requests counts
+        capacity / (that node's recent mean service time). A node without finished requests counts
         with the mean of the others (DEFAULT_SERVICE_S when none has finished any)."""
         nodes = [n for n in self.nodes if n.healthy] or self.nodes
         known = [statistics.fmean(n.service_times) for n in nodes if n.service_times]
         fallback = statistics.fmean(known) if known else DEFAULT_SERVICE_S
-        rate = sum(1.0 / max(1e-3, statistics.fmean(n.service_times) if n.service_times
-                             else fallback) for n in nodes)
+        rate = sum(n.capacity / max(1e-3, statistics.fmean(n.service_times) if n.service_times
+                                    else fallback) for n in nodes)
         return position / rate
 
     def retry_after(self, position: int | None = None) -> int:
@@ -100,20 +113,23 @@ class NodePool:
 
     # -- acquire / release -------------------------------------------------------------------
     def _take_free(self) -> Node | None:
-        n = len(self.nodes)
+        """A slot on the healthy node with the fewest requests in flight (ties: round-robin)."""
+        n, best = len(self.nodes), None
         for i in range(n):
             node = self.nodes[(self._next + i) % n]
-            if node.healthy and not node.busy:
-                self._next = (self._next + i + 1) % n
-                node.busy = True
-                return node
-        return None
+            if node.healthy and not node.busy and (best is None or node.in_flight < best[1].in_flight):
+                best = (i, node)
+        if best is None:
+            return None
+        self._next = (self._next + best[0] + 1) % n
+        best[1].in_flight += 1
+        return best[1]
 
     def take(self, node: Node) -> bool:
-        """Hold this node's slot now if it is free (a warm-up); False when a request holds it."""
-        if not node.healthy or node.busy:
+        """Hold a slot of this node now if it is idle (a warm-up); False when a request holds one."""
+        if not node.healthy or node.in_flight:
             return False
-        node.busy = True
+        node.in_flight += 1
         return True
 
     def try_acquire(self) -> Node | None:
@@ -152,8 +168,8 @@ class NodePool:
                 pass
 
     def release(self, node: Node) -> None:
-        assert node.busy, f"double release of {node}"
-        node.busy = False
+        assert node.in_flight > 0, f"double release of {node}"
+        node.in_flight -= 1
         self._dispatch()
 
     def _dispatch(self) -> None:

@@ -138,7 +138,7 @@ class Router:
                 "fallback": self.args.fallback, "when_busy": self.args.when_busy,
                 "connector": {"state": self.node_health.connector_state,
                               "config": self.node_health.connector},
-                "nodes": [{"url": n.url, "healthy": n.healthy, "busy": n.busy,
+                "nodes": [{"url": n.url, "healthy": n.healthy, "busy": n.busy, "in_flight": n.in_flight, "capacity": n.capacity,
                            "reason": n.down_reason, "mismatch": n.mismatch, "warmup": n.warmup}
                           for n in p.nodes]}
         return web.json_response(body, status=200 if status != "unavailable" else 503)

@@ -97,21 +97,22 @@ class NodeClient:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise NodeError(f"cancel failed: {type(e).__name__}: {e}") from None
 
-    async def wait_free(self, url: str, timeout: float) -> None:
-        """After a cancel: wait (bounded) until the node reports its slot free, so the next
-        admission does not race the node's own cleanup."""
+    async def wait_free(self, url: str, rid: str, timeout: float) -> None:
+        """After a cancel: wait (bounded) until the node no longer holds `rid`, so its slot is free
+        before the router hands it out again (the node's own cleanup may take a step)."""
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
                 async with self.session.get(f"{url}/health",
                                             timeout=self.admit_timeout) as r:
-                    if (await r.json(content_type=None)).get("status") != "busy":
+                    held = {q.get("rid") for q in (await r.json(content_type=None))["requests"]}
+                    if rid not in held:
                         return
             except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError,
-                    AttributeError) as e:
+                    AttributeError, TypeError, KeyError) as e:
                 raise NodeError(f"health after cancel failed: {type(e).__name__}: {e}") from None
             if asyncio.get_running_loop().time() > deadline:
-                raise NodeError(f"still busy {timeout:g}s after cancel")
+                raise NodeError(f"still holds {rid} {timeout:g}s after cancel")
             await asyncio.sleep(0.05)
 
     async def probe(self, url: str, timeout: float) -> tuple[dict, dict]:

@@ -91,7 +91,7 @@ class Warmup:
             if held["admitted"] and not held["ended"]:
                 with contextlib.suppress(NodeError):
                     await self.nodes.cancel(node.url, rid)
-                    await self.nodes.wait_free(node.url, self.args.admit_timeout)
+                    await self.nodes.wait_free(node.url, rid, self.args.admit_timeout)
 
     def _record(self, node: Node, outcome: str, detail: str = "") -> None:
         node.warmup = outcome

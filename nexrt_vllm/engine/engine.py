@@ -104,6 +104,14 @@ class Engine:
     def max_seq_len(self) -> int:
         return self.state.max_seq_len
 
+    def slot(self) -> "Engine":
+        """Another engine over this one's weights with its own DecodeState: one more request a node
+        decodes alongside (node/batch.py, `--max-batch`). Eager step: no graph, no speculation."""
+        if self.graph is not None or self.speculative is not None:
+            raise NotBuiltError("batch slots run the eager step: the captured batch step and speculative "
+                                "decoding with more than one request per node are not built")
+        return Engine(self.config, self.model, self.max_seq_len)
+
     # ---- the two passes -------------------------------------------------------------------------
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.config.vocab_size]

@@ -365,6 +365,9 @@ class TPEngine(Engine):
         self.group, self.tp = group, tp
         self._followers = range(1, tp)
 
+    def slot(self) -> Engine:
+        raise NotBuiltError("more than one request per node (--max-batch > 1) with tensor parallelism is not built")
+
     def prefill(self, ids):
         ids = list(ids)
         self.group.send(self._followers, "prefill", ids)

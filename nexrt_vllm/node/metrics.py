@@ -28,7 +28,10 @@ class NodeMetrics:
         self.tokens = Counter("nexrt_tokens_generated", "Tokens streamed", registry=r)
         self.step_seconds = Histogram("nexrt_decode_step_seconds", "Decode step latency", buckets=_STEP_BUCKETS,
                                       registry=r)
-        self.busy = Gauge("nexrt_busy_slots", "Admitted requests in flight (0 or 1)", registry=r)
+        self.busy = Gauge("nexrt_busy_slots", "Admitted requests in flight (0 .. max_batch)", registry=r)
+        self.capacity = Gauge("nexrt_slots", "Requests the node admits at once (--max-batch)", registry=r)
+        self.batch_size = Histogram("nexrt_batch_size", "Requests advanced per batch step",
+                                    buckets=tuple(float(b) for b in range(1, 9)), registry=r)
         self.acceptance_length = None  # speculative decoding only (speculative())
         self.graph = Gauge("nexrt_decode_graph", "1 for the decode path in use (fused | eager graph, or off)",
                            ["mode", "device"], registry=r)

@@ -41,6 +41,8 @@ from nexrt_vllm.node.service import DecodeNode, Options
 
 log = logging.getLogger("nexrt.decode")
 
+MAX_BATCH = 8
+
 
 def _error(e: Refusal) -> web.Response:
     headers = {"Retry-After": "1"} if e.status == 409 else None  # 409s are transient
@@ -122,7 +124,7 @@ class Endpoints:
         return web.json_response({
             "model": self.node.model_name, **model_identity(cfg),
             "eos_token_ids": list(cfg.eos_token_ids), "max_seq_len": self.node.opts.max_seq_len,
-            "max_batch": 1, "protocol_version": P.PROTOCOL_VERSION, "layout_version": LAYOUT_VERSION,
+            "max_batch": self.node.opts.max_batch, "protocol_version": P.PROTOCOL_VERSION, "layout_version": LAYOUT_VERSION,
             "control_addr": self.node.control_addr,
             "transport": {"backend": peer["backend"], "recv_memory": self.args.recv_memory,
                           "recv_buffers": len(self.node.buffers), "recv_buffer_bytes": self.node.buffers[0].size,
@@ -226,8 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seed of the synthetic acceptance draws")
     ap.add_argument("--recv-memory", choices=("host", "pinned", "device"), default=None,
                     help="receive buffer memory (default: host on CPU, pinned on CUDA)")
-    ap.add_argument("--recv-buffers", type=int, default=2,
-                    help="receive buffers; with 2 a stale writer's buffer can be quarantined without blocking")
+    ap.add_argument("--max-batch", type=int, default=1,
+                    help="requests decoded together (1-8): each admitted request has its own slot (state, "
+                         "sampling, stops); they join and leave between steps. > 1 runs the eager step "
+                         "(--graph off) without --speculative and with --tp 1")
+    ap.add_argument("--recv-buffers", type=int, default=None,
+                    help="receive buffers (default: max-batch + 1, so a stale writer's buffer can be "
+                         "quarantined without blocking)")
     ap.add_argument("--recv-buffer-mib", type=float, default=None,
                     help="bytes per receive buffer (default: the state of max-seq-len tokens, fp32 recurrent)")
     ap.add_argument("--admit-timeout", type=float, default=30.0, help="seconds from admit to begin")
@@ -266,6 +273,19 @@ def _synthetic(ap, args):
 
 
 def _positive(ap, args) -> None:
+    if args.recv_buffers is None:
+        args.recv_buffers = args.max_batch + 1
+    if not 1 <= args.max_batch <= MAX_BATCH:
+        ap.error(f"--max-batch must be in [1, {MAX_BATCH}], got {args.max_batch}")
+    if args.max_batch > 1:
+        if args.graph in ("fused", "eager"):
+            ap.error(f"--max-batch {args.max_batch} runs the eager step: the captured batch step is not built "
+                     f"yet (use --graph off, or --max-batch 1 for the graph path)")
+        if args.speculative != "off":
+            ap.error(f"--speculative {args.speculative} with --max-batch > 1 is not built: speculative decoding "
+                     f"serves one request per node")
+        if args.tp > 1:
+            ap.error("--max-batch > 1 with --tp > 1 is not built")
     for name in ("max_seq_len", "recv_buffers", "tp"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -349,7 +369,7 @@ async def serve(args) -> None:
     # GPU graph path: compiled and captured once here, before the node serves (not per request).
     if args.graph == "auto":
         args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 \
-            and args.tp == 1 else "off"
+            and args.tp == 1 and args.max_batch == 1 else "off"
     if args.speculative != "off":
         from nexrt_vllm.engine import EngineError
         try:
@@ -395,7 +415,7 @@ async def serve(args) -> None:
         log.warning("TEST FAULTS ACTIVE (%s=%s): %s", F.ENV, os.environ.get(F.ENV), faults)
     opts = Options(max_seq_len=args.max_seq_len, admit_timeout=args.admit_timeout,
                    transfer_timeout=args.transfer_timeout, start_timeout=args.start_timeout,
-                   quarantine_s=args.quarantine, faults=faults)
+                   quarantine_s=args.quarantine, max_batch=args.max_batch, faults=faults)
     grammars, missing = _grammars(args, cfg)
     node = DecodeNode(engine, cfg, transport, buffers, opts, device=args.device,
                       control_addr=f"tcp://{args.host}:{cport}",
@@ -424,8 +444,9 @@ async def serve(args) -> None:
     tasks = [asyncio.create_task(svc.control_loop(sock)), asyncio.create_task(node.reaper())]
     if group is not None:
         tasks.append(asyncio.create_task(_watch(group, stop)))
-    log.info("nexrt-decode serving %s on %s (control %s, transport %s, %d x %.1f MiB %s buffers)",
-             node.model_name, url, node.control_addr, args.transport, len(buffers), size / (1 << 20), memory)
+    log.info("nexrt-decode serving %s on %s (control %s, transport %s, %d slot(s), %d x %.1f MiB %s buffers)",
+             node.model_name, url, node.control_addr, args.transport, args.max_batch, len(buffers),
+             size / (1 << 20), memory)
     if args.ready_file:
         tmp = args.ready_file + ".tmp"
         with open(tmp, "w") as f:

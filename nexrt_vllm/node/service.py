@@ -1,13 +1,16 @@
 """The decode node's admission state machine, control-message handlers and decode loop.
 
 Everything here runs on one asyncio loop (HTTP handlers, the ZMQ control endpoint and the reaper
-share it), so the state needs no locks; only the engine runs in a worker thread, one request at a
-time, and talks back through ``loop.call_soon_threadsafe``.
+share it), so the state needs no locks; only the engines run in a worker thread (node/batch.py:
+every decoding request of the node, one step each per batch step) and talk back through
+``loop.call_soon_threadsafe``.
 
-One slot (batch 1). An admission moves RESERVED (``/v1/admit``) -> RECEIVING (``begin`` accepted,
-buffer assigned) -> READY (``done`` validated) -> DECODING (``/v1/generate``) -> released. Each
-state has a deadline (admit, transfer, start timeouts), enforced by the reaper, so a missing peer
-never pins the slot. ``/v1/generate`` may arrive before ``done``: it waits on the admission.
+Up to ``max_batch`` slots (``--max-batch``, default 1). An admission takes a slot at
+``/v1/admit`` and moves RESERVED -> RECEIVING (``begin`` accepted, buffer assigned) -> READY
+(``done`` validated) -> DECODING (``/v1/generate``) -> released. Each state has a deadline (admit,
+transfer, start timeouts), enforced by the reaper, so a missing peer never pins a slot.
+``/v1/generate`` may arrive before ``done``: it waits on the admission. The slot's state is
+written only by its own hand-off and decode, so requests in one batch never see each other.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import AdmissionState, AdmitRequest, CancelReply, GenerateRequest, Refusal
 from nexrt_vllm.handoff.structured import LOGPROB_FLOOR, StructuredError, StructuredSpec
+from nexrt_vllm.node.batch import DecodeBatch, Job
 from nexrt_vllm.node.buffers import RecvBuffer, stage
 from nexrt_vllm.node.parts import PartSet, check_part, load_parts
 from nexrt_vllm.node.faults import Faults
@@ -46,6 +50,7 @@ class Options:
     start_timeout: float = 30.0  # done -> generate
     quarantine_s: float = 30.0  # grace for a writer that may outlive its admission
     tick: float = 0.05
+    max_batch: int = 1  # requests admitted at once (slots)
     faults: Faults = field(default_factory=Faults)  # test-only (nexrt_vllm/node/faults.py)
 
 
@@ -55,13 +60,15 @@ class Admission:
     generation: int
     state: AdmissionState
     deadline: float
+    slot: int = 0  # its engine and state (DecodeNode.engines)
     buffer: RecvBuffer | None = None
     parts: PartSet | None = None  # the hand-off's parts (one unless the prefill runs TP > 1)
     seq_len: int = 0
     t_accept: float = 0.0
     transfer_s: float = 0.0
     started: bool = False  # /v1/generate claimed it
-    stop: threading.Event = field(default_factory=threading.Event)  # tells the decode thread to stop
+    stop: threading.Event = field(default_factory=threading.Event)  # tells the decode batch to drop it
+    decoding: bool = False  # in the decode batch (its slot's state is in use until it leaves)
     cancelled: bool = False  # POST /v1/cancel
     # resolves to None when READY, to (reason, message) when the admission fails first
     ready: asyncio.Future | None = None
@@ -79,12 +86,15 @@ class DecodeNode:
         self.grammars, self.grammars_missing = grammars, grammars_missing
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nexrt-grammar")
         self.metrics = metrics or NodeMetrics()
-        self.current: Admission | None = None
-        self._decoding: Admission | None = None  # the admission whose decode thread runs
+        # slot k decodes on engines[k]: slot 0 is `engine`, the others share its weights
+        self.engines = [engine] + [engine.slot() for _ in range(opts.max_batch - 1)]
+        self.admissions: dict[str, Admission] = {}  # every admission in flight, by rid
+        self._free_slots = list(range(opts.max_batch))
         self._generation = 0
         # rid -> (generation, done received): finished rids, to refuse duplicates and late messages
         self._tombstones: collections.OrderedDict[str, tuple[int, bool]] = collections.OrderedDict()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nexrt-decode")
+        self.batch = DecodeBatch(self.engines, self.metrics)
+        self.metrics.capacity.set(opts.max_batch)
         self._dtypes = engine.state.native_dtypes()
         # Who this process is: a peer that sees another instance at the same URL knows the node
         # restarted (its connections and warm-up are gone).
@@ -94,34 +104,33 @@ class DecodeNode:
     def admit(self, req: AdmitRequest) -> Admission:
         rid, prompt_len = req.rid, req.prompt_len
         spec = self.structured_spec(req.structured)
-        if (self.current and self.current.rid == rid) or rid in self._tombstones:
+        if rid in self.admissions or rid in self._tombstones:
             raise self._refuse(P.Reason.DUPLICATE, f"rid {rid!r} was already admitted")
         if prompt_len is not None and prompt_len + 1 > self.opts.max_seq_len:
             raise self._refuse(P.Reason.TOO_LONG,
                                f"prompt_len {prompt_len} + 1 exceeds max_seq_len {self.opts.max_seq_len}")
-        if self._decoding is not None:
-            if self._decoding.stop.is_set():
-                raise self._refuse(P.Reason.CANCELLING, "previous request is still stopping")
-            raise self._refuse(P.Reason.BUSY, f"node is decoding {self._decoding.rid!r}")
-        if self.current is not None:
-            raise self._refuse(P.Reason.BUSY, f"node is busy with {self.current.rid!r}")
+        if not self._free_slots:
+            if any(a.stop.is_set() for a in self.admissions.values()):
+                raise self._refuse(P.Reason.CANCELLING, "a cancelled request is still stopping")
+            busy = ", ".join(repr(r) for r in self.admissions)
+            raise self._refuse(P.Reason.BUSY, f"all {self.opts.max_batch} slots are busy ({busy})")
         now = time.monotonic()
-        if not any(b.available(now) for b in self.buffers):
-            raise self._refuse(P.Reason.BUSY, "every receive buffer waits for a stale writer")
+        waiting = sum(a.state is AdmissionState.RESERVED for a in self.admissions.values())
+        if sum(b.available(now) for b in self.buffers) <= waiting:
+            raise self._refuse(P.Reason.BUSY, "no receive buffer is free (in use, or waiting for a stale writer)")
         self._generation += 1
         adm = Admission(rid, self._generation, AdmissionState.RESERVED, now + self.opts.admit_timeout,
-                        ready=asyncio.get_running_loop().create_future(), structured=spec)
+                        slot=self._free_slots.pop(0), ready=asyncio.get_running_loop().create_future(),
+                        structured=spec)
         if spec is not None:
             adm.grammar = self._compile(spec)
-        self.current = adm
+        self.admissions[rid] = adm
         self.metrics.admissions.inc()
         self._update_busy()
         return adm
 
     def cancel(self, rid: str) -> CancelReply:
-        adm = self.current if self.current and self.current.rid == rid else None
-        if adm is None and self._decoding is not None and self._decoding.rid == rid:
-            adm = self._decoding
+        adm = self.admissions.get(rid)
         if adm is None:
             if rid in self._tombstones:
                 return CancelReply(rid, False, AdmissionState.FINISHED)
@@ -166,8 +175,8 @@ class DecodeNode:
         def reject(reason, text):
             return P.Reject(msg.rid, P.Reason(reason).value, text)
 
-        adm = self.current
-        if adm is None or adm.rid != msg.rid:
+        adm = self.admissions.get(msg.rid)
+        if adm is None:
             if msg.rid in self._tombstones:
                 return reject(P.Reason.DUPLICATE, f"rid {msg.rid!r} already finished")
             return reject(P.Reason.UNKNOWN_RID, f"rid {msg.rid!r} was not admitted")
@@ -223,8 +232,8 @@ class DecodeNode:
                         P.region_dicts(part.regions), max(0.0, adm.deadline - time.monotonic()))
 
     def _on_done(self, msg: P.Done):
-        adm = self.current
-        if adm is None or adm.rid != msg.rid or adm.generation != msg.generation:
+        adm = self.admissions.get(msg.rid)
+        if adm is None or adm.generation != msg.generation:
             return self._late(msg, "done")
         if adm.state is not AdmissionState.RECEIVING:
             if adm.state is AdmissionState.RESERVED:
@@ -254,8 +263,8 @@ class DecodeNode:
         return P.Ack(adm.rid, adm.generation)
 
     def _on_abort(self, msg: P.Abort):
-        adm = self.current
-        if adm is None or adm.rid != msg.rid or adm.generation != msg.generation:
+        adm = self.admissions.get(msg.rid)
+        if adm is None or adm.generation != msg.generation:
             return self._late(msg, "abort")
         if adm.state not in (AdmissionState.RESERVED, AdmissionState.RECEIVING):
             return P.Error(msg.rid, P.Reason.BAD_MESSAGE.value, f"cannot abort in state {adm.state.value}")
@@ -274,22 +283,24 @@ class DecodeNode:
             if what == "done" and done:
                 return P.Error(msg.rid, P.Reason.DUPLICATE_DONE.value, "done already received")
             return P.Error(msg.rid, P.Reason.STALE_GENERATION.value, f"admission {msg.generation} already ended")
-        if msg.rid in self._tombstones or (self.current and self.current.rid == msg.rid):
+        if msg.rid in self._tombstones or msg.rid in self.admissions:
             return P.Error(msg.rid, P.Reason.STALE_GENERATION.value, f"generation {msg.generation} is not current")
         return P.Error(msg.rid, P.Reason.UNKNOWN_RID.value, f"rid {msg.rid!r} was not admitted")
 
     # ---- ending an admission --------------------------------------------------------------------
     def _end(self, adm: Admission, outcome: str, reason: P.Reason | str, message: str,
              writer_live: bool | None = None) -> None:
-        """Release the slot (once). ``writer_live`` defaults to: a part accepted without done/abort yet."""
-        if self.current is not adm:
+        """Release the slot (once; never while the decode batch holds it). ``writer_live`` defaults to:
+        a part accepted without done/abort yet."""
+        if self.admissions.get(adm.rid) is not adm or adm.decoding:
             return
         live = adm.parts.live() if adm.parts is not None and adm.state is AdmissionState.RECEIVING else set()
         if writer_live is None:
             writer_live = bool(live)
         if adm.buffer is not None and adm.buffer.owner == adm.generation:
             adm.buffer.release(writer_live, self.opts.quarantine_s, live)
-        self.current = None
+        del self.admissions[adm.rid]
+        self._free_slots.append(adm.slot)
         self._tombstones[adm.rid] = (adm.generation, adm.state in (AdmissionState.READY, AdmissionState.DECODING))
         while len(self._tombstones) > TOMBSTONES:
             self._tombstones.popitem(last=False)
@@ -303,8 +314,10 @@ class DecodeNode:
         """Ages out admissions whose peer went silent (admit, transfer and start timeouts)."""
         while True:
             await asyncio.sleep(self.opts.tick)
-            adm = self.current
-            if adm is not None and adm.state is not AdmissionState.DECODING and time.monotonic() > adm.deadline:
+            now = time.monotonic()
+            for adm in list(self.admissions.values()):
+                if adm.state is AdmissionState.DECODING or now <= adm.deadline:
+                    continue
                 what = {AdmissionState.RESERVED: "begin", AdmissionState.RECEIVING: "done",
                         AdmissionState.READY: "generate"}[adm.state]
                 if adm.state is AdmissionState.RECEIVING and adm.parts.n > 1:
@@ -335,7 +348,7 @@ class DecodeNode:
     async def constraint(self, rid: Any, wire: Any, first_token: Any, stop_token_ids) -> Any:
         """The engine constraint of a generate request (None without a grammar), before any byte of
         the stream: its grammar compiled (at admit, or now), and vLLM's first token allowed by it."""
-        adm = self.current if self.current is not None and self.current.rid == rid else None
+        adm = self.admissions.get(rid) if isinstance(rid, str) else None
         spec = self.structured_spec(wire)
         admitted = adm.structured if adm is not None else None
         if spec is not None and admitted is not None and spec.key != admitted.key:
@@ -364,8 +377,9 @@ class DecodeNode:
     # ---- decode (HTTP) ----------------------------------------------------------------------------
     def claim(self, req: GenerateRequest) -> Admission:
         """Validate a generate request before any response byte is sent (errors become 4xx)."""
-        adm, rid = self.current, req.rid
-        if adm is None or adm.rid != rid:
+        rid = req.rid
+        adm = self.admissions.get(rid)
+        if adm is None:
             raise self._refuse(P.Reason.UNKNOWN_RID, f"rid {rid!r} is not admitted")
         if req.generation is not None and req.generation != adm.generation:
             raise self._refuse(P.Reason.STALE_GENERATION,
@@ -387,27 +401,28 @@ class DecodeNode:
         for the transfer or mid-stream), the slot is released exactly once on the way out.
         """
         t0 = time.monotonic()
-        fut, tokens, final = None, 0, None
+        left, tokens, final = None, 0, None
         try:
             failure = await adm.ready  # bounded: the reaper ends the admission at its deadline
             if failure is not None:
                 final = {"finish_reason": "cancelled" if failure[0] == P.Reason.CANCELLED.value else "error",
                          "error": f"{failure[0]}: {failure[1]}"}
-            elif self.current is not adm:
+            elif self.admissions.get(adm.rid) is not adm:
                 final = {"finish_reason": "cancelled"}
             else:
-                adm.state = AdmissionState.DECODING
-                self._decoding = adm
+                adm.state, adm.decoding = AdmissionState.DECODING, True
                 loop = asyncio.get_running_loop()
                 q: asyncio.Queue = asyncio.Queue()
-                put = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
-                fut = loop.run_in_executor(self._pool, self._run, adm, sp, first_token, constraint, put)
-                fut.add_done_callback(lambda _: self._decode_stopped(adm))
+                left = loop.create_future()
+                put = lambda kind, val: loop.call_soon_threadsafe(q.put_nowait, (kind, val))  # noqa: E731
+                self.batch.submit(Job(adm.rid, adm.slot, lambda engine: self._load(adm, engine), first_token, sp,
+                                      constraint, put, lambda: loop.call_soon_threadsafe(self._left, adm, left),
+                                      stop=adm.stop))
                 while final is None:
                     kind, val = await q.get()
                     if kind == "tok":
                         tokens += 1
-                        yield val
+                        yield _token_line(val, sp.logprobs is not None)
                     elif kind == "converted":
                         adm.buffer.release(False, 0.0)  # pages are in the engine: the buffer is free
                     elif kind == "end":
@@ -417,63 +432,46 @@ class DecodeNode:
                 final["timing"] = {"transfer_s": adm.transfer_s, "decode_s": time.monotonic() - t0,
                                    "tokens": tokens}
         finally:
-            if fut is not None:
-                adm.stop.set()  # stops the thread if the client went away mid-stream
-                await fut
+            if left is not None:
+                adm.stop.set()  # drops it from the batch if the client went away mid-stream
+                await left  # within one batch step
             outcome = final["finish_reason"] if final else "cancelled"
             self._end(adm, outcome, P.Reason.CANCELLED, f"ended: {outcome}")
         yield final
 
-    def _decode_stopped(self, adm: Admission) -> None:
-        """The decode thread ended. A cancelled request frees the slot now, even if its HTTP
-        writer is still stuck on a client that stopped reading."""
-        if self._decoding is adm:
-            self._decoding = None
-            self._update_busy()
+    def _left(self, adm: Admission, left: asyncio.Future) -> None:
+        """The request left the decode batch: its slot is free to reuse. A cancelled request frees
+        it now, even if its HTTP writer is still stuck on a client that stopped reading."""
+        adm.decoding = False
+        if not left.done():
+            left.set_result(None)
         if adm.cancelled:
             self._end(adm, "cancelled", P.Reason.CANCELLED, "cancelled during decode")
 
-    def _run(self, adm: Admission, sp, first_token: int, constraint, put) -> None:
-        """Worker thread: convert the received pages, import them, stream tokens."""
-        try:
-            t = time.perf_counter()
-            raw = stage(adm.buffer, adm.parts.end, self.device)
-            load_parts(self.engine, raw, adm.parts, self._dtypes)
-            if self.device.startswith("cuda"):
-                torch.cuda.synchronize()  # the pinned buffer is reusable only after its copy landed
-            del raw
-            self.metrics.convert_seconds.observe(time.perf_counter() - t)
-            put(("converted", None))
-            last = time.perf_counter()
-            it = self.engine.steps(first_token, sp, constraint)
-            try:
-                for rec in it:
-                    now = time.perf_counter()
-                    self.metrics.step_seconds.observe(now - last)
-                    last = now
-                    if adm.stop.is_set():
-                        put(("end", "cancelled"))
-                        return
-                    self.metrics.tokens.inc()
-                    put(("tok", _token_line(rec, sp.logprobs is not None)))
-            finally:
-                it.close()
-            put(("end", self.engine.finish_reason or "length"))
-        except Exception as e:  # noqa: BLE001 - any engine failure ends the stream as an error
-            log.exception("decode of rid=%s failed", adm.rid)
-            put(("err", f"{type(e).__name__}: {e}"))
+    def _load(self, adm: Admission, engine) -> None:
+        """Decode thread: the received pages converted into the slot engine's state."""
+        t = time.perf_counter()
+        raw = stage(adm.buffer, adm.parts.end, self.device)
+        load_parts(engine, raw, adm.parts, self._dtypes)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()  # the pinned buffer is reusable only after its copy landed
+        del raw
+        self.metrics.convert_seconds.observe(time.perf_counter() - t)
 
     # ---- status -----------------------------------------------------------------------------------
     def health(self) -> dict:
-        adm = self.current or self._decoding
+        """``status`` "busy" when every slot is taken; ``rid`` / ``state``: the oldest admission's."""
         now = time.monotonic()
-        return {"status": "busy" if adm else "free", "busy_slots": 1 if adm else 0,
-                "rid": adm.rid if adm else None, "state": adm.state.value if adm else None,
+        first = next(iter(self.admissions.values()), None)
+        return {"status": "free" if self._free_slots else "busy", "busy_slots": len(self.admissions),
+                "max_batch": self.opts.max_batch,
+                "rid": first.rid if first else None, "state": first.state.value if first else None,
+                "requests": [{"rid": a.rid, "state": a.state.value, "slot": a.slot} for a in self.admissions.values()],
                 "free_buffers": sum(b.available(now) for b in self.buffers),
                 "instance": self.instance, "started_at": self.started_at}
 
     def _update_busy(self) -> None:
-        self.metrics.busy.set(1 if self.current or self._decoding else 0)
+        self.metrics.busy.set(len(self.admissions))
 
     def _refuse(self, reason: P.Reason, message: str) -> Refusal:
         err = Refusal(reason, message)
@@ -481,7 +479,7 @@ class DecodeNode:
         return err
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.batch.close()
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -247,7 +247,9 @@ class FakeNode:
         return app
 
     async def health(self, request):
-        return web.json_response({"status": "ok", "busy": self.rid is not None, "instance": self.instance})
+        held = [] if self.rid is None else [{"rid": self.rid, "state": "decoding", "slot": 0}]
+        return web.json_response({"status": "busy" if held else "free", "busy_slots": len(held), "max_batch": 1,
+                                  "requests": held, "instance": self.instance})
 
     async def caps(self, request):
         return web.json_response({"model": "tiny", "max_seq_len": self.max_seq_len,

