@@ -24,6 +24,13 @@ the same pinned acceptance length (`--acceptance-length`, default InferenceX's g
 3.39 at 3 drafts), interleaved with plain vLLM for reference (`--concurrent-baseline --interleave`).
 The summary's ratios are then against vLLM + MTP (`ratios_vs_plain_vllm` keeps the others).
 
+`--conc 1 2 4 8` sweeps the client's concurrency (each path measured at each, one path after the other;
+`--max-batch B` gives the node B slots, `--vllm-mtp` adds vLLM + MTP at the golden acceptance as a
+baseline while the node decodes plainly): `concurrency` holds every result, `pareto` the points
+(median tok/s/user, output tok/s per GPU: the prefill vLLM and the node share the one GPU, so a path
+counts 1 GPU) and `ratios_by_conc` NexRT against the best baseline at each concurrency;
+OUT/gpu_e2e_<label>_pareto.png draws them.
+
 `gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png [--engine DECODE.json]` joins runs (of a
 shape that measured different `--paths`; several shapes become sections) into one summary with the
 ratios, and draws one overlay of them all.
@@ -139,12 +146,15 @@ def node_delta(before: dict, after: dict) -> dict:
 
 
 def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: int, result_dir: str,
-               headers: list[str], kv: str, hw: str, interleave: dict[str, str] | None = None) -> dict[str, dict]:
-    """One scenario through benchmarks/inferencex.py; `interleave`: {label: URL} of baselines measured
-    request by request with this path. Returns {label: summary}."""
+               headers: list[str], kv: str, hw: str, interleave: dict[str, str] | None = None,
+               conc: int = 1) -> dict[str, dict]:
+    """One scenario through benchmarks/inferencex.py at concurrency `conc` (n prompts, at least 2 per
+    client); `interleave`: {label: URL} of baselines measured request by request with this path (conc 1).
+    Returns {label: summary}."""
     isl, osl = scenario(sc)
+    n = max(n, 2 * conc)
     cmd = [sys.executable, "-m", "benchmarks.inferencex", "run", "--base-url", base_url, "--model", model,
-           "--tokenizer", tok_dir, "--isl", str(isl), "--osl", str(osl), "--conc", "1", "--num-prompts", str(n),
+           "--tokenizer", tok_dir, "--isl", str(isl), "--osl", str(osl), "--conc", str(conc), "--num-prompts", str(n),
            "--result-dir", result_dir, "--label", label, "--hw", hw, "--disable-tqdm", "--save-detailed",
            "--ready-timeout", "60", "--prefill-gpus", "1", "--decode-gpus", "1", "--kv-p2p-transfer", kv]
     if headers:
@@ -159,10 +169,11 @@ def inferencex(base_url: str, label: str, model: str, tok_dir: str, sc: str, n: 
             "mean_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "output_throughput")
     res = {}
     for name in [label] + list(interleave or ()):
-        with open(os.path.join(result_dir, name, f"{name}_isl{isl}_osl{osl}_conc1.json")) as f:
+        with open(os.path.join(result_dir, name, f"{name}_isl{isl}_osl{osl}_conc{conc}.json")) as f:
             raw = json.load(f)
         out = {k: raw.get(k) for k in keep}
         out["median_interactivity_tok_s"] = 1e3 / raw["median_tpot_ms"] if raw.get("median_tpot_ms") else None
+        out["conc"] = conc
         res[name] = out
     return res
 
@@ -245,6 +256,43 @@ def add_ratios(summary: dict, scenarios) -> None:
         summary.setdefault("ratios", {})[sc] = r
         if spec and (plain := _ratios(n, summary["vllm"].get(sc))):
             summary.setdefault("ratios_vs_plain_vllm", {})[sc] = plain
+
+
+def add_sweep(summary: dict, scenarios, png: str | None) -> None:
+    """`pareto` points and `ratios_by_conc` (NexRT against the best baseline at each concurrency: the higher
+    median interactivity) from `concurrency`; the Pareto chart per scenario into `png`."""
+    runs = summary.get("concurrency") or {}
+    gpus = summary.get("gpus", 1)
+    for path, by_sc in runs.items():
+        for sc, by_c in by_sc.items():
+            summary.setdefault("pareto", {}).setdefault(sc, {})[path] = [
+                {"conc": int(c), "tok_s_user": r["median_interactivity_tok_s"],
+                 "output_tok_s_gpu": r["output_throughput"] / gpus} for c, r in sorted(by_c.items(), key=lambda x: int(x[0]))
+                if r.get("median_interactivity_tok_s")]
+    for sc in scenarios:
+        mine = (runs.get("nexrt") or {}).get(sc) or {}
+        for c, n in mine.items():
+            base = [(name, by_sc[sc][c]) for name, by_sc in runs.items()
+                    if name != "nexrt" and c in by_sc.get(sc, {}) and by_sc[sc][c].get("median_tpot_ms")]
+            if not base or not n.get("median_tpot_ms"):
+                continue
+            name, best = max(base, key=lambda b: b[1]["median_interactivity_tok_s"])
+            r = _ratios(n, best) | {"baseline": name,
+                                    "output_throughput_x": n["output_throughput"] / best["output_throughput"]}
+            summary.setdefault("ratios_by_conc", {}).setdefault(sc, {})[c] = r
+        one = mine.get("1") or mine.get(1)
+        if one and len(mine) > 1:
+            top = max(mine.items(), key=lambda x: int(x[0]))
+            summary.setdefault("nexrt_throughput_scaling", {})[sc] = {
+                "conc": int(top[0]), "output_tok_s_over_conc1": top[1]["output_throughput"] / one["output_throughput"]}
+    if png and summary.get("pareto"):
+        from nexrt_vllm.bench.pareto import plot_pareto
+        for sc, series in summary["pareto"].items():
+            pts = {path: [{"conc": p["conc"], "median_intvty": p["tok_s_user"], "output_tput_per_gpu": p["output_tok_s_gpu"]}
+                          for p in rows] for path, rows in series.items() if rows}
+            if pts:
+                plot_pareto(pts, png.replace(".png", f"_{sc}.png") if len(summary["pareto"]) > 1 else png,
+                            title=f"{summary.get('shape')} {sc}, one GPU", y_key="output_tput_per_gpu")
 
 
 def _engine_rows(res: dict) -> dict:
@@ -353,14 +401,14 @@ class Stack:
         self.procs.start(name, vllm_argv(model, port, max_len, transport, self.device, share, extra=extra))
         return f"http://127.0.0.1:{port}"
 
-    def router(self, vllm_url: str, node_url: str, tokenizer: str) -> str:
+    def router(self, vllm_url: str, node_url: str, tokenizer: str, queue: int = 4) -> str:
         port = free_port()
         self.procs.start("router", [sys.executable, "-m", "nexrt_vllm.router.server", "--port", str(port),
                                     "--vllm-url", vllm_url, "--decode-url", node_url, "--tokenizer", tokenizer,
                                     "--default-class", "interactive",
                                     # measure the fast path: a failed hand-off must show, not degrade
                                     "--fallback", "error",
-                                    "--queue-size", "4", "--queue-timeout", "120", "--log-level", "WARNING"])
+                                    "--queue-size", str(queue), "--queue-timeout", "120", "--log-level", "WARNING"])
         return f"http://127.0.0.1:{port}"
 
 
@@ -491,16 +539,28 @@ def main(argv=None) -> int:
     ap.add_argument("--acceptance-length", type=float, default=None,
                     help="pinned mean tokens per round for both (default: InferenceX's golden value for the "
                          "draft count, e.g. 3.39 at 3)")
+    ap.add_argument("--conc", type=int, nargs="+", default=[1],
+                    help="client concurrencies to sweep (each path at each; > 1: one path after the other)")
+    ap.add_argument("--max-batch", type=int, default=1, help="the node's --max-batch (requests decoded together)")
+    ap.add_argument("--vllm-mtp", action="store_true",
+                    help="measure vLLM + MTP (golden acceptance) as a baseline while the node decodes plainly")
     ap.add_argument("--out", required=True)
     ap.add_argument("--start-timeout", type=float, default=420)
     a = ap.parse_args(argv)
     spec = a.speculative == "mtp"
-    if spec:
+    if any(c < 1 for c in a.conc) or len(set(a.conc)) != len(a.conc):
+        ap.error("--conc: distinct concurrencies >= 1")
+    sweep = a.conc != [1]
+    if sweep and a.interleave:
+        ap.error("--interleave runs at concurrency 1 (a sweep measures one path after the other)")
+    if a.vllm_mtp and spec:
+        ap.error("--vllm-mtp is for a plain node; --speculative mtp already measures vLLM + MTP")
+    if spec or a.vllm_mtp:
         if a.acceptance_length is None:
             if a.num_speculative_tokens not in GOLDEN_AL:
                 ap.error(f"no golden acceptance length for {a.num_speculative_tokens} drafts: give --acceptance-length")
             a.acceptance_length = GOLDEN_AL[a.num_speculative_tokens]
-        if "nexrt" not in a.paths:
+        if spec and "nexrt" not in a.paths:
             ap.error("--speculative mtp measures the NexRT path against vLLM + MTP (plain vLLM too with --paths "
                      "nexrt vllm)")
     if a.interleave and not (a.concurrent_baseline and set(a.paths) == {"nexrt", "vllm"}):
@@ -513,11 +573,12 @@ def main(argv=None) -> int:
         a.recv_memory = "host"
 
     os.makedirs(a.out, exist_ok=True)
-    label = a.shape + (f"_l{a.layers}" if a.layers else "") + ("" if len(a.paths) == 2 else "_" + a.paths[0])
+    label = a.shape + (f"_l{a.layers}" if a.layers else "") + ("" if len(a.paths) == 2 else "_" + a.paths[0]) \
+        + (f"_conc{'-'.join(map(str, a.conc))}" if sweep else "")
     work = tempfile.mkdtemp(prefix="gpu-e2e-")
     name = NAMES.get(a.shape, "tiny-qwen3-next")
     model = os.path.join(work, name + (f"-{a.layers}L" if a.layers else ""))
-    info = write_model_dir(model, a.shape, a.tokenizer, a.layers, mtp=spec)
+    info = write_model_dir(model, a.shape, a.tokenizer, a.layers, mtp=spec or a.vllm_mtp)
     share = a.share or (0.25 if a.shape == "2b" else 0.5)
     max_len = max(i + o for i, o in map(scenario, a.scenarios)) + 512
     res_dir = os.path.join(work, "results")
@@ -525,12 +586,19 @@ def main(argv=None) -> int:
                "shape": name, "device": a.device, "layers": info["layers"], "weights": "random (dummy load, both sides)",
                "transport": a.transport, "recv_memory": a.recv_memory, "vllm_gpu_memory_utilization": share,
                "num_prompts": a.num_prompts, "conc": 1, "nexrt": {}, "vllm": {}, "node": {}}
-    node_extra, vspec = [], None
+    if sweep:
+        summary.update({"conc": a.conc, "concurrency": {}, "gpus": 1, "max_batch": a.max_batch})
+    node_extra, vspec = ["--max-batch", str(a.max_batch)] if a.max_batch > 1 else [], None
+    if a.vllm_mtp:
+        vspec = {"method": "mtp", "num_speculative_tokens": a.num_speculative_tokens,
+                 "rejection_sample_method": "synthetic", "synthetic_acceptance_length": a.acceptance_length}
+        summary.update({"acceptance_length": a.acceptance_length, "baseline_speculative_config": vspec,
+                        "vllm_mtp": {}})
     if spec:
         # vLLM's synthetic rejection sampler and the node's --speculative-synthetic-acceptance: the same schedule
         vspec = {"method": "mtp", "num_speculative_tokens": a.num_speculative_tokens,
                  "rejection_sample_method": "synthetic", "synthetic_acceptance_length": a.acceptance_length}
-        node_extra = ["--speculative", "mtp", "--num-speculative-tokens", str(a.num_speculative_tokens),
+        node_extra += ["--speculative", "mtp", "--num-speculative-tokens", str(a.num_speculative_tokens),
                       "--speculative-synthetic-acceptance", str(a.acceptance_length)]
         summary.update({"speculative": "mtp", "num_speculative_tokens": a.num_speculative_tokens,
                         "acceptance_length": a.acceptance_length, "baseline_speculative_config": vspec,
@@ -541,6 +609,12 @@ def main(argv=None) -> int:
         summary["hw"] = torch.cuda.get_device_name()
     hw = "h200" if "H200" in summary["hw"] else summary["hw"].lower().replace(" ", "-")
     out_json = os.path.join(a.out, f"gpu_e2e_{label}.json")
+
+    def record(path: str, sc: str, conc: int, res: dict) -> None:
+        if conc == 1:
+            summary[path][sc] = res
+        if sweep:
+            summary["concurrency"].setdefault(path, {}).setdefault(sc, {})[str(conc)] = res
 
     def save():
         with open(out_json, "w") as f:
@@ -575,21 +649,23 @@ def main(argv=None) -> int:
             else:
                 vurl = stack.vllm("vllm", model, max_len, a.transport, share)
                 asyncio.run(_up(stack, [(vurl, "vLLM + connector")], a.start_timeout))
-            rurl = stack.router(vurl, node["url"], model)
+            rurl = stack.router(vurl, node["url"], model, queue=max(4, *a.conc))
             asyncio.run(_up(stack, [(rurl, "router")], 60))
             summary["startup_s"] = time.monotonic() - t0
             log(f"stack up in {summary['startup_s']:.0f}s")
             for sc in a.scenarios:
-                before = scrape(node["url"])
-                baselines = ({"vllm": purl, **({"vllm_mtp": murl} if spec else {})} if a.interleave else None)
-                res = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir, [], a.transport, hw,
-                                 interleave=baselines)
-                summary["nexrt"][sc] = res["nexrt"]
-                for k in baselines or ():
-                    summary[k][sc] = res[k]
-                summary["node"][sc] = node_delta(before, scrape(node["url"]))
-                log(sc, res, summary["node"][sc])
-                save()
+                for conc in a.conc:
+                    before = scrape(node["url"])
+                    baselines = ({"vllm": purl, **({"vllm_mtp": murl} if spec else {})} if a.interleave else None)
+                    res = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir, [], a.transport, hw,
+                                     interleave=baselines, conc=conc)
+                    record("nexrt", sc, conc, res["nexrt"])
+                    for k in baselines or ():
+                        summary[k][sc] = res[k]
+                    key = sc if conc == 1 else f"{sc}_conc{conc}"
+                    summary["node"][key] = node_delta(before, scrape(node["url"]))
+                    log(sc, conc, res, summary["node"][key])
+                    save()
             for sc in ix:
                 summary.setdefault("inferencex_client", {}).setdefault("nexrt", {})[sc] = ix_client(
                     a.ix_client, rurl, model, sc, ix_n, os.path.join(res_dir, "ix"), "nexrt")
@@ -601,20 +677,22 @@ def main(argv=None) -> int:
                 purl = stack.vllm("vllm_plain", model, max_len, None, share)
                 asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
             for sc in ([] if a.interleave else a.scenarios):
-                summary["vllm"][sc] = inferencex(purl, "vllm", "model", model, sc, a.num_prompts, res_dir, [], "",
-                                                 hw)["vllm"]
-                log(sc, "vllm", summary["vllm"][sc])
-                save()
-        if spec and not a.interleave:  # one vLLM at a time: plain (if asked), then + MTP
+                for conc in a.conc:
+                    record("vllm", sc, conc, inferencex(purl, "vllm", "model", model, sc, a.num_prompts, res_dir, [],
+                                                        "", hw, conc=conc)["vllm"])
+                    log(sc, conc, "vllm", summary["vllm"].get(sc))
+                    save()
+        if vspec and not a.interleave:  # one vLLM at a time: plain (if asked), then + MTP
             stack.procs.stop()
             stack = Stack(work, a.device)
             murl = stack.vllm("vllm_mtp", model, max_len, None, share, speculative=vspec)
             asyncio.run(_up(stack, [(murl, "vLLM + MTP")], a.start_timeout))
             for sc in a.scenarios:
-                summary["vllm_mtp"][sc] = inferencex(murl, "vllm_mtp", "model", model, sc, a.num_prompts, res_dir,
-                                                     [], "", hw)["vllm_mtp"]
-                log(sc, "vllm_mtp", summary["vllm_mtp"][sc])
-                save()
+                for conc in a.conc:
+                    record("vllm_mtp", sc, conc, inferencex(murl, "vllm_mtp", "model", model, sc, a.num_prompts,
+                                                            res_dir, [], "", hw, conc=conc)["vllm_mtp"])
+                    log(sc, conc, "vllm_mtp", summary["vllm_mtp"].get(sc))
+                    save()
             for sc in ix:
                 summary.setdefault("inferencex_client", {}).setdefault("vllm", {})[sc] = ix_client(
                     a.ix_client, purl, model, sc, ix_n, os.path.join(res_dir, "ix"), "vllm")
@@ -641,6 +719,8 @@ def main(argv=None) -> int:
         summary["engine"] = engine_step(a.shape, ctxs, a.layers, os.path.join(work, "decode_bench.json"),
                                         a.num_speculative_tokens if spec else 0)
     add_ratios(summary, a.scenarios)
+    if sweep:
+        add_sweep(summary, a.scenarios, os.path.join(a.out, f"gpu_e2e_{label}_pareto.png"))
     save()
     log("summary", json.dumps({k: summary.get(k) for k in ("ratios", "error")}))
     return 1 if "error" in summary else 0

@@ -413,11 +413,17 @@ class DecodeNode:
                 adm.state, adm.decoding = AdmissionState.DECODING, True
                 loop = asyncio.get_running_loop()
                 q: asyncio.Queue = asyncio.Queue()
-                left = loop.create_future()
+                done = loop.create_future()
                 put = lambda kind, val: loop.call_soon_threadsafe(q.put_nowait, (kind, val))  # noqa: E731
-                self.batch.submit(Job(adm.rid, adm.slot, lambda engine: self._load(adm, engine), first_token, sp,
-                                      constraint, put, lambda: loop.call_soon_threadsafe(self._left, adm, left),
-                                      stop=adm.stop))
+                try:
+                    self.batch.submit(Job(adm.rid, adm.slot, lambda engine: self._load(adm, engine), first_token, sp,
+                                          constraint, put, lambda: loop.call_soon_threadsafe(self._left, adm, done),
+                                          stop=adm.stop))
+                except RuntimeError as e:  # the node is shutting down
+                    adm.decoding = False
+                    q.put_nowait(("err", str(e)))
+                else:
+                    left = done
                 while final is None:
                     kind, val = await q.get()
                     if kind == "tok":
