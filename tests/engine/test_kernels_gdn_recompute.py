@@ -29,8 +29,8 @@ def _window(conv_dim, m, seed):
 
 
 @pytest.mark.parametrize("m", [2, 4])
-@pytest.mark.parametrize("hk,hv,dk,dv,block_v,warps,prefetch", [(2, 4, 32, 16, 16, 1, True), (2, 2, 16, 32, 16, 4, False),
-                                                                (1, 2, 32, 32, 32, 1, False)])
+@pytest.mark.parametrize("hk,hv,dk,dv,block_v,warps,prefetch", [
+    (2, 4, 32, 16, 16, 1, True), (2, 2, 16, 32, 16, 4, False), (1, 2, 32, 32, 32, 1, False)])
 def test_recomputing_commit_equals_the_copy(m, hk, hv, dk, dv, block_v, warps, prefetch):
     buf, S, a_log, dt_bias = _gdn_inputs(m, hk, hv, dk, dv, seed=60 + m + dv)
     conv_dim = 2 * hk * dk + hv * dv
