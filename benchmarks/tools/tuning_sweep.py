@@ -6,8 +6,11 @@ Each candidate overrides one or more Tuning fields of the defaults; the JSON hol
 step and group times and the candidate with the least step time summed over the shapes.
 `--dtype fp8` sweeps the FP8 kernels' launch shapes on block-quantized weights, `bf16` the bf16
 ones; the first candidate of each (`vec` 1) is the kernels' elementwise accumulators of before.
+`--speculative` times the MTP round instead, by default against the round's own options
+(`ROUND_CANDIDATES`).
 
     python3 benchmarks/tools/tuning_sweep.py --dtype bf16 --shapes 2b,35b --context 8192 --json OUT/sweep.json
+    python3 benchmarks/tools/tuning_sweep.py --speculative --shapes 2b,35b --context 8192 --json OUT/round.json
 """
 import argparse
 import dataclasses
@@ -40,6 +43,11 @@ CANDIDATES = {
     + [{"gemv_gated": (8, 1024, 4)}, {"lm": (8, 256, 4)}, {"moe": (4, 256, 1)}, {"moe": (2, 512, 1)},
        {"moe_down": (2, 512, 1)}],
 }
+
+
+# the round's options (engine/gpu/spec_round.py): the GDN commit recomputing the accepted positions
+# instead of the verify writing the state after each
+ROUND_CANDIDATES = [{"gdn_verify_recompute": True}]
 
 
 def _tuples(v):
@@ -77,7 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=None)
     a = ap.parse_args(argv)
     cands = [{k: _tuples(v) for k, v in c.items()} for c in json.loads(a.candidates)] if a.candidates else \
-        CANDIDATES[a.dtype]
+        ROUND_CANDIDATES if a.speculative else CANDIDATES[a.dtype]
     gen = torch.Generator(device="cuda").manual_seed(1234)
     out = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dtype": a.dtype,
            "context": a.context, "default": dataclasses.asdict(Tuning()), "shapes": {}}

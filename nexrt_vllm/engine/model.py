@@ -561,16 +561,25 @@ class Model:
 
 class VerifyScratch:
     """Static buffers of a verify pass of up to `width` positions: per GDN layer the conv inputs and
-    the recurrent state after each position (what `Model.commit` selects from)."""
+    the recurrent state after each position (what `Model.commit` selects from). The states are
+    allocated on first use: the graph path's round may recompute instead (gpu/spec_round.py)."""
 
     def __init__(self, cfg: ModelConfig, width: int, dtype: torch.dtype, device):
-        self.width = width
+        self.width, self.cfg, self.device = width, cfg, device
         km1 = cfg.conv_kernel - 1
         self._window = {i: torch.zeros(cfg.conv_dim, km1 + width, dtype=dtype, device=device) for i in cfg.gdn_layers}
-        self.rec_after = {i: torch.zeros(width, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                         cfg.linear_value_head_dim, dtype=torch.float32, device=device)
-                          for i in cfg.gdn_layers}
+        self._rec_after: dict[int, torch.Tensor] | None = None
         self.km1 = km1
 
     def window(self, i: int, T: int) -> torch.Tensor:
         return self._window[i][:, :self.km1 + T]
+
+    @property
+    def rec_after(self) -> dict[int, torch.Tensor]:
+        """Per GDN layer the fp32 state after each position, [width, nv, dk, dv]."""
+        if self._rec_after is None:
+            c = self.cfg
+            self._rec_after = {i: torch.zeros(self.width, c.linear_num_value_heads, c.linear_key_head_dim,
+                                              c.linear_value_head_dim, dtype=torch.float32, device=self.device)
+                               for i in c.gdn_layers}
+        return self._rec_after
