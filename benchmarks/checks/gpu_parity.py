@@ -5,7 +5,11 @@
 
 DIR/<family> are trained tiny checkpoints (`nexrt_vllm.testing.make_checkpoint(train="periodic",
 **connector_harness.TRAINED)`: greedy choices lead by several nats, so bf16 vLLM and the bf16 node
-agree token for token, and a wrong state shows). Per family and transport: one vLLM with NexRTConnector
+agree token for token, and a wrong state shows); a missing one is made there (copied from the stored
+trained fixtures when they hold the recipe). `--speculative mtp`: the node serves MTP rounds
+(`--num-speculative-tokens`), the checkpoints carry a trained MTP head (connector_harness.TRAINED_MTP),
+and a run is ok only if the node also ran verify rounds (its acceptance histogram, recorded with the
+mean tokens per round). Per family and transport: one vLLM with NexRTConnector
 (no layout keys: the connector detects them), one GPU decode node (fused graph path), one router. Prompts of
 three lengths, the longest over vLLM's --max-num-batched-tokens (chunked prefill); each goes
 (a) through the router's interactive path (prefill on vLLM, hand-off, decode on the node), completions
@@ -27,7 +31,7 @@ import time
 from nexrt_vllm.bench.checks import finish, record, write
 from nexrt_vllm.handoff.transport import TRANSPORTS
 from nexrt_vllm.launch import Procs, free_port, vllm_argv, wait_file, wait_http
-from nexrt_vllm.testing.connector_harness import periodic_prompt
+from nexrt_vllm.testing.connector_harness import TRAINED, TRAINED_MTP, periodic_prompt
 
 LENGTHS = (7, 300, 1500)
 CHUNK = 512  # --max-num-batched-tokens: the 1500-token prompt is prefilled in 3 chunks
@@ -44,7 +48,38 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int, work: str) -> dict:
+def checkpoint(root: str, family: str, speculative: bool) -> str:
+    """DIR/<family>, made with the trained recipe (with its MTP head when speculating) if missing: copied
+    from the repository's store when it holds the recipe (testing/stored.py), else trained (minutes)."""
+    import shutil
+
+    from nexrt_vllm.testing import make_checkpoint, stored
+
+    d = os.path.join(root, family)
+    if not os.path.exists(os.path.join(d, "config.json")):
+        recipe = TRAINED_MTP[family] if speculative else TRAINED
+        kept = stored.lookup(family, "bfloat16", recipe)
+        log("copying" if kept else "training", d)
+        if kept:
+            shutil.copytree(kept, d, dirs_exist_ok=True)
+        else:
+            make_checkpoint(d, arch=family, dtype="bfloat16", **recipe)
+    return d
+
+
+def node_rounds(url: str) -> tuple[float, float | None]:
+    """(verify rounds, mean tokens per round) from the node's acceptance histogram."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    val = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
+           if ln.startswith("nexrt_spec_acceptance_length_")}
+    n = val.get("nexrt_spec_acceptance_length_count", 0.0)
+    return n, (val["nexrt_spec_acceptance_length_sum"] / n if n else None)
+
+
+def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int, work: str,
+             spec_tokens: int = 0) -> dict:
     import openai
 
     procs = Procs(work)
@@ -52,9 +87,10 @@ def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int,
     max_len = 4096
     try:
         ready = os.path.join(work, "node.ready")
+        spec = ["--speculative", "mtp", "--num-speculative-tokens", str(spec_tokens)] if spec_tokens else []
         procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", ckpt, "--device", device,
                              "--port", "0", "--transport", transport, "--max-seq-len", str(max_len),
-                             "--ready-file", ready])
+                             "--ready-file", ready, *spec])
         vport = free_port()
         extra = ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"]
         if device == "cuda":
@@ -105,6 +141,10 @@ def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int,
                                  "vllm_only_text": ref.choices[0].text, "equal": ok})
             log(family, transport, n, "stream equal" if ok else "stream DIFFERS")
         out["ok"] = all(c["equal"] for c in out["cases"])
+        if spec_tokens:
+            out["mtp_rounds"], out["tokens_per_round"] = node_rounds(node["url"])
+            out["ok"] = out["ok"] and out["mtp_rounds"] > 0
+            log(family, transport, f"{out['mtp_rounds']:.0f} MTP rounds, {out['tokens_per_round']} tokens per round")
     except Exception as e:  # noqa: BLE001 - record and go on with the next case
         out["error"] = f"{type(e).__name__}: {e}"
         for name, _, logf in procs.procs:
@@ -123,17 +163,23 @@ def main(argv=None) -> int:
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     ap.add_argument("--tokens", type=int, default=33, help="tokens per request (vLLM's first + the node's)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--speculative", choices=("off", "mtp"), default="off",
+                    help="mtp: the node serves MTP rounds (checkpoints with a trained MTP head)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
+    spec_tokens = a.num_speculative_tokens if a.speculative == "mtp" else 0
     res = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": a.device,
-           "prompt_lengths": LENGTHS, "max_num_batched_tokens": CHUNK, "tokens": a.tokens, "runs": []}
+           "prompt_lengths": LENGTHS, "max_num_batched_tokens": CHUNK, "tokens": a.tokens,
+           "speculative": a.speculative, "num_speculative_tokens": spec_tokens or None, "runs": []}
     if a.device == "cuda":
         import torch
         res["hw"] = torch.cuda.get_device_name()
     for fam in a.families:
         for tr in a.transports:
             with tempfile.TemporaryDirectory(prefix=f"parity-{fam}-{tr}-") as work:
-                run = run_case(fam, os.path.join(a.checkpoints, fam), tr, a.device, a.tokens, work)
+                run = run_case(fam, checkpoint(a.checkpoints, fam, bool(spec_tokens)), tr, a.device, a.tokens, work,
+                               spec_tokens)
             res["runs"].append(run)
             record(res, f"{fam}/{tr}", run["ok"])
             write(res, a.json)
