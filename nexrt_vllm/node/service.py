@@ -29,6 +29,7 @@ from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import AdmissionState, AdmitRequest, CancelReply, GenerateRequest, Refusal
 from nexrt_vllm.handoff.structured import LOGPROB_FLOOR, StructuredError, StructuredSpec
 from nexrt_vllm.node.buffers import RecvBuffer, stage
+from nexrt_vllm.node.context_cache import NodeContext
 from nexrt_vllm.node.parts import PartSet, check_part, load_parts
 from nexrt_vllm.node.faults import Faults
 from nexrt_vllm.node.metrics import NodeMetrics
@@ -72,13 +73,15 @@ class Admission:
 class DecodeNode:
     def __init__(self, engine, cfg, transport, buffers: list[RecvBuffer], opts: Options, *, device: str,
                  control_addr: str, model_name: str, metrics: NodeMetrics | None = None, grammars=None,
-                 grammars_missing: str = "structured output is not enabled on this node"):
+                 grammars_missing: str = "structured output is not enabled on this node",
+                 context: NodeContext | None = None):
         self.engine, self.cfg, self.transport, self.buffers, self.opts = engine, cfg, transport, buffers, opts
         self.device, self.control_addr, self.model_name = device, control_addr, model_name
         # engine.structured.Grammars (xgrammar over the checkpoint's tokenizer), or None and why not
         self.grammars, self.grammars_missing = grammars, grammars_missing
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nexrt-grammar")
         self.metrics = metrics or NodeMetrics()
+        self.context = context or NodeContext()  # the context cache (node/context_cache.py); off by default
         self.current: Admission | None = None
         self._decoding: Admission | None = None  # the admission whose decode thread runs
         self._generation = 0
@@ -136,10 +139,10 @@ class DecodeNode:
     # ---- control endpoint (ZMQ) ---------------------------------------------------------------
     def handle(self, data: bytes) -> bytes:
         try:
-            msg = P.decode(data)
+            msg, version = P.decode_versioned(data)  # answered in the version it was spoken in
         except P.ProtocolError as e:
             self.metrics.refusals.labels(e.reason.value).inc()
-            return P.encode(P.Refuse(e.reason.value, e.message))
+            return P.encode(P.Refuse(e.reason.value, e.message), P.reply_version(data))
         self.metrics.control.labels(msg.type).inc()
         handler = {"hello": self._on_hello, "begin": self._on_begin, "done": self._on_done,
                    "abort": self._on_abort}.get(msg.type)
@@ -148,7 +151,7 @@ class DecodeNode:
         reply = handler(msg)
         if isinstance(reply, (P.Refuse, P.Reject, P.Error)):
             self.metrics.refusals.labels(reply.reason.value).inc()
-        return P.encode(reply)
+        return P.encode(reply, version)
 
     def _layout(self, wire: dict) -> L.Layout:
         layout = L.Layout.from_wire(wire)
@@ -196,10 +199,12 @@ class DecodeNode:
         if buf is None:
             self._end(adm, "rejected", P.Reason.BUSY, "no receive buffer free")
             return reject(P.Reason.BUSY, "no receive buffer free")
-        parts = PartSet(1 if layout.sharding is None else layout.sharding.tp_size, msg.seq_len)
+        parts = PartSet(1 if layout.sharding is None else layout.sharding.tp_size, msg.seq_len,
+                        self.context.begin(msg, layout, self.engine))  # the rows the node holds already
         try:
             part = parts.plan(layout, msg.seq_len, buf.size)
         except P.ProtocolError as e:
+            self.context.release(parts)
             self._end(adm, "rejected", e.reason, e.message)
             return reject(e.reason, e.message)
         buf.owner = adm.generation
@@ -220,7 +225,8 @@ class DecodeNode:
 
     def _accept(self, adm: Admission, part) -> P.Accept:
         return P.Accept(adm.rid, adm.generation, {"base": adm.buffer.addr, "size": adm.buffer.size},
-                        P.region_dicts(part.regions), max(0.0, adm.deadline - time.monotonic()))
+                        P.region_dicts(part.regions), max(0.0, adm.deadline - time.monotonic()),
+                        held_tokens=adm.parts.held)
 
     def _on_done(self, msg: P.Done):
         adm = self.current
@@ -289,6 +295,7 @@ class DecodeNode:
             writer_live = bool(live)
         if adm.buffer is not None and adm.buffer.owner == adm.generation:
             adm.buffer.release(writer_live, self.opts.quarantine_s, live)
+        self.context.release(adm.parts)
         self.current = None
         self._tombstones[adm.rid] = (adm.generation, adm.state in (AdmissionState.READY, AdmissionState.DECODING))
         while len(self._tombstones) > TOMBSTONES:
@@ -446,19 +453,22 @@ class DecodeNode:
             put(("converted", None))
             last = time.perf_counter()
             it = self.engine.steps(first_token, sp, constraint)
+            tokens, end = [], None
             try:
                 for rec in it:
                     now = time.perf_counter()
                     self.metrics.step_seconds.observe(now - last)
                     last = now
                     if adm.stop.is_set():
-                        put(("end", "cancelled"))
-                        return
+                        end = "cancelled"
+                        break
                     self.metrics.tokens.inc()
+                    tokens.append(int(rec.token))
                     put(("tok", _token_line(rec, sp.logprobs is not None)))
             finally:
                 it.close()
-            put(("end", self.engine.finish_reason or "length"))
+            self.context.store(self.engine, adm.parts, first_token, tokens)  # its rows, for the next turn
+            put(("end", end or self.engine.finish_reason or "length"))
         except Exception as e:  # noqa: BLE001 - any engine failure ends the stream as an error
             log.exception("decode of rid=%s failed", adm.rid)
             put(("err", f"{type(e).__name__}: {e}"))
