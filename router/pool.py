@@ -1,5 +1,7 @@
 """Decode-node pool: hard limit of one request in flight per node, bounded FIFO of waiters,
-ejection on failure and re-admission by active health checks.
+ejection on failure and re-admission by active health checks. A request may prefer a node (the
+one that holds its conversation's context, router/affinity.py): it gets that node when it is free,
+else the next free one.
 
 A slot is owned from `acquire()` until `release()`; the router releases only when the client's
 stream has ended and the node has acknowledged any cancel, so there are no phantom free slots.
@@ -99,7 +101,12 @@ class NodePool:
         node.service_times.append(seconds)
 
     # -- acquire / release -------------------------------------------------------------------
-    def _take_free(self) -> Node | None:
+    def _take_free(self, prefer: str | None = None) -> Node | None:
+        if prefer is not None:
+            node = next((x for x in self.nodes if x.url == prefer), None)
+            if node is not None and node.healthy and not node.busy:
+                node.busy = True
+                return node
         n = len(self.nodes)
         for i in range(n):
             node = self.nodes[(self._next + i) % n]
@@ -116,14 +123,16 @@ class NodePool:
         node.busy = True
         return True
 
-    def try_acquire(self) -> Node | None:
-        """A free healthy node now, or None (never queues; waiters keep their turn)."""
-        return None if self.queue_depth else self._take_free()
+    def try_acquire(self, prefer: str | None = None) -> Node | None:
+        """A free healthy node now (`prefer`'s URL if it is one), or None (never queues; waiters
+        keep their turn)."""
+        return None if self.queue_depth else self._take_free(prefer)
 
-    async def acquire(self, deadline: float | None = None) -> Node:
-        """A free healthy node, waiting FIFO until `deadline` (monotonic) if all are busy."""
+    async def acquire(self, deadline: float | None = None, prefer: str | None = None) -> Node:
+        """A free healthy node (`prefer`'s URL if it is one), waiting FIFO until `deadline`
+        (monotonic) if all are busy; a waiter takes the first node freed."""
         if not self.queue_depth:
-            node = self._take_free()
+            node = self._take_free(prefer)
             if node is not None:
                 return node
         if not self.healthy_count:
