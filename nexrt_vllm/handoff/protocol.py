@@ -327,7 +327,7 @@ def region_dicts(regions: list[Region]) -> list[dict]:
 
 
 __all__ = [
-    "PROTOCOL_VERSION", "PROTOCOL_VERSIONS", "REGION_ALIGN", "Reason", "ProtocolError", "Region", "Hello", "HelloOk", "Refuse", "Begin",
-    "Accept", "Reject", "Done", "Abort", "Ack", "Error", "encode", "decode", "decode_versioned", "reply_version",
-    "region_dicts", "align_up",
+    "PROTOCOL_VERSION", "PROTOCOL_VERSIONS", "REGION_ALIGN", "Reason", "ProtocolError", "Region", "Hello", "HelloOk",
+    "Refuse", "Begin", "Accept", "Reject", "Done", "Abort", "Ack", "Error", "encode", "decode", "decode_versioned",
+    "reply_version", "region_dicts", "align_up",
 ]

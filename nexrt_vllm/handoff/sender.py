@@ -209,7 +209,8 @@ class HandoffSender:
                      held_tokens=acc.held_tokens, version=peer.version)
         if acc.held_tokens and (prompt is None or layout.sharding is not None):
             t.abort("held_tokens without a prompt")
-            raise HandoffError(P.Reason.BAD_MESSAGE, f"node holds {acc.held_tokens} tokens of a prompt it was not given")
+            raise HandoffError(P.Reason.BAD_MESSAGE,
+                               f"node holds {acc.held_tokens} tokens of a prompt it was not given")
         try:
             layout.check_held(acc.held_tokens, seq_len)
         except P.ProtocolError as e:
