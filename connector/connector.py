@@ -40,7 +40,7 @@ def probe_info(cfg: ConnectorConfig, vllm_config) -> dict:
     hf = mc.hf_text_config
     archs = getattr(mc.hf_config, "architectures", None) or [None]
     return {"transport": cfg.transport, "protocol_version": P.PROTOCOL_VERSION,
-            "layout_version": L.LAYOUT_VERSION,
+            "protocol_versions": list(P.PROTOCOL_VERSIONS), "layout_version": L.LAYOUT_VERSION,
             "model": {"name": mc.model, "architecture": archs[0],
                       "num_hidden_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size,
                       "vocab_size": hf.vocab_size},
@@ -98,6 +98,11 @@ class NexRTConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     # ---------------- worker side ----------------
+    @property
+    def layout(self):
+        """The page layout this worker ships (``handoff.layout.Layout``), once its KV cache is registered."""
+        return self._worker.layout if self._worker is not None else None
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 

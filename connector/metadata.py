@@ -19,6 +19,9 @@ class ReqStep:
     start: int  # tokens computed before this step
     end: int  # tokens computed after this step
     block_ids: tuple[list[int], ...]  # current blocks, one list per KV-cache group
+    # the prompt's token ids (handoff.prefix.pack_ids), in the request's first step only: the node's
+    # context cache may hold their leading tokens (begin.prompt)
+    prompt_ids: bytes | None = None
 
     @property
     def completes_prefill(self) -> bool:

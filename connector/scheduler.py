@@ -14,6 +14,7 @@ from vllm.logger import init_logger
 
 from nexrt_vllm.connector.metadata import NexRTMetadata, NexRTWorkerMetadata, Outcome, ReqStep
 from nexrt_vllm.handoff.contracts import Claim, ContractError, HandoffReport, HandoffStatus, ProbeReply, is_probe
+from nexrt_vllm.handoff.prefix import pack_ids
 from nexrt_vllm.handoff.protocol import Reason
 
 logger = init_logger("vllm.nexrt_connector")  # under "vllm": inherits vLLM's log handler and level
@@ -67,8 +68,10 @@ class NexRTScheduler:
             if block_ids is None:
                 block_ids = self._kv_cache_manager().get_block_ids(req_id)
             start = req.num_computed_tokens
+            # the job's begin (its first step) gives the node the prompt's ids
+            ids = pack_ids(req.prompt_token_ids) if not t.in_worker and req.prompt_token_ids is not None else None
             meta.steps.append(ReqStep(req_id, t.claim, req.num_prompt_tokens, start, start + n,
-                                      tuple(list(b) for b in block_ids)))
+                                      tuple(list(b) for b in block_ids), ids))
             t.in_worker = True
         meta.preempted = [r for r in scheduler_output.preempted_req_ids or () if r in self._reqs]
         return meta

@@ -5,7 +5,9 @@ as device memory on a GPU) into the node's receive buffer; only a transport that
 memory sends through a pinned host pool (``staging``), in ranges no two requests share. The page
 layouts are read from what vLLM allocated (``layouts``). Each claimed request gets a ``_Job`` with
 its own thread that runs, in order: hello+begin (admission check on the node), the page writes
-queued by the forward pass, and done/abort.
+queued by the forward pass, and done/abort. ``begin`` gives the node the prompt's token ids; when
+the node's context cache holds the conversation's leading tokens (``accept.held_tokens``), the
+pages it holds are queued as usual and not written (``Transfer.slot``).
 
 Overlap with prefill: an attention layer's *complete* pages (and, in the step that completes the
 prefill, its tail page) are queued the moment vLLM calls ``save_kv_layer`` for it (the layer has
@@ -44,6 +46,7 @@ class _Job:
     def __init__(self, step: ReqStep, sender: HandoffSender, layout: L.Layout, on_end: Callable[["_Job"], None],
                  stager=None):
         self.req_id, self.claim, self.seq_len = step.req_id, step.claim, step.prompt_len
+        self.prompt = step.prompt_ids if layout.sharding is None else None  # a TP part's node holds no context
         self._sender, self._layout, self._on_end, self._stager = sender, layout, on_end, stager
         self._tasks: deque = deque()
         self._cv = threading.Condition()
@@ -59,7 +62,7 @@ class _Job:
 
     # -- called from vLLM's thread -------------------------------------------------------------
     def write(self, pages: list[tuple[int, int, int]], ready=None) -> None:
-        """Queue ``(layer index, page slot, local address)`` writes of pages final once the CUDA
+        """Queue ``(layer index, page index, local address)`` writes of pages final once the CUDA
         event ``ready`` completed (None: final now)."""
         if pages:
             self._submit(lambda: self._write(pages, ready))
@@ -102,7 +105,7 @@ class _Job:
     def _run(self) -> None:
         try:
             self.transfer = self._sender.begin(self.claim.control_addr, self._layout, self.claim.rid,
-                                               self.claim.generation, self.seq_len)
+                                               self.claim.generation, self.seq_len, self.prompt)
         except HandoffError as e:
             self._end(Outcome(HandoffStatus.FAILED, e.reason, e.message))
         except Exception as e:  # noqa: BLE001 - any sender bug must still end the job and free blocks
@@ -132,12 +135,17 @@ class _Job:
 
     def _write(self, pages: list[tuple[int, int, int]], ready) -> None:
         writes = []
-        for layer, slot, addr in pages:
+        for layer, page, addr in pages:
             reg = self.transfer.regions.get(layer)
+            slot = self.transfer.slot(layer, page) if reg is not None else None
+            if slot is None and reg is not None:
+                continue  # the node holds this page (its context cache)
             if reg is None or slot >= reg.num_pages:
                 self.transfer.abort("sender layout mismatch")
                 raise HandoffError(P.Reason.LAYOUT_MISMATCH, f"node has no slot {slot} for layer {layer}")
             writes.append((addr, reg.offset + slot * reg.page_bytes, reg.page_bytes))
+        if not writes:
+            return
         if self._stager is not None:
             self._stager.write(self.transfer, writes, ready)
             return
@@ -189,6 +197,10 @@ class NexRTWorker:
         self._meta: NexRTMetadata | None = None
 
     # -- registration --------------------------------------------------------------------------
+    @property
+    def layout(self) -> L.Layout | None:
+        return self._layout
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         found = detect(kv_caches, self._kv_cache_config, self._vllm_config,
                        attn_kv_format=self._cfg.attn_kv_format, gdn_rec_layout=self._cfg.gdn_rec_layout)

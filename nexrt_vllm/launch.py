@@ -49,6 +49,18 @@ class Procs:
         self.procs.append((name, p, log))
         return p
 
+    def end(self, p: subprocess.Popen, timeout: float = 30.0) -> None:
+        """Stop one child (SIGTERM to its session, SIGKILL after `timeout`) and forget it: a process
+        restarted on purpose does not count as one that died (`check`)."""
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        self.procs = [x for x in self.procs if x[1] is not p]
+
     def check(self) -> None:
         for name, p, log in self.procs:
             if p.poll() is not None:

@@ -4,7 +4,7 @@
 The probe is one ordinary one-token vLLM completion whose `kv_transfer_params` are
 `{"nexrt": {"probe": true}}`: the connector claims nothing and answers, in the response's
 `kv_transfer_params.nexrt`, `{"status": "probe", "connector": {transport, protocol_version,
-layout_version, model: {name, architecture, num_hidden_layers, hidden_size, vocab_size}, dtype,
+protocol_versions, layout_version, model: {name, architecture, num_hidden_layers, hidden_size, vocab_size}, dtype,
 kv_cache_dtype, instance}}` (connector/connector.py `probe_info`). A reply without `kv_transfer_params`
 means vLLM runs no NexRTConnector at all.
 """
@@ -65,10 +65,12 @@ def mismatches(connector: dict | None, caps: dict) -> list[str]:
     if sent and got and sent != got:
         out.append(f"transport: the connector sends with {sent}, the node receives with {got} "
                    f"(kv_connector_extra_config.transport vs nexrt-decode --transport)")
-    for key in ("protocol_version", "layout_version"):
-        a, b = connector.get(key), caps.get(key)
-        if a is not None and b is not None and a != b:
-            out.append(f"{key}: the connector speaks {a}, the node {b}")
+    a, b = _protocols(connector), _protocols(caps)
+    if a and b and not a & b:
+        out.append(f"protocol_version: the connector speaks {sorted(a)}, the node {sorted(b)}")
+    a, b = connector.get("layout_version"), caps.get("layout_version")
+    if a is not None and b is not None and a != b:
+        out.append(f"layout_version: the connector speaks {a}, the node {b}")
     model = connector.get("model") or {}
     diff = [f"{k}={model[k]} vs {caps[k]}" for k in _IDENTITY
             if model.get(k) is not None and caps.get(k) is not None and model[k] != caps[k]]
@@ -84,6 +86,15 @@ def mismatches(connector: dict | None, caps: dict) -> list[str]:
     if dt and nd and nd != dt and nd != "float32":
         out.append(f"dtype: vLLM computes in {dt}, the node in {nd}")
     return out
+
+
+def _protocols(d: dict) -> set | None:
+    """The protocol versions a side speaks: its `protocol_versions`, else its one `protocol_version`
+    (older peers); a connector and a node agree on the highest they share."""
+    vs = d.get("protocol_versions")
+    if isinstance(vs, list) and vs:
+        return set(vs)
+    return {d["protocol_version"]} if d.get("protocol_version") is not None else None
 
 
 def name_differs(connector: dict | None, caps: dict) -> bool:

@@ -21,6 +21,7 @@ from aiohttp import web
 from nexrt_vllm.handoff.contracts import AdmitReply, Claim, GenerateRequest
 
 from . import params as P
+from .affinity import Affinity, session_key
 from .errors import APIError
 from .fallback import Fallback, Reason
 from .health import NodeHealth
@@ -56,6 +57,7 @@ class InteractiveRequest:
         self.t_recv = time.monotonic()
         self.timing: dict = {}
         self.gen: Gen | None = None
+        self.session = session_key(request.headers, body, kind) if isinstance(body, dict) else None
 
 
 class DecodeFailed(Exception):
@@ -92,6 +94,7 @@ class InteractivePath:
         self.pool, self.nodes, self.session, self.metrics = pool, nodes, session, metrics
         self.models, self.health, self.renderer, self.standard = models, health, renderer, standard
         self.spawn = spawn
+        self.affinity = Affinity()           # conversation -> the node of its last turn
         self._logged: set[str] = set()       # what _log_once has said
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
@@ -149,21 +152,26 @@ class InteractivePath:
                                               f"({e.reason.value}) {what}: {why}")
 
     async def _fast(self, rq: InteractiveRequest) -> web.StreamResponse:
-        node = await self._acquire(rq)
+        prefer = self.affinity.node_for(rq.session)
+        node = await self._acquire(rq, prefer)
+        self.metrics.affinity.labels("new" if prefer is None else "same" if node.url == prefer else "other").inc()
         self.metrics.queue_wait.observe(time.monotonic() - rq.t_recv)
         lease = Lease(node, f"nexrt-{uuid.uuid4().hex}")
         try:
             return await self._serve(rq, lease)
         finally:
+            if lease.served and lease.node is not None:
+                self.affinity.served(rq.session, lease.node.url)
             self._end_lease(lease)
 
-    async def _acquire(self, rq: InteractiveRequest):
-        """A node for this request, per --when-busy; Fallback when the tier cannot take it."""
+    async def _acquire(self, rq: InteractiveRequest, prefer: str | None = None):
+        """A node for this request (`prefer`'s URL when it is free), per --when-busy; Fallback when
+        the tier cannot take it."""
         pool = self.pool
         if not pool.healthy_count:
             raise self._no_node()
         if self.args.when_busy != "queue":
-            node = pool.try_acquire()
+            node = pool.try_acquire(prefer)
             if node is not None:
                 return node
             if self.args.when_busy == "standard":
@@ -173,7 +181,7 @@ class InteractivePath:
             raise APIError(429, "all decode nodes are busy; retry later",
                            headers={"Retry-After": str(pool.retry_after(1))})
         try:
-            return await pool.acquire(rq.t_recv + self.args.queue_timeout)
+            return await pool.acquire(rq.t_recv + self.args.queue_timeout, prefer)
         except QueueFull:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, "all decode nodes are busy and the queue is full; retry later",

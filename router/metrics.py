@@ -34,6 +34,12 @@ class Metrics:
                                "counted as requests)", ["outcome"], registry=r)
         for outcome in WARMUP_OUTCOMES:
             self.warmups.labels(outcome)
+        self.affinity = Counter("nexrt_router_affinity", "Interactive requests by the node they got "
+                                "(router/affinity.py): same = the node of the conversation's last "
+                                "turn, other = that node was not free, new = no turn known",
+                                ["outcome"], registry=r)
+        for outcome in ("same", "other", "new"):
+            self.affinity.labels(outcome)
         self.tokens = Counter("nexrt_router_generated_tokens", "Completion tokens streamed on the "
                               "interactive path", registry=r)
         self.ttft = Histogram("nexrt_router_ttft_seconds", "Router receive → first token sent",

@@ -1,6 +1,8 @@
 """Decode-node pool: hard limit of a node's slots in flight per node (its `/capabilities`
 `max_batch`, 1 for a node that does not say), the least-loaded node first, bounded FIFO of
-waiters, ejection on failure and re-admission by active health checks.
+waiters, ejection on failure and re-admission by active health checks. A request may prefer a node
+(the one that holds its conversation's context, router/affinity.py): it gets a slot there when one
+is free, else the least-loaded node's.
 
 A slot is owned from `acquire()` until `release()`; the router releases only when the client's
 stream has ended and the node has acknowledged any cancel, so there are no phantom free slots.
@@ -112,8 +114,14 @@ class NodePool:
         node.service_times.append(seconds)
 
     # -- acquire / release -------------------------------------------------------------------
-    def _take_free(self) -> Node | None:
-        """A slot on the healthy node with the fewest requests in flight (ties: round-robin)."""
+    def _take_free(self, prefer: str | None = None) -> Node | None:
+        """A slot on `prefer`'s node when it has one free, else on the healthy node with the fewest
+        requests in flight (ties: round-robin)."""
+        if prefer is not None:
+            node = next((x for x in self.nodes if x.url == prefer), None)
+            if node is not None and node.healthy and not node.busy:
+                node.in_flight += 1
+                return node
         n, best = len(self.nodes), None
         for i in range(n):
             node = self.nodes[(self._next + i) % n]
@@ -132,14 +140,16 @@ class NodePool:
         node.in_flight += 1
         return True
 
-    def try_acquire(self) -> Node | None:
-        """A free healthy node now, or None (never queues; waiters keep their turn)."""
-        return None if self.queue_depth else self._take_free()
+    def try_acquire(self, prefer: str | None = None) -> Node | None:
+        """A free healthy node now (`prefer`'s URL if it is one), or None (never queues; waiters
+        keep their turn)."""
+        return None if self.queue_depth else self._take_free(prefer)
 
-    async def acquire(self, deadline: float | None = None) -> Node:
-        """A free healthy node, waiting FIFO until `deadline` (monotonic) if all are busy."""
+    async def acquire(self, deadline: float | None = None, prefer: str | None = None) -> Node:
+        """A free healthy node (`prefer`'s URL if it is one), waiting FIFO until `deadline`
+        (monotonic) if all are busy; a waiter takes the first node freed."""
         if not self.queue_depth:
-            node = self._take_free()
+            node = self._take_free(prefer)
             if node is not None:
                 return node
         if not self.healthy_count:

@@ -309,11 +309,12 @@ class Engine:
         """(seq_len, copies of the native state tensors, K/V trimmed to seq_len rows)."""
         return self.state.export()
 
-    def import_state(self, seq_len: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Load a state in the native layout (validated: names, shapes, dtypes; StateError otherwise).
+    def import_state(self, seq_len: int, tensors: dict[str, torch.Tensor], start: int = 0) -> None:
+        """Load a state in the native layout (validated: names, shapes, dtypes; StateError otherwise);
+        `start`: K/V rows before it are kept and the tensors' K/V begin at row `start` (DecodeState.load).
         With speculative decoding the MTP head then has no context (its first rows come from the
         positions this engine decodes) unless `speculative.import_context` follows (docs/NODE.md,
         "The MTP context")."""
-        self.state.load(seq_len, tensors)
+        self.state.load(seq_len, tensors, start)
         if self.speculative is not None:
             self.speculative.drop_context()

@@ -145,13 +145,17 @@ class DecodeState:
         n, rows = self.seq_len, self._rows()
         return n, {name: (t[:, :n] if name in rows else t).clone() for name, t in self.named().items()}
 
-    def load(self, seq_len: int, tensors: dict[str, torch.Tensor]) -> None:
+    def load(self, seq_len: int, tensors: dict[str, torch.Tensor], start: int = 0) -> None:
         """Replace the state with `tensors` (as `export` gives them, or K/V with up to max_seq_len rows).
+        With `start`, K/V rows [0, start) stay as they are (the node's context cache filled them) and
+        the K/V tensors hold rows [start, seq_len) (and possibly more, ignored).
 
         Validates everything before writing anything: names, shapes, dtypes, seq_len range.
         """
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 < seq_len <= self.max_seq_len:
             raise StateError(f"seq_len must be an int in [1, {self.max_seq_len}], got {seq_len!r}")
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= seq_len:
+            raise StateError(f"start must be an int in [0, {seq_len}], got {start!r}")
         if not isinstance(tensors, dict):
             raise StateError(f"state must be a dict of tensors, got {type(tensors).__name__}")
         layout, rows = self.layout(), self._rows()
@@ -169,8 +173,8 @@ class DecodeState:
                 continue
             if name in rows:
                 ok = t.dim() == 3 and (t.shape[0], t.shape[2]) == (shape[0], shape[2]) and \
-                    seq_len <= t.shape[1] <= shape[1]
-                want = f"({shape[0]}, L, {shape[2]}) with {seq_len} <= L <= {shape[1]}"
+                    seq_len - start <= t.shape[1] <= shape[1]
+                want = f"({shape[0]}, L, {shape[2]}) with {seq_len - start} <= L <= {shape[1]}"
             else:
                 ok, want = tuple(t.shape) == shape, str(shape)
             if not ok:
@@ -182,7 +186,7 @@ class DecodeState:
         live = self.named()
         for name, t in tensors.items():
             if name in rows:
-                live[name][:, :seq_len].copy_(t[:, :seq_len])
+                live[name][:, start:seq_len].copy_(t[:, :seq_len - start])
             else:
                 live[name].copy_(t)
         self.set_seq_len(seq_len)

@@ -175,17 +175,33 @@ class Layout:
             raise ProtocolError(Reason.BAD_MESSAGE, "layout version 1 carries no sharding")
         return cls(model=model, block_size=block_size, layers=layers, sharding=sharding)
 
-    def regions(self, seq_len: int, base: int = 0) -> list["Region"]:
+    def regions(self, seq_len: int, base: int = 0, held: int = 0) -> list["Region"]:
         """Where each layer's pages go in the receive buffer for a ``seq_len``-token request
-        (from offset ``base``: where a TP part's share of the buffer starts)."""
+        (from offset ``base``: where a TP part's share of the buffer starts) whose first ``held``
+        tokens the node holds already (``first_page``: the pages that stay home)."""
+        self.check_held(held, seq_len)
         out, off = [], align_up(base)
         pages = math.ceil(seq_len / self.block_size)
         for layer in self.layers:
-            n = pages if layer.kind == "attention" else 1
+            n = pages - self.first_page(layer, held) if layer.kind == "attention" else 1
             out.append(Region(layer=layer.index, kind=layer.kind, offset=off,
                               page_bytes=layer.page_bytes, num_pages=n))
             off = align_up(off + n * layer.page_bytes)
         return out
+
+    def first_page(self, layer: LayerLayout, held: int) -> int:
+        """The first page of ``layer`` that travels when the node holds ``held`` leading tokens: the
+        model's attention layers skip ``held / block_size`` pages (the node's context cache holds
+        their rows); GDN state and the MTP drafter's layers (version 4) always travel whole."""
+        if layer.kind != "attention" or layer.index >= self.model.get("num_hidden_layers", 0):
+            return 0
+        return held // self.block_size
+
+    def check_held(self, held: int, seq_len: int) -> None:
+        """ProtocolError(BAD_MESSAGE) unless ``held`` is whole pages within the prompt."""
+        if held and (held < 0 or held > seq_len or held % self.block_size):
+            raise ProtocolError(Reason.BAD_MESSAGE, f"held_tokens {held} is not whole {self.block_size}-token "
+                                                    f"pages within seq_len {seq_len}")
 
 
 def span_elems(shape, strides) -> int:

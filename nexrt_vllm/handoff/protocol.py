@@ -1,14 +1,15 @@
 """Wire protocol between the prefill side (NexRT connector inside vLLM) and a NexRT decode node.
 
 Control messages travel over ZMQ (sender REQ -> node ROUTER) as msgpack maps. Every message has
-``"type"`` and ``"v"`` (= ``PROTOCOL_VERSION``). The exchange for one request (docs/ARCHITECTURE.md §2):
+``"type"`` and ``"v"`` (its protocol version: ``PROTOCOL_VERSION`` unless the peer speaks an older
+one). The exchange for one request (docs/ARCHITECTURE.md §2):
 
 =========  =================================================  ==========================================
 sender     fields                                             node answers
 =========  =================================================  ==========================================
 hello      layout                                             hello_ok{transport, node} | refuse{reason}
-begin      rid, generation, seq_len, layout                   accept{rid, generation, buffer, regions}
-                                                              | reject{reason}
+begin      rid, generation, seq_len, layout, prompt?          accept{rid, generation, buffer, regions,
+                                                              held_tokens} | reject{reason}
 (writes)   the sender writes pages with the transport into ``buffer`` at the region offsets
 done       rid, generation, seq_len, nbytes, part?            ack{rid, generation} | error{reason}
 abort      rid, generation, reason, part?                     ack{rid, generation} | error{reason}
@@ -20,6 +21,15 @@ A prefill pool at TP = N ships one request as N parts: every part sends its own 
 layout's ``sharding`` names the part, ``nexrt_vllm.handoff.sharding``), writes its pages and sends
 ``done``/``abort`` with ``part`` = its ``tp_rank`` (0 when absent: an unsharded hand-off). The
 node's admission is complete when every part's ``done`` arrived.
+
+Context cache (version 2): ``begin.prompt`` is the prompt's token ids (``nexrt_vllm.handoff.prefix``);
+``accept.held_tokens`` says how many leading tokens of it the node already holds (0: none, the
+full hand-off). The sender then skips the first ``held_tokens / block_size`` pages of every
+attention layer of the model (``Layout.first_page``); the regions hold only the pages that travel.
+
+Versions: a node takes every version of ``PROTOCOL_VERSIONS`` and answers in the version it was
+spoken to (``decode_versioned`` / ``encode(msg, v)``); a sender whose ``hello`` a node refuses with
+``version_mismatch`` says ``hello`` again in version 1 and keeps to it with that node.
 
 The layout descriptor both hello and begin carry is ``nexrt_vllm.handoff.layout``.
 
@@ -34,9 +44,14 @@ import msgpack
 
 from nexrt_vllm.handoff.wire import ContractError, WireBody, as_enum, check_type
 
-# 1: the first and only version. ``part`` of done / abort (layout version 2, tensor-parallel
-#    senders) was added as an optional field read as 0 when absent, so older senders still match.
-PROTOCOL_VERSION = 1
+# 1: the first version. ``part`` of done / abort (layout version 2, tensor-parallel senders) was
+#    added as an optional field read as 0 when absent, so older senders still match.
+# 2: the context cache: begin's optional ``prompt`` (the prompt's token ids) and accept's
+#    ``held_tokens`` (leading tokens whose attention pages the sender skips). Encoded in version 1
+#    a message leaves both out, so a version-1 peer reads what it always read (a full hand-off).
+PROTOCOL_VERSION = 2
+PROTOCOL_VERSIONS = (1, 2)
+_SINCE_2 = {"begin": ("prompt",), "accept": ("held_tokens",)}  # fields version 1 does not carry
 REGION_ALIGN = 256  # region offsets are aligned so page copies stay vectorisable on both ends
 
 
@@ -44,7 +59,7 @@ class Reason(str, Enum):
     """Why a message was refused. Values are the wire strings."""
 
     BAD_MESSAGE = "bad_message"  # undecodable, missing/ill-typed field, unknown type
-    VERSION_MISMATCH = "version_mismatch"  # message "v" != PROTOCOL_VERSION
+    VERSION_MISMATCH = "version_mismatch"  # message "v" not in PROTOCOL_VERSIONS
     LAYOUT_VERSION = "layout_version"  # layout["version"] != LAYOUT_VERSION
     LAYOUT_MISMATCH = "layout_mismatch"  # layout does not describe the node's model
     TOO_LONG = "too_long"  # seq_len over max_seq_len or over the receive buffer
@@ -157,9 +172,18 @@ class Begin(_Message):
     seq_len: int
     layout: dict
     type: str = field(default=BODY, init=False)
+    prompt: bytes | None = None  # version 2: the prompt's seq_len token ids (prefix.pack_ids); None: not given
 
     def __post_init__(self):
         self._check(rid=str, generation=int, seq_len=int, layout=dict)
+        if self.prompt is not None:
+            self._check(prompt=bytes)
+
+    def to_wire(self) -> dict:
+        d = super().to_wire()
+        if self.prompt is None:
+            del d["prompt"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -171,9 +195,12 @@ class Accept(_Message):
     regions: list  # [Region.to_wire()]; use .region_list()
     deadline_s: float  # done must arrive within this many seconds
     type: str = field(default=BODY, init=False)
+    held_tokens: int = 0  # version 2: leading prompt tokens the node holds; their attention pages stay home
 
     def __post_init__(self):
-        self._check(rid=str, generation=int, buffer=dict, regions=list, deadline_s=float)
+        self._check(rid=str, generation=int, buffer=dict, regions=list, deadline_s=float, held_tokens=int)
+        if self.held_tokens < 0:
+            raise ContractError(self.BODY, "held_tokens", f"must be >= 0, got {self.held_tokens}")
 
     def region_list(self) -> list[Region]:
         return [Region.from_wire(r) for r in self.regions]
@@ -246,28 +273,53 @@ class Error(_Message):
 MESSAGES = {c.BODY: c for c in (Hello, HelloOk, Refuse, Begin, Accept, Reject, Done, Abort, Ack, Error)}
 
 
-def encode(msg: _Message) -> bytes:
-    return msgpack.packb({**msg.to_wire(), "v": PROTOCOL_VERSION}, use_bin_type=True)
+def encode(msg: _Message, version: int = PROTOCOL_VERSION) -> bytes:
+    """The message in protocol ``version``; in version 1 without the fields version 2 added (a
+    ValueError if one of them says something a version-1 peer would miss)."""
+    if version not in PROTOCOL_VERSIONS:
+        raise ValueError(f"protocol version {version!r} not one of {PROTOCOL_VERSIONS}")
+    wire = msg.to_wire()
+    if version < 2:
+        for name in _SINCE_2.get(msg.BODY, ()):
+            if wire.pop(name, None) not in (None, 0):
+                raise ValueError(f"{msg.BODY}.{name} cannot be said in protocol version {version}")
+    return msgpack.packb({**wire, "v": version}, use_bin_type=True)
 
 
 def decode(data: bytes) -> _Message:
     """bytes -> message; raises ProtocolError(BAD_MESSAGE | VERSION_MISMATCH)."""
+    return decode_versioned(data)[0]
+
+
+def decode_versioned(data: bytes) -> tuple[_Message, int]:
+    """bytes -> (message, the protocol version it was spoken in); ProtocolError as ``decode``."""
     try:
         d = msgpack.unpackb(data, raw=False)
     except Exception as e:  # noqa: BLE001 - any msgpack failure is a bad message
         raise ProtocolError(Reason.BAD_MESSAGE, f"undecodable message: {e!r}") from None
     if not isinstance(d, dict):
         raise ProtocolError(Reason.BAD_MESSAGE, "message must be a map")
-    if d.get("v") != PROTOCOL_VERSION:
+    v = d.get("v")
+    if v not in PROTOCOL_VERSIONS or isinstance(v, bool):
         raise ProtocolError(Reason.VERSION_MISMATCH,
-                            f"protocol version {d.get('v')!r} unsupported (node speaks {PROTOCOL_VERSION})")
+                            f"protocol version {v!r} unsupported (node speaks {list(PROTOCOL_VERSIONS)})")
     cls = MESSAGES.get(d.get("type"))
     if cls is None:
         raise ProtocolError(Reason.BAD_MESSAGE, f"unknown message type {d.get('type')!r}")
     try:
-        return cls.from_wire(d)
+        return cls.from_wire(d), v
     except ContractError as e:
         raise ProtocolError(Reason.BAD_MESSAGE, str(e)) from None
+
+
+def reply_version(data: bytes) -> int:
+    """The version to answer raw ``data`` in, even when it does not decode: its own when spoken here,
+    else version 1 (every sender reads a version-1 refusal)."""
+    try:
+        v = msgpack.unpackb(data, raw=False).get("v")
+    except Exception:  # noqa: BLE001 - undecodable: the oldest version
+        return PROTOCOL_VERSIONS[0]
+    return v if v in PROTOCOL_VERSIONS and not isinstance(v, bool) else PROTOCOL_VERSIONS[0]
 
 
 def region_dicts(regions: list[Region]) -> list[dict]:
@@ -275,6 +327,7 @@ def region_dicts(regions: list[Region]) -> list[dict]:
 
 
 __all__ = [
-    "PROTOCOL_VERSION", "REGION_ALIGN", "Reason", "ProtocolError", "Region", "Hello", "HelloOk", "Refuse", "Begin",
-    "Accept", "Reject", "Done", "Abort", "Ack", "Error", "encode", "decode", "region_dicts", "align_up",
+    "PROTOCOL_VERSION", "PROTOCOL_VERSIONS", "REGION_ALIGN", "Reason", "ProtocolError", "Region", "Hello", "HelloOk",
+    "Refuse", "Begin", "Accept", "Reject", "Done", "Abort", "Ack", "Error", "encode", "decode", "decode_versioned",
+    "reply_version", "region_dicts", "align_up",
 ]

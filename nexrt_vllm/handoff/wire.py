@@ -48,11 +48,11 @@ def as_map(body: str, d: Any) -> dict:
 
 
 _KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", dict: "an object",
-               list: "a list"}
+               list: "a list", bytes: "bytes"}
 
 
 def check_type(body: str, name: str, v: Any, kind: type) -> Any:
-    """``v`` if it is of ``kind`` (str, int, float = any number, bool, dict or list); a bool is no number."""
+    """``v`` if it is of ``kind`` (str, int, float = any number, bool, dict, list or bytes); a bool is no number."""
     ok = is_int(v) if kind is int else is_number(v) if kind is float else isinstance(v, kind)
     if not ok:
         raise ContractError(body, name, "is missing" if v is None else

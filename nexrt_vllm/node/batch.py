@@ -27,8 +27,10 @@ IDLE_WAIT_S = 0.5  # an idle thread re-checks for close at this period
 class Job:
     """One request's decode. `load(engine)` fills the slot's state (the converted hand-off);
     `put(kind, value)` receives ("converted", None), ("tok", record), ("end", finish_reason) or
-    ("err", text), the last one exactly once; `finished()` runs after the job left the batch (its
-    slot is no longer touched)."""
+    ("err", text), the last one exactly once; `ended(engine, tokens)` (optional) runs in the decode
+    thread when the stream ended without an error (finished or cancelled), with the slot's engine
+    and the tokens sent, before the final message; `finished()` runs after the job left the batch
+    (its slot is no longer touched)."""
     rid: str
     slot: int
     load: Callable
@@ -38,7 +40,9 @@ class Job:
     put: Callable
     finished: Callable
     stop: threading.Event = field(default_factory=threading.Event)
+    ended: Callable | None = None
     steps: object = None  # the slot engine's step iterator, once loaded
+    tokens: list = field(default_factory=list)  # the token ids sent
 
 
 class DecodeBatch:
@@ -129,6 +133,7 @@ class DecodeBatch:
             return 0
         if self.metrics is not None:
             self.metrics.tokens.inc()
+        job.tokens.append(int(rec.token))
         job.put("tok", rec)
         return 1
 
@@ -140,5 +145,10 @@ class DecodeBatch:
                     job.steps.close()
                 except Exception:  # noqa: BLE001 - a generator that fails while closing is already ended
                     log.exception("closing the stream of rid=%s failed", job.rid)
+            if kind == "end" and job.ended is not None:
+                try:
+                    job.ended(self.engines[job.slot], job.tokens)
+                except Exception:  # noqa: BLE001 - the request already streamed: its end stands
+                    log.exception("after the stream of rid=%s", job.rid)
         job.put(kind, value)
         job.finished()

@@ -25,20 +25,23 @@ def native_bytes(cfg, seq_len: int, kv_bytes: int, conv_bytes: int, rec_bytes: i
 
 
 def unpack_state(buf: torch.Tensor, layout: L.Layout, regions: list[P.Region], seq_len: int,
-                 dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+                 dtypes: Mapping[str, torch.dtype], held: int = 0) -> dict[str, torch.Tensor]:
     """Received bytes (1-D uint8 tensor holding every region) -> engine-native state tensors.
 
     ``dtypes`` gives the native dtypes: ``{"kv": ..., "conv": ..., "rec": ...}``. Attention K/V come
     out as ``[kv_heads, seq_len, head_dim]``, conv ``[conv_dim, kernel-1]``, recurrent
-    ``[heads, dk, dv]``; all contiguous, on ``buf``'s device.
+    ``[heads, dk, dv]``; all contiguous, on ``buf``'s device. With ``held`` leading tokens held by
+    the node (``Layout.first_page``), the model's attention layers received only the rows from
+    ``held`` on: their K/V are ``[kv_heads, seq_len - held, head_dim]``.
     """
     out: dict[str, torch.Tensor] = {}
     for layer, reg in zip(layout.layers, regions):
         raw = buf[reg.offset: reg.offset + reg.nbytes]
         if layer.kind == "attention":
             k, v = _attention_kv(raw, layer, reg)
-            out.update(AttentionState(k=k[:, :seq_len].to(dtypes["kv"]).contiguous(),
-                                      v=v[:, :seq_len].to(dtypes["kv"]).contiguous()).named(layer.index))
+            n = seq_len - layout.first_page(layer, held) * layout.block_size
+            out.update(AttentionState(k=k[:, :n].to(dtypes["kv"]).contiguous(),
+                                      v=v[:, :n].to(dtypes["kv"]).contiguous()).named(layer.index))
         else:
             conv = torch.as_strided(raw[:layer.conv_bytes].view(TORCH_DTYPES[layer.conv_dtype]),
                                     layer.conv_shape, layer.conv_strides)
@@ -57,6 +60,9 @@ def _attention_kv(raw: torch.Tensor, layer: L.AttentionLayout, reg: P.Region):
     """A layer's received pages -> (K, V) as ``[kv_heads, pages*block_size, head_dim]`` views."""
     h, bs, d2 = layer.shape
     d = d2 // 2
+    if reg.num_pages == 0:  # every row held by the node's context cache
+        empty = torch.empty(h, 0, d, dtype=TORCH_DTYPES[layer.dtype], device=raw.device)
+        return empty, empty
     elems = raw.view(TORCH_DTYPES[layer.dtype])
     page = reg.page_bytes // L.DTYPE_SIZES[layer.dtype]
     if layer.kv_format == "packed":

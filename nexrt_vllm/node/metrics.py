@@ -35,6 +35,23 @@ class NodeMetrics:
         self.acceptance_length = None  # speculative decoding only (speculative())
         self.graph = Gauge("nexrt_decode_graph", "1 for the decode path in use (fused | eager graph, or off)",
                            ["mode", "device"], registry=r)
+        # the context cache (node/context_cache.py)
+        self.context_capacity = Gauge("nexrt_context_cache_capacity_bytes", "Context cache size (--context-cache-gib)",
+                                      registry=r)
+        self.context_bytes = Gauge("nexrt_context_cache_bytes", "Attention rows the context cache holds", registry=r)
+        self.context_entries = Gauge("nexrt_context_cache_entries", "Contexts the context cache holds", registry=r)
+        self.context_lookups = Counter("nexrt_context_cache_lookups", "Hand-off begins looked up, by outcome (hit: "
+                                       "some tokens held; miss; unusable: no prompt ids, or a sharded hand-off)",
+                                       ["outcome"], registry=r)
+        self.context_held_tokens = Counter("nexrt_context_cache_held_tokens",
+                                           "Prompt tokens whose attention rows came from the cache, not the wire",
+                                           registry=r)
+        self.context_stores = Counter("nexrt_context_cache_stores", "Finished requests offered to the cache, by "
+                                      "outcome (kept | no_room)", ["outcome"], registry=r)
+        self.context_dropped = Counter("nexrt_context_cache_dropped", "Entries removed (evicted: least recently "
+                                       "used; superseded: a newer entry holds its blocks)", ["why"], registry=r)
+        for outcome in ("hit", "miss", "unusable"):
+            self.context_lookups.labels(outcome)
 
     def speculative(self, method: str, num_tokens: int, synthetic_length: float | None = None) -> None:
         """Speculative decoding is on: tokens emitted per verify round (1 .. num_tokens + 1); with a pinned

@@ -7,6 +7,10 @@ order the begins arrive), validates every part's layout against the heads it cla
 the N parts hold every head exactly once, and calls the admission complete only when every
 part's ``done`` arrived. `load_parts` then converts each part and re-shards the N parts into the
 node's M engine shards (`nexrt_vllm.node.reshard`).
+
+An unsharded hand-off into a one-device engine may start from rows the node's context cache holds
+(``PartSet.prefix``, ``nexrt_vllm.node.context_cache``): its regions then hold only the pages from
+``held`` tokens on, and `load_parts` fills the held rows before loading the received ones.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from nexrt_vllm.handoff import layout as L
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.sharding import Sharding, check_cover
+from nexrt_vllm.node.context_cache import Prefix
 from nexrt_vllm.node.convert import unpack_state
 from nexrt_vllm.node.reshard import node_shards, reshard, whole
 
@@ -83,10 +88,16 @@ class Part:
 class PartSet:
     """One admission's parts: planned at their begins, complete when all N are done."""
 
-    def __init__(self, n: int, seq_len: int):
+    def __init__(self, n: int, seq_len: int, prefix: Prefix | None = None):
         self.n, self.seq_len = n, seq_len
+        self.prefix = prefix or Prefix()  # the context cache's rows this hand-off starts from, if any
         self.parts: dict[int, Part] = {}
         self.end = 0  # first byte after the planned regions
+
+    @property
+    def held(self) -> int:
+        """Leading tokens whose attention rows the node holds (they do not travel)."""
+        return self.prefix.held
 
     def plan(self, layout: L.Layout, seq_len: int, capacity: int) -> Part:
         """Regions for a new part (ProtocolError when it does not fit with the others)."""
@@ -101,7 +112,7 @@ class PartSet:
             raise P.ProtocolError(P.Reason.DUPLICATE, f"part {index} of {n} already began")
         if self.parts and (s is None) != (next(iter(self.parts.values())).layout.sharding is None):
             raise P.ProtocolError(P.Reason.LAYOUT_MISMATCH, "sharded and unsharded parts mixed")
-        regions = layout.regions(seq_len, base=self.end)
+        regions = layout.regions(seq_len, base=self.end, held=self.held)
         end = regions[-1].offset + regions[-1].nbytes if regions else self.end
         if end > capacity:
             raise P.ProtocolError(P.Reason.TOO_LONG, f"state needs {end} bytes (parts so far), "
@@ -139,13 +150,16 @@ def load_parts(engine, raw, parts: PartSet, dtypes) -> None:
     engine's own drafter when it speculates (`Speculator.import_context`), else are dropped."""
     cfg, tp = engine.config, getattr(engine, "tp", 1)
     if parts.n == 1 and tp == 1:  # the unsharded hand-off: no re-sharding
-        p = parts.parts[0]
-        target, drafter = _split(unpack_state(raw, p.layout, p.regions, parts.seq_len, dtypes), cfg)
-        engine.import_state(parts.seq_len, target)
+        p, held = parts.parts[0], parts.held
+        target, drafter = _split(unpack_state(raw, p.layout, p.regions, parts.seq_len, dtypes, held), cfg)
+        parts.prefix.fill(engine.state)  # the held rows, from the context cache
+        engine.import_state(parts.seq_len, target, start=held)
         spec = getattr(engine, "speculative", None)
         if spec is not None and drafter:
             spec.import_context(parts.seq_len, drafter)
         return
+    if parts.held:
+        raise P.ProtocolError(P.Reason.BAD_MESSAGE, "held rows with a sharded hand-off or engine")
     states = [(p.layout.sharding or whole(cfg), _split(unpack_state(raw, p.layout, p.regions, parts.seq_len, dtypes),
                                                         cfg)[0]) for p in parts.parts.values()]
     shards = reshard(cfg, states, node_shards(cfg, tp))

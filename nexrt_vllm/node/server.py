@@ -124,7 +124,9 @@ class Endpoints:
         return web.json_response({
             "model": self.node.model_name, **model_identity(cfg),
             "eos_token_ids": list(cfg.eos_token_ids), "max_seq_len": self.node.opts.max_seq_len,
-            "max_batch": self.node.opts.max_batch, "protocol_version": P.PROTOCOL_VERSION, "layout_version": LAYOUT_VERSION,
+            "max_batch": self.node.opts.max_batch, "protocol_version": P.PROTOCOL_VERSION,
+            "protocol_versions": list(P.PROTOCOL_VERSIONS),
+            "layout_version": LAYOUT_VERSION, "context_cache_bytes": self.node.context.cache.capacity,
             "control_addr": self.node.control_addr,
             "transport": {"backend": peer["backend"], "recv_memory": self.args.recv_memory,
                           "recv_buffers": len(self.node.buffers), "recv_buffer_bytes": self.node.buffers[0].size,
@@ -180,7 +182,8 @@ class Endpoints:
                 reply = self.node.handle(data)
             except Exception as e:  # noqa: BLE001 - a handler bug must not kill the control endpoint
                 log.exception("control message failed")
-                reply = P.encode(P.Refuse(P.Reason.BAD_MESSAGE.value, f"node error: {type(e).__name__}: {e}"))
+                reply = P.encode(P.Refuse(P.Reason.BAD_MESSAGE.value, f"node error: {type(e).__name__}: {e}"),
+                                 P.reply_version(data))
             await sock.send_multipart([*ident, reply])
 
 
@@ -242,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--start-timeout", type=float, default=30.0, help="seconds from done to generate")
     ap.add_argument("--write-timeout", type=float, default=10.0,
                     help="seconds a stream write may block before the client counts as gone")
+    ap.add_argument("--context-cache-gib", type=float, default=0.0,
+                    help="keep finished requests' attention rows (on --device) for their conversation's next turn, "
+                         "up to this many GiB; that turn's hand-off ships only the rows the node lacks "
+                         "(docs/NODE.md, \"Context cache\"); 0 = off")
     ap.add_argument("--quarantine", type=float, default=30.0,
                     help="seconds a buffer stays unused after its writer was cut off mid-transfer")
     ap.add_argument("--tokenizer", default=None,
@@ -308,6 +315,10 @@ def _positive(ap, args) -> None:
     for name in ("admit_timeout", "transfer_timeout", "start_timeout", "write_timeout"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.context_cache_gib < 0:
+        ap.error("--context-cache-gib must be >= 0")
+    if args.context_cache_gib and args.tp > 1:
+        ap.error("--context-cache-gib with --tp > 1 is not built (the cache keeps one device's rows)")
 
 
 def _grammars(args, cfg):
@@ -334,7 +345,9 @@ async def serve(args) -> None:
     from nexrt_vllm.engine import Engine
     from nexrt_vllm.handoff.transport import make_receiver
     from nexrt_vllm.node.buffers import allocate
+    from nexrt_vllm.node.context_cache import ContextCache, NodeContext
     from nexrt_vllm.node.convert import native_bytes
+    from nexrt_vllm.node.metrics import NodeMetrics
 
     disable_created_metrics()
     torch.set_num_threads(int(os.environ.get("NEXRT_THREADS", torch.get_num_threads())))
@@ -417,10 +430,12 @@ async def serve(args) -> None:
                    transfer_timeout=args.transfer_timeout, start_timeout=args.start_timeout,
                    quarantine_s=args.quarantine, max_batch=args.max_batch, faults=faults)
     grammars, missing = _grammars(args, cfg)
+    metrics = NodeMetrics()
+    context = NodeContext(ContextCache(int(args.context_cache_gib * (1 << 30)), metrics))
     node = DecodeNode(engine, cfg, transport, buffers, opts, device=args.device,
                       control_addr=f"tcp://{args.host}:{cport}",
                       model_name=os.path.basename(os.path.abspath(args.model)),
-                      grammars=grammars, grammars_missing=missing)
+                      metrics=metrics, grammars=grammars, grammars_missing=missing, context=context)
     node.metrics.graph.labels(mode=args.graph, device=args.device).set(1)
     if engine.speculative is not None:
         node.metrics.speculative(args.speculative, args.num_speculative_tokens,

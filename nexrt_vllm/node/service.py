@@ -33,6 +33,7 @@ from nexrt_vllm.handoff.contracts import AdmissionState, AdmitRequest, CancelRep
 from nexrt_vllm.handoff.structured import LOGPROB_FLOOR, StructuredError, StructuredSpec
 from nexrt_vllm.node.batch import DecodeBatch, Job
 from nexrt_vllm.node.buffers import RecvBuffer, stage
+from nexrt_vllm.node.context_cache import NodeContext
 from nexrt_vllm.node.parts import PartSet, check_part, load_parts
 from nexrt_vllm.node.faults import Faults
 from nexrt_vllm.node.metrics import NodeMetrics
@@ -79,7 +80,8 @@ class Admission:
 class DecodeNode:
     def __init__(self, engine, cfg, transport, buffers: list[RecvBuffer], opts: Options, *, device: str,
                  control_addr: str, model_name: str, metrics: NodeMetrics | None = None, grammars=None,
-                 grammars_missing: str = "structured output is not enabled on this node"):
+                 grammars_missing: str = "structured output is not enabled on this node",
+                 context: NodeContext | None = None):
         self.engine, self.cfg, self.transport, self.buffers, self.opts = engine, cfg, transport, buffers, opts
         self.device, self.control_addr, self.model_name = device, control_addr, model_name
         # engine.structured.Grammars (xgrammar over the checkpoint's tokenizer), or None and why not
@@ -90,6 +92,7 @@ class DecodeNode:
         self.engines = [engine] + [engine.slot() for _ in range(opts.max_batch - 1)]
         self.admissions: dict[str, Admission] = {}  # every admission in flight, by rid
         self._free_slots = list(range(opts.max_batch))
+        self.context = context or NodeContext()  # the context cache (node/context_cache.py); off by default
         self._generation = 0
         # rid -> (generation, done received): finished rids, to refuse duplicates and late messages
         self._tombstones: collections.OrderedDict[str, tuple[int, bool]] = collections.OrderedDict()
@@ -145,10 +148,10 @@ class DecodeNode:
     # ---- control endpoint (ZMQ) ---------------------------------------------------------------
     def handle(self, data: bytes) -> bytes:
         try:
-            msg = P.decode(data)
+            msg, version = P.decode_versioned(data)  # answered in the version it was spoken in
         except P.ProtocolError as e:
             self.metrics.refusals.labels(e.reason.value).inc()
-            return P.encode(P.Refuse(e.reason.value, e.message))
+            return P.encode(P.Refuse(e.reason.value, e.message), P.reply_version(data))
         self.metrics.control.labels(msg.type).inc()
         handler = {"hello": self._on_hello, "begin": self._on_begin, "done": self._on_done,
                    "abort": self._on_abort}.get(msg.type)
@@ -157,7 +160,7 @@ class DecodeNode:
         reply = handler(msg)
         if isinstance(reply, (P.Refuse, P.Reject, P.Error)):
             self.metrics.refusals.labels(reply.reason.value).inc()
-        return P.encode(reply)
+        return P.encode(reply, version)
 
     def _layout(self, wire: dict) -> L.Layout:
         layout = L.Layout.from_wire(wire)
@@ -205,10 +208,12 @@ class DecodeNode:
         if buf is None:
             self._end(adm, "rejected", P.Reason.BUSY, "no receive buffer free")
             return reject(P.Reason.BUSY, "no receive buffer free")
-        parts = PartSet(1 if layout.sharding is None else layout.sharding.tp_size, msg.seq_len)
+        parts = PartSet(1 if layout.sharding is None else layout.sharding.tp_size, msg.seq_len,
+                        self.context.begin(msg, layout, self.engine))  # the rows the node holds already
         try:
             part = parts.plan(layout, msg.seq_len, buf.size)
         except P.ProtocolError as e:
+            self.context.release(parts)
             self._end(adm, "rejected", e.reason, e.message)
             return reject(e.reason, e.message)
         buf.owner = adm.generation
@@ -229,7 +234,8 @@ class DecodeNode:
 
     def _accept(self, adm: Admission, part) -> P.Accept:
         return P.Accept(adm.rid, adm.generation, {"base": adm.buffer.addr, "size": adm.buffer.size},
-                        P.region_dicts(part.regions), max(0.0, adm.deadline - time.monotonic()))
+                        P.region_dicts(part.regions), max(0.0, adm.deadline - time.monotonic()),
+                        held_tokens=adm.parts.held)
 
     def _on_done(self, msg: P.Done):
         adm = self.admissions.get(msg.rid)
@@ -299,6 +305,7 @@ class DecodeNode:
             writer_live = bool(live)
         if adm.buffer is not None and adm.buffer.owner == adm.generation:
             adm.buffer.release(writer_live, self.opts.quarantine_s, live)
+        self.context.release(adm.parts)
         del self.admissions[adm.rid]
         self._free_slots.append(adm.slot)
         self._tombstones[adm.rid] = (adm.generation, adm.state in (AdmissionState.READY, AdmissionState.DECODING))
@@ -418,7 +425,8 @@ class DecodeNode:
                 try:
                     self.batch.submit(Job(adm.rid, adm.slot, lambda engine: self._load(adm, engine), first_token, sp,
                                           constraint, put, lambda: loop.call_soon_threadsafe(self._left, adm, done),
-                                          stop=adm.stop))
+                                          stop=adm.stop, ended=lambda engine, tokens: self.context.store(
+                                              engine, adm.parts, first_token, tokens)))
                 except RuntimeError as e:  # the node is shutting down
                     adm.decoding = False
                     q.put_nowait(("err", str(e)))

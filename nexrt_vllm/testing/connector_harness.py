@@ -11,6 +11,7 @@ answers one ``@@`` + JSON line on stdout (vLLM's own logs go to stderr/stdout ar
 - ``{"op": "settle", "timeout": s}``: steps the engine until no connector work is pending (held
   blocks released), -> ``{"free_blocks": n, "pending": bool}``;
 - ``{"op": "free_blocks"}`` -> ``{"free_blocks": n}``;
+- ``{"op": "layout"}`` -> ``{"layout": the connector's page layout, Layout.to_wire()}``;
 - ``{"op": "metrics", "prefix"}`` -> vLLM's own metrics whose names start with ``prefix`` (with
   ``llm_kwargs`` ``disable_log_stats: false``);
 - ``{"op": "abort_midway", "request_id", "request", "steps"}``: add, step ``steps`` times, abort;
@@ -121,6 +122,9 @@ def _child(cfg: dict) -> None:
             reply({"free_blocks": free_blocks(), "pending": sched.has_requests()})
         elif op == "free_blocks":
             reply({"free_blocks": free_blocks()})
+        elif op == "layout":
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+            reply({"layout": get_kv_transfer_group().layout.to_wire()})
         elif op == "metrics":  # needs llm_kwargs disable_log_stats=False
             reply({m.name: getattr(m, "values", None) or getattr(m, "value", None)
                    for m in llm.get_metrics() if m.name.startswith(cmd.get("prefix", ""))})
@@ -133,9 +137,13 @@ class VLLMProc:
     """Parent side: start the child, send commands, read answers with deadlines, kill on close."""
 
     def __init__(self, cfg: dict, log_path: str, start_timeout: float = 300, env: dict | None = None):
+        # the child runs this file as a script: its sys.path starts here, so the package it and vLLM
+        # import (the connector) must be named, or an installed copy elsewhere would be taken
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
                    TOKENIZERS_PARALLELISM="false", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"),
-                   **(env or {}))
+                   PYTHONPATH=path, **(env or {}))
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)

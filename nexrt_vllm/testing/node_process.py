@@ -146,14 +146,18 @@ class PrefillSide:
         self.sender.register(cache.data_ptr(), cache.numel())
         self._caches.append(cache)
         base = cache.data_ptr()
-        return {"first": first, "seq_len": n, "layout": layout,
+        return {"first": first, "seq_len": n, "layout": layout, "ids": list(prompt),
                 "pages": {layer: [base + off for off in offs] for layer, offs in pages.items()}}
 
     def reference(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         return self.engine.generate(prompt, max_new_tokens)
 
     def send(self, node: NodeProcess, rid: str, generation: int, prep: dict):
-        return self.sender.send(node.control_addr, prep["layout"], rid, generation, prep["seq_len"], prep["pages"])
+        """The hand-off, with the prompt's ids (a node with a context cache may hold some)."""
+        from nexrt_vllm.handoff.prefix import pack_ids
+
+        return self.sender.send(node.control_addr, prep["layout"], rid, generation, prep["seq_len"], prep["pages"],
+                                pack_ids(prep["ids"]))
 
     def close(self) -> None:
         self.sender.close()

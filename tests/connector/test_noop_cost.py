@@ -31,6 +31,7 @@ class Req:
     kv_transfer_params: dict | None
     num_prompt_tokens: int = 64
     num_computed_tokens: int = 0
+    prompt_token_ids: list | None = None
 
 
 class Untouchable:

@@ -1,11 +1,14 @@
 """The bytes each wire body puts on the wire, pinned: the control messages' msgpack and the HTTP /
 claim bodies' JSON as the peers already speak them. A change here is a protocol change (bump
-``PROTOCOL_VERSION`` for the control messages)."""
+``PROTOCOL_VERSION`` for the control messages). Version 1 is what older peers speak, byte for byte;
+version 2 is the same but for its version number, plus the context cache's fields (begin.prompt,
+accept.held_tokens)."""
 import json
 
 import pytest
 
 from nexrt_vllm.handoff import protocol as P
+from nexrt_vllm.handoff.prefix import pack_ids
 from nexrt_vllm.handoff.contracts import (AdmissionState, AdmitReply, AdmitRequest, CancelReply, CancelRequest, Claim,
                                           GenerateRequest, HandoffReport, HandoffStatus, ProbeReply, Refusal, Sampling)
 from nexrt_vllm.handoff.protocol import Reason
@@ -28,6 +31,28 @@ MESSAGES = {
     "abort_part": P.Abort("r1", 3, "x", part=1),
     "ack": P.Ack("r1", 3),
     "error": P.Error("r1", "duplicate_done", "done already received"),
+}
+
+# Version 2's new fields: the prompt's ids at begin, the tokens held at accept (always said in 2).
+MESSAGES_V2 = {
+    "begin_prompt": P.Begin("r1", 3, 40, LAYOUT, prompt=pack_ids([1, 2, 300])),
+    "accept": MESSAGES["accept"],
+    "accept_held": P.Accept("r1", 3, {"base": 1 << 40, "size": 10}, REGIONS, 2.5, held_tokens=32),
+}
+ACCEPT_V2 = (
+    "88a3726964a27231aa67656e65726174696f6e03a662756666657282a462617365cf0000010000000000a473697a650aa7726567"
+    "696f6e739185a56c6179657200a46b696e64a9617474656e74696f6ea66f666673657400aa706167655f6279746573cd1000a96e"
+    "756d5f706167657303aa646561646c696e655f73cb4004000000000000a474797065a6616363657074ab68656c645f746f6b656e"
+    "73{held}a17602"
+)
+MESSAGE_BYTES_V2 = {
+    "begin_prompt": (
+        "87a3726964a27231aa67656e65726174696f6e03a77365715f6c656e28a66c61796f757484a776657273696f6e04a56d6f64656c"
+        "81b16e756d5f68696464656e5f6c617965727301aa626c6f636b5f73697a6510a66c617965727390a474797065a5626567696ea6"
+        "70726f6d7074c40c01000000020000002c010000a17602"
+    ),
+    "accept": ACCEPT_V2.format(held="00"),
+    "accept_held": ACCEPT_V2.format(held="20"),
 }
 
 MESSAGE_BYTES = {
@@ -112,9 +137,30 @@ BODIES = [
 
 @pytest.mark.parametrize("name", MESSAGE_BYTES)
 def test_control_message_bytes(name):
-    assert P.PROTOCOL_VERSION == 1
-    assert P.encode(MESSAGES[name]).hex() == MESSAGE_BYTES[name]
-    assert P.decode(bytes.fromhex(MESSAGE_BYTES[name])) == MESSAGES[name]
+    """Version 1, as older peers speak it; version 2 differs only in its number, but for accept."""
+    assert P.PROTOCOL_VERSIONS == (1, 2) and P.PROTOCOL_VERSION == 2
+    assert P.encode(MESSAGES[name], 1).hex() == MESSAGE_BYTES[name]
+    assert P.decode_versioned(bytes.fromhex(MESSAGE_BYTES[name])) == (MESSAGES[name], 1)
+    if name != "accept":
+        assert MESSAGE_BYTES[name].endswith("a17601")
+        assert P.encode(MESSAGES[name]).hex() == MESSAGE_BYTES[name][:-2] + "02"
+
+
+@pytest.mark.parametrize("name", MESSAGE_BYTES_V2)
+def test_context_cache_fields_bytes(name):
+    assert P.encode(MESSAGES_V2[name]).hex() == MESSAGE_BYTES_V2[name]
+    assert P.decode_versioned(bytes.fromhex(MESSAGE_BYTES_V2[name])) == (MESSAGES_V2[name], 2)
+
+
+def test_version_1_leaves_the_new_fields_out():
+    """A version-1 peer reads a version-1 accept as it always did (no held tokens: a full hand-off);
+    held tokens cannot be said to it, nor a prompt."""
+    assert P.encode(MESSAGES_V2["accept"], 1).hex() == MESSAGE_BYTES["accept"]
+    assert P.decode(bytes.fromhex(MESSAGE_BYTES["accept"])).held_tokens == 0
+    assert P.decode(bytes.fromhex(MESSAGE_BYTES["begin"])).prompt is None
+    for name in ("accept_held", "begin_prompt"):
+        with pytest.raises(ValueError, match="cannot be said in protocol version 1"):
+            P.encode(MESSAGES_V2[name], 1)
 
 
 @pytest.mark.parametrize("body,text", BODIES, ids=[type(b).__name__ for b, _ in BODIES])

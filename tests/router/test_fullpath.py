@@ -188,9 +188,9 @@ def test_node_down_before_start(real):
     assert [n.healthy for n in rt.pool.nodes] == [i == live for i in range(2)]  # startup check
     # Pretend the router has not noticed yet: admission to the dead node fails over.
     real.loop.call(_mark_up(rt, dead))
-    for _ in range(2):
+    for i in range(2):  # two conversations (one would stay on the node of its first turn)
         r = requests.post(url + "/v1/chat/completions", timeout=120, json={
-            "model": real.ckpt, "messages": [{"role": "user", "content": "hi"}],
+            "model": real.ckpt, "messages": [{"role": "user", "content": f"hi {i}"}],
             "max_tokens": 8, "ignore_eos": True})  # sampled (default temperature): EOS may come early
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     assert not rt.pool.nodes[dead].healthy
