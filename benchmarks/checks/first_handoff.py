@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 from nexrt_vllm.bench.checks import finish, record, write
@@ -37,8 +38,12 @@ def log(*a):
 
 
 def _get(url: str) -> dict | str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        body = r.read().decode()
+    """The body of a GET, also of an error status (the router's /health answers 503 with no node)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = r.read().decode()
+    except urllib.error.HTTPError as e:
+        body = e.read().decode()
     try:
         return json.loads(body)
     except json.JSONDecodeError:
@@ -118,6 +123,16 @@ class Stack:
             + ([] if warmup else ["--no-warmup"])))
         asyncio.run(wait_http(self.router_url + "/health", self.procs, 120, "router"))
 
+    def restart_node(self) -> None:
+        """Stop the node, wait until the router has seen it gone, start it again on its port."""
+        self.procs.end(self.node)
+        deadline = time.monotonic() + 60
+        while _get(self.router_url + "/health")["nodes"][0]["healthy"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the router did not notice the node stop")
+            time.sleep(0.05)
+        self.start_node()
+
     def in_rotation(self, warmed: float | None, timeout: float = 300) -> None:
         """Until the router has the node (this start) in rotation, and warmed it when `warmed` (the
         router's count of ok warm-ups before the start) is given."""
@@ -139,7 +154,7 @@ def rounds(stack: Stack, warmup: bool, n: int, texts) -> list[dict]:
     out = []
     for _ in range(n):
         before = metric(stack.router_url, "nexrt_router_warmups_total", 'outcome="ok"')
-        stack.start_node()
+        stack.restart_node()
         stack.in_rotation(before if warmup else None)
         h0 = metric(stack.node_url, "nexrt_control_messages_total", 'type="hello"')
         first = completion(stack.router_url, stack.model, next(texts))
