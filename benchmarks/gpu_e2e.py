@@ -24,6 +24,10 @@ the same pinned acceptance length (`--acceptance-length`, default InferenceX's g
 3.39 at 3 drafts), interleaved with plain vLLM for reference (`--concurrent-baseline --interleave`).
 The summary's ratios are then against vLLM + MTP (`ratios_vs_plain_vllm` keeps the others).
 
+`--tp N` runs the node tensor-parallel (`nexrt-decode --tp N`: rank r on cuda:r, each on the graph path)
+and both vLLMs with `--tensor-parallel-size N` on the same GPUs; the engine step comes from
+`decode_bench --tp N`.
+
 `gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png [--engine DECODE.json]` joins runs (of a
 shape that measured different `--paths`; several shapes become sections) into one summary with the
 ratios, and draws one overlay of them all.
@@ -200,12 +204,13 @@ def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, o
                                     "p99_tpot_ms", "output_throughput")}
 
 
-def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str, spec_tokens: int = 0) -> dict:
-    """decode_bench at the scenario contexts (the engine alone, same GPU, nothing else running); with
-    `spec_tokens`, the captured MTP round against the plain step."""
+def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str, spec_tokens: int = 0,
+                tp: int = 1) -> dict:
+    """decode_bench at the scenario contexts (the engine alone, same GPUs, nothing else running); with
+    `spec_tokens`, the captured MTP round against the plain step; at TP = `tp`."""
     cmd = [sys.executable, "-m", "benchmarks.decode_bench", "--shapes", shape, "--contexts",
            ",".join(map(str, contexts)), "--steps", "200", "--parity-steps", "0", "--eager-steps", "2",
-           "--json", out_json] + (["--layers", str(layers)] if layers else [])
+           "--json", out_json, "--tp", str(tp)] + (["--layers", str(layers)] if layers else [])
     if spec_tokens:
         cmd += ["--speculative", "mtp", "--num-speculative-tokens", str(spec_tokens)]
     log("run", " ".join(cmd[2:]))
@@ -329,9 +334,9 @@ def merge(paths: list[str], out: str, png: str | None, engine: list[str] = ()) -
 
 
 class Stack:
-    def __init__(self, workdir: str, device: str):
+    def __init__(self, workdir: str, device: str, tp: int = 1):
         self.procs = Procs(workdir)
-        self.workdir, self.device = workdir, device
+        self.workdir, self.device, self.tp = workdir, device, tp
 
     async def node(self, model: str, max_len: int, transport: str, recv_memory: str, extra=()) -> str:
         ready = os.path.join(self.workdir, "node.ready")
@@ -339,13 +344,14 @@ class Stack:
                                   "--device", self.device, "--load-format", "dummy", "--port", "0",
                                   "--transport", transport, "--recv-memory", recv_memory,
                                   "--max-seq-len", str(max_len), "--ready-file", ready,
-                                  "--transfer-timeout", "60", "--start-timeout", "60", *extra])
+                                  "--transfer-timeout", "60", "--start-timeout", "60", "--tp", str(self.tp),
+                                  *extra])
         return ready
 
     def vllm(self, name: str, model: str, max_len: int, transport: str | None, share: float,
              kv_bytes: int | None = None, speculative: dict | None = None) -> str:
         port = free_port()
-        extra = ["--load-format", "dummy", "--served-model-name", "model"]
+        extra = ["--load-format", "dummy", "--served-model-name", "model", "--tensor-parallel-size", str(self.tp)]
         if speculative:
             extra += ["--speculative-config", json.dumps(speculative)]
         if kv_bytes:  # a fixed KV cache: vLLM skips the memory profiling a neighbour starting beside it would falsify
@@ -491,6 +497,7 @@ def main(argv=None) -> int:
     ap.add_argument("--acceptance-length", type=float, default=None,
                     help="pinned mean tokens per round for both (default: InferenceX's golden value for the "
                          "draft count, e.g. 3.39 at 3)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel node (and vLLMs) over N GPUs")
     ap.add_argument("--out", required=True)
     ap.add_argument("--start-timeout", type=float, default=420)
     a = ap.parse_args(argv)
@@ -503,6 +510,10 @@ def main(argv=None) -> int:
         if "nexrt" not in a.paths:
             ap.error("--speculative mtp measures the NexRT path against vLLM + MTP (plain vLLM too with --paths "
                      "nexrt vllm)")
+    if a.tp < 1:
+        ap.error("--tp must be >= 1")
+    if a.tp > 1 and spec:
+        ap.error("--tp > 1 with --speculative mtp: the node does not run MTP at TP > 1")
     if a.interleave and not (a.concurrent_baseline and set(a.paths) == {"nexrt", "vllm"}):
         ap.error("--interleave needs --concurrent-baseline and both --paths")
     for sc in a.scenarios:
@@ -513,7 +524,8 @@ def main(argv=None) -> int:
         a.recv_memory = "host"
 
     os.makedirs(a.out, exist_ok=True)
-    label = a.shape + (f"_l{a.layers}" if a.layers else "") + ("" if len(a.paths) == 2 else "_" + a.paths[0])
+    label = a.shape + (f"_l{a.layers}" if a.layers else "") + (f"_tp{a.tp}" if a.tp > 1 else "") \
+        + ("" if len(a.paths) == 2 else "_" + a.paths[0])
     work = tempfile.mkdtemp(prefix="gpu-e2e-")
     name = NAMES.get(a.shape, "tiny-qwen3-next")
     model = os.path.join(work, name + (f"-{a.layers}L" if a.layers else ""))
@@ -524,7 +536,7 @@ def main(argv=None) -> int:
     summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "interleaved": a.interleave,
                "shape": name, "device": a.device, "layers": info["layers"], "weights": "random (dummy load, both sides)",
                "transport": a.transport, "recv_memory": a.recv_memory, "vllm_gpu_memory_utilization": share,
-               "num_prompts": a.num_prompts, "conc": 1, "nexrt": {}, "vllm": {}, "node": {}}
+               "num_prompts": a.num_prompts, "conc": 1, "tp": a.tp, "nexrt": {}, "vllm": {}, "node": {}}
     node_extra, vspec = [], None
     if spec:
         # vLLM's synthetic rejection sampler and the node's --speculative-synthetic-acceptance: the same schedule
@@ -550,7 +562,7 @@ def main(argv=None) -> int:
             if os.path.isdir(res_dir):
                 t.add(res_dir, arcname=f"gpu_e2e_{label}")
 
-    stack = Stack(work, a.device)
+    stack = Stack(work, a.device, a.tp)
     t0 = time.monotonic()
     ix = (a.ix_scenarios if a.ix_scenarios is not None else a.scenarios) if a.ix_client else ()
     ix_n = a.ix_num_prompts or a.num_prompts
@@ -597,7 +609,7 @@ def main(argv=None) -> int:
         if "vllm" in a.paths:
             if purl is None:
                 stack.procs.stop()
-                stack = Stack(work, a.device)
+                stack = Stack(work, a.device, a.tp)
                 purl = stack.vllm("vllm_plain", model, max_len, None, share)
                 asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
             for sc in ([] if a.interleave else a.scenarios):
@@ -607,7 +619,7 @@ def main(argv=None) -> int:
                 save()
         if spec and not a.interleave:  # one vLLM at a time: plain (if asked), then + MTP
             stack.procs.stop()
-            stack = Stack(work, a.device)
+            stack = Stack(work, a.device, a.tp)
             murl = stack.vllm("vllm_mtp", model, max_len, None, share, speculative=vspec)
             asyncio.run(_up(stack, [(murl, "vLLM + MTP")], a.start_timeout))
             for sc in a.scenarios:
@@ -639,7 +651,7 @@ def main(argv=None) -> int:
     if not a.skip_engine_bench and a.device == "cuda" and "error" not in summary:
         ctxs = sorted({scenario(s)[0] for s in a.scenarios})
         summary["engine"] = engine_step(a.shape, ctxs, a.layers, os.path.join(work, "decode_bench.json"),
-                                        a.num_speculative_tokens if spec else 0)
+                                        a.num_speculative_tokens if spec else 0, a.tp)
     add_ratios(summary, a.scenarios)
     save()
     log("summary", json.dumps({k: summary.get(k) for k in ("ratios", "error")}))

@@ -28,6 +28,7 @@ queue message to each follower (variant, first token, position); its end is a th
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -203,6 +204,17 @@ class TPRunner(GraphRunner):
     def _sync(self) -> None:
         if self.d.state.device.type == "cuda":
             super()._sync()
+
+    @contextlib.contextmanager
+    def lead(self, key: tuple[bool, bool, bool] = (False, False, False), first_token: int = 0):
+        """Raw replays for benchmarks: yields variant `key`'s graph, whose replays the followers follow
+        (from `first_token` at the device position's state.seq_len); no tokens are read or counted."""
+        self.lock.prepare(self.followers, key, first_token, self.d.state.seq_len)
+        try:
+            yield self.capture(*key)
+        finally:
+            self._sync()
+            self.lock.end()
 
 
 class Follower(GraphRunner):
