@@ -330,7 +330,9 @@ async def serve(args) -> None:
         log.info("starting %d tensor-parallel ranks", args.tp)
         from nexrt_vllm.engine import EngineError
         try:
-            group = Group(args.tp, device=args.device, threads=torch.get_num_threads())
+            # on CUDA the first graph capture compiles the Triton kernels on every rank between collectives
+            group = Group(args.tp, device=args.device, threads=torch.get_num_threads(),
+                          timeout=600.0 if args.device == "cuda" else 60.0)
         except EngineError as e:
             raise RuntimeError(f"--tp {args.tp}: {e}") from None
         try:
