@@ -8,13 +8,18 @@ TP = 1's tokens; a request closed early, one ended by a stop id, and a later req
 in step. At TP = 1 with identity collectives the sharded step is the fused step, bit for bit.
 What a CUDA graph adds (capture, NCCL inside it) is checked on GPUs (test_tp_graph_cuda.py).
 """
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from nexrt_vllm.engine import Engine, SamplingParams, kernels
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder
 from nexrt_vllm.engine.gpu.runner import GraphRunner
-from nexrt_vllm.engine.gpu.tp import TPDecoder
+from nexrt_vllm.engine.gpu.tp import Follower, Lockstep, TPDecoder
 from nexrt_vllm.engine.gpu.tuning import Tuning
 from nexrt_vllm.engine.tp import Group
 from nexrt_vllm.node import reshard as R
@@ -87,6 +92,52 @@ def tp1(ckpt_factory):
 
 def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+class _CountingStep:
+    """A follower's decoder as the lock step sees it: a CPU state, a token, its launches recorded."""
+
+    def __init__(self):
+        self.state = SimpleNamespace(device=torch.device("cpu"), position=torch.zeros(1, dtype=torch.int64), seq_len=0)
+        self.tok = torch.zeros(1, dtype=torch.int64)
+        self.launches = []
+
+    def launch(self, *key):
+        self.launches.append((key, int(self.tok), int(self.state.position)))
+        time.sleep(0.001 * (len(self.launches) % 3))
+
+
+def test_lockstep_follower_replays_exactly_what_rank_0_announced():
+    """Runs of 3, 0 (never announced), 1 and 5 replays, rank 0 one replay ahead of the follower (its
+    replay k completes only with the follower's, as a collective does) and starting each run as soon
+    as the last ended: the follower replays each run's variant exactly as often, from its token and
+    position, and its state counts them."""
+    words, commands, step = [0, 0], queue.Queue(), _CountingStep()
+    lock = Lockstep(words, lambda ranks, *cmd: commands.put(cmd))
+    runs = [(3, (False, False, False)), (0, (True, False, False)), (1, (True, True, False)), (5, (False, True, True))]
+
+    def rank0():
+        for i, (n, key) in enumerate(runs):
+            lock.prepare((1,), key, 100 + i, 10 * i)
+            for _ in range(n):
+                lock.announce()
+                while len(step.launches) < int(words[0]) - 1:  # one replay in flight
+                    time.sleep(0)
+            while len(step.launches) < int(words[0]):  # the run's last replay completes
+                time.sleep(0)
+            lock.end()
+        commands.put(("stop",))
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    f, done = Follower(step), []
+    while (cmd := commands.get(timeout=30))[0] == "run":
+        done.append(f.follow(words, *cmd[1:], alive=lambda: True))
+        assert step.state.seq_len == cmd[5] + done[-1]
+    t.join(30)
+    assert done == [n for n, _ in runs if n]
+    # (the counting step leaves token and position as the run set them)
+    assert step.launches == [(key, 100 + i, 10 * i) for i, (n, key) in enumerate(runs) for _ in range(n)]
 
 
 def test_tp1_decoder_is_the_fused_step(tp1):

@@ -39,7 +39,8 @@ from nexrt_vllm.engine.errors import EngineError
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder
 from nexrt_vllm.engine.gpu.runner import GraphRunner
 
-_RUN_SHIFT = 40  # the end word: run << 40 | replays announced when the run ended
+_RUN_SHIFT = 40  # the end word: run << 40 | replays announced when the run ended (2^40: decades of tokens)
+_RUNS = 1 << (63 - _RUN_SHIFT)  # run numbers wrap within a positive int64 (only consecutive ones are compared)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the name since torch 2.13)
 
 
@@ -149,7 +150,7 @@ class Lockstep:
         if self.pending is not None:
             followers, key, first, seq_len = self.pending
             self.pending = None
-            self.run += 1
+            self.run = (self.run + 1) % _RUNS
             self.send(followers, "run", self.run, int(self.words[0]), key, first, seq_len)
             self.active = True
         self.words[0] += 1
