@@ -49,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-gib", type=float, default=1.0, help="the nexrt_cache node's --context-cache-gib")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: vLLM and the node on the GPU, one node at a time (with the cache, then without)")
+    ap.add_argument("--shape", choices=("2b", "35b"), default=None,
+                    help="a real shape with random weights on both sides (needs --tokenizer), as gpu_e2e runs it")
+    ap.add_argument("--layers", type=int, default=None, help="--shape cut to N layers (labelled)")
+    ap.add_argument("--tokenizer", default=None, help="dir with the Qwen3.5 tokenizer.json (--shape)")
+    ap.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
+    ap.add_argument("--gpu-share", type=float, default=0.45, help="vLLM's share of the GPU's memory (cuda)")
+    ap.add_argument("--one-node", action="store_true",
+                    help="one node at a time, with the cache and then without (always on a GPU)")
     ap.add_argument("--out", required=True, help="JSON path (the plot: same name, .png)")
     return ap
 
@@ -140,7 +150,13 @@ def main(argv=None) -> int:
         print(f"[agentic {time.monotonic() - t_wall:7.1f}s] {msg}", flush=True)
 
     model = args.model
-    if model is None:  # the stored trained checkpoint of the tests (testing/stored.py), else trained here
+    if args.shape:
+        if not args.tokenizer:
+            raise SystemExit("--shape needs --tokenizer")
+        from benchmarks.gpu_e2e import write_model_dir
+        model = os.path.join(workdir, f"model-{args.shape}" + (f"-{args.layers}L" if args.layers else ""))
+        write_model_dir(model, args.shape, args.tokenizer, args.layers)
+    elif model is None:  # the stored trained checkpoint of the tests (testing/stored.py), else trained here
         from nexrt_vllm.testing import make_checkpoint, stored
         from nexrt_vllm.testing.connector_harness import TRAINED
 
@@ -158,20 +174,38 @@ def main(argv=None) -> int:
     if longest > args.max_len:
         raise SystemExit(f"the trace needs {longest} tokens of context; --max-len is {args.max_len}")
     tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
-    vocab = (3, min(tok.get_vocab_size(), 380))  # ordinary tokens of the tiny checkpoint's vocabulary
-    log(f"starting vLLM + 2 nodes (logs in {workdir})")
-    stack = RealStack(model, workdir, max_len=args.max_len,
-                      nodes=({"args": ["--context-cache-gib", str(args.cache_gib)]}, {}))
-    report = {"title": f"agentic replay, CPU stack, tiny trained {os.path.basename(model)}: "
-                       f"{len(trace['conversations'])} conversations x {args.turns} turns, block "
-                       f"{trace['block_size']}", "trace": trace, "modes": {}}
+    # ordinary tokens: of the tiny checkpoint's vocabulary, or well inside the real one's
+    vocab = (1000, 100000) if args.shape else (3, min(tok.get_vocab_size(), 380))
+    dummy = ["--load-format", "dummy"] if args.shape else []
+    cache = {"args": ["--context-cache-gib", str(args.cache_gib), *dummy], "transport": args.transport}
+    plain = {"args": dummy, "transport": args.transport}
+    gpu = args.device == "cuda"
+    one = gpu or args.one_node
+    log(f"starting vLLM + {1 if one else 2} node(s) (logs in {workdir})")
+    # On a GPU one node at a time (two copies of a real shape beside vLLM's would not fit): the node
+    # with the cache first, then the same port without it.
+    stack = RealStack(model, workdir, max_len=args.max_len, transport=args.transport, device=args.device,
+                      gpu_share=args.gpu_share, vllm_extra=tuple(dummy), nodes=(cache,) if one else (cache, plain))
+    where = "one H200" if gpu else "CPU stack"
+    what = (f"Qwen3.5-{args.shape.upper()} shape{f' cut to {args.layers} layers' if args.layers else ''}, "
+            f"random weights" if args.shape else f"tiny trained {os.path.basename(model)}")
+    report = {"title": f"agentic replay, {where}, {what}: {len(trace['conversations'])} conversations x "
+                       f"{args.turns} turns, block {trace['block_size']}", "trace": trace, "modes": {},
+              "command": "python -m benchmarks.agentic_replay " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "device": args.device, "shape": args.shape, "layers": args.layers, "transport": args.transport}
     try:
-        # --fallback error: a turn the fast tier could not serve fails the run instead of being timed on vLLM
-        targets = {"nexrt_cache": (stack.router("--fallback", "error", nodes=[0])[0], stack.node_urls[0]),
-                   "nexrt": (stack.router("--fallback", "error", nodes=[1])[0], stack.node_urls[1]),
-                   "vllm": (stack.vllm_url, None)}
         for salt, mode in enumerate(MODES):
-            url, node_url = targets[mode]
+            # --fallback error: a turn the fast tier could not serve fails the run instead of being timed on vLLM
+            if mode == "vllm":
+                url, node_url = stack.vllm_url, None
+            else:
+                i = 0 if mode == "nexrt_cache" or one else 1
+                if one and mode == "nexrt":
+                    stack.kill_node(0)
+                    stack.specs[0] = plain
+                    stack.start_node(0)
+                    stack.wait_node(0)
+                url, node_url = stack.router("--fallback", "error", nodes=[i])[0], stack.node_urls[i]
             log(f"{mode}")
             turns = replay(trace, url, node_url, model, tok, salt + 1, vocab, log)
             report["modes"][mode] = {"turns": turns, "summary": summarize(turns)}

@@ -17,6 +17,15 @@ carried into the real shape, nexrt_vllm/bench/graft.py) and times each kernel gr
 checkpoints' block format (e4m3 + 128 x 128 fp32 scales, read natively by the fp8 kernels); the
 byte count is then what the fp8 step reads (e4m3 values, scales, scale-row maps, the bf16 rest),
 and `fp8_vs_bf16` compares the two per context.
+
+`--tp N` runs each shape tensor-parallel on the graph path (gpu/tp.py): N processes, rank r on cuda:r,
+each replaying its own captured step with NCCL inside; per context the step time of rank 0's replays
+(the followers replaying in step), the product loop's tok/s, the bytes one rank moves and its MBU,
+and the same TP engine's eager step. Greedy tokens of the TP graph path against that TP engine's
+eager steps are reported, not judged (random weights: near ties; the TP graph path's parity on
+trained weights is tests/gpu/test_tp_graph_cuda.py's).
+
+    python benchmarks/decode_bench.py --tp 2 --shapes 2b,35b --contexts 1024,8192,32768 --json $OUT/decode_tp2.json
 """
 from __future__ import annotations
 
@@ -272,6 +281,71 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
     return res
 
 
+def run_tp_shape(group, key: str, tp: int, contexts: list[int], steps: int, parity_steps: int, eager_steps: int,
+                 bw: float, tuning=None) -> dict:
+    """One shape at TP = tp on the graph path (random bf16 weights, seed 0, made whole on each rank and
+    sharded): per context rank 0's replay time, the product loop's tok/s, one rank's bytes and MBU, the
+    TP engine's eager step."""
+    t0 = time.time()
+    tag = f"{key}/tp{tp}"
+    max_len = max(contexts, default=0) + max(steps, parity_steps) + 64
+    eng = group.engine(tp, config=SHAPES[key], dtype=torch.bfloat16, max_seq_len=max_len)
+    eng.use_graph("fused", tuning)
+    runner, d = eng.graph, eng.graph.d
+    log(f"[{tag}] built + captured in {time.time() - t0:.1f}s; rank 0 GPU mem "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    res = {"shape": NAMES[key], "config": SHAPES[key], "hf_transformers_tok_s": HF_TOKS[key], "tp": tp,
+           "pdl": d.pdl, "weights": "random", "dtype": "bf16", "weight_format": eng.weight_format, "contexts": []}
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    if parity_steps:
+        prompt = torch.randint(0, eng.config.vocab_size, (32,), generator=gen, device="cuda").tolist()
+        first = int(torch.argmax(eng.prefill(prompt)))
+        toks = list(runner.generate(first, parity_steps))
+        eng.prefill(prompt)
+        eager, tok = [], first
+        for _ in range(parity_steps):
+            tok = int(torch.argmax(eng.decode_step(tok)))
+            eager.append(tok)
+        div = next((i for i, (a, b) in enumerate(zip(toks, eager)) if a != b), None)
+        res["parity"] = {"steps": parity_steps, "graph_vs_eager_tp": {"equal": toks == eager,
+                                                                       "first_divergence": div}}
+        log(f"[{tag}] graph vs eager TP greedy: equal {toks == eager}, first divergence {div}")
+    for ctx in contexts:
+        fill_context(eng, ctx, gen)  # rank 0's state (the followers' stay as they are: timing only)
+        nb = bytes_per_step(d, ctx)
+        d.tok.fill_(1)
+        d.state.position.fill_(ctx)
+        with runner.lead() as g:
+            time_replays(g, 5)
+            ts = time_replays(g, steps)
+        med = statistics.median(ts)
+        eng.state.set_seq_len(ctx)
+        t1 = time.perf_counter()
+        n_tok = sum(1 for _ in runner.generate(1, steps))
+        e2e = n_tok / (time.perf_counter() - t1)
+        eng.state.set_seq_len(ctx)
+        tl_ = []
+        for _ in range(eager_steps + 2):
+            t2 = time.perf_counter()
+            eng.decode_step(1)
+            torch.cuda.synchronize()
+            tl_.append(time.perf_counter() - t2)
+        eager_s = statistics.median(tl_[2:]) if eager_steps else float("nan")
+        row = {"context": ctx, "steps": steps, "step_ms_median": med * 1e3,
+               "step_ms_p10": sorted(ts)[len(ts) // 10] * 1e3, "step_ms_p90": sorted(ts)[9 * len(ts) // 10] * 1e3,
+               "tok_s": 1 / med, "e2e_tok_s": e2e, "bytes_per_token": nb["total"], "bytes_breakdown": nb,
+               "copy_bw_Bps": bw, "roofline_tok_s": bw / nb["total"], "mbu": nb["total"] / med / bw,
+               "eager_step_ms": eager_s * 1e3, "eager_tok_s": 1 / eager_s, "speedup_vs_eager": eager_s / med,
+               "speedup_vs_hf": (1 / med) / HF_TOKS[key]}
+        res["contexts"].append(row)
+        log(f"[{tag}] ctx {ctx}: step {med * 1e3:.3f} ms, {1 / med:.0f} tok/s (e2e {e2e:.0f}), "
+            f"{nb['total'] / 1e9:.3f} GB/tok per rank, MBU {row['mbu'] * 100:.1f}%, eager TP {eager_s * 1e3:.1f} ms")
+    eng.graph = None
+    del runner, d, eng
+    torch.cuda.empty_cache()
+    return res
+
+
 def plot(results: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -332,12 +406,21 @@ def main(argv=None) -> int:
                          "bytes per round, effective tok/s at acceptance 2.0-3.5 (computed), round-graph parity")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=None, help="the head drafts from the first N token ids")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks on the graph path (rank r on cuda:r; "
+                    "random bf16 weights only: not with --graft, --dtype fp8 or --speculative)")
     args = ap.parse_args(argv)
     dtypes = [d for d in args.dtype.split(",") if d]
     if not dtypes or any(d not in ("bf16", "fp8") for d in dtypes):
         ap.error(f"--dtype: a comma-separated list of bf16 / fp8, got {args.dtype!r}")
+    if args.tp < 1:
+        ap.error("--tp must be >= 1")
+    if args.tp > 1 and (args.graft or dtypes != ["bf16"] or args.speculative != "off"):
+        ap.error("--tp > 1 runs random bf16 weights: not with --graft, --dtype fp8 or --speculative")
     if not torch.cuda.is_available():
         print("decode_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if torch.cuda.device_count() < args.tp:
+        print(f"decode_bench --tp {args.tp} needs {args.tp} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     contexts = [int(x) for x in args.contexts.split(",") if x]  # empty: parity only
@@ -370,7 +453,25 @@ def main(argv=None) -> int:
         judge(results)
         write(results, args.json)
 
-    for key in args.shapes.split(","):
+    if args.tp > 1:
+        from nexrt_vllm.engine.tp import Group
+
+        results["tp"] = args.tp
+        group = Group(args.tp, device="cuda", timeout=600)
+        try:
+            for key in args.shapes.split(","):
+                try:
+                    results["shapes"].append(run_tp_shape(group, key, args.tp, contexts, args.steps, args.parity_steps,
+                                                          args.eager_steps, bw, tuning))
+                except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
+                    import traceback
+                    traceback.print_exc()
+                    results.setdefault("errors", {})[f"{key}/tp{args.tp}"] = f"{type(e).__name__}: {e}"
+                    torch.cuda.empty_cache()
+                save()
+        finally:
+            group.close()
+    for key in args.shapes.split(",") if args.tp == 1 else ():
         if args.speculative == "mtp":
             try:
                 results["shapes"].append(spec_round.run_spec_shape(
@@ -403,12 +504,13 @@ def main(argv=None) -> int:
         plot(results, args.png)
     log(f"{'shape':<22}{'ctx':>7}{'ms/step':>9}{'tok/s':>8}{'e2e':>7}{'GB/tok':>8}{'MBU%':>7}{'xEager':>8}{'xHF':>7}")
     for r in results["shapes"]:
-        name = r["shape"] + ("" if r.get("dtype", "bf16") == "bf16" else f" {r['dtype']}")
+        name = r["shape"] + ("" if r.get("dtype", "bf16") == "bf16" else f" {r['dtype']}") \
+            + (f" tp{r['tp']}" if r.get("tp", 1) > 1 else "")
         for c in r["contexts"]:
             log(f"{name:<22}{c['context']:>7}{c['step_ms_median']:>9.3f}{c['tok_s']:>8.0f}{c['e2e_tok_s']:>7.0f}"
                 f"{c['bytes_per_token'] / 1e9:>8.3f}{100 * c['mbu']:>7.1f}{c['speedup_vs_eager']:>8.1f}"
                 f"{c['speedup_vs_hf']:>7.1f}")
-        if "parity" in r:
+        if "parity" in r and "teacher_forced" in r["parity"]:
             p = r["parity"]
             tf = {k: v for k, v in p["teacher_forced"].items() if k != "logits_rel_err_per_step"}
             log(f"  parity {name}: fused={p['graph_fused']} eager_ops={p.get('graph_eager_ops')} tf={tf}")

@@ -31,6 +31,10 @@ baseline while the node decodes plainly): `concurrency` holds every result, `par
 counts 1 GPU) and `ratios_by_conc` NexRT against the best baseline at each concurrency;
 OUT/gpu_e2e_<label>_pareto.png draws them.
 
+`--tp N` runs the node tensor-parallel (`nexrt-decode --tp N`: rank r on cuda:r, each on the graph path)
+and both vLLMs with `--tensor-parallel-size N` on the same GPUs; the engine step comes from
+`decode_bench --tp N`.
+
 `gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png [--engine DECODE.json]` joins runs (of a
 shape that measured different `--paths`; several shapes become sections) into one summary with the
 ratios, and draws one overlay of them all.
@@ -211,12 +215,13 @@ def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, o
                                     "p99_tpot_ms", "output_throughput")}
 
 
-def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str, spec_tokens: int = 0) -> dict:
-    """decode_bench at the scenario contexts (the engine alone, same GPU, nothing else running); with
-    `spec_tokens`, the captured MTP round against the plain step."""
+def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str, spec_tokens: int = 0,
+                tp: int = 1) -> dict:
+    """decode_bench at the scenario contexts (the engine alone, same GPUs, nothing else running); with
+    `spec_tokens`, the captured MTP round against the plain step; at TP = `tp`."""
     cmd = [sys.executable, "-m", "benchmarks.decode_bench", "--shapes", shape, "--contexts",
            ",".join(map(str, contexts)), "--steps", "200", "--parity-steps", "0", "--eager-steps", "2",
-           "--json", out_json] + (["--layers", str(layers)] if layers else [])
+           "--json", out_json, "--tp", str(tp)] + (["--layers", str(layers)] if layers else [])
     if spec_tokens:
         cmd += ["--speculative", "mtp", "--num-speculative-tokens", str(spec_tokens)]
     log("run", " ".join(cmd[2:]))
@@ -377,9 +382,9 @@ def merge(paths: list[str], out: str, png: str | None, engine: list[str] = ()) -
 
 
 class Stack:
-    def __init__(self, workdir: str, device: str):
+    def __init__(self, workdir: str, device: str, tp: int = 1):
         self.procs = Procs(workdir)
-        self.workdir, self.device = workdir, device
+        self.workdir, self.device, self.tp = workdir, device, tp
 
     async def node(self, model: str, max_len: int, transport: str, recv_memory: str, extra=()) -> str:
         ready = os.path.join(self.workdir, "node.ready")
@@ -387,13 +392,14 @@ class Stack:
                                   "--device", self.device, "--load-format", "dummy", "--port", "0",
                                   "--transport", transport, "--recv-memory", recv_memory,
                                   "--max-seq-len", str(max_len), "--ready-file", ready,
-                                  "--transfer-timeout", "60", "--start-timeout", "60", *extra])
+                                  "--transfer-timeout", "60", "--start-timeout", "60", "--tp", str(self.tp),
+                                  *extra])
         return ready
 
     def vllm(self, name: str, model: str, max_len: int, transport: str | None, share: float,
              kv_bytes: int | None = None, speculative: dict | None = None) -> str:
         port = free_port()
-        extra = ["--load-format", "dummy", "--served-model-name", "model"]
+        extra = ["--load-format", "dummy", "--served-model-name", "model", "--tensor-parallel-size", str(self.tp)]
         if speculative:
             extra += ["--speculative-config", json.dumps(speculative)]
         if kv_bytes:  # a fixed KV cache: vLLM skips the memory profiling a neighbour starting beside it would falsify
@@ -544,6 +550,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=1, help="the node's --max-batch (requests decoded together)")
     ap.add_argument("--vllm-mtp", action="store_true",
                     help="measure vLLM + MTP (golden acceptance) as a baseline while the node decodes plainly")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel node (and vLLMs) over N GPUs")
     ap.add_argument("--out", required=True)
     ap.add_argument("--start-timeout", type=float, default=420)
     a = ap.parse_args(argv)
@@ -563,6 +570,10 @@ def main(argv=None) -> int:
         if spec and "nexrt" not in a.paths:
             ap.error("--speculative mtp measures the NexRT path against vLLM + MTP (plain vLLM too with --paths "
                      "nexrt vllm)")
+    if a.tp < 1:
+        ap.error("--tp must be >= 1")
+    if a.tp > 1 and spec:
+        ap.error("--tp > 1 with --speculative mtp: the node does not run MTP at TP > 1")
     if a.interleave and not (a.concurrent_baseline and set(a.paths) == {"nexrt", "vllm"}):
         ap.error("--interleave needs --concurrent-baseline and both --paths")
     for sc in a.scenarios:
@@ -573,8 +584,8 @@ def main(argv=None) -> int:
         a.recv_memory = "host"
 
     os.makedirs(a.out, exist_ok=True)
-    label = a.shape + (f"_l{a.layers}" if a.layers else "") + ("" if len(a.paths) == 2 else "_" + a.paths[0]) \
-        + (f"_conc{'-'.join(map(str, a.conc))}" if sweep else "")
+    label = a.shape + (f"_l{a.layers}" if a.layers else "") + (f"_tp{a.tp}" if a.tp > 1 else "") \
+        + ("" if len(a.paths) == 2 else "_" + a.paths[0]) + (f"_conc{'-'.join(map(str, a.conc))}" if sweep else "")
     work = tempfile.mkdtemp(prefix="gpu-e2e-")
     name = NAMES.get(a.shape, "tiny-qwen3-next")
     model = os.path.join(work, name + (f"-{a.layers}L" if a.layers else ""))
@@ -585,9 +596,9 @@ def main(argv=None) -> int:
     summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "interleaved": a.interleave,
                "shape": name, "device": a.device, "layers": info["layers"], "weights": "random (dummy load, both sides)",
                "transport": a.transport, "recv_memory": a.recv_memory, "vllm_gpu_memory_utilization": share,
-               "num_prompts": a.num_prompts, "conc": 1, "nexrt": {}, "vllm": {}, "node": {}}
+               "num_prompts": a.num_prompts, "conc": 1, "tp": a.tp, "nexrt": {}, "vllm": {}, "node": {}}
     if sweep:
-        summary.update({"conc": a.conc, "concurrency": {}, "gpus": 1, "max_batch": a.max_batch})
+        summary.update({"conc": a.conc, "concurrency": {}, "gpus": a.tp, "max_batch": a.max_batch})
     node_extra, vspec = ["--max-batch", str(a.max_batch)] if a.max_batch > 1 else [], None
     if a.vllm_mtp:
         vspec = {"method": "mtp", "num_speculative_tokens": a.num_speculative_tokens,
@@ -624,7 +635,7 @@ def main(argv=None) -> int:
             if os.path.isdir(res_dir):
                 t.add(res_dir, arcname=f"gpu_e2e_{label}")
 
-    stack = Stack(work, a.device)
+    stack = Stack(work, a.device, a.tp)
     t0 = time.monotonic()
     ix = (a.ix_scenarios if a.ix_scenarios is not None else a.scenarios) if a.ix_client else ()
     ix_n = a.ix_num_prompts or a.num_prompts
@@ -673,7 +684,7 @@ def main(argv=None) -> int:
         if "vllm" in a.paths:
             if purl is None:
                 stack.procs.stop()
-                stack = Stack(work, a.device)
+                stack = Stack(work, a.device, a.tp)
                 purl = stack.vllm("vllm_plain", model, max_len, None, share)
                 asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
             for sc in ([] if a.interleave else a.scenarios):
@@ -684,7 +695,7 @@ def main(argv=None) -> int:
                     save()
         if vspec and not a.interleave:  # one vLLM at a time: plain (if asked), then + MTP
             stack.procs.stop()
-            stack = Stack(work, a.device)
+            stack = Stack(work, a.device, a.tp)
             murl = stack.vllm("vllm_mtp", model, max_len, None, share, speculative=vspec)
             asyncio.run(_up(stack, [(murl, "vLLM + MTP")], a.start_timeout))
             for sc in a.scenarios:
@@ -717,7 +728,7 @@ def main(argv=None) -> int:
     if not a.skip_engine_bench and a.device == "cuda" and "error" not in summary:
         ctxs = sorted({scenario(s)[0] for s in a.scenarios})
         summary["engine"] = engine_step(a.shape, ctxs, a.layers, os.path.join(work, "decode_bench.json"),
-                                        a.num_speculative_tokens if spec else 0)
+                                        a.num_speculative_tokens if spec else 0, a.tp)
     add_ratios(summary, a.scenarios)
     if sweep:
         add_sweep(summary, a.scenarios, os.path.join(a.out, f"gpu_e2e_{label}_pareto.png"))

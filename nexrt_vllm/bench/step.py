@@ -125,6 +125,9 @@ GROUPS = {
     "mlp_gate_up+swiglu": ("ffn", lambda d, L, n: nbytes(L.ffn.w_gate_up)),
     "mlp_down": ("ffn", lambda d, L, n: nbytes(L.ffn.w_down)),
     "lm_head+argmax": (None, lambda d, L, n: nbytes(d.lm_head)),
+    # a TP rank's (gpu/tp.py): its fp32 partial in and out of the all-reduce, then read and zeroed by the
+    # residual add, the residual read and written
+    "tp_allreduce+residual": (None, lambda d, L, n: 4 * nbytes(d.part) + 2 * nbytes(d.res)),
 }
 
 

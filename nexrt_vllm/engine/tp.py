@@ -30,8 +30,9 @@ whose prefill / decode_step / state import first tell the followers to do the sa
 are spawned processes (`Group`) that run the identical `Engine` code on their shards, so they fail
 identically on bad input. Commands travel over one multiprocessing queue per follower (an idle
 follower waits on its queue, not inside a collective that would time out); tensors and the
-all-reduces go through torch.distributed (gloo on CPU, NCCL on CUDA: untested here). The GPU graph
-path (docs/GPU.md) is single-device; TP runs the eager step.
+all-reduces go through torch.distributed (gloo on CPU, NCCL on CUDA). `TPEngine.use_graph` puts every
+rank on the graph path: each captures its own fused step with the collectives inside, and rank 0's
+replays lead the followers' (gpu/tp.py).
 """
 from __future__ import annotations
 
@@ -263,21 +264,27 @@ class Group:
             raise ConfigError(f"a TP group needs at least 2 ranks, got {world}")
         if device.startswith("cuda") and device != "cuda":
             raise ConfigError(f"TP ranks use cuda:0..{world - 1}; give --device cuda, not {device!r}")
+        if device == "cuda" and torch.cuda.device_count() < world:
+            raise ConfigError(f"a TP group of {world} ranks runs rank r on cuda:r: it needs {world} CUDA devices, "
+                              f"{torch.cuda.device_count()} visible")
         self.world, self.device, self.timeout = world, device, timeout
         self.backend = "nccl" if device == "cuda" else "gloo"
         port = free_port()
         ctx = mp.get_context("spawn")
         self.replies = ctx.Queue()
         self.queues = {r: ctx.Queue() for r in range(1, world)}
+        # the graph path's lock step (gpu/tp.py Lockstep): [replays announced, end of the last run]
+        self.words = ctx.RawArray("q", 2)
+        self._lockstep = None
         self.procs = {r: ctx.Process(target=_follower_main, name=f"nexrt-tp-rank{r}", daemon=True,
                                      args=(r, world, port, self.backend, device, timeout, threads,
-                                           self.queues[r], self.replies))
+                                           self.queues[r], self.replies, self.words))
                       for r in range(1, world)}
         for p in self.procs.values():
             p.start()
         self.broken: str | None = None
         try:
-            self._collect("up", range(1, world), start_timeout)
+            self.collect("up", range(1, world), start_timeout)
             self.subgroups = _init(0, world, port, self.backend, timeout)
         except BaseException:
             self._kill()
@@ -296,8 +303,9 @@ class Group:
         for r in ranks:
             self.queues[r].put(cmd)
 
-    def _collect(self, what: str, ranks, timeout: float) -> None:
+    def collect(self, what: str, ranks, timeout: float | None = None) -> None:
         """Wait for `what` from every rank in `ranks`; EngineError naming the rank on error/death/timeout."""
+        timeout = self.timeout if timeout is None else timeout
         waiting, deadline = set(ranks), time.monotonic() + timeout
         while waiting:
             try:
@@ -333,12 +341,19 @@ class Group:
             eng = _build(spec, tp, 0, group, _device(self.device, 0))
         except BaseException:
             try:  # let the followers finish loading, so the group stays in step
-                self._collect("loaded", followers, self.timeout)
+                self.collect("loaded", followers)
             except EngineError:
                 pass
             raise
-        self._collect("loaded", followers, self.timeout)
+        self.collect("loaded", followers)
         return TPEngine(eng.config, eng.model, eng.max_seq_len, self, tp)
+
+    def lockstep(self):
+        """The group's one `gpu.tp.Lockstep` (its run numbers are the group's, whichever engine runs)."""
+        if self._lockstep is None:
+            from nexrt_vllm.engine.gpu.tp import Lockstep
+            self._lockstep = Lockstep(self.words, self.send)
+        return self._lockstep
 
     def close(self) -> None:
         for r, q in self.queues.items():
@@ -377,8 +392,32 @@ class TPEngine(Engine):
         self.group.send(self._followers, "decode", token)
         return super().decode_step(token)
 
-    def use_graph(self, mode: str = "fused") -> None:
-        raise EngineError("the CUDA graph path is single-device; TP > 1 runs the eager step (--graph off)")
+    def use_graph(self, mode: str = "fused", tuning=None, interpret: bool = False) -> None:
+        """`Engine.use_graph` at TP > 1 (gpu/tp.py): every rank builds its `TPDecoder` and captures the
+        same step variants in the same order (their warm-up steps run the collectives); rank 0's
+        `TPRunner` then serves `stream`, each replay announced to the followers. `interpret`: on CPU,
+        a replay runs the step's launches through the Triton interpreter instead (tests)."""
+        if self.device.type != "cuda" and not interpret:
+            raise EngineError(f"the graph path needs a CUDA device (engine is on {self.device})")
+        from nexrt_vllm.engine.gpu.tp import Collectives, TPDecoder, TPRunner
+        self.graph = None
+        self.group.send(self._followers, "graph", self.tp, mode, tuning, interpret)
+        try:
+            d = TPDecoder(self.model, self.state, Collectives(self.tp, 0, self.model.group), mode, tuning)
+        except BaseException:
+            try:  # the followers fail alike; let them answer, so the group stays in step
+                self.group.collect("graphed", self._followers)
+            except EngineError:
+                pass
+            raise
+        self.group.collect("graphed", self._followers)
+        runner = TPRunner(d, self.group.lockstep(), self._followers)
+        variants = [v for v in runner.VARIANTS if runner.masks or not v[2]]
+        self.group.send(self._followers, "capture", variants)
+        for v in variants:
+            runner.capture(*v)
+        self.group.collect("captured", self._followers)
+        self.graph = runner
 
     def enable_speculative(self, method: str = "mtp", num_speculative_tokens: int = 3) -> None:
         raise NotBuiltError("speculative decoding (MTP) with tensor parallelism (--tp > 1) is not built")
@@ -456,7 +495,7 @@ def _wire_layout(state, seq_len: int) -> tuple[dict, set]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _follower_main(rank, world, port, backend, device, timeout, threads, commands, replies) -> None:
+def _follower_main(rank, world, port, backend, device, timeout, threads, commands, replies, words) -> None:
     torch.set_num_threads(threads)
     logging.basicConfig(level=os.environ.get("NEXRT_TP_LOG", "WARNING"),
                         format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
@@ -470,7 +509,7 @@ def _follower_main(rank, world, port, backend, device, timeout, threads, command
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which fails its start with it
         replies.put(("error", rank, f"{type(e).__name__}: {e}"))
         return
-    engine = None
+    engine = runner = None
     while True:
         try:
             cmd = commands.get(timeout=1.0)
@@ -484,9 +523,20 @@ def _follower_main(rank, world, port, backend, device, timeout, threads, command
         try:
             if op == "load":
                 _, tp, spec = cmd
-                engine = None
+                engine = runner = None
                 engine = _build(spec, tp, rank, subgroups[tp], dev)
                 replies.put(("loaded", rank, None))
+            elif op == "graph":
+                _, tp, mode, tuning, interpret = cmd
+                runner = None
+                runner = _follower_graph(engine, tp, rank, subgroups[tp], mode, tuning, interpret)
+                replies.put(("graphed", rank, None))
+            elif op == "capture":
+                for v in cmd[1]:
+                    runner.capture(*v)
+                replies.put(("captured", rank, None))
+            elif op == "run":
+                runner.follow(words, *cmd[1:], alive=lambda: parent is None or parent.is_alive())
             elif op == "prefill":
                 engine.prefill(cmd[1])
             elif op == "decode":
@@ -505,6 +555,15 @@ def _follower_main(rank, world, port, backend, device, timeout, threads, command
             else:
                 raise EngineError(f"unknown TP command {op!r}")
         except Exception as e:  # noqa: BLE001 - rank 0 runs the same code and raises the same error
-            if op == "load":
+            if op in ("load", "graph", "capture"):
                 replies.put(("error", rank, f"{type(e).__name__}: {e}"))
             log.warning("rank %d: %s failed: %s", rank, op, traceback.format_exc(limit=3))
+
+
+def _follower_graph(engine, tp, rank, group, mode, tuning, interpret):
+    """A follower's `gpu.tp.Follower` over its engine's shard (the kernels interpreted on CPU if asked)."""
+    if interpret:
+        from nexrt_vllm.engine import kernels
+        kernels.load(interpret=True)
+    from nexrt_vllm.engine.gpu.tp import Collectives, Follower, TPDecoder
+    return Follower(TPDecoder(engine.model, engine.state, Collectives(tp, rank, group), mode, tuning))

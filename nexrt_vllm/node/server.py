@@ -204,8 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "docs/GPU.md) or dequantize them at load; auto = keep on CUDA with bfloat16")
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--tp", type=int, default=1,
-                    help="tensor-parallel ranks, one process each (rank r on cuda:r with --device cuda): rank 0 "
-                         "serves HTTP and the control endpoint, the others follow it; eager step (--graph off)")
+                    help="tensor-parallel ranks, one process each (rank r on cuda:r with --device cuda, which needs "
+                         "N visible GPUs): rank 0 serves HTTP and the control endpoint, the others follow it; on "
+                         "CUDA every rank captures its own graph step (docs/GPU.md)")
     ap.add_argument("--graph", choices=("auto", "fused", "eager", "off"), default="auto",
                     help="GPU decode path (docs/GPU.md): one CUDA graph per token, captured at start-up; "
                          "fused = Triton kernels, eager = the eager ops in the graph, off = eager loop; "
@@ -298,8 +299,6 @@ def _positive(ap, args) -> None:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.graph in ("fused", "eager") and not args.device.startswith("cuda"):
         ap.error(f"--graph {args.graph} needs --device cuda")
-    if args.tp > 1 and args.graph in ("fused", "eager"):
-        ap.error("--tp > 1 runs the eager step: the CUDA graph path is single-device (--graph off or auto)")
     if args.speculative != "off":
         if args.tp > 1:
             ap.error(f"--speculative {args.speculative} with --tp > 1 is not built (tensor-parallel ranks run "
@@ -312,6 +311,11 @@ def _positive(ap, args) -> None:
     args.synthetic = _synthetic(ap, args)
     if args.tp > 1 and args.device not in ("cpu", "cuda"):
         ap.error(f"--tp > 1 places rank r on cuda:r: give --device cuda or cpu, not {args.device!r}")
+    if args.tp > 1 and args.device == "cuda":
+        import torch
+        if torch.cuda.device_count() < args.tp:
+            ap.error(f"--tp {args.tp} --device cuda runs rank r on cuda:r: it needs {args.tp} CUDA devices, "
+                     f"{torch.cuda.device_count()} visible")
     for name in ("admit_timeout", "transfer_timeout", "start_timeout", "write_timeout"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
@@ -359,7 +363,9 @@ async def serve(args) -> None:
         log.info("starting %d tensor-parallel ranks", args.tp)
         from nexrt_vllm.engine import EngineError
         try:
-            group = Group(args.tp, device=args.device, threads=torch.get_num_threads())
+            # on CUDA the first graph capture compiles the Triton kernels on every rank between collectives
+            group = Group(args.tp, device=args.device, threads=torch.get_num_threads(),
+                          timeout=600.0 if args.device == "cuda" else 60.0)
         except EngineError as e:
             raise RuntimeError(f"--tp {args.tp}: {e}") from None
         try:
@@ -382,7 +388,7 @@ async def serve(args) -> None:
     # GPU graph path: compiled and captured once here, before the node serves (not per request).
     if args.graph == "auto":
         args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 \
-            and args.tp == 1 and args.max_batch == 1 else "off"
+            and args.max_batch == 1 else "off"
     if args.speculative != "off":
         from nexrt_vllm.engine import EngineError
         try:

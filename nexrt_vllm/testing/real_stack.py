@@ -41,17 +41,20 @@ def periodic_texts(ckpt: str, specs=((5, 17), (3, 10)), seed: int = 0) -> list[s
 
 class RealStack:
     """vLLM (`transport` in its connector config) + one node per entry of `nodes`
-    ({"transport": ..., "env": {...}, "args": [...]}), all started at once and waited for."""
+    ({"transport": ..., "env": {...}, "args": [...]}), all started at once and waited for; on
+    `device` ("cpu", or "cuda": vLLM takes `gpu_share` of the GPU's memory, the nodes the rest)."""
 
     def __init__(self, ckpt: str, workdir: str, nodes=({}, {}), transport: str = "mooncake",
-                 max_len: int = MAX_LEN, vllm_extra: tuple[str, ...] = ()):
-        self.ckpt, self.workdir, self.max_len = ckpt, workdir, max_len
+                 max_len: int = MAX_LEN, vllm_extra: tuple[str, ...] = (), device: str = "cpu",
+                 gpu_share: float = 0.3):
+        self.ckpt, self.workdir, self.max_len, self.device = ckpt, workdir, max_len, device
         self.procs = Procs(workdir)
         self.loop = None
         try:
             self.vllm_url = f"http://127.0.0.1:{free_port()}"
             self.vllm = self.procs.start("vllm", vllm_argv(ckpt, int(self.vllm_url.rsplit(":", 1)[1]), max_len,
-                                                           transport, extra=list(vllm_extra)), env=ENV)
+                                                           transport, device, gpu_share, extra=list(vllm_extra)),
+                                         env=ENV)
             self.specs = [dict(n) for n in nodes]
             self.ports = [free_port() for _ in self.specs]
             self.node_urls = [f"http://127.0.0.1:{p}" for p in self.ports]
@@ -73,7 +76,7 @@ class RealStack:
         self._starts[i] += 1
         ready = os.path.join(self.workdir, f"node{i}.{self._starts[i]}.ready")
         argv = node_argv(self.ckpt, ready, max_seq_len=self.max_len, port=self.ports[i],
-                         transport=spec.get("transport", "mooncake"), extra=spec.get("args", ()))
+                         transport=spec.get("transport", "mooncake"), device=self.device, extra=spec.get("args", ()))
         self.nodes[i] = self.procs.start(f"node{i}.{self._starts[i]}", argv, env={**ENV, **spec.get("env", {})})
         return ready
 

@@ -60,6 +60,29 @@ def test_step_bytes_at_the_benchmarked_shapes(shape):
     assert bytes_per_step(dec, n)["total"] == expected_bytes(cfg, n)
 
 
+@pytest.mark.parametrize("shape", ["2b", "35b"])
+def test_tp_rank_step_bytes_are_its_shard(shape):
+    """decode_bench --tp: a TP = 2 rank's step moves its shard's bytes (its heads, its 1/2 of every FFN
+    and expert, its half of the lm_head) plus, after each mixer and FFN, the fp32 partial through the
+    all-reduce and the residual add (meta device; no collective runs)."""
+    from nexrt_vllm.bench.shapes import SHAPES
+    from nexrt_vllm.engine import ModelConfig
+    from nexrt_vllm.engine.gpu.tp import Collectives, TPDecoder
+    from nexrt_vllm.engine.tp import TPModel, local_config, shard_weights, vocab_range
+    from nexrt_vllm.engine.weights import expected_shapes
+
+    cfg, n, tp = ModelConfig.from_dict(SHAPES[shape]), 8192, 2
+    weights = {k: torch.empty(v, dtype=torch.bfloat16, device="meta") for k, v in expected_shapes(cfg).items()}
+    lc, H = local_config(cfg, tp), cfg.hidden_size
+    for rank in range(tp):
+        model = TPModel(cfg, shard_weights(cfg, weights, tp, rank), n + 1, tp=tp, rank=rank)
+        dec = TPDecoder(model, DecodeState(lc, n + 1, torch.bfloat16, "meta"), Collectives(tp, rank))
+        a, b = vocab_range(cfg.vocab_size, tp, rank)
+        reduce = 2 * len(cfg.layer_types) * (4 * H * 4 + 2 * H * 2)
+        want = expected_bytes(lc, n) - (cfg.vocab_size - (b - a)) * H * 2 + reduce
+        assert bytes_per_step(dec, n)["total"] == want, rank
+
+
 # --- FP8 (the published block format, weights kept e4m3 on the GPU path) ---------------------------
 
 def _fp8_bytes(parts, k: int, block=(128, 128)) -> int:

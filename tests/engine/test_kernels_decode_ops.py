@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from nexrt_vllm.engine import kernels
 from nexrt_vllm.testing.kernel_calls import DEV, call, rel, rms1p, to_dev
 
-attention, gdn, gemv, moe, sampling, _ = kernels.load(interpret=DEV == "cpu")
+attention, gdn, gemv, moe, sampling, *_ = kernels.load(interpret=DEV == "cpu")
 
 torch.set_num_threads(1)
 BF = torch.bfloat16

@@ -15,7 +15,7 @@ from nexrt_vllm.engine import kernels
 from nexrt_vllm.engine.fp8 import FP8Weight, cat_rows, quantize_weight
 from nexrt_vllm.testing.kernel_calls import DEV, call, rel, rms1p
 
-attention, gdn, gemv, moe, sampling, _ = kernels.load(interpret=DEV == "cpu")
+attention, gdn, gemv, moe, sampling, *_ = kernels.load(interpret=DEV == "cpu")
 
 torch.set_num_threads(1)
 BF = torch.bfloat16

@@ -86,6 +86,20 @@ def test_decode_bench(out, speculative):
     assert report["shapes"] and "errors" not in report
 
 
+def test_decode_bench_tp(out):
+    """decode_bench --tp 2: the 2B shape on the TP graph path over two GPUs runs and reports its rows."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    path = os.path.join(out, "decode_tp2.json")
+    rc = run_check("benchmarks.decode_bench", "--tp", "2", "--shapes", "2b", "--contexts", "1024", "--steps", "20",
+                   "--parity-steps", "32", "--eager-steps", "2", "--json", path, timeout=1200)
+    report = assert_passed(rc, path)
+    assert report["tp"] == 2 and report["shapes"] and "errors" not in report
+    assert report["shapes"][0]["contexts"][0]["tok_s"] > 0
+
+
 @needs_vllm
 def test_gpu_parity(out, tmp_path, ckpt_factory):
     """vLLM-GPU prefill + the GPU decode node through the router == vLLM-only greedy, both transports."""

@@ -54,3 +54,27 @@ def test_pdl_only_where_the_gpu_has_it():
     assert not pdl_enabled(True, True, (8, 0))  # A100: the kernels would not assemble
     assert not pdl_enabled(True, True, None)  # not a CUDA device
     assert not pdl_enabled(False, True, (9, 0)) and not pdl_enabled(None, False, (9, 0))
+
+
+def test_decode_cli_tp_graph_needs_a_gpu_per_rank(capsys):
+    """`--tp N --device cuda` (the graph path on every rank) refuses at start with fewer than N visible
+    GPUs, naming both counts; at TP > 1 the graph modes are no longer refused as such."""
+    ap = build_parser()
+    n = max(2, torch.cuda.device_count() + 1)
+    with pytest.raises(SystemExit) as e:
+        _positive(ap, ap.parse_args(["--model", "m", "--device", "cuda", "--tp", str(n)]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"it needs {n} CUDA devices, {torch.cuda.device_count()} visible" in err
+    _positive(ap, ap.parse_args(["--model", "m", "--device", "cpu", "--tp", "2", "--graph", "off"]))
+    with pytest.raises(SystemExit):  # the graph modes still need CUDA, at any TP
+        _positive(ap, ap.parse_args(["--model", "m", "--device", "cpu", "--tp", "2", "--graph", "fused"]))
+    assert "needs --device cuda" in capsys.readouterr().err
+
+
+def test_tp_group_refuses_missing_gpus_before_spawning():
+    from nexrt_vllm.engine.errors import ConfigError
+    from nexrt_vllm.engine.tp import Group
+
+    n = max(2, torch.cuda.device_count() + 1)
+    with pytest.raises(ConfigError, match=f"needs {n} CUDA devices, {torch.cuda.device_count()} visible"):
+        Group(n, device="cuda")

@@ -70,6 +70,9 @@ class FusedDecoder:
         # Static activations (addresses fixed for capture).
         H = c.hidden_size
         self.res = torch.zeros(H, dtype=dt, device=dev)
+        # Where each mixer's and FFN's last launch leaves its output (added to the residual by the
+        # epilogue); a tensor-parallel rank leaves its partial sum elsewhere and reduces it (gpu/tp.py).
+        self.block_out, self.block_epi = self.res, gemv.EPI_RESIDUAL
         self.buf = torch.zeros(max_buf, dtype=dt, device=dev)
         self.o = torch.zeros(max(c.value_dim, c.num_heads * c.head_dim), dtype=dt, device=dev)
         self.q = torch.zeros(c.num_heads * c.head_dim, dtype=dt, device=dev)
@@ -88,6 +91,7 @@ class FusedDecoder:
         if c.intermediate_size:
             self.act_dense = torch.zeros(c.intermediate_size, dtype=dt, device=dev)
         self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
+        self.lm_out = self.logits  # the lm_head's rows of the logits (a tensor-parallel rank: its slice)
         self.lm_shape = self.fixed_shape(self.lm_head, self.t.lm, self.t.lm_fp8)
         self.n_part = -(-c.vocab_size // self.lm_shape["block_n"])
         self.pmax = torch.zeros(max(self.n_part, -(-c.vocab_size // 2048)), dtype=torch.float32, device=dev)
@@ -133,13 +137,18 @@ class FusedDecoder:
         for i, L in enumerate(self.layers):
             mixer = self._gdn if isinstance(L.mixer, GDNMixer) else self._attention
             ffn = self._moe if isinstance(L.ffn, MoEFFN) else self._dense
-            entries += [(group, i, fn, stream) for group, fn, stream in mixer(L) + ffn(L)]
+            entries += [(group, i, fn, stream) for group, fn, stream in self._block(mixer(L)) + self._block(ffn(L))]
         entries.append(("lm_head+argmax", None, lambda **l2: g.gemv(
-            self.res, self.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
+            self.res, self.lm_head, self.lm_out, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
             aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, **l2, **self.lm_shape), (self.lm_head, False)))
         targets = self._l2_plan([e[3] for e in entries])
         return [Launch(group, i, fn if t is None else functools.partial(fn, l2=t))
                 for (group, i, fn, _), t in zip(entries, targets)]
+
+    def _block(self, launches: list[tuple]) -> list[tuple]:
+        """A mixer's or an FFN's launches as the step runs them (a tensor-parallel rank appends the
+        reduction of their partial output, gpu/tp.py)."""
+        return launches
 
     def _l2_plan(self, streams: list) -> list:
         """Per launch, the `gemv` l2 target it asks for: each GEMV launch over bf16 weights (stream =
@@ -169,7 +178,7 @@ class FusedDecoder:
                 head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v, num_warps=t.gdn_warps,
                 prefetch=t.prefetch > 0), None),
             ("gdn_out_proj", lambda **l2: g.gemv(
-                self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
+                self.o, m.w_out, self.block_out, pro=g.PRO_GATED, epi=self.block_epi, norm_w=m.norm,
                 z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, **l2,
                 **self.fixed_shape(m.w_out, t.gemv_gated, t.gemv_gated_fp8)), (m.w_out, False))]
 
@@ -188,7 +197,7 @@ class FusedDecoder:
                 self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                 nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps), None),
             ("attn_o_proj", lambda **l2: g.gemv(
-                self.o, m.w_o, self.res, epi=g.EPI_RESIDUAL, **l2, **self.gemv_shape(m.w_o, c.hidden_size)),
+                self.o, m.w_o, self.block_out, epi=self.block_epi, **l2, **self.gemv_shape(m.w_o, c.hidden_size)),
              (m.w_o, False))]
 
     def _moe(self, L: FusedLayer) -> list[tuple]:
@@ -202,7 +211,7 @@ class FusedDecoder:
                 xn_out=self.xn, **l2, **self.fixed_shape(f.w_router, t.gemv_router, t.gemv_router_fp8)),
              (f.w_router, False)),
             ("moe_experts", lambda: self.k_moe.moe_experts(
-                self.xn, self.res, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down,
+                self.xn, self.block_out, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down,
                 self.act, self.ids, self.wts, top_k=c.num_experts_per_tok, block_n=up.block_n,
                 block_k=up.block_k, down_block_n=dn.block_n, down_block_k=dn.block_k, num_warps=up.num_warps,
                 down_num_warps=dn.num_warps, norm_topk=c.norm_topk_prob,
@@ -216,7 +225,7 @@ class FusedDecoder:
                 eps=c.rms_norm_eps, **l2, **self.gemv_shape(f.w_gate_up, f.w_gate_up.shape[0] // 2)),
              (f.w_gate_up, True)),
             ("mlp_down", lambda **l2: g.gemv(
-                self.act_dense, f.w_down, self.res, epi=g.EPI_RESIDUAL, **l2,
+                self.act_dense, f.w_down, self.block_out, epi=self.block_epi, **l2,
                 **self.gemv_shape(f.w_down, c.hidden_size)),
              (f.w_down, False))]
 
@@ -243,6 +252,11 @@ class FusedDecoder:
             torch.amax(self.logits, 0, keepdim=True, out=self.pmax[:1])
             self.pidx[:1].copy_(torch.argmax(self.logits, 0, keepdim=True))
             n_part = 1
+        self._select(pos, n_part, sample, logprobs, mask)
+
+    def _select(self, pos: torch.Tensor, n_part: int, sample: bool, logprobs: bool, mask: bool) -> None:
+        """The step's tail after the logits and the lm_head's `n_part` (max, argmax) partials: the token
+        (greedy, or sampled), its logprobs, the grammar mask; `pos` is advanced and the token published."""
         pmax, pidx, dm = self.pmax, self.pidx, self.mem.device
         if logprobs or mask:
             # One launch over the logits: the mask (stored back for the sampler's sort), the masked

@@ -9,7 +9,7 @@ import importlib.util
 import os
 import sys
 
-MODULES = ("attention", "gdn", "gemv", "moe", "sampling", "spec")
+MODULES = ("attention", "gdn", "gemv", "moe", "sampling", "spec", "tp")
 
 
 def load(interpret: bool = False) -> tuple:

@@ -10,7 +10,9 @@ Prologues (PRO): 0 plain x; 1 zero-centred RMSNorm `x·rsqrt(mean x²+eps)·(1+w
 of GROUP).
 Epilogues (EPI): 0 store y; 1 residual add `y_ptr += y`; 2 SwiGLU over W = [gate; up] (N rows each);
 3 causal depthwise conv + SiLU on rows < CONV_N (GDN in_proj: updates the conv state in place),
-4 store fp32 logits plus a per-program (max, argmax) pair for the sampler. With `xn_out`, program 0
+4 store fp32 logits plus a per-program (max, argmax) pair for the sampler; 5 store y unrounded into an
+fp32 y (a tensor-parallel rank's partial output, summed over the ranks before the residual add:
+gpu/tp.py; m = 1 only). With `xn_out`, program 0
 also stores the normed input (PRO 1) for a later launch (the MoE experts).
 
 The kernels live by family: the decode step's (one row of x; bf16 `gemv_kernel`, FP8
@@ -26,7 +28,7 @@ from nexrt_vllm.engine.kernels.gemv_step import gemv_fp8_kernel, gemv_kernel
 from nexrt_vllm.engine.kernels.gemv_verify import gemv_rows_dot_kernel, gemv_rows_kernel
 
 PRO_NONE, PRO_RMSNORM, PRO_GATED = 0, 1, 2
-EPI_STORE, EPI_RESIDUAL, EPI_SWIGLU, EPI_CONV, EPI_ARGMAX = 0, 1, 2, 3, 4
+EPI_STORE, EPI_RESIDUAL, EPI_SWIGLU, EPI_CONV, EPI_ARGMAX, EPI_PARTIAL = 0, 1, 2, 3, 4, 5
 
 
 def head_blocks(prefetch: int, k: int, block_k: int) -> int:
@@ -133,6 +135,8 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
         raise ValueError("gemv: m > 1 needs bf16 weights (got an FP8Weight)")
     if not 1 <= m <= 4:
         raise ValueError(f"gemv: m must be 1..4 (got {m})")
+    if epi == EPI_PARTIAL:
+        raise ValueError("gemv: EPI_PARTIAL is for m = 1 launches")
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
     for name, t, cols in (("x", x, k), ("y", y, n), ("z", z if pro == PRO_GATED else None, k),
@@ -176,4 +180,4 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
 
 __all__ = ["gemv", "l2_target", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel",
            "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
-           "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX"]
+           "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]

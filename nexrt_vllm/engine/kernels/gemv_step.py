@@ -113,6 +113,8 @@ def _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, pid, CONV_N,
               EPI: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
     if EPI < 3:
         _store_out(y_ptr, rows, y, y_up, rmask, EPI)
+    elif EPI == 5:  # a tensor-parallel rank's partial sum, unrounded (fp32 y_ptr): reduced, then added
+        tl.store(y_ptr + rows, y, mask=rmask)
     elif EPI == 3:
         # aux0: conv state [CONV_N, KC-1] (oldest first), aux1: conv weight [CONV_N, KC].
         yb = _bf16(y)
