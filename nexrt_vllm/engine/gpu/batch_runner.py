@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from nexrt_vllm.engine.decode_loop import DecodeLoop
-from nexrt_vllm.engine.errors import EngineError
+from nexrt_vllm.engine.errors import EngineError, InputError, StateError
 from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
 from nexrt_vllm.engine.gpu.control import wait_record
 from nexrt_vllm.engine.state import DecodeState
@@ -104,6 +104,11 @@ class BatchRunner:
         if not 0 <= slot < self.n or self.requests[slot] is not None:
             raise EngineError(f"slot {slot} is not a free slot of this batch ({self.n} slots, busy {self.busy})")
         st = self.d.states.states[slot]
+        if isinstance(first_token, bool) or not isinstance(first_token, int) \
+                or not 0 <= first_token < self.d.cfg.vocab_size:
+            raise InputError(f"first_token must be an int in [0, {self.d.cfg.vocab_size}), got {first_token!r}")
+        if st.seq_len == 0:
+            raise StateError(f"slot {slot}: its state is empty (load a hand-off or prefill first)")
         loop = DecodeLoop(params, self.d.cfg.eos_token_ids)
         if not loop.start(first_token):
             return loop.finish_reason
