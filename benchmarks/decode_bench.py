@@ -17,6 +17,15 @@ carried into the real shape, nexrt_vllm/bench/graft.py) and times each kernel gr
 checkpoints' block format (e4m3 + 128 x 128 fp32 scales, read natively by the fp8 kernels); the
 byte count is then what the fp8 step reads (e4m3 values, scales, scale-row maps, the bf16 rest),
 and `fp8_vs_bf16` compares the two per context.
+
+`--batch 1,2,4,8` measures B requests decoding together instead (nexrt_vllm/bench/batch_step.py): per
+shape, rows with `batch`, `live`, `context`, `step_ms`, per-request and total tok/s, bytes per step
+(the distinct experts of the batch counted once) and the step over the one-request step; with
+`--batch-parity-steps N` each slot's greedy tokens in the batch against the request alone (checked
+on --graft weights):
+
+    python benchmarks/decode_bench.py --shapes 2b,35b --contexts 8192 --batch 1,2,4,8 --graft .work/graft \
+        --json $OUT/decode_batch_h200.json
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ import time
 
 import torch
 
-from nexrt_vllm.bench import spec_round
+from nexrt_vllm.bench import batch_step, spec_round
 from nexrt_vllm.bench.checks import finish, record, write
 from nexrt_vllm.bench.shapes import HF_TOKS, NAMES, SHAPES
 from nexrt_vllm.bench.step import (GROUPS, bytes_per_step, copy_bandwidth, fill_context, graft_engine, kernel_groups,
@@ -332,6 +341,10 @@ def main(argv=None) -> int:
                          "bytes per round, effective tok/s at acceptance 2.0-3.5 (computed), round-graph parity")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=None, help="the head drafts from the first N token ids")
+    ap.add_argument("--batch", default="", help="batch sizes, e.g. 1,2,4,8: the captured batch step (B requests "
+                    "per step, nexrt_vllm/bench/batch_step.py) against the one-request step (1), bf16")
+    ap.add_argument("--batch-parity-steps", type=int, default=64,
+                    help="with --batch: greedy tokens per slot checked against the request alone (0: none)")
     args = ap.parse_args(argv)
     dtypes = [d for d in args.dtype.split(",") if d]
     if not dtypes or any(d not in ("bf16", "fp8") for d in dtypes):
@@ -370,6 +383,35 @@ def main(argv=None) -> int:
         judge(results)
         write(results, args.json)
 
+    if args.batch:
+        try:
+            batches = sorted({int(x) for x in args.batch.split(",") if x})
+        except ValueError:
+            ap.error(f"--batch: comma-separated batch sizes, got {args.batch!r}")
+        if not batches or not 1 <= batches[0] <= batches[-1] <= 8:
+            ap.error(f"--batch: sizes in [1, 8], got {args.batch!r}")
+        if dtypes != ["bf16"] or args.speculative != "off":
+            ap.error("--batch runs bf16 weights without --speculative")
+        for key in args.shapes.split(","):
+            try:
+                results["shapes"].append(batch_step.run_batch_shape(
+                    key, contexts, batches, args.steps, bw, tuning, args.graft, args.batch_parity_steps,
+                    args.breakdown_ctx))
+            except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
+                import traceback
+                traceback.print_exc()
+                results.setdefault("errors", {})[key + "/batch"] = f"{type(e).__name__}: {e}"
+                torch.cuda.empty_cache()
+            save()
+        log(f"{'shape':<22}{'B':>3}{'live':>5}{'ctx':>7}{'ms/step':>9}{'xB1':>7}{'tok/s/req':>10}{'tok/s':>8}"
+            f"{'GB/step':>9}{'MBU%':>7}")
+        for r in results["shapes"]:
+            for c in r["rows"]:
+                log(f"{r['shape']:<22}{c['batch']:>3}{c['live']:>5}{c['context']:>7}{c['step_ms']:>9.3f}"
+                    f"{c.get('step_over_b1', float('nan')):>7.3f}{c['tok_s_per_request']:>10.0f}{c['tok_s_total']:>8.0f}"
+                    f"{c['bytes_per_step'] / 1e9:>9.3f}{100 * c['mbu']:>7.1f}")
+        judge(results)
+        return finish(results, args.json)
     for key in args.shapes.split(","):
         if args.speculative == "mtp":
             try:
@@ -421,8 +463,8 @@ def main(argv=None) -> int:
 
 def judge(results: dict) -> None:
     """Record the checks of this run (nexrt_vllm.bench.checks): every shape ran; the eager ops in one
-    graph give the eager engine's greedy tokens; on grafted (trained) weights the fused graph and the
-    MTP round give them too, and the model continues its period. On random weights the fused kernels'
+    graph give the eager engine's greedy tokens; on grafted (trained) weights the fused graph, the
+    MTP round and every slot of the batch step give them too, and the model continues its period. On random weights the fused kernels'
     tokens are reported, not checked: near-tied logits flip with the summation order (docs/GPU.md,
     "Parity")."""
     for key in results.get("errors", {}):
@@ -432,6 +474,11 @@ def judge(results: dict) -> None:
         if not p:
             continue
         trained = r.get("weights") == "graft"
+        if "batches" in r:  # the batch step (batch_step.run_batch_shape): per batch size
+            for b, pb in p.items():
+                if trained:
+                    record(results, f"{r['shape']}/batch{b}/tokens_equal_alone", pb["all_equal_eager"])
+            continue
         if "round_graph_equals_eager" in p:  # the MTP round (spec_round.run_spec_shape)
             tag = f"{r['shape']}/mtp"
             if trained:
