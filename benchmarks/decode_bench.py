@@ -408,8 +408,8 @@ def main(argv=None) -> int:
         for r in results["shapes"]:
             for c in r["rows"]:
                 log(f"{r['shape']:<22}{c['batch']:>3}{c['live']:>5}{c['context']:>7}{c['step_ms']:>9.3f}"
-                    f"{c.get('step_over_b1', float('nan')):>7.3f}{c['tok_s_per_request']:>10.0f}{c['tok_s_total']:>8.0f}"
-                    f"{c['bytes_per_step'] / 1e9:>9.3f}{100 * c['mbu']:>7.1f}")
+                    f"{c.get('step_over_b1', float('nan')):>7.3f}{c['tok_s_per_request']:>10.0f}"
+                    f"{c['tok_s_total']:>8.0f}{c['bytes_per_step'] / 1e9:>9.3f}{100 * c['mbu']:>7.1f}")
         judge(results)
         return finish(results, args.json)
     for key in args.shapes.split(","):
@@ -464,9 +464,9 @@ def main(argv=None) -> int:
 def judge(results: dict) -> None:
     """Record the checks of this run (nexrt_vllm.bench.checks): every shape ran; the eager ops in one
     graph give the eager engine's greedy tokens; on grafted (trained) weights the fused graph, the
-    MTP round and every slot of the batch step give them too, and the model continues its period. On random weights the fused kernels'
-    tokens are reported, not checked: near-tied logits flip with the summation order (docs/GPU.md,
-    "Parity")."""
+    MTP round and every slot of the batch step give them too, and the model continues its period. On
+    random weights the fused kernels' tokens are reported, not checked: near-tied logits flip with the
+    summation order (docs/GPU.md, "Parity")."""
     for key in results.get("errors", {}):
         record(results, f"{key}/ran", False)
     for r in results["shapes"]:

@@ -150,9 +150,9 @@ def parity(eng, fused_runner, runner, prompts: list[list[int]], steps: int) -> d
     rows = []
     for b in range(len(prompts)):
         div = next((i for i, (x, y) in enumerate(zip(got[b], alone[b])) if x != y), None)
-        rows.append({"slot": b, "equals_eager_alone": got[b] == alone[b],
-                     "equals_graph_alone": got[b] == graph_alone[b], "graph_alone_equals_eager": graph_alone[b] == alone[b],
-                     "first_divergence_vs_eager": div, "tokens_head": got[b][:16]})
+        rows.append({"slot": b, "equals_eager_alone": got[b] == alone[b], "equals_graph_alone": got[b] == graph_alone[b],
+                     "graph_alone_equals_eager": graph_alone[b] == alone[b], "first_divergence_vs_eager": div,
+                     "tokens_head": got[b][:16]})
     return {"steps": steps, "slots": rows, "all_equal_eager": all(r["equals_eager_alone"] for r in rows),
             "all_equal_graph_alone": all(r["equals_graph_alone"] for r in rows)}
 

@@ -11,7 +11,7 @@ from nexrt_vllm.engine.dtypes import MODEL_DTYPES, TORCH_DTYPES
 from nexrt_vllm.engine.errors import ConfigError, EngineError, InputError, NotBuiltError, StateError
 from nexrt_vllm.engine.model import Model
 from nexrt_vllm.engine.sampling import Sampled, Sampler, SamplingParams, token_logprobs
-from nexrt_vllm.engine.state import DecodeState
+from nexrt_vllm.engine.state import DecodeState, StackedStates
 from nexrt_vllm.engine.weights import load_checkpoint, random_weights
 
 _DTYPES = {name: TORCH_DTYPES[name] for name in MODEL_DTYPES}
@@ -51,7 +51,7 @@ class Engine:
         self.model = model
         self.device, self.dtype = model.device, model.dtype
         # the model's config: a tensor-parallel shard's state holds only its heads (engine/tp.py)
-        self.state = state or DecodeState(model.config, max_seq_len, model.dtype, model.device)
+        self.state = state if state is not None else DecodeState(model.config, max_seq_len, model.dtype, model.device)
         self.loop: DecodeLoop | None = None  # the last request's stop / length bookkeeping
         self.graph = None  # GPU graph path (use_graph); None: `stream` runs the eager decode loop
         self.speculative = None  # spec.speculative.Speculator (enable_speculative); None: one token per step
@@ -133,7 +133,6 @@ class Engine:
             raise EngineError(f"the batch graph needs a CUDA device (engine is on {self.device})")
         from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder  # triton: imported by the GPU path only
         from nexrt_vllm.engine.gpu.batch_runner import BatchRunner
-        from nexrt_vllm.engine.state import StackedStates
         self._check_batch()
         states = StackedStates(self.model.config, n, self.max_seq_len, self.dtype, self.device)
         runner = BatchRunner(BatchDecoder(self.model, states, tuning))

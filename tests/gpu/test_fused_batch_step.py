@@ -11,7 +11,7 @@ The graph capture and the pipelined replays on the device: tests/gpu/test_batch_
 import pytest
 import torch
 
-from nexrt_vllm.engine import Engine, EngineError, SamplingParams, kernels
+from nexrt_vllm.engine import Engine, EngineError, SamplingParams, StateError, kernels
 from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
 from nexrt_vllm.engine.gpu.batch_runner import BatchRunner
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder
@@ -116,13 +116,16 @@ def test_cancel_and_stop_leave_the_others_unchanged(ckpt_factory):
                                       CPU_TUNING))
     eng.use_batch(runner)
     a, b = eng.slots(2)
+    with pytest.raises(StateError, match="empty"):
+        runner.join(0, fa, SamplingParams(max_tokens=5))
+    a.prefill(pa)
+    b.prefill(pb)
     with pytest.raises(EngineError, match="greedy"):
         runner.join(0, fa, SamplingParams(max_tokens=5, temperature=0.7, seed=1))
     with pytest.raises(EngineError, match="greedy"):
         runner.join(0, fa, SamplingParams(max_tokens=5, logprobs=2))
-    assert runner.join(0, want_a[0], SamplingParams(max_tokens=5, stop_token_ids=(want_a[0],))) == "stop"
-    a.prefill(pa)
-    b.prefill(pb)
+    assert runner.join(0, fa, SamplingParams(max_tokens=5, stop_token_ids=(fa,))) == "stop"
+    assert runner.busy == []
     stop = next(t for t in want_b[2:] if t != fb)
     assert runner.join(0, fa, SamplingParams(max_tokens=50, ignore_eos=True)) is None
     assert runner.join(1, fb, SamplingParams(max_tokens=50, stop_token_ids=(stop,), ignore_eos=True)) is None
