@@ -103,7 +103,7 @@ class DecodeBatch:
                 self.metrics.batch_size.observe(stepped)
                 self.metrics.step_seconds.observe(time.perf_counter() - t)
         for job in jobs:  # closing: every stream still open ends as an error
-            self._leave(job, "err", "the decode node is shutting down")
+            self._leave(job, "err", "the decode node is shutting down", joined=job in self._active)
 
     def _join(self, job: Job) -> None:
         if job.stop.is_set():
