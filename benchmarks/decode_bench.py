@@ -26,6 +26,15 @@ eager steps are reported, not judged (random weights: near ties; the TP graph pa
 trained weights is tests/gpu/test_tp_graph_cuda.py's).
 
     python benchmarks/decode_bench.py --tp 2 --shapes 2b,35b --contexts 1024,8192,32768 --json $OUT/decode_tp2.json
+
+`--batch 1,2,4,8` measures B requests decoding together instead (nexrt_vllm/bench/batch_step.py): per
+shape, rows with `batch`, `live`, `context`, `step_ms`, per-request and total tok/s, bytes per step
+(the distinct experts of the batch counted once) and the step over the one-request step; with
+`--batch-parity-steps N` each slot's greedy tokens in the batch against the request alone (checked
+on --graft weights):
+
+    python benchmarks/decode_bench.py --shapes 2b,35b --contexts 8192 --batch 1,2,4,8 --graft .work/graft \
+        --json $OUT/decode_batch_h200.json
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ import time
 
 import torch
 
-from nexrt_vllm.bench import spec_round
+from nexrt_vllm.bench import batch_step, spec_round
 from nexrt_vllm.bench.checks import finish, record, write
 from nexrt_vllm.bench.shapes import HF_TOKS, NAMES, SHAPES
 from nexrt_vllm.bench.step import (GROUPS, bytes_per_step, copy_bandwidth, fill_context, graft_engine, kernel_groups,
@@ -408,6 +417,10 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=None, help="the head drafts from the first N token ids")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks on the graph path (rank r on cuda:r; "
                     "random bf16 weights only: not with --graft, --dtype fp8 or --speculative)")
+    ap.add_argument("--batch", default="", help="batch sizes, e.g. 1,2,4,8: the captured batch step (B requests "
+                    "per step, nexrt_vllm/bench/batch_step.py) against the one-request step (1), bf16")
+    ap.add_argument("--batch-parity-steps", type=int, default=64,
+                    help="with --batch: greedy tokens per slot checked against the request alone (0: none)")
     args = ap.parse_args(argv)
     dtypes = [d for d in args.dtype.split(",") if d]
     if not dtypes or any(d not in ("bf16", "fp8") for d in dtypes):
@@ -453,6 +466,35 @@ def main(argv=None) -> int:
         judge(results)
         write(results, args.json)
 
+    if args.batch:
+        try:
+            batches = sorted({int(x) for x in args.batch.split(",") if x})
+        except ValueError:
+            ap.error(f"--batch: comma-separated batch sizes, got {args.batch!r}")
+        if not batches or not 1 <= batches[0] <= batches[-1] <= 8:
+            ap.error(f"--batch: sizes in [1, 8], got {args.batch!r}")
+        if dtypes != ["bf16"] or args.speculative != "off" or args.tp > 1:
+            ap.error("--batch runs bf16 weights without --speculative, at --tp 1")
+        for key in args.shapes.split(","):
+            try:
+                results["shapes"].append(batch_step.run_batch_shape(
+                    key, contexts, batches, args.steps, bw, tuning, args.graft, args.batch_parity_steps,
+                    args.breakdown_ctx))
+            except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
+                import traceback
+                traceback.print_exc()
+                results.setdefault("errors", {})[key + "/batch"] = f"{type(e).__name__}: {e}"
+                torch.cuda.empty_cache()
+            save()
+        log(f"{'shape':<22}{'B':>3}{'live':>5}{'ctx':>7}{'ms/step':>9}{'xB1':>7}{'tok/s/req':>10}{'tok/s':>8}"
+            f"{'GB/step':>9}{'MBU%':>7}")
+        for r in results["shapes"]:
+            for c in r["rows"]:
+                log(f"{r['shape']:<22}{c['batch']:>3}{c['live']:>5}{c['context']:>7}{c['step_ms']:>9.3f}"
+                    f"{c.get('step_over_b1', float('nan')):>7.3f}{c['tok_s_per_request']:>10.0f}"
+                    f"{c['tok_s_total']:>8.0f}{c['bytes_per_step'] / 1e9:>9.3f}{100 * c['mbu']:>7.1f}")
+        judge(results)
+        return finish(results, args.json)
     if args.tp > 1:
         from nexrt_vllm.engine.tp import Group
 
@@ -523,10 +565,10 @@ def main(argv=None) -> int:
 
 def judge(results: dict) -> None:
     """Record the checks of this run (nexrt_vllm.bench.checks): every shape ran; the eager ops in one
-    graph give the eager engine's greedy tokens; on grafted (trained) weights the fused graph and the
-    MTP round give them too, and the model continues its period. On random weights the fused kernels'
-    tokens are reported, not checked: near-tied logits flip with the summation order (docs/GPU.md,
-    "Parity")."""
+    graph give the eager engine's greedy tokens; on grafted (trained) weights the fused graph, the
+    MTP round and every slot of the batch step give them too, and the model continues its period. On
+    random weights the fused kernels' tokens are reported, not checked: near-tied logits flip with the
+    summation order (docs/GPU.md, "Parity")."""
     for key in results.get("errors", {}):
         record(results, f"{key}/ran", False)
     for r in results["shapes"]:
@@ -534,6 +576,11 @@ def judge(results: dict) -> None:
         if not p:
             continue
         trained = r.get("weights") == "graft"
+        if "batches" in r:  # the batch step (batch_step.run_batch_shape): per batch size
+            for b, pb in p.items():
+                if trained:
+                    record(results, f"{r['shape']}/batch{b}/tokens_equal_alone", pb["all_equal_eager"])
+            continue
         if "round_graph_equals_eager" in p:  # the MTP round (spec_round.run_spec_shape)
             tag = f"{r['shape']}/mtp"
             if trained:

@@ -9,8 +9,9 @@ caller). Its loop yields the tokens after it until one of:
 A `first_token` that stops ends the request before any token ("stop").
 
 The eager loop (`Engine`), the eager speculative rounds (`spec.speculative.Speculator`), the step
-graph (`gpu.runner.GraphRunner`) and the round graph (`gpu.spec_round.SpecRunner`, through `Engine`)
-all decide by a `DecodeLoop`; `Engine.finish_reason` is its `finish_reason`.
+graph (`gpu.runner.GraphRunner`), the round graph (`gpu.spec_round.SpecRunner`, through `Engine`)
+and the batch step (`gpu.batch_runner.BatchRunner`, one per request slot) all decide by a
+`DecodeLoop`; `Engine.finish_reason` is its `finish_reason`.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from nexrt_vllm.engine.dtypes import MODEL_DTYPES, TORCH_DTYPES
 from nexrt_vllm.engine.errors import ConfigError, EngineError, InputError, NotBuiltError, StateError
 from nexrt_vllm.engine.model import Model
 from nexrt_vllm.engine.sampling import Sampled, Sampler, SamplingParams, token_logprobs
-from nexrt_vllm.engine.state import DecodeState
+from nexrt_vllm.engine.state import DecodeState, StackedStates
 from nexrt_vllm.engine.weights import load_checkpoint, random_weights
 
 _DTYPES = {name: TORCH_DTYPES[name] for name in MODEL_DTYPES}
@@ -46,17 +46,19 @@ class Engine:
     end) or "length" (max tokens or a full context), by the request's `DecodeLoop` (decode_loop.py).
     """
 
-    def __init__(self, config: ModelConfig, model: Model, max_seq_len: int):
+    def __init__(self, config: ModelConfig, model: Model, max_seq_len: int, state: DecodeState | None = None):
         self.config = config
         self.model = model
         self.device, self.dtype = model.device, model.dtype
         # the model's config: a tensor-parallel shard's state holds only its heads (engine/tp.py)
-        self.state = DecodeState(model.config, max_seq_len, model.dtype, model.device)
+        self.state = state if state is not None else DecodeState(model.config, max_seq_len, model.dtype, model.device)
         self.loop: DecodeLoop | None = None  # the last request's stop / length bookkeeping
         self.graph = None  # GPU graph path (use_graph); None: `stream` runs the eager decode loop
         self.speculative = None  # spec.speculative.Speculator (enable_speculative); None: one token per step
         self.spec_graph = None  # gpu.spec_round.SpecRunner: the speculative round on the graph path (fused + MTP)
         self.draft_vocab: int | None = None  # the head's lm_head rows on the graph path (None: all)
+        self.batch_graph = None  # gpu.batch_runner.BatchRunner: the batch step of `slots` (use_batch_graph)
+        self._slot_engines: list[Engine] = []
 
     @property
     def finish_reason(self) -> str | None:
@@ -106,11 +108,52 @@ class Engine:
 
     def slot(self) -> "Engine":
         """Another engine over this one's weights with its own DecodeState: one more request a node
-        decodes alongside (node/batch.py, `--max-batch`). Eager step: no graph, no speculation."""
-        if self.graph is not None or self.speculative is not None:
-            raise NotBuiltError("batch slots run the eager step: the captured batch step and speculative "
-                                "decoding with more than one request per node are not built")
+        decodes alongside (node/batch.py, `--max-batch`), on the eager step."""
+        if self.graph is not None or self.speculative is not None or self.batch_graph is not None:
+            raise NotBuiltError("slot engines of their own run the eager step: not with the one-request graph or "
+                                "speculative decoding (the batch step's slots: use_batch_graph, slots)")
         return Engine(self.config, self.model, self.max_seq_len)
+
+    def slots(self, n: int) -> list["Engine"]:
+        """The engines of `n` request slots over these weights, this one first (node/batch.py): with the
+        batch step (`use_batch_graph`) the ones whose states it steps, else `slot()`s."""
+        if self.batch_graph is not None:
+            if n != len(self._slot_engines):
+                raise EngineError(f"the batch step has {len(self._slot_engines)} slots, not {n}")
+            return list(self._slot_engines)
+        return [self] + [self.slot() for _ in range(n - 1)]
+
+    def use_batch_graph(self, n: int, tuning=None) -> None:
+        """Decode up to `n` requests (2..8) in one captured CUDA graph per step (gpu.batch_runner.BatchRunner
+        over gpu.batch_decoder.BatchDecoder; CUDA, bfloat16 weights): their states are stacked
+        (state.StackedStates), this engine's becomes slot 0's and `slots(n)` gives every slot's
+        engine. Greedy requests without logprobs or grammar join the batch step (node/batch.py); the
+        others decode on their slot engine's eager loop. Not with `use_graph` or speculative decoding."""
+        if self.device.type != "cuda":
+            raise EngineError(f"the batch graph needs a CUDA device (engine is on {self.device})")
+        from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder  # triton: imported by the GPU path only
+        from nexrt_vllm.engine.gpu.batch_runner import BatchRunner
+        self._check_batch()
+        states = StackedStates(self.model.config, n, self.max_seq_len, self.dtype, self.device)
+        runner = BatchRunner(BatchDecoder(self.model, states, tuning))
+        runner.capture()
+        self.use_batch(runner)
+
+    def use_batch(self, runner) -> None:
+        """Decode through `runner` (a BatchRunner over this engine's model; `use_batch_graph` builds and
+        captures one; on the CPU its replays run the launches through the Triton interpreter, the tests'
+        way in): this engine becomes slot 0 (its state that slot's), `slots` gives the slot engines."""
+        self._check_batch()
+        states = runner.d.states.states
+        self.state = states[0]
+        self._slot_engines = [self] + [Engine(self.config, self.model, self.max_seq_len, state=s) for s in states[1:]]
+        for e in self._slot_engines:
+            e.batch_graph = runner
+
+    def _check_batch(self) -> None:
+        if self.graph is not None or self.speculative is not None or self.batch_graph is not None:
+            raise NotBuiltError("the batch step is not built together with the one-request graph or speculative "
+                                "decoding, and is set up once")
 
     # ---- the two passes -------------------------------------------------------------------------
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
@@ -163,6 +206,8 @@ class Engine:
         if self.speculative is not None and mode != "fused":
             raise NotBuiltError(f"speculative decoding (MTP) on the CUDA graph path runs the fused kernels "
                                 f"(graph mode 'fused'), not {mode!r}")
+        if self.batch_graph is not None:
+            raise NotBuiltError("this engine decodes through the batch step (use_batch_graph)")
         from nexrt_vllm.engine.gpu.decoder import FusedDecoder  # triton: imported by the GPU path only
         from nexrt_vllm.engine.gpu.runner import GraphRunner
         runner = GraphRunner(FusedDecoder(self.model, self.state, mode=mode))
@@ -195,6 +240,9 @@ class Engine:
 
         if method != "mtp":
             raise ConfigError(f"unknown speculative method {method!r}; supported: 'mtp'")
+        if self.batch_graph is not None:
+            raise NotBuiltError("speculative decoding with the batch step (more than one request per node) is not "
+                                "built")
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
                 or not 1 <= num_speculative_tokens <= 15:
             raise ConfigError(f"num_speculative_tokens must be an int in [1, 15], got {num_speculative_tokens!r}")

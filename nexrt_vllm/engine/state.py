@@ -64,33 +64,43 @@ class GDNState(LayerState):
     rec: torch.Tensor
 
 
+def _layer_layouts(c: ModelConfig, max_seq_len: int, dtype: torch.dtype) \
+        -> list[tuple[type[LayerState], dict[str, tuple[tuple[int, ...], torch.dtype]]]]:
+    """Per model layer: its record type and each tensor's (shape, dtype)."""
+    out = []
+    for kind in c.layer_types:
+        if kind == "full_attention":
+            kv = ((c.num_kv_heads, max_seq_len, c.head_dim), dtype)
+            out.append((AttentionState, {"k": kv, "v": kv}))
+        else:
+            out.append((GDNState, {
+                "conv": ((c.conv_dim, c.conv_kernel - 1), dtype),
+                "rec": ((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), torch.float32)}))
+    return out
+
+
 class DecodeState:
-    def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 over: tuple[list[LayerState], torch.Tensor] | None = None):
+        """`over` = (layer records, position int64 [1]): existing tensors in the native layout to hold the
+        state in (a slot of `StackedStates`) instead of allocating them."""
         if not isinstance(max_seq_len, int) or max_seq_len <= 0:
             raise StateError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
         self.config = cfg
         self.max_seq_len = max_seq_len
         self.dtype = dtype
         self.device = torch.device(device)
-        self.layers: list[LayerState] = [
-            kind(**{p: torch.zeros(shape, dtype=dt, device=self.device) for p, (shape, dt) in parts.items()})
-            for kind, parts in self._layer_layouts()]
-        self.position = torch.zeros(1, dtype=torch.long, device=self.device)
+        if over is not None:
+            self.layers, self.position = over
+        else:
+            self.layers = [
+                kind(**{p: torch.zeros(shape, dtype=dt, device=self.device) for p, (shape, dt) in parts.items()})
+                for kind, parts in self._layer_layouts()]
+            self.position = torch.zeros(1, dtype=torch.long, device=self.device)
         self.seq_len = 0
 
     def _layer_layouts(self) -> list[tuple[type[LayerState], dict[str, tuple[tuple[int, ...], torch.dtype]]]]:
-        c = self.config
-        out = []
-        for kind in c.layer_types:
-            if kind == "full_attention":
-                kv = ((c.num_kv_heads, self.max_seq_len, c.head_dim), self.dtype)
-                out.append((AttentionState, {"k": kv, "v": kv}))
-            else:
-                out.append((GDNState, {
-                    "conv": ((c.conv_dim, c.conv_kernel - 1), self.dtype),
-                    "rec": ((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
-                            torch.float32)}))
-        return out
+        return _layer_layouts(self.config, self.max_seq_len, self.dtype)
 
     def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Hand-off name -> (shape, dtype) of every state tensor."""
@@ -190,3 +200,37 @@ class DecodeState:
             else:
                 live[name].copy_(t)
         self.set_seq_len(seq_len)
+
+
+class StackedStates:
+    """The states of `n` requests decoded together (`--max-batch`): one allocation per state tensor
+    with a leading slot dimension [n, ...] and the positions as one int64 [n], so a batched kernel
+    reaches slot b's tensors by a stride. `states[b]` is slot b's `DecodeState`, whose tensors are
+    views of slot b (the hand-off, the eager step and export read and write it as any state).
+    `attention(i)` / `gdn(i)` give layer i's stacked record (the batch step's view)."""
+
+    def __init__(self, cfg: ModelConfig, n: int, max_seq_len: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu"):
+        if not isinstance(n, int) or n < 1:
+            raise StateError(f"the number of slots must be a positive int, got {n!r}")
+        self.config, self.n, self.max_seq_len, self.dtype = cfg, n, max_seq_len, dtype
+        self.device = torch.device(device)
+        self.layers: list[LayerState] = [
+            kind(**{p: torch.zeros((n, *shape), dtype=dt, device=self.device) for p, (shape, dt) in parts.items()})
+            for kind, parts in _layer_layouts(cfg, max_seq_len, dtype)]
+        self.position = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.states = [DecodeState(cfg, max_seq_len, dtype, self.device, over=(
+            [type(layer)(**{p: t[b] for p, t in layer.parts().items()}) for layer in self.layers],
+            self.position[b:b + 1])) for b in range(n)]
+
+    def attention(self, i: int) -> AttentionState:
+        self.states[0].attention(i)  # StateError unless layer i is an attention layer
+        return self.layers[i]
+
+    def gdn(self, i: int) -> GDNState:
+        self.states[0].gdn(i)
+        return self.layers[i]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every stacked state tensor (live), in layer order, then the positions."""
+        return [t for layer in self.layers for t in layer.parts().values()] + [self.position]

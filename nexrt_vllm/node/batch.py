@@ -4,8 +4,13 @@ One worker thread owns every slot's engine. Each batch step advances every activ
 step of its own decode loop (one token, or one speculative round), in slot order; requests join
 (their hand-off is converted into their slot's state first) and leave (finished, cancelled,
 failed) between steps, so one request's end never disturbs the others' tokens. Slot engines share
-the weights and have their own DecodeState (`Engine.slot`), so each request keeps its own
+the weights and have their own DecodeState (`Engine.slots`), so each request keeps its own
 position, context length, GDN state, sampler, seed, logprobs, grammar constraint and stops.
+
+With the batch graph (`Engine.use_batch_graph`: a CUDA node with --graph fused and --max-batch > 1)
+greedy requests without logprobs or grammar are stepped together by one replay of the captured
+batch step per batch step (engine/gpu/batch_runner.py: it applies each request's stop rules); the
+others run their slot engine's eager loop in the same batch step.
 
 The thread talks back to the asyncio loop only through each job's ``put`` (thread-safe) and
 ``finished`` callbacks.
@@ -17,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from nexrt_vllm.engine.sampling import Sampled
 
 log = logging.getLogger("nexrt.node")
 
@@ -41,7 +48,8 @@ class Job:
     finished: Callable
     stop: threading.Event = field(default_factory=threading.Event)
     ended: Callable | None = None
-    steps: object = None  # the slot engine's step iterator, once loaded
+    steps: object = None  # the slot engine's step iterator, once loaded (None: on the batch graph)
+    on_graph: bool = False  # stepped by the batch graph (the engine's BatchRunner)
     tokens: list = field(default_factory=list)  # the token ids sent
 
 
@@ -51,6 +59,8 @@ class DecodeBatch:
             raise ValueError("a batch needs at least one slot engine")
         self.engines = engines
         self.metrics = metrics
+        self.runner = engines[0].batch_graph  # the batch step of every slot (gpu/batch_runner.py), or None
+        self._graph_jobs: dict[int, Job] = {}  # slot -> its job on the batch graph
         self._pending: list[Job] = []
         self._active: list[Job] = []
         self._cv = threading.Condition()
@@ -90,14 +100,14 @@ class DecodeBatch:
             for job in joining:
                 self._join(job)
             t = time.perf_counter()
-            stepped = 0
-            for job in list(self._active):
+            stepped = self._graph_step() if self._graph_jobs else 0
+            for job in [j for j in self._active if not j.on_graph]:
                 stepped += self._step(job)
             if stepped and self.metrics is not None:
                 self.metrics.batch_size.observe(stepped)
                 self.metrics.step_seconds.observe(time.perf_counter() - t)
         for job in jobs:  # closing: every stream still open ends as an error
-            self._leave(job, "err", "the decode node is shutting down")
+            self._leave(job, "err", "the decode node is shutting down", joined=job in self._active)
 
     def _join(self, job: Job) -> None:
         if job.stop.is_set():
@@ -107,12 +117,57 @@ class DecodeBatch:
         try:
             job.load(engine)
             job.put("converted", None)
-            job.steps = engine.steps(job.first_token, job.params, job.constraint)
+            if self._fits_graph(job):
+                ended = self.runner.join(job.slot, job.first_token, job.params)
+                if ended is not None:  # the first token already ends it
+                    self._leave(job, "end", ended, joined=False)
+                    return
+                job.on_graph = True
+                self._graph_jobs[job.slot] = job
+            else:
+                job.steps = engine.steps(job.first_token, job.params, job.constraint)
         except Exception as e:  # noqa: BLE001 - a bad hand-off ends this request only
             log.exception("loading rid=%s into slot %d failed", job.rid, job.slot)
             self._leave(job, "err", f"{type(e).__name__}: {e}", joined=False)
             return
         self._active.append(job)
+
+    def _fits_graph(self, job: Job) -> bool:
+        """Whether the batch graph steps this job: greedy, no logprobs, no grammar."""
+        p = job.params
+        return self.runner is not None and job.constraint is None and p.greedy and p.logprobs is None
+
+    def _graph_step(self) -> int:
+        """One replay's tokens for the jobs on the batch graph (the next replay already enqueued); the
+        number of tokens sent."""
+        for job in list(self._graph_jobs.values()):
+            if job.stop.is_set():
+                self._leave(job, "end", "cancelled")
+        if not self._graph_jobs:
+            return 0
+        try:
+            events = self.runner.step()
+        except Exception as e:  # noqa: BLE001 - the batch step failed: every request on it ends as an error
+            log.exception("the batch step failed")
+            for job in list(self._graph_jobs.values()):
+                self._leave(job, "err", f"{type(e).__name__}: {e}")
+            return 0
+        sent = 0
+        for ev in events:
+            job = self._graph_jobs.get(ev.slot)
+            if job is None:
+                continue
+            if job.stop.is_set():  # cancelled while this step ran: its token is not sent
+                self._leave(job, "end", "cancelled")
+                continue
+            if self.metrics is not None:
+                self.metrics.tokens.inc()
+            job.tokens.append(int(ev.token))
+            job.put("tok", Sampled(ev.token))
+            sent += 1
+            if ev.finish_reason is not None:
+                self._leave(job, "end", ev.finish_reason)
+        return sent
 
     def _step(self, job: Job) -> int:
         """One step of `job`'s loop; 1 if it produced a token."""
@@ -138,6 +193,10 @@ class DecodeBatch:
         return 1
 
     def _leave(self, job: Job, kind: str, value, joined: bool = True) -> None:
+        if job.on_graph:
+            self.runner.leave(job.slot)
+            del self._graph_jobs[job.slot]
+            job.on_graph = False
         if joined:
             self._active.remove(job)
             if job.steps is not None:

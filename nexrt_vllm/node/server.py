@@ -154,8 +154,15 @@ class Endpoints:
             return {"types": [], "reason": self.node.grammars_missing}
         from importlib.metadata import version
         return {"types": list(STRUCTURED_TYPES), "backend": "xgrammar", "backend_version": version("xgrammar"),
-                "json_schema_whitespace": "any", "on_graph": self.node.engine.graph is None or
-                self.node.engine.graph.masks}
+                "json_schema_whitespace": "any", "on_graph": self._masks_on_graph()}
+
+    def _masks_on_graph(self) -> bool:
+        """Whether grammar-constrained requests decode on the captured graph: not on the batch step's
+        node (their slot engine's eager loop), not where the masks cannot be host-mapped."""
+        eng = self.node.engine
+        if eng.batch_graph is not None:
+            return False
+        return eng.graph is None or eng.graph.masks
 
     def _tp(self) -> dict:
         """The node group: its size, backend and the heads each rank holds (docs/NODE.md)."""
@@ -234,8 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="receive buffer memory (default: host on CPU, pinned on CUDA)")
     ap.add_argument("--max-batch", type=int, default=1,
                     help="requests decoded together (1-8): each admitted request has its own slot (state, "
-                         "sampling, stops); they join and leave between steps. > 1 runs the eager step "
-                         "(--graph off) without --speculative and with --tp 1")
+                         "sampling, stops); they join and leave between steps. > 1 without --speculative, with "
+                         "--tp 1; on the CUDA graph path (--graph fused or auto) greedy requests without logprobs "
+                         "or grammar run the captured batch step, the others their slot's eager step")
     ap.add_argument("--recv-buffers", type=int, default=None,
                     help="receive buffers (default: max-batch + 1, so a stale writer's buffer can be "
                          "quarantined without blocking)")
@@ -286,9 +294,9 @@ def _positive(ap, args) -> None:
     if not 1 <= args.max_batch <= MAX_BATCH:
         ap.error(f"--max-batch must be in [1, {MAX_BATCH}], got {args.max_batch}")
     if args.max_batch > 1:
-        if args.graph in ("fused", "eager"):
-            ap.error(f"--max-batch {args.max_batch} runs the eager step: the captured batch step is not built "
-                     f"yet (use --graph off, or --max-batch 1 for the graph path)")
+        if args.graph == "eager":
+            ap.error(f"--max-batch {args.max_batch} on the CUDA graph path runs the fused batch step (--graph fused "
+                     f"or auto), not --graph eager")
         if args.speculative != "off":
             ap.error(f"--speculative {args.speculative} with --max-batch > 1 is not built: speculative decoding "
                      f"serves one request per node")
@@ -386,9 +394,9 @@ async def serve(args) -> None:
     cfg = engine.config
     log.info("weights loaded (%s, %s) in %.1fs", args.load_format, engine.weight_format, time.monotonic() - t0)
     # GPU graph path: compiled and captured once here, before the node serves (not per request).
-    if args.graph == "auto":
+    if args.graph == "auto":  # the batch step reads bf16 weights only
         args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 \
-            and args.max_batch == 1 else "off"
+            and (args.max_batch == 1 or engine.weight_format != "fp8") else "off"
     if args.speculative != "off":
         from nexrt_vllm.engine import EngineError
         try:
@@ -406,11 +414,16 @@ async def serve(args) -> None:
                  "on a machine compiles the Triton kernels, about a minute)", args.graph)
         t0 = time.monotonic()
         try:
-            engine.use_graph(args.graph)
+            if args.max_batch > 1:
+                engine.use_batch_graph(args.max_batch)
+            else:
+                engine.use_graph(args.graph)
         except EngineError as e:
             raise ValueError(f"--graph {args.graph}: {e}") from None
-        log.info("graph path %s captured in %.1fs (control ring %s)", args.graph, time.monotonic() - t0,
-                 engine.graph.d.control)
+        graph = engine.batch_graph or engine.graph
+        log.info("graph path %s captured in %.1fs (%s, control ring %s)", args.graph, time.monotonic() - t0,
+                 f"batch step over {args.max_batch} slots" if engine.batch_graph else "one request",
+                 graph.d.control)
     _warm_engine(engine)
     if args.recv_buffer_mib:
         size = int(args.recv_buffer_mib * (1 << 20))
@@ -505,6 +518,10 @@ def _warm_engine(engine) -> None:
                    SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, seed=0)):
             engine.prefill([0])
             for _ in engine.steps(0, sp):
+                pass
+        if engine.batch_graph is not None:  # the batch step's host loop, slot 0 alone
+            engine.prefill([0])
+            for _ in engine.batch_graph.generate(0, 0, SamplingParams(max_tokens=3, ignore_eos=True)):
                 pass
     except (EngineError, RuntimeError) as e:
         log.warning("engine warm-up failed (the first request pays its first-call costs): %s", e)

@@ -89,7 +89,7 @@ class DecodeNode:
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nexrt-grammar")
         self.metrics = metrics or NodeMetrics()
         # slot k decodes on engines[k]: slot 0 is `engine`, the others share its weights
-        self.engines = [engine] + [engine.slot() for _ in range(opts.max_batch - 1)]
+        self.engines = engine.slots(opts.max_batch)
         self.admissions: dict[str, Admission] = {}  # every admission in flight, by rid
         self._free_slots = list(range(opts.max_batch))
         self.context = context or NodeContext()  # the context cache (node/context_cache.py); off by default

@@ -83,6 +83,45 @@ def test_tp_rank_step_bytes_are_its_shard(shape):
         assert bytes_per_step(dec, n)["total"] == want, rank
 
 
+def per_request_bytes(c, n: int) -> int:
+    """What one more request adds to a batch step at context n (its experts apart): its embedding row, its
+    GDN states read and written, its new K/V row and rows 0..n."""
+    bf = 2
+    total = c.hidden_size * bf
+    for kind in c.layer_types:
+        if kind == "linear_attention":
+            total += 2 * c.conv_dim * (c.conv_kernel - 1) * bf
+            total += 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        else:
+            total += 2 * c.num_kv_heads * c.head_dim * bf * (1 + n + 1)
+    return total
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_batch_step_bytes_read_the_weights_once(ckpt_factory, arch):
+    """decode_bench --batch's byte count (bench/batch_step.py): with one slot live, the one-request step's
+    bytes; each further live slot adds its own state traffic, not the weights; the experts are the
+    distinct ones the batch chose."""
+    from nexrt_vllm.bench.batch_step import batch_bytes
+    from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
+    from nexrt_vllm.engine.state import StackedStates
+
+    torch.set_num_threads(1)
+    eng = Engine.from_pretrained(ckpt_factory(arch, "bfloat16"), device="cpu", dtype="bfloat16", max_seq_len=128,
+                                 progress=False)
+    c, n = eng.config, 100
+    bd = BatchDecoder(eng.model, StackedStates(c, 4, 128, eng.dtype, eng.device))
+    k = c.num_experts_per_tok
+    moe = [i for i in range(len(c.layer_types)) if c.num_experts and c.is_moe_layer(i)]
+    one = batch_bytes(bd, n, 1, {i: k for i in moe})
+    assert one["total"] == expected_bytes(c, n)
+    three = batch_bytes(bd, n, 3, {i: k for i in moe})
+    assert three["total"] - one["total"] == 2 * per_request_bytes(c, n)
+    if moe:  # two more distinct experts per layer: their gate_up and down rows
+        more = batch_bytes(bd, n, 3, {i: k + 2 for i in moe})["total"] - three["total"]
+        assert more == len(moe) * 2 * 3 * c.moe_intermediate_size * c.hidden_size * 2
+
+
 # --- FP8 (the published block format, weights kept e4m3 on the GPU path) ---------------------------
 
 def _fp8_bytes(parts, k: int, block=(128, 128)) -> int:

@@ -1,7 +1,8 @@
-"""The M-row GEMV of the verify pass (`gemv(..., m=M)`, kernels/gemv_verify.py `gemv_rows_kernel` and the
-tensor-core `gemv_rows_dot_kernel`): every row against the M = 1 kernel on that row alone and against torch.
+"""The M-row GEMV of the verify pass and the batch step (`gemv(..., m=M)`, kernels/gemv_verify.py
+`gemv_rows_kernel` and the tensor-core `gemv_rows_dot_kernel`): every row against the M = 1 kernel on that row
+alone and against torch.
 
-Each prologue x epilogue the decode step launches, for M = 2 and 4 (3 once: padded to 4 rows), with
+Each prologue x epilogue the decode step launches, for M = 2, 4 and 8 (3 once: padded to 4 rows), with
 and without the prefetched head; x / y / z / the conv window are strided views as the verify's
 buffers are. Outputs are poisoned (NaN) before each launch. The M rows differ from M separate launches
 only in the order of the fp32 sums (one FMA chain per 16-byte run instead of a tree, or the tensor cores'
@@ -56,7 +57,7 @@ def kernel(request, monkeypatch):
     monkeypatch.setattr(gemv, "gemv", call_m)
 
 
-MS = pytest.mark.parametrize("m", [2, 4])
+MS = pytest.mark.parametrize("m", [2, 4, 8])  # 8: the batch step's most slots
 PREFETCH = pytest.mark.parametrize("prefetch", [0, 2])
 
 
@@ -274,8 +275,8 @@ def test_m_rows_rejects_fp8_and_bad_shapes():
     with pytest.raises(ValueError, match="m > 1 needs bf16 weights"):
         gemv.gemv(x, w8, y, m=2)
     w = torch.zeros(32, 64, dtype=BF)
-    with pytest.raises(ValueError, match="m must be 1..4"):
-        gemv.gemv(torch.zeros(5, 64, dtype=BF), w, torch.zeros(5, 32, dtype=BF), m=5)
+    with pytest.raises(ValueError, match="m must be 1..8"):
+        gemv.gemv(torch.zeros(9, 64, dtype=BF), w, torch.zeros(9, 32, dtype=BF), m=9)
     with pytest.raises(ValueError, match="block_n and block_k >= 16"):
         gemv.gemv(x, w, y, m=2, dot=2, block_n=8)
     with pytest.raises(ValueError, match="window"):

@@ -100,6 +100,19 @@ def test_decode_bench_tp(out):
     assert report["shapes"][0]["contexts"][0]["tok_s"] > 0
 
 
+def test_decode_bench_batch(out):
+    """decode_bench --batch on the 2B shape (random weights, 1K context): a row per batch size (and the
+    largest with one slot live), every step timed; the batch step's tokens are reported per slot."""
+    path = os.path.join(out, "decode_batch.json")
+    rc = run_check("benchmarks.decode_bench", "--shapes", "2b", "--contexts", "1024", "--steps", "20", "--batch",
+                   "1,2,4", "--batch-parity-steps", "8", "--breakdown-ctx", "1024", "--json", path, timeout=1800)
+    report = assert_passed(rc, path)
+    rows = report["shapes"][0]["rows"]
+    assert "errors" not in report and {(r["batch"], r["live"]) for r in rows} == {(1, 1), (2, 2), (4, 4), (4, 1)}
+    assert all(r["step_ms"] > 0 and r["bytes_per_step"] > 0 for r in rows)
+    assert set(report["shapes"][0]["parity"]) == {"2", "4"}
+
+
 @needs_vllm
 def test_gpu_parity(out, tmp_path, ckpt_factory):
     """vLLM-GPU prefill + the GPU decode node through the router == vLLM-only greedy, both transports."""

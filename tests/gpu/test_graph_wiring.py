@@ -78,3 +78,18 @@ def test_tp_group_refuses_missing_gpus_before_spawning():
     n = max(2, torch.cuda.device_count() + 1)
     with pytest.raises(ConfigError, match=f"needs {n} CUDA devices, {torch.cuda.device_count()} visible"):
         Group(n, device="cuda")
+
+
+def test_batch_graph_flags_and_cpu_refusal(qwen3_5_ckpt):
+    """--max-batch B > 1 reaches the captured batch step with --graph fused (or auto) on CUDA; --graph eager
+    is refused (the batch step runs the fused kernels); a CPU engine refuses the batch graph and keeps
+    its eager slot engines."""
+    ap = build_parser()
+    _positive(ap, ap.parse_args(["--model", "m", "--device", "cuda", "--graph", "fused", "--max-batch", "4"]))
+    _positive(ap, ap.parse_args(["--model", "m", "--device", "cuda", "--max-batch", "8"]))
+    eng = Engine.from_pretrained(qwen3_5_ckpt, device="cpu", dtype="bfloat16", max_seq_len=32, progress=False)
+    with pytest.raises(EngineError, match="CUDA"):
+        eng.use_batch_graph(2)
+    assert eng.batch_graph is None
+    slots = eng.slots(3)
+    assert slots[0] is eng and len({id(e.state) for e in slots}) == 3 and all(e.batch_graph is None for e in slots)

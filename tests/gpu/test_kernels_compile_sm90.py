@@ -21,7 +21,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nexrt_vllm.engine.kernels import attention, gdn, gemv, moe, sampling, spec
+from nexrt_vllm.engine.kernels import attention, batch, gdn, gemv, moe, sampling, spec
 
 FP32_PTRS = {"state_ptr", "wts_ptr", "m_ptr", "l_ptr", "acc_ptr", "s_ptr", "pmax_ptr", "cum_ptr", "params_ptr",
              "vals_ptr", "cos_ptr", "sin_ptr"}
@@ -166,6 +166,47 @@ SPEC_VARIANTS = [
     ("mtp_input", spec.mtp_input_kernel, dict(HP=2048), 4, SPEC_T, ()),
     ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192), 8, SPEC_T, ()),
 ]
+# The batch step (engine/gpu/batch_decoder.py) over B = 8 slots (M = 8 rows; the 2B / 35B-A3B shapes at the
+# Tuning defaults): the M-row GEMVs it launches, kernels/batch.py's per-slot kernels.
+BT = {"live_ptr": "*i32", "tok_ptr": "*i64", "pos_ptr": "*i64", "step_ptr": "*i64", "ring_ptr": "*i64",
+      "s_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "state_ptr": "*fp32",
+      "wts_ptr": "*fp32", "ids_ptr": "*i32", "pmax_ptr": "*fp32", "pidx_ptr": "*i32"}
+R8 = dict(RD, M=8, MP=8)
+ALIGN_B = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "K", "stride_w", "stride_x", "stride_y")
+BATCH_VARIANTS = [
+    ("batch_rows8_qkv", gemv.gemv_rows_dot_kernel, dict(R8, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
+    ("batch_rows8_swiglu", gemv.gemv_rows_dot_kernel, dict(R8, PRO=1, EPI=2, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
+    ("batch_rows8_residual", gemv.gemv_rows_dot_kernel, dict(R8, PRO=0, EPI=1, KP=8192, STAGES=5), 1, {}, ALIGN_R),
+    ("batch_rows8_gated_residual", gemv.gemv_rows_dot_kernel, dict(R8, PRO=2, EPI=1, GROUP=128, STAGES=5), 1, {},
+     ALIGN_R),
+    ("batch_rows8_router_xn", gemv.gemv_rows_dot_kernel, dict(R8, PRO=1, EPI=0, STORE_XN=True, STAGES=5), 1, {},
+     ALIGN_R),
+    ("batch_rows8_lm_head_argmax", gemv.gemv_rows_dot_kernel, dict(R8, PRO=1, EPI=4, BLOCK_N=64, STAGES=3), 4,
+     ARGMAX, ALIGN_R),
+    ("batch_rows2_qkv", gemv.gemv_rows_dot_kernel, dict(RD, M=2, MP=2, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {},
+     ALIGN_R),
+    ("batch_rows_conv_dot", batch.gemv_rows_conv_kernel,
+     dict(M=8, MP=8, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, PRE=0, VEC=1, STAGES=3), 2,
+     BT, ALIGN_B),
+    ("batch_rows_conv_m3_dot", batch.gemv_rows_conv_kernel,
+     dict(M=3, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, PRE=0, VEC=1, STAGES=3), 2,
+     BT, ALIGN_B),
+    ("batch_rows_conv_fold_prefetch", batch.gemv_rows_conv_kernel,
+     dict(M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, DOT=0, PRE=2, VEC=8), 4, BT, ALIGN_B),
+    ("batch_embed", batch.embed_rows_kernel, dict(BLOCK=1024), 4, BT, ()),
+    ("batch_qk_rope", batch.qk_rope_rows_kernel, dict(H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2, BT, ()),
+    ("batch_attn_scores", batch.attn_scores_rows_kernel, dict(A, NSPLIT=128, MIN_PER=64, G=4, BLOCK=64), 4, BT, ()),
+    ("batch_attn_pv_35b", batch.attn_pv_rows_kernel, dict(A, NSPLIT=128, MIN_PER=64, G=8, BLOCK=64), 4, BT, ()),
+    ("batch_attn_combine", batch.attn_combine_rows_kernel,
+     dict(NSPLIT=128, MIN_PER=64, BLOCK=64, HD=256, BLOCK_D=64), 4, BT, ()),
+    ("batch_gdn_step", batch.gdn_step_rows_kernel, dict(HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1,
+     BT, ()),
+    ("batch_gdn_step_35b_prefetch", batch.gdn_step_rows_kernel,
+     dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1, BT, ()),
+    ("batch_moe_gate_up", batch.moe_gate_up_rows_kernel, dict(MU, M=8), 1, BT, ALIGN_M),
+    ("batch_moe_down", batch.moe_down_rows_kernel, dict(MD, M=8), 1, BT, ALIGN_M),
+    ("batch_finish", batch.finish_rows_kernel, dict(B=8, BLOCK=4096), 8, BT, ()),
+]
 out = {}
 for pdl in (False, True):
     on = dict(PDL=pdl)
@@ -203,7 +244,7 @@ for pdl in (False, True):
         ("tail_mask_logprobs_write", sampling.tail_kernel, dict(TAIL, MASK=True, TOPK=True, WRITE=True), 4),
     ]:
         out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, dict(consts, **on), nw, LP_TYPES)
-    for name, fn, consts, nw, types, aligned in FP8_VARIANTS + SPEC_VARIANTS:
+    for name, fn, consts, nw, types, aligned in FP8_VARIANTS + SPEC_VARIANTS + BATCH_VARIANTS:
         consts = dict(consts, **on)
         stages = {"num_stages": consts.pop("STAGES")} if "STAGES" in consts else {}
         out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, consts, nw, types,
@@ -222,7 +263,7 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 64 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 64 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
@@ -230,6 +271,15 @@ def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
     compiler's software pipeline) into tensor-core MMAs (warpgroup or warp)."""
     dots = {k: v for k, v in compiled.items() if k.startswith("rows_dot_")}
     assert len(dots) == 10
+    for name, v in dots.items():
+        assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
+
+
+def test_batch_step_gemvs_run_on_the_tensor_cores(compiled):
+    """The batch step's M-row GEMVs at 2 and 8 rows (and the in_proj with the per-slot conv epilogue on
+    its tensor-core path) stream their weight tiles through pipelined copies into tensor-core MMAs."""
+    dots = {k: v for k, v in compiled.items() if k.startswith(("batch_rows", )) and "fold" not in k}
+    assert len(dots) == 18
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
 

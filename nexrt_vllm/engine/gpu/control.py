@@ -4,7 +4,7 @@ The step's last kernel writes (step << 32 | token) into a ring of host-mapped pi
 8-byte store, so the host never sees a torn pair; if mapping is unavailable, a device ring plus a
 copy node into pinned memory). The ring (not a single slot) means replay k+1 can land before the
 host has read k. Beside it: the logprob ring, the grammar flag and mask slots, the speculative
-round records.
+round records, the batch step's ring (a column per request slot).
 """
 from __future__ import annotations
 
@@ -32,16 +32,20 @@ _PAGE = 4096
 _ALIGN = 128
 
 
-def _control_specs(vocab_size: int) -> dict:
+def _control_specs(vocab_size: int, slots: int = 0) -> dict:
     """What the host and the step share, name -> (shape, dtype, initial value): the control ring; the
     logprob ring parallel to it (slot s: the chosen token's logprob then the top KMAX, and their
     ids); the grammar flag (masks of every step <= flag are written) and two mask slots (step % 2);
-    the speculative round records (round << 32 | tokens emitted, engine/gpu/spec_round.py)."""
+    the speculative round records (round << 32 | tokens emitted, engine/gpu/spec_round.py); with
+    `slots`, the batch step's ring (one column per request slot, engine/gpu/batch_runner.py)."""
     from nexrt_vllm.engine.kernels.sampling import KMAX
-    return {"ring": ((RING,), torch.int64, -1), "rounds": ((RING,), torch.int64, -1),
-            "lpv": ((RING, KMAX + 1), torch.float32, 0),
-            "lpi": ((RING, KMAX), torch.int32, 0), "flag": ((1,), torch.int64, 0),
-            "masks": ((2, (vocab_size + 31) // 32), torch.int32, -1)}
+    specs = {"ring": ((RING,), torch.int64, -1), "rounds": ((RING,), torch.int64, -1),
+             "lpv": ((RING, KMAX + 1), torch.float32, 0),
+             "lpi": ((RING, KMAX), torch.int32, 0), "flag": ((1,), torch.int64, 0),
+             "masks": ((2, (vocab_size + 31) // 32), torch.int32, -1)}
+    if slots:
+        specs["slot_ring"] = ((RING, slots), torch.int64, -1)
+    return specs
 
 
 class _Mapped:
@@ -90,8 +94,8 @@ class ControlMemory:
     copied into pinned memory by the graph's last nodes; grammar masks are then not available to
     the graph (`masks` False). "cpu": one set of tensors (the interpreter tests)."""
 
-    def __init__(self, dev: torch.device, vocab_size: int):
-        specs = _control_specs(vocab_size)
+    def __init__(self, dev: torch.device, vocab_size: int, slots: int = 0):
+        specs = _control_specs(vocab_size, slots)
         self._owner = None
         if dev.type != "cuda":
             self.mode, self.host = "cpu", {k: torch.full(sh, f, dtype=dt) for k, (sh, dt, f) in specs.items()}

@@ -10,6 +10,7 @@ import os
 import sys
 
 MODULES = ("attention", "gdn", "gemv", "moe", "sampling", "spec", "tp")
+ALSO = ("batch",)  # imported by `load` as well (interpreted with it), not in its result
 
 
 def load(interpret: bool = False) -> tuple:
@@ -19,12 +20,14 @@ def load(interpret: bool = False) -> tuple:
     only around that first import and then restored: it must not leak into the rest of the process
     (or into subprocesses, e.g. a vLLM server a test starts). Modules already imported are returned
     as they are, so call this before anything else imports them."""
-    fresh = [m for m in MODULES if f"{__name__}.{m}" not in sys.modules]
+    fresh = [m for m in MODULES + ALSO if f"{__name__}.{m}" not in sys.modules]
     prev = os.environ.get("TRITON_INTERPRET")
     if interpret and fresh:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
         mods = tuple(importlib.import_module(f"{__name__}.{m}") for m in MODULES)
+        for m in ALSO:
+            importlib.import_module(f"{__name__}.{m}")
         if interpret and importlib.util.find_spec("triton.experimental.gluon") is not None:
             # The interpreter imports this lazily on the first launch and asserts interpret mode then.
             importlib.import_module("triton.experimental.gluon")

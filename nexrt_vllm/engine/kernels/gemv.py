@@ -16,9 +16,9 @@ gpu/tp.py; m = 1 only). With `xn_out`, program 0
 also stores the normed input (PRO 1) for a later launch (the MoE experts).
 
 The kernels live by family: the decode step's (one row of x; bf16 `gemv_kernel`, FP8
-`gemv_fp8_kernel` for an fp8.FP8Weight) in kernels/gemv_step.py, the speculative verify's (M <= 4
-rows of x, each weight tile read once for all of them; `gemv_rows_kernel`, tensor-core
-`gemv_rows_dot_kernel`) in kernels/gemv_verify.py. `gemv` picks one from its arguments.
+`gemv_fp8_kernel` for an fp8.FP8Weight) in kernels/gemv_step.py, the M-row ones of the speculative
+verify and the batch step (M <= 8 rows of x, each weight tile read once for all of them;
+`gemv_rows_kernel`, tensor-core `gemv_rows_dot_kernel`) in kernels/gemv_verify.py. `gemv` picks one from its arguments.
 """
 import torch
 import triton
@@ -51,7 +51,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     previous kernel (PDL), cut to a power of two within K; `vec`: columns each thread sums in
     registers before accumulating (`_fold`; 0: a 16-byte load's, 1: elementwise); returns the grid size.
 
-    `m` > 1 (<= 4, bf16 W only): `gemv_rows_kernel` over the rows of x [m, K] into y [m, N], W read
+    `m` > 1 (<= 8, bf16 W only): `gemv_rows_kernel` over the rows of x [m, K] into y [m, N], W read
     once for all rows; every row strided (stride(0); unit column stride). Per row: z (PRO_GATED) and
     xn_out [m, K]; EPI_ARGMAX's aux0 fp32 / aux1 int32 [m, P] (P = the grid size returned; any row
     stride, the same for both); EPI_CONV runs the m rows as consecutive tokens from the live conv
@@ -133,8 +133,8 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
     """`gemv` with m > 1: `gemv_rows_kernel`, or `gemv_rows_dot_kernel` with `dot` pipeline stages."""
     if fp8:
         raise ValueError("gemv: m > 1 needs bf16 weights (got an FP8Weight)")
-    if not 1 <= m <= 4:
-        raise ValueError(f"gemv: m must be 1..4 (got {m})")
+    if not 1 <= m <= 8:
+        raise ValueError(f"gemv: m must be 1..8 (got {m})")
     if epi == EPI_PARTIAL:
         raise ValueError("gemv: EPI_PARTIAL is for m = 1 launches")
     k = w.shape[-1]

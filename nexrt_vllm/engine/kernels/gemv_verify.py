@@ -1,4 +1,5 @@
-"""The speculative verify's GEMV kernels: M <= 4 rows of x (positions pos..pos+M-1), bf16 W.
+"""The M-row GEMV kernels: M <= 8 rows of x (the speculative verify's positions pos..pos+M-1, the batch
+step's request slots), bf16 W.
 
 `gemv_rows_kernel`: y_j = W x_j for the M rows of x, each weight tile loaded once and multiplied by
 every row, so M rows stream W's bytes once. The rows are a leading [MP] dimension (M padded to a

@@ -1,0 +1,190 @@
+"""The batch runner: one captured CUDA graph steps every live request slot once (`--max-batch`).
+
+`BatchRunner` captures a `BatchDecoder` step (gpu/batch_decoder.py) over all B slots in one graph;
+which slots step is the device mask `live`, so requests join and leave between replays without a
+new capture, and a slot that is not live costs its rows of the GEMVs (no weight bytes) and nothing
+else. The host keeps one replay in flight ahead of the one it reads (as gpu/runner.py does for one
+request), reads each live slot's token from its column of the control ring and applies that
+request's stop rules (engine/decode_loop.py). A request never runs past its room (max_tokens and
+the context): a replay includes a slot only while the request may still take a token, so the one
+replay that runs past a stop is the only token discarded, and it never writes past the slot's
+context. Host writes to the device (a joining slot's token and position, the mask) are stream-ordered
+fills between replays; a slot's state is loaded (the hand-off) on the same stream, after the
+replays that stepped its previous request.
+
+Greedy requests without logprobs or grammar only (`join` refuses the others with an EngineError).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from nexrt_vllm.engine.decode_loop import DecodeLoop
+from nexrt_vllm.engine.errors import EngineError, InputError, StateError
+from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
+from nexrt_vllm.engine.gpu.control import wait_record
+from nexrt_vllm.engine.state import DecodeState
+
+
+@dataclass(frozen=True)
+class SlotEvent:
+    """What one batch step gave a slot's request: its token, and the finish reason when the request ended
+    with it ("stop" | "length"; the slot is then free)."""
+    slot: int
+    token: int
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    slot: int
+    loop: DecodeLoop
+    state: DecodeState
+    budget: int  # replays it may still be part of (its room left)
+    pending: int = 0  # replays enqueued with it whose token is not read yet
+
+
+class BatchRunner:
+    """The batch step graph over a `BatchDecoder` and the host side of its slots: `join`, `step`, `leave`."""
+
+    def __init__(self, decoder: BatchDecoder, timeout_s: float = 60.0):
+        self.d, self.n, self.timeout_s = decoder, decoder.n, timeout_s
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.requests: list[_Request | None] = [None] * self.n
+        self._live = [False] * self.n  # the host's copy of d.live
+        self._inflight: deque[tuple[int, list[_Request]]] = deque()  # (step number, its live requests)
+        self._step = int(decoder.step.item())  # the device step counter after the replays enqueued
+        self.replays = 0
+
+    @property
+    def busy(self) -> list[int]:
+        """The slots with a request decoding."""
+        return [b for b, r in enumerate(self.requests) if r is not None]
+
+    def capture(self) -> None:
+        """Compile and capture the step graph (CUDA; on the CPU each replay runs the launches in order). The
+        warm-up step runs with no slot live, so it leaves every slot's state, token and position as
+        they were; the step counter and the ring are put back."""
+        d = self.d
+        if self.graph is not None or d.states.device.type != "cuda":
+            return
+        d.live.zero_()
+        self._live = [False] * self.n
+        saved = [(t, t.clone()) for t in (d.step, d.tok, d.pos)]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            d.launch()  # warm-up: compiles the kernels, the allocator settles
+            torch.cuda.synchronize()
+            for t, c in saved:
+                t.copy_(c)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=s):
+                d.launch()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for t, c in saved:
+            t.copy_(c)
+        d.ring.fill_(-1)
+        d.ring_host.fill_(-1)
+        torch.cuda.synchronize()
+        self._step = int(d.step.item())
+        self.graph = g
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def join(self, slot: int, first_token: int, params) -> str | None:
+        """Start a request in `slot`, whose state holds N tokens (loaded) and whose token N is `first_token`:
+        it steps from the next replay on. Returns None, or the finish reason when the request ends
+        before any token (`first_token` stops it, or it has no room). Greedy without logprobs only."""
+        if not (params.greedy and params.logprobs is None):
+            raise EngineError("the batch step decodes greedy requests without logprobs (temperature 0, no logprobs)")
+        if not 0 <= slot < self.n or self.requests[slot] is not None:
+            raise EngineError(f"slot {slot} is not a free slot of this batch ({self.n} slots, busy {self.busy})")
+        st = self.d.states.states[slot]
+        if isinstance(first_token, bool) or not isinstance(first_token, int) \
+                or not 0 <= first_token < self.d.cfg.vocab_size:
+            raise InputError(f"first_token must be an int in [0, {self.d.cfg.vocab_size}), got {first_token!r}")
+        if st.seq_len == 0:
+            raise StateError(f"slot {slot}: its state is empty (load a hand-off or prefill first)")
+        loop = DecodeLoop(params, self.d.cfg.eos_token_ids)
+        if not loop.start(first_token):
+            return loop.finish_reason
+        room = loop.room(st)
+        if room <= 0:
+            loop.end()
+            return loop.finish_reason
+        self.d.tok[slot].fill_(first_token)
+        self.d.pos[slot].fill_(st.seq_len)
+        self.requests[slot] = _Request(slot, loop, st, room)
+        return None
+
+    def leave(self, slot: int) -> None:
+        """End the request in `slot` (finished, cancelled, failed): no later replay steps it; the token of a
+        replay already in flight for it is dropped. The slot is free at once."""
+        self.requests[slot] = None
+
+    def step(self) -> list[SlotEvent]:
+        """Read the oldest replay in flight (enqueuing one first when none is) after enqueuing the next,
+        and return a `SlotEvent` per request it stepped that is still in its slot; a request that ends
+        has left when this returns. [] when no slot is live."""
+        if not self._inflight:
+            self._enqueue()
+        if not self._inflight:
+            return []
+        self._enqueue()  # step k + 1 in flight before we read step k
+        step, reqs = self._inflight.popleft()
+        events = []
+        for r in reqs:
+            r.pending -= 1
+            if self.requests[r.slot] is not r:
+                continue
+            tok = wait_record(self.d.ring_host[:, r.slot], step, self.timeout_s, "batch step")
+            r.state.seq_len += 1
+            end = r.loop.emit(tok)
+            if not end and r.budget == 0 and r.pending == 0:
+                r.loop.end()  # its room is used up (a full context): "length"
+                end = True
+            events.append(SlotEvent(r.slot, tok, r.loop.finish_reason if end else None))
+            if end:
+                self.leave(r.slot)
+        return events
+
+    def generate(self, slot: int, first_token: int, params) -> Iterator[int]:
+        """One request's tokens (`join`, then `step` until it ends), the batch's other slots idle: a request
+        alone, for tests and warm-up."""
+        if self.busy:
+            raise EngineError(f"generate runs one request alone; slots {self.busy} are decoding")
+        if self.join(slot, first_token, params) is not None:
+            return
+        while True:
+            for ev in self.step():
+                yield ev.token
+                if ev.finish_reason is not None:
+                    return
+
+    # ---- replays -------------------------------------------------------------------------------------
+    def _enqueue(self) -> None:
+        """Enqueue one replay over the requests that may still take a token (none: nothing)."""
+        d = self.d
+        reqs = [r for r in self.requests if r is not None and r.budget > 0]
+        if not reqs:
+            return
+        want = [False] * self.n
+        for r in reqs:
+            want[r.slot] = True
+            r.budget -= 1
+            r.pending += 1
+        for b in range(self.n):
+            if want[b] != self._live[b]:
+                d.live[b].fill_(int(want[b]))
+                self._live[b] = want[b]
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            d.launch()
+        self.replays += 1
+        self._step += 1
+        self._inflight.append((self._step, reqs))
