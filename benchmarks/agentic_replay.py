@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     if args.shape:
         if not args.tokenizer:
             raise SystemExit("--shape needs --tokenizer")
-        from benchmarks.gpu_e2e import write_model_dir
+        from nexrt_vllm.bench.model_dir import write_model_dir
         model = os.path.join(workdir, f"model-{args.shape}" + (f"-{args.layers}L" if args.layers else ""))
         write_model_dir(model, args.shape, args.tokenizer, args.layers)
     elif model is None:  # the stored trained checkpoint of the tests (testing/stored.py), else trained here

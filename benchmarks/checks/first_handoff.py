@@ -185,7 +185,7 @@ def main(argv=None) -> int:
         ap.error("--shape needs --tokenizer")
     work = tempfile.mkdtemp(prefix="first-handoff-")
     if a.shape:
-        from benchmarks.gpu_e2e import write_model_dir
+        from nexrt_vllm.bench.model_dir import write_model_dir
         model = os.path.join(work, f"model-{a.shape}")
         write_model_dir(model, a.shape, a.tokenizer, None)
     elif a.model:

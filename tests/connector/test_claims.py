@@ -10,6 +10,7 @@ from nexrt_vllm.connector.config import ConnectorConfig, ConnectorConfigError
 from nexrt_vllm.connector.metadata import NexRTWorkerMetadata, Outcome
 from nexrt_vllm.connector.scheduler import NexRTScheduler
 from nexrt_vllm.handoff.contracts import Claim, ContractError, HandoffStatus
+from nexrt_vllm.handoff.prefix import pack_ids
 from nexrt_vllm.handoff.protocol import Reason
 
 GOOD = {"rid": "r1", "generation": 3, "control_addr": "tcp://10.0.0.2:5555", "node_url": "http://10.0.0.2:8200"}
@@ -65,6 +66,7 @@ class Req:
     kv_transfer_params: dict | None
     num_prompt_tokens: int = 600
     num_computed_tokens: int = 0
+    prompt_token_ids: list | None = field(default_factory=lambda: list(range(3, 603)))
 
 
 @dataclass
@@ -90,8 +92,10 @@ def test_scheduler_tracks_only_claimed_and_holds_until_sent():
     sched.on_new_request(other)
     m1 = _step(sched, ours, other)
     assert [(s.req_id, s.start, s.end, s.completes_prefill) for s in m1.steps] == [("a", 0, 512, False)]
+    assert m1.steps[0].prompt_ids == pack_ids(ours.prompt_token_ids)  # the job's first step: for the node's cache
     m2 = _step(sched, ours, other)
     assert [(s.start, s.end, s.completes_prefill, s.block_ids) for s in m2.steps] == [(512, 1024, True, ([1], [2, 3]))]
+    assert m2.steps[0].prompt_ids is None
     assert sched.request_finished(other) == (False, None)
     held, params = sched.request_finished(ours)
     assert held and params == {"nexrt": {"rid": "r1", "generation": 3, "seq_len": 600, "status": "sending"}}
