@@ -179,7 +179,7 @@ def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, o
 
 
 def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str, spec_tokens: int = 0,
-                tp: int = 1) -> dict:
+                tp: int = 1, draft_vocab: int | None = None) -> dict:
     """decode_bench at the scenario contexts (the engine alone, same GPUs, nothing else running); with
     `spec_tokens`, the captured MTP round against the plain step; at TP = `tp`."""
     cmd = [sys.executable, "-m", "benchmarks.decode_bench", "--shapes", shape, "--contexts",
@@ -187,6 +187,7 @@ def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: s
            "--json", out_json, "--tp", str(tp)] + (["--layers", str(layers)] if layers else [])
     if spec_tokens:
         cmd += ["--speculative", "mtp", "--num-speculative-tokens", str(spec_tokens)]
+        cmd += ["--draft-vocab", str(draft_vocab)] if draft_vocab else []
     log("run", " ".join(cmd[2:]))
     err = _run(cmd, ROOT, 900, 1500)
     if err:
@@ -505,6 +506,8 @@ def main(argv=None) -> int:
                     help="mtp: the node serves MTP rounds and the baseline is vLLM + MTP, both at the pinned "
                          "--acceptance-length (plain vLLM interleaved for reference)")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="the node's --draft-vocab N: its MTP head drafts from the first N token ids (default: all)")
     ap.add_argument("--acceptance-length", type=float, default=None,
                     help="pinned mean tokens per round for both (default: InferenceX's golden value for the "
                          "draft count, e.g. 3.39 at 3)")
@@ -574,6 +577,7 @@ def main(argv=None) -> int:
                  "rejection_sample_method": "synthetic", "synthetic_acceptance_length": a.acceptance_length}
         node_extra += ["--speculative", "mtp", "--num-speculative-tokens", str(a.num_speculative_tokens),
                       "--speculative-synthetic-acceptance", str(a.acceptance_length)]
+        node_extra += ["--draft-vocab", str(a.draft_vocab)] if a.draft_vocab else []
         summary.update({"speculative": "mtp", "num_speculative_tokens": a.num_speculative_tokens,
                         "acceptance_length": a.acceptance_length, "baseline_speculative_config": vspec,
                         "node_speculative_flags": node_extra, "vllm_mtp": {}})
@@ -691,7 +695,8 @@ def main(argv=None) -> int:
     if not a.skip_engine_bench and a.device == "cuda" and "error" not in summary:
         ctxs = sorted({scenario(s)[0] for s in a.scenarios})
         summary["engine"] = engine_step(a.shape, ctxs, a.layers, os.path.join(work, "decode_bench.json"),
-                                        a.num_speculative_tokens if spec else 0, a.tp)
+                                        a.num_speculative_tokens if spec else 0, a.tp,
+                                        a.draft_vocab if spec else None)
     add_ratios(summary, a.scenarios)
     if sweep:
         add_sweep(summary, a.scenarios, os.path.join(a.out, f"gpu_e2e_{label}_pareto.png"))
