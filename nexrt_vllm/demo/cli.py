@@ -1,6 +1,7 @@
 """`nexrt-vllm`: project command line. `nexrt-vllm demo` runs the whole interactive path on this
 machine: vLLM (with NexRTConnector) → NexRT decode node → router, one streamed chat request,
-TTFT and tokens/s per stage, then a clean shutdown (Ctrl-C included)."""
+TTFT and tokens/s per stage, then a clean shutdown (Ctrl-C included). `nexrt-vllm draft-token-map`
+builds a decode node's draft token map from a corpus (node/draft_token_map.py)."""
 from __future__ import annotations
 
 import argparse
@@ -201,7 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--num-speculative-tokens", type=int, default=3)
     d.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds to wait for vLLM and the node to start")
+    from nexrt_vllm.node import draft_token_map
+    m = sub.add_parser("draft-token-map", help="build a draft token map (nexrt-decode --draft-token-map): the "
+                       "token ids most frequent in a corpus", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    draft_token_map.add_arguments(m)
     args = ap.parse_args(argv)
+    if args.cmd == "draft-token-map":
+        return draft_token_map.run(args)
     if args.max_tokens < 1:
         ap.error("--max-tokens must be >= 1")
     return demo(args)

@@ -56,7 +56,7 @@ class Engine:
         self.graph = None  # GPU graph path (use_graph); None: `stream` runs the eager decode loop
         self.speculative = None  # spec.speculative.Speculator (enable_speculative); None: one token per step
         self.spec_graph = None  # gpu.spec_round.SpecRunner: the speculative round on the graph path (fused + MTP)
-        self.draft_vocab: int | None = None  # the head's lm_head rows on the graph path (None: all)
+        self.draft_vocab = None  # the head's lm_head rows on the graph path, as given (None: all; spec/draft_vocab.py)
         self.batch_graph = None  # gpu.batch_runner.BatchRunner: the batch step of `slots` (use_batch_graph)
         self._slot_engines: list[Engine] = []
 
@@ -226,15 +226,18 @@ class Engine:
 
     # ---- speculative decoding (engine/spec/speculative.py) ----------------------------------------
     def enable_speculative(self, method: str = "mtp", num_speculative_tokens: int = 3,
-                           draft_vocab: int | None = None, synthetic=None) -> None:
+                           draft_vocab=None, synthetic=None) -> None:
         """Decode with the checkpoint's MTP head drafting `num_speculative_tokens` tokens per round,
         verified in one pass of M = num_speculative_tokens + 1 positions (greedy and sampled output
         distributed exactly as without; docs/NODE.md). ConfigError if the checkpoint has no MTP head
         or the method is unknown. Grammar-constrained requests keep the one-token loop. On the graph
         path (`use_graph("fused")`, before or after this) greedy requests run the captured round,
-        whose head drafts from the first `draft_vocab` token ids only (None: all; exact either way).
+        whose head drafts from `draft_vocab` only: None = every id, an int N = ids 0..N-1, a token map
+        = a 1-D sequence (or tensor) of distinct ids, e.g. the most frequent ones (spec/draft_vocab.py;
+        exact output either way, only acceptance depends on it).
         `synthetic` (engine.spec.synthetic.SyntheticAcceptance, benchmarks only): every round accepts the
         drafts its schedule says instead of the matching ones - output is then no longer the target's."""
+        from nexrt_vllm.engine.spec.draft_vocab import check_draft_vocab
         from nexrt_vllm.engine.spec.mtp import Drafter, mtp_weights
         from nexrt_vllm.engine.spec.speculative import Speculator
 
@@ -246,8 +249,7 @@ class Engine:
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
                 or not 1 <= num_speculative_tokens <= 15:
             raise ConfigError(f"num_speculative_tokens must be an int in [1, 15], got {num_speculative_tokens!r}")
-        if draft_vocab is not None and not (isinstance(draft_vocab, int) and 1 <= draft_vocab <= self.config.vocab_size):
-            raise ConfigError(f"draft_vocab must be an int in [1, {self.config.vocab_size}], got {draft_vocab!r}")
+        check_draft_vocab(draft_vocab, self.config.vocab_size)
         if self.graph is not None and self.graph.d.mode != "fused":
             raise NotBuiltError("speculative decoding (MTP) on the CUDA graph path runs the fused kernels "
                                 f"(graph mode 'fused'), not {self.graph.d.mode!r}")

@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from nexrt_vllm.engine.spec.draft_vocab import describe_draft_vocab
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import (AdmitReply, AdmitRequest, CancelRequest, ContractError, GenerateRequest,
                                           Refusal)
@@ -147,7 +148,8 @@ class Endpoints:
         if spec is None:
             return None
         return {"method": self.args.speculative, "num_speculative_tokens": spec.num_speculative_tokens,
-                "synthetic_acceptance": spec.synthetic.describe() if spec.synthetic is not None else None}
+                "synthetic_acceptance": spec.synthetic.describe() if spec.synthetic is not None else None,
+                "draft_vocab": describe_draft_vocab(self.node.engine.draft_vocab, self.node.cfg.vocab_size)}
 
     def _structured_caps(self) -> dict:
         if self.node.grammars is None:
@@ -228,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="graph path: the MTP head drafts from the first N token ids only (its lm_head reads "
                          "N rows instead of the whole vocabulary; output is exact either way, acceptance may "
                          "drop); default: the whole vocabulary")
+    ap.add_argument("--draft-token-map", default=None, metavar="FILE",
+                    help="graph path: the MTP head drafts from the token ids of this map (JSON {\"token_ids\": "
+                         "[...]}, e.g. the most frequent ids of text like the traffic: `nexrt-vllm draft-token-map`); "
+                         "exact output, acceptance depends on the map's coverage; not with --draft-vocab")
     ap.add_argument("--speculative-synthetic-acceptance", type=float, default=None, metavar="L",
                     help="benchmarks only: pin the mean tokens per round to L with vLLM's synthetic schedule "
                          "(accepted drafts are emitted as drafted, so output is no longer the model's own; e.g. "
@@ -316,6 +322,10 @@ def _positive(ap, args) -> None:
                      f"(--graph fused or auto), not --graph eager")
         if not 1 <= args.num_speculative_tokens <= 15:
             ap.error("--num-speculative-tokens must be in [1, 15]")
+        if args.draft_vocab is not None and args.draft_token_map is not None:
+            ap.error("give --draft-vocab or --draft-token-map, not both")
+    elif args.draft_vocab is not None or args.draft_token_map is not None:
+        ap.error("--draft-vocab / --draft-token-map need --speculative mtp")
     args.synthetic = _synthetic(ap, args)
     if args.tp > 1 and args.device not in ("cpu", "cuda"):
         ap.error(f"--tp > 1 places rank r on cuda:r: give --device cuda or cpu, not {args.device!r}")
@@ -331,6 +341,25 @@ def _positive(ap, args) -> None:
         ap.error("--context-cache-gib must be >= 0")
     if args.context_cache_gib and args.tp > 1:
         ap.error("--context-cache-gib with --tp > 1 is not built (the cache keeps one device's rows)")
+
+
+def _draft_vocab(args):
+    """The MTP head's draft vocabulary the flags give (engine/spec/draft_vocab.py): None, the first N
+    ids, or the ids of the --draft-token-map file, read and checked against the checkpoint's
+    vocabulary before the weights load (a ValueError naming the file otherwise)."""
+    if args.draft_token_map is None:
+        return args.draft_vocab
+    from nexrt_vllm.engine import ConfigError
+    from nexrt_vllm.engine.config import ModelConfig
+    from nexrt_vllm.engine.spec.draft_vocab import check_draft_vocab
+    from nexrt_vllm.node.draft_token_map import TokenMapError, read_token_map
+    vocab = ModelConfig.from_pretrained(args.model).vocab_size
+    try:
+        ids = read_token_map(args.draft_token_map)
+        check_draft_vocab(ids, vocab)
+    except (TokenMapError, ConfigError) as e:
+        raise ValueError(f"--draft-token-map {args.draft_token_map}: {e}") from None
+    return ids
 
 
 def _grammars(args, cfg):
@@ -364,6 +393,7 @@ async def serve(args) -> None:
     disable_created_metrics()
     torch.set_num_threads(int(os.environ.get("NEXRT_THREADS", torch.get_num_threads())))
     memory = args.recv_memory = args.recv_memory or ("pinned" if args.device.startswith("cuda") else "host")
+    draft_vocab = _draft_vocab(args)
     t0 = time.monotonic()
     group = None
     if args.tp > 1:
@@ -400,11 +430,16 @@ async def serve(args) -> None:
     if args.speculative != "off":
         from nexrt_vllm.engine import EngineError
         try:
-            engine.enable_speculative(args.speculative, args.num_speculative_tokens, args.draft_vocab,
+            engine.enable_speculative(args.speculative, args.num_speculative_tokens, draft_vocab,
                                       synthetic=args.synthetic)
         except EngineError as e:
             raise ValueError(f"--speculative {args.speculative}: {e}") from None
-        log.info("speculative decoding: %s, %d draft tokens per round", args.speculative, args.num_speculative_tokens)
+        dv = describe_draft_vocab(draft_vocab, cfg.vocab_size)
+        log.info("speculative decoding: %s, %d draft tokens per round, draft vocabulary: %s %d ids%s",
+                 args.speculative, args.num_speculative_tokens, dv["kind"], dv["size"],
+                 "" if args.graph != "off" or draft_vocab is None
+                 else " (the CUDA graph path's round reads it; this node runs the eager round, which drafts "
+                      "from every id)")
         if args.synthetic is not None:
             log.warning("synthetic acceptance (benchmark mode): %s - output is not the model's own",
                         args.synthetic.describe())

@@ -2,7 +2,7 @@
 or compiled (NEXRT_KERNEL_DEVICE=cuda): accept counts the leading drafts equal to the target's
 tokens and publishes exactly the round's tokens, the round record and the advanced counters; the MTP
 head's input rows equal the eager `Drafter._input` normalisation; a draft pick stores the argmax
-where the next verify and the next chained step read it."""
+(through a draft token map, the map's id at it) where the next verify and the next chained step read it."""
 import pytest
 import torch
 
@@ -81,3 +81,14 @@ def test_draft_pick():
     dtok, base, acc, dpos = torch.tensor([-1]), torch.tensor([40]), torch.tensor([2]), torch.tensor([-1])
     call(spec.draft_pick, pmax[0], pidx[0], 9, tok, dtok, base, acc, dpos, 2)
     assert tok.tolist() == [5, 0, 23, 0] and int(dtok) == 23 and int(dpos) == 44
+
+
+def test_draft_pick_through_a_token_map():
+    # the head read the rows of a draft token map: the argmax (index 23) is the map's 24th id
+    pmax, pidx = partials([23], n_part=9)
+    ids = torch.randperm(1000, generator=torch.Generator().manual_seed(3))[:45].to(torch.int32)
+    tok = torch.tensor([5, 0, 0, 0])
+    dtok, base, acc, dpos = torch.tensor([-1]), torch.tensor([40]), torch.tensor([0]), torch.tensor([-1])
+    call(spec.draft_pick, pmax[0], pidx[0], 9, tok, dtok, base, acc, dpos, 1, ids)
+    d = int(ids[23])
+    assert tok.tolist() == [5, d, 0, 0] and int(dtok) == d and int(dpos) == 41

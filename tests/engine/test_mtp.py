@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chi2
 
 from nexrt_vllm.engine import ConfigError, Engine, NotBuiltError, SamplingParams, WeightsError
+from nexrt_vllm.engine.spec.draft_vocab import describe_draft_vocab
 from nexrt_vllm.engine.spec.speculative import Speculator, accept_sampled
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, period_continuation, periodic_prompt
 
@@ -310,9 +311,32 @@ def test_refusals(ckpt_factory, tmp_path):
     for bad in (0, 16, 2.0, True):
         with pytest.raises(ConfigError, match="num_speculative_tokens"):
             e.enable_speculative("mtp", bad)
-    for bad in (0, e.config.vocab_size + 1, 2.5):
-        with pytest.raises(ConfigError, match="draft_vocab"):
+    V = e.config.vocab_size
+    for bad in (0, V + 1, 2.5, True, "32"):
+        with pytest.raises(ConfigError, match="draft_vocab must be an int in"):
             e.enable_speculative("mtp", 3, draft_vocab=bad)
+    # a draft token map: distinct ids in [0, vocab), 1-D, integers
+    for bad, why in (([[1, 2], [3, 4]], r"token map must be 1-D, got shape \(2, 2\)"),
+                     (torch.tensor([[1, 2]]), r"must be 1-D, got shape \(1, 2\)"),
+                     ([], "token map is empty"),
+                     ([3, 7, 3, 9, 7], r"ids must be distinct, repeated: \[3, 7\]"),
+                     ([0, V], rf"ids must be in \[0, {V}\), got \[{V}\]"),
+                     (torch.tensor([-1, 5]), r"ids must be in .*got \[-1\]"),
+                     (list(range(V + 1)), f"has {V + 1} ids, more than the vocabulary's {V}"),
+                     ([1.0, 2.0], "ids must be integers"),
+                     (torch.tensor([1.0, 2.0]), "ids must be integers"),
+                     ([1, True], "ids must be ints, got a bool")):
+        with pytest.raises(ConfigError, match=why) as err:
+            e.enable_speculative("mtp", 3, draft_vocab=bad)
+        assert str(err.value).startswith("draft_vocab token map"), err.value
+    assert e.speculative is None  # every refusal left the engine as it was
+    for good in (V, [5, 0, 17], (9,), torch.randperm(V), torch.tensor([3, 1], dtype=torch.int32)):
+        e.enable_speculative("mtp", 3, draft_vocab=good)
+        assert e.draft_vocab is good  # kept as given: the graph round builds its lm_head rows from it
+    assert describe_draft_vocab(None, V) == {"kind": "first", "size": V}
+    assert describe_draft_vocab(1024, V) == {"kind": "first", "size": 1024}
+    assert describe_draft_vocab([4, 2, 9], V) == {"kind": "map", "size": 3}
+    e.speculative = None
 
     class EagerGraph:  # a graph path capturing the eager ops: the speculative round needs the fused one
         d = type("D", (), {"mode": "eager"})()

@@ -2,8 +2,10 @@
 drafts, all fused Triton launches) against the eager engine, on CPU through the Triton interpreter:
 greedy tokens equal the one-token loop's token for token on trained tiny checkpoints (with a trained
 MTP head) of the MoE family (Qwen3-Next) and the dense one (Qwen3.5); with the drafter's full prompt context every round accepts what the
-eager speculative loop accepts (the same histogram of tokens per round); after a hand-off without
-that context, with the head drafting from half the vocabulary, and across a stop id the tokens stay
+eager speculative loop accepts (the same histogram of tokens per round), also with the head
+drafting through a draft token map that holds every id in a scrambled order; after a hand-off
+without that context, with the head drafting from half the vocabulary or from a token map that
+lacks the continuation's tokens (no round accepts a draft), and across a stop id the tokens stay
 exact; the committed K/V rows equal the plain loop's; with `Tuning.gdn_verify_recompute` (the commit
 recomputes the accepted GDN positions) the tokens and the state after them are the per-position
 copy's, bit for bit. The graph capture and the pipelined replays are
@@ -111,3 +113,40 @@ def test_recomputing_commit_equals_the_copy(ckpt_factory):
     (t0, r0, n0, s0), (t1, r1, n1, s1) = runs
     assert t0 == t1 == want and r0 == r1 and n0 == n1 and sum(r0) >= 2, (r0, r1)
     assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []
+
+
+def test_draft_token_map(ckpt_factory):
+    """The head drafting from a token map: its lm_head reads the map's rows (a gathered copy), the
+    pick maps the argmax index back to the token id."""
+    plain, eng = engines(ckpt_factory, "qwen3_5")
+    V = eng.config.vocab_size
+    prompt, sp = periodic_prompt(40, seed=15), SamplingParams(max_tokens=13, ignore_eos=True)
+    first = int(plain.prefill(prompt).argmax())
+    want = list(plain.stream(first, sp))  # the first round's drafts are the eager head's, the others the map's
+    eng.prefill(prompt)  # the eager speculative loop: the full-vocabulary rounds
+    eng.speculative.rounds = [0] * (K + 2)
+    assert list(eng.stream(first, sp)) == want
+    full_rounds = eng.speculative.rounds
+    g = torch.Generator().manual_seed(5)
+    # every id in a scrambled order: the whole vocabulary's drafts, so its rounds; a scrambled half
+    # that holds the periodic text's tokens (all the trained head drafts here): the same
+    perm = torch.randperm(V, generator=g)
+    used = sorted(set(prompt) | set(want) | {first})
+    rest = [t for t in perm.tolist() if t not in used][:V // 2 - len(used)]
+    half = torch.tensor(used + rest)[torch.randperm(V // 2, generator=g)]
+    for ids in (perm, half):
+        runner = on_graph_path(eng, draft_vocab=ids)
+        assert runner.d.draft_vocab == len(ids) and runner.d.draft_lm.shape[0] == len(ids)
+        eng.prefill(prompt)
+        eng.speculative.rounds = [0] * (K + 2)
+        assert list(eng.stream(first, sp)) == want
+        assert eng.speculative.rounds == full_rounds, (len(ids), eng.speculative.rounds, full_rounds)
+    assert full_rounds[K + 1] >= 2, full_rounds  # a round drafted through the map accepted every draft
+    # a map without the continuation's tokens, after a hand-off (no head context: placeholder drafts
+    # first, not counted): no draft can be right, every round emits one token, still the right one
+    on_graph_path(eng, draft_vocab=[t for t in perm.tolist() if t not in set(want)])
+    eng.prefill(prompt)
+    eng.import_state(*eng.export_state())
+    eng.speculative.rounds = [0] * (K + 2)
+    assert list(eng.stream(first, SamplingParams(max_tokens=5, ignore_eos=True))) == want[:4]
+    assert eng.speculative.rounds == [0, 3, 0, 0, 0], eng.speculative.rounds

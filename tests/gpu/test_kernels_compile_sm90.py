@@ -164,7 +164,9 @@ SPEC_VARIANTS = [
     # pinned acceptance (engine/spec/synthetic.py): the accepted count read from the host-filled ring
     ("accept_synthetic", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True, SYNTH=True), 8, SPEC_T, ()),
     ("mtp_input", spec.mtp_input_kernel, dict(HP=2048), 4, SPEC_T, ()),
-    ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192), 8, SPEC_T, ()),
+    ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192, HAS_MAP=False), 8, SPEC_T, ()),
+    # a draft token map (engine/spec/draft_vocab.py): the argmax index mapped to its token id
+    ("draft_pick_map", spec.draft_pick_kernel, dict(BLOCK=2048, HAS_MAP=True), 4, SPEC_T, ()),
 ]
 # The batch step (engine/gpu/batch_decoder.py) over B = 8 slots (M = 8 rows; the 2B / 35B-A3B shapes at the
 # Tuning defaults): the M-row GEMVs it launches, kernels/batch.py's per-slot kernels.
@@ -263,7 +265,7 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 64 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 66 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):

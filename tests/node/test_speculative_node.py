@@ -1,7 +1,10 @@
 """`nexrt-decode --speculative mtp`: a real node decodes a handed-off request with the checkpoint's
 MTP head (no MTP context shipped: the head starts at the node's first position) and streams the
 prefill engine's own greedy tokens; /metrics has the acceptance-length histogram, /capabilities the
-method; the flag is refused clearly without an MTP head, with --tp > 1 and on the CUDA graph path."""
+method and the draft vocabulary (here a --draft-token-map, which only the CUDA graph path's round
+reads); the flags are refused clearly without an MTP head, with --tp > 1, on the CUDA graph path
+with --graph eager, and with a draft token map that is unreadable or does not fit the vocabulary."""
+import json
 import subprocess
 import sys
 
@@ -19,9 +22,15 @@ def ckpt(ckpt_factory):
     return ckpt_factory("qwen3_next", "bfloat16", **TRAINED_MTP["qwen3_next"])
 
 
+MAP = list(range(379, 2, -1))  # the periodic prompts' ids (connector_harness.periodic_prompt), any order
+
+
 @pytest.fixture(scope="module")
-def node(ckpt):
-    n = NodeProcess(ckpt, "mooncake", "--speculative", "mtp", "--num-speculative-tokens", "3", max_seq_len=512)
+def node(ckpt, tmp_path_factory):
+    path = tmp_path_factory.mktemp("map") / "map.json"
+    path.write_text(json.dumps({"source": "test", "coverage": {"heldout": None}, "token_ids": MAP}))
+    n = NodeProcess(ckpt, "mooncake", "--speculative", "mtp", "--num-speculative-tokens", "3",
+                    "--draft-token-map", str(path), max_seq_len=512)
     yield n
     assert n.wait_free()["busy_slots"] == 0
     n.stop()
@@ -43,7 +52,8 @@ def _request(node, side, rid, prompt, max_tokens, **sampling):
 
 def test_greedy_tokens_and_acceptance_histogram(node, side):
     caps = node.call("GET", "/capabilities")[1]
-    assert caps["speculative"] == {"method": "mtp", "num_speculative_tokens": 3, "synthetic_acceptance": None}
+    assert caps["speculative"] == {"method": "mtp", "num_speculative_tokens": 3, "synthetic_acceptance": None,
+                                   "draft_vocab": {"kind": "map", "size": len(MAP)}}
     assert node.metric("nexrt_spec_synthetic_acceptance_length") == 0
     assert node.metric("nexrt_speculative", 'method="mtp",num_speculative_tokens="3"') == 1
     def hist():
@@ -81,7 +91,7 @@ def _start(model, *flags):
                            "--max-seq-len", "64", *flags], capture_output=True, text=True, timeout=120)
 
 
-def test_refusals(ckpt_factory, ckpt):
+def test_refusals(ckpt_factory, ckpt, tmp_path):
     r = _start(ckpt_factory("qwen3_5", "bfloat16"), "--speculative", "mtp")
     assert r.returncode == 1 and "--speculative mtp: the checkpoint has no MTP head" in r.stderr, r.stderr[-2000:]
     r = _start(ckpt, "--speculative", "mtp", "--tp", "2")
@@ -90,6 +100,20 @@ def test_refusals(ckpt_factory, ckpt):
     assert r.returncode == 2 and "runs the fused kernels (--graph fused or auto), not --graph eager" in r.stderr
     r = _start(ckpt, "--speculative", "mtp", "--draft-vocab", "0")
     assert r.returncode == 1 and "draft_vocab must be an int in [1, " in r.stderr, r.stderr[-2000:]
+    maps = {"dup.json": {"token_ids": [4, 9, 4]}, "range.json": {"token_ids": [1, 10 ** 6]},
+            "list.json": [1, 2, 3], "missing.json": None}
+    for name, body in maps.items():
+        if body is not None:
+            (tmp_path / name).write_text(json.dumps(body))
+    for name, why in (("dup.json", "ids must be distinct, repeated: [4]"), ("range.json", "ids must be in [0, "),
+                      ("list.json", 'expected a JSON object with "token_ids"'), ("missing.json", "cannot read the map")):
+        r = _start(ckpt, "--speculative", "mtp", "--draft-token-map", str(tmp_path / name))
+        assert r.returncode == 1 and f"--draft-token-map {tmp_path / name}: " in r.stderr and why in r.stderr, \
+            r.stderr[-2000:]
+    r = _start(ckpt, "--speculative", "mtp", "--draft-vocab", "64", "--draft-token-map", str(tmp_path / "dup.json"))
+    assert r.returncode == 2 and "give --draft-vocab or --draft-token-map, not both" in r.stderr
+    r = _start(ckpt, "--draft-token-map", str(tmp_path / "dup.json"))
+    assert r.returncode == 2 and "--draft-vocab / --draft-token-map need --speculative mtp" in r.stderr
     r = _start(ckpt, "--speculative", "mtp", "--num-speculative-tokens", "0")
     assert r.returncode == 2 and "--num-speculative-tokens must be in [1, 15]" in r.stderr
     r = _start(ckpt, "--speculative-synthetic-acceptance", "3.39")

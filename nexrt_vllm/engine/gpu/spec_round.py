@@ -21,8 +21,10 @@ host value in it:
    before they are overwritten.
 4. draft the next round: the MTP head over rows base..base+M-1 with (hidden_j, y_j) (its own K/V
    rows; rows past a are junk that later rounds overwrite), its row a drafts d'_1, then M - 2
-   chained single-row steps. The head's lm_head reads only the first `draft_vocab` rows when set
-   (a draft restricted to the most frequent ids: cheaper drafts, exact output either way).
+   chained single-row steps. With a draft vocabulary (engine/spec/draft_vocab.py) the head's lm_head
+   reads only its rows: the first N rows, or a token map's rows gathered once into a contiguous
+   copy, whose argmax index the pick maps back to the token id (cheaper drafts, exact output either
+   way).
 
 Exactness does not depend on the drafts (each emitted token is the target's argmax at its
 position), so the first round of a stream may run with placeholder drafts. `SpecRunner` replays
@@ -42,6 +44,7 @@ from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch
 from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
 from nexrt_vllm.engine.gpu.runner import GraphRunner
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
+from nexrt_vllm.engine.spec.draft_vocab import check_draft_vocab
 from nexrt_vllm.engine.state import AttentionState
 
 # Pinned-acceptance counts held on the device; a stream longer than this many rounds reuses them in order.
@@ -52,7 +55,7 @@ class SpecDecoder:
     """Static buffers of the round over a `FusedDecoder`'s fused weights and a `Speculator`'s drafter;
     `plan()` is the round as launches, `launch()` enqueues it."""
 
-    def __init__(self, fused: FusedDecoder, spec, draft_vocab: int | None = None):
+    def __init__(self, fused: FusedDecoder, spec, draft_vocab=None):
         if fused.mode != "fused":
             raise EngineError("the speculative round needs the fused decoder (mode 'fused')")
         from nexrt_vllm.engine.kernels import spec as k_spec  # triton: GPU path only
@@ -67,10 +70,15 @@ class SpecDecoder:
             raise NotBuiltError("speculative decoding on the CUDA graph path reads bf16 weights only; this engine "
                                 "keeps FP8 weights (load with fp8_weights='dequantize' or decode without --speculative)")
         V = c.vocab_size
-        self.draft_vocab = V if draft_vocab is None else int(draft_vocab)
-        if not 1 <= self.draft_vocab <= V:
-            raise EngineError(f"draft_vocab must be in [1, {V}], got {draft_vocab}")
         dev, dt, H = f.state.device, f.state.dtype, c.hidden_size
+        # the head's lm_head: the first draft_vocab rows of the target's, or a token map's rows (copied once)
+        # and the map (int32) the pick reads
+        dv = check_draft_vocab(draft_vocab, V)
+        self.draft_vocab = V if dv is None else dv if isinstance(dv, int) else dv.numel()
+        self.draft_lm, self.draft_ids = f.lm_head, None
+        if isinstance(dv, torch.Tensor):
+            self.draft_lm = f.lm_head.index_select(0, dv.to(dev)).contiguous()
+            self.draft_ids = dv.to(device=dev, dtype=torch.int32)
         z = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)  # noqa: E731
         i64 = torch.int64
         # control: verify tokens [t, d_1..], target tokens y, first position of the round, accepted count,
@@ -246,10 +254,10 @@ class SpecDecoder:
 
         def pick(k):
             return [("lm_head+argmax", lambda: g.gemv(
-                        self.u1, f.lm_head, self.dlogits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
+                        self.u1, self.draft_lm, self.dlogits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
                         aux0=self.dpmax, aux1=self.dpidx, xn_out=self.g1, eps=eps, **lm)),
                     ("pick", lambda: ks.draft_pick(self.dpmax, self.dpidx, self.n_dpart, self.tokens, self.dtok,
-                                                   self.base, self.acc, self.dpos, k))]
+                                                   self.base, self.acc, self.dpos, k, self.draft_ids))]
 
         # rows base..base+M-1 from (hidden_j, y_j); row a drafts d_1
         steps = head(self.u, self.fc_in, self.y, self.hn, self.base, M)
@@ -273,7 +281,7 @@ class SpecRunner:
     """The round graph over a `SpecDecoder` and the host loop that streams its tokens; the plain step
     graph (`GraphRunner`) finishes streams whose context has no room for another round."""
 
-    def __init__(self, runner: GraphRunner, spec, draft_vocab: int | None = None):
+    def __init__(self, runner: GraphRunner, spec, draft_vocab=None):
         self.plain, self.spec = runner, spec
         self.d = SpecDecoder(runner.d, spec, draft_vocab)
         self.graph: torch.cuda.CUDAGraph | None = None

@@ -11,7 +11,8 @@ leaves y_a as the next round's first token.
 
 `mtp_input_kernel` builds the MTP head's fc input [RMSNorm_e(embed(token)) ; RMSNorm_h(hidden)]
 per row (zero-centred RMSNorm, bf16 rounding as the eager `Drafter._input`); `draft_pick_kernel`
-reduces the head's lm_head partials to a draft token, stores it as the next verify input and as the
+reduces the head's lm_head partials to a draft token (through the draft token map when the head
+read a map's rows: engine/spec/draft_vocab.py), stores it as the next verify input and as the
 next chained step's token, and sets that step's head position.
 """
 import triton
@@ -99,21 +100,24 @@ def mtp_input(tok, embed, hidden, w_e, w_h, out, eps):
 
 
 @triton.jit
-def draft_pick_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, dtok_ptr, base_ptr, nacc_ptr, dpos_ptr, K,
-                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+def draft_pick_kernel(pmax_ptr, pidx_ptr, NP, ids_ptr, tok_ptr, dtok_ptr, base_ptr, nacc_ptr, dpos_ptr, K,
+                      BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     d = _argmax_partials(pmax_ptr, pidx_ptr, NP, BLOCK)
+    if HAS_MAP:  # the lm_head rows were the map's: the argmax is an index into it
+        d = tl.load(ids_ptr + d)
     tl.store(tok_ptr + K, d.to(tok_ptr.dtype.element_ty))
     tl.store(dtok_ptr, d.to(dtok_ptr.dtype.element_ty))
     tl.store(dpos_ptr, tl.load(base_ptr) + tl.load(nacc_ptr) + K)
 
 
-def draft_pick(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k):
-    """Draft d_k = argmax of the head's partials: tok[k] = dtok = d_k; dpos = base + acc + k (the head
-    row of the chained step that drafts d_{k+1})."""
+def draft_pick(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, ids=None):
+    """Draft d_k = argmax of the head's partials (with `ids`, int32 [N]: ids[argmax], the head's
+    lm_head having read the rows of those token ids): tok[k] = dtok = d_k; dpos = base + acc + k (the
+    head row of the chained step that drafts d_{k+1})."""
     block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
-    draft_pick_kernel[(1,)](pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, BLOCK=block, **LAUNCH,
-                            num_warps=8 if block >= 4096 else 4)
+    draft_pick_kernel[(1,)](pmax, pidx, n_partials, ids if ids is not None else pidx, tok, dtok, base, acc, dpos, k,
+                            BLOCK=block, HAS_MAP=ids is not None, **LAUNCH, num_warps=8 if block >= 4096 else 4)
 
 
 __all__ = ["accept", "accept_kernel", "mtp_input", "mtp_input_kernel", "draft_pick", "draft_pick_kernel"]
