@@ -415,6 +415,9 @@ def main(argv=None) -> int:
                          "bytes per round, effective tok/s at acceptance 2.0-3.5 (computed), round-graph parity")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=None, help="the head drafts from the first N token ids")
+    ap.add_argument("--draft-token-map", default=None, metavar="FILE",
+                    help="the head drafts from the ids of this map (nexrt-decode --draft-token-map); not with "
+                         "--draft-vocab")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks on the graph path (rank r on cuda:r; "
                     "random bf16 weights only: not with --graft, --dtype fp8 or --speculative)")
     ap.add_argument("--batch", default="", help="batch sizes, e.g. 1,2,4,8: the captured batch step (B requests "
@@ -438,6 +441,12 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     contexts = [int(x) for x in args.contexts.split(",") if x]  # empty: parity only
     tuning, tuning_kw = tuning_from(args.tuning)
+    if args.draft_token_map:
+        if args.draft_vocab is not None:
+            print("give --draft-vocab or --draft-token-map, not both", file=sys.stderr)
+            return 2
+        from nexrt_vllm.node.draft_token_map import read_token_map
+        args.draft_vocab = read_token_map(args.draft_token_map)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),

@@ -179,7 +179,7 @@ def ix_client(client_dir: str, base_url: str, model_dir: str, sc: str, n: int, o
 
 
 def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: str, spec_tokens: int = 0,
-                tp: int = 1, draft_vocab: int | None = None) -> dict:
+                tp: int = 1, draft: list[str] | None = None) -> dict:
     """decode_bench at the scenario contexts (the engine alone, same GPUs, nothing else running); with
     `spec_tokens`, the captured MTP round against the plain step; at TP = `tp`."""
     cmd = [sys.executable, "-m", "benchmarks.decode_bench", "--shapes", shape, "--contexts",
@@ -187,7 +187,7 @@ def engine_step(shape: str, contexts: list[int], layers: int | None, out_json: s
            "--json", out_json, "--tp", str(tp)] + (["--layers", str(layers)] if layers else [])
     if spec_tokens:
         cmd += ["--speculative", "mtp", "--num-speculative-tokens", str(spec_tokens)]
-        cmd += ["--draft-vocab", str(draft_vocab)] if draft_vocab else []
+        cmd += draft or []
     log("run", " ".join(cmd[2:]))
     err = _run(cmd, ROOT, 900, 1500)
     if err:
@@ -508,6 +508,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="the node's --draft-vocab N: its MTP head drafts from the first N token ids (default: all)")
+    ap.add_argument("--draft-token-map", default=None, metavar="FILE",
+                    help="the node's --draft-token-map FILE: its MTP head drafts from the map's ids")
     ap.add_argument("--acceptance-length", type=float, default=None,
                     help="pinned mean tokens per round for both (default: InferenceX's golden value for the "
                          "draft count, e.g. 3.39 at 3)")
@@ -536,6 +538,13 @@ def main(argv=None) -> int:
         if spec and "nexrt" not in a.paths:
             ap.error("--speculative mtp measures the NexRT path against vLLM + MTP (plain vLLM too with --paths "
                      "nexrt vllm)")
+    if a.draft_vocab is not None and a.draft_token_map:
+        ap.error("give --draft-vocab or --draft-token-map, not both")
+    if (a.draft_vocab is not None or a.draft_token_map) and not spec:
+        ap.error("--draft-vocab / --draft-token-map are for --speculative mtp")
+    # the head's draft vocabulary, as the node and decode_bench take it
+    draft = ["--draft-vocab", str(a.draft_vocab)] if a.draft_vocab is not None else \
+        ["--draft-token-map", os.path.abspath(a.draft_token_map)] if a.draft_token_map else []
     if a.tp < 1:
         ap.error("--tp must be >= 1")
     if a.tp > 1 and spec:
@@ -577,7 +586,7 @@ def main(argv=None) -> int:
                  "rejection_sample_method": "synthetic", "synthetic_acceptance_length": a.acceptance_length}
         node_extra += ["--speculative", "mtp", "--num-speculative-tokens", str(a.num_speculative_tokens),
                       "--speculative-synthetic-acceptance", str(a.acceptance_length)]
-        node_extra += ["--draft-vocab", str(a.draft_vocab)] if a.draft_vocab else []
+        node_extra += draft
         summary.update({"speculative": "mtp", "num_speculative_tokens": a.num_speculative_tokens,
                         "acceptance_length": a.acceptance_length, "baseline_speculative_config": vspec,
                         "node_speculative_flags": node_extra, "vllm_mtp": {}})
@@ -696,7 +705,7 @@ def main(argv=None) -> int:
         ctxs = sorted({scenario(s)[0] for s in a.scenarios})
         summary["engine"] = engine_step(a.shape, ctxs, a.layers, os.path.join(work, "decode_bench.json"),
                                         a.num_speculative_tokens if spec else 0, a.tp,
-                                        a.draft_vocab if spec else None)
+                                        draft if spec else None)
     add_ratios(summary, a.scenarios)
     if sweep:
         add_sweep(summary, a.scenarios, os.path.join(a.out, f"gpu_e2e_{label}_pareto.png"))

@@ -216,6 +216,7 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
            f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; {len(sd.plan())} launches per round")
     res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "graft" if graft_dir else "random",
            "num_speculative_tokens": num_spec, "verify_width": M, "draft_vocab": sd.draft_vocab,
+           "draft_vocab_kind": "first" if sd.draft_ids is None else "map",
            "launches_per_round": len(sd.plan()), "launches_per_step": len(fused.plan()), "contexts": []}
     gen = torch.Generator(device="cuda").manual_seed(1234)
     if parity_steps:
