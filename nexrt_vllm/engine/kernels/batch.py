@@ -30,7 +30,7 @@ from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gdn import gdn_step_kernel
 from nexrt_vllm.engine.kernels.gemv import fold_vec, head_blocks
-from nexrt_vllm.engine.kernels.gemv_verify import _acc_rows, _dot_t, _rstd_rows, _w_head_rows, _x_block
+from nexrt_vllm.engine.kernels.gemv_verify import _gemv_rows
 from nexrt_vllm.engine.kernels.moe import _down, _gate_up, _token_row
 from nexrt_vllm.engine.kernels.sampling import argmax_partials
 
@@ -98,30 +98,8 @@ def gemv_rows_conv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, live_pt
     rmask = rows < N
     jrow = tl.arange(0, MP)
     jm = jrow < M
-    if DOT == 0:
-        w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, 0, BLOCK_K, PRE)
-        pdl_begin(PDL)
-        rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, 1, KP, BLOCK_K)
-        y, _ = _acc_rows(x_ptr, w_ptr, nw_ptr, nw_ptr, stride_x, 0, jrow, jm, rows, rmask, pid, N, K, stride_w, eps,
-                         rstd, w0, w1, w2, w3, u0, u1, u2, u3, 1, 0, 1, False, BLOCK_N, BLOCK_K, EVEN_K, PRE, VEC)
-    else:
-        pdl_begin(PDL)
-        rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, 1, KP, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
-        offs_k = tl.arange(0, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + offs_k
-            cmask = cols < K
-            if EVEN_K:
-                wmask = rmask[:, None]
-            else:
-                wmask = rmask[:, None] & cmask[None, :]
-            w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=wmask, other=0.0,
-                        eviction_policy="evict_first")
-            xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, nw_ptr, 0, rstd, eps, pid, 1, 1,
-                                   False, BLOCK_K))
-            acc = _dot_t(w, xt, acc, DOT)
-        y = tl.trans(acc)
+    y, _ = _gemv_rows(x_ptr, w_ptr, nw_ptr, nw_ptr, stride_x, 0, jrow, jm, rows, rmask, pid, N, K, stride_w, eps, 1, 0,
+                      1, False, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, PRE, VEC, PDL)
     _conv_rows(y, y_ptr, stride_y, conv_ptr, stride_cs, cw_ptr, live_ptr, jrow, jm, rows, rmask, CONV_N, KC, KCP)
 
 
