@@ -43,6 +43,14 @@ def _live(live_ptr, b):
 
 
 @triton.jit
+def _slot(live_ptr, AXIS: tl.constexpr, PDL: tl.constexpr):
+    """After the PDL wait: this program's slot (grid axis AXIS), as int64, and whether it steps."""
+    pdl_begin(PDL)
+    b = tl.program_id(AXIS)
+    return b, b.to(tl.int64), _live(live_ptr, b)
+
+
+@triton.jit
 def embed_rows_kernel(tok_ptr, live_ptr, emb_ptr, out_ptr, H, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Grid (B,): out row b = emb[tok[b]] for a live slot, zeros otherwise (the rows of a slot that is not
     live then carry finite values through the step's GEMVs)."""
@@ -110,10 +118,8 @@ def qk_rope_rows_kernel(qkv_ptr, q_out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_pt
                         PDL: tl.constexpr):
     """`qk_rope_cache_kernel` per slot: grid (H + KVH, B), slot b's qkv row, q row, K/V cache (slot stride
     stride_kv) and position."""
-    pdl_begin(PDL)
-    b = tl.program_id(1)
-    if _live(live_ptr, b):
-        b64 = b.to(tl.int64)
+    b, b64, live = _slot(live_ptr, 1, PDL)
+    if live:
         _qk_rope_head(qkv_ptr + b * stride_qkv, q_out_ptr + b * stride_q, k_ptr + b64 * stride_kv,
                       v_ptr + b64 * stride_kv, qn_ptr, kn_ptr, cos_ptr, sin_ptr, tl.program_id(0),
                       tl.load(pos_ptr + b), eps, stride_ch, stride_cs, H, KVH, HD, ROT, RESTP, HDP)
@@ -125,10 +131,8 @@ def attn_scores_rows_kernel(q_ptr, k_ptr, pos_ptr, live_ptr, s_ptr, m_ptr, l_ptr
                             G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
                             DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """`attn_scores_kernel` per slot: grid (KVH, NSPLIT, B), slot b's q row, K cache, position and scratch rows."""
-    pdl_begin(PDL)
-    b = tl.program_id(2)
-    if _live(live_ptr, b):
-        b64 = b.to(tl.int64)
+    b, b64, live = _slot(live_ptr, 2, PDL)
+    if live:
         attn_scores_kernel(q_ptr + b * stride_q, k_ptr + b64 * stride_kv, pos_ptr + b, s_ptr + b64 * stride_s,
                            m_ptr + b * stride_ml, l_ptr + b * stride_ml, scale, stride_ch, stride_cs, max_len, NSPLIT,
                            MIN_PER, G, GP, HD, BLOCK, DOT_F32, False)
@@ -140,10 +144,8 @@ def attn_pv_rows_kernel(v_ptr, pos_ptr, live_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, 
                         G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
                         DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """`attn_pv_kernel` per slot: grid (KVH, NSPLIT, B)."""
-    pdl_begin(PDL)
-    b = tl.program_id(2)
-    if _live(live_ptr, b):
-        b64 = b.to(tl.int64)
+    b, b64, live = _slot(live_ptr, 2, PDL)
+    if live:
         attn_pv_kernel(v_ptr + b64 * stride_kv, pos_ptr + b, s_ptr + b64 * stride_s, m_ptr + b * stride_ml,
                        l_ptr + b * stride_ml, acc_ptr + b64 * stride_acc, stride_ch, stride_cs, max_len, NSPLIT,
                        MIN_PER, G, GP, HD, BLOCK, DOT_F32, False)
@@ -154,10 +156,9 @@ def attn_combine_rows_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, live_ptr, strid
                              NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr, HD: tl.constexpr,
                              BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """`attn_combine_kernel` per slot: grid (H, HD / BLOCK_D, B), slot b's gate (qkv row) and output row."""
-    pdl_begin(PDL)
-    b = tl.program_id(2)
-    if _live(live_ptr, b):
-        attn_combine_kernel(acc_ptr + b.to(tl.int64) * stride_acc, qkv_ptr + b * stride_qkv, out_ptr + b * stride_out,
+    b, b64, live = _slot(live_ptr, 2, PDL)
+    if live:
+        attn_combine_kernel(acc_ptr + b64 * stride_acc, qkv_ptr + b * stride_qkv, out_ptr + b * stride_out,
                             pos_ptr + b, NSPLIT, MIN_PER, BLOCK, HD, BLOCK_D, False)
 
 
