@@ -23,8 +23,8 @@ def capture_graph(launch: Callable[[], None], live: Iterable[torch.Tensor] = (),
                   clear: Iterable[torch.Tensor] = ()) -> torch.cuda.CUDAGraph:
     """`launch` captured into a CUDA graph without a trace: one warm-up run on a side stream (compiles the
     kernels, the allocator settles), the tensors of `live` (what a run mutates) put back, the capture,
-    `live` put back again, then the tensors of `clear` filled with -1 (the control rings the warm-up
-    published into: the restored step counter publishes those steps again)."""
+    `live` put back again, then the tensors of `clear` filled with -1 (the control rings and words the
+    warm-up wrote: the restored step counter publishes its step again)."""
     saved = [(t, t.clone()) for t in {id(t): t for t in live}.values()]
 
     def restore() -> None:
