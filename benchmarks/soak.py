@@ -337,6 +337,13 @@ def router_metrics(url) -> dict:
     return out
 
 
+def node_batch(url) -> dict:
+    """Batch steps of the node's last incarnation (a kill resets its metrics) and how many requests a step
+    advanced on average (1.0: never more than one at a time)."""
+    steps = metric(url, "nexrt_batch_size_count")
+    return {"batch_steps": steps, "mean_batch": metric(url, "nexrt_batch_size_sum") / max(1.0, steps)}
+
+
 # -- the run --------------------------------------------------------------------------------------
 async def drive(args, stack, router_url, log) -> dict:
     n_prompts = args.prompts
@@ -440,11 +447,7 @@ def main(argv=None) -> int:
         aged_out = sum(open(os.path.join(workdir, f), errors="replace").read().count("ended: timeout")
                        for f in os.listdir(workdir) if f.startswith("node") and f.endswith(".log"))
         end_state["node_reservations_aged_out"] = aged_out
-        # Batch steps of each node's last incarnation (a kill resets its metrics): how many requests
-        # a step advanced on average (1.0: never more than one at a time).
-        end_state["node_batch"] = [{"batch_steps": metric(u, "nexrt_batch_size_count"),
-                                    "mean_batch": metric(u, "nexrt_batch_size_sum")
-                                    / max(1.0, metric(u, "nexrt_batch_size_count"))} for u in stack.node_urls]
+        end_state["node_batch"] = [node_batch(u) for u in stack.node_urls]
         checks = {
             "router_slots_busy_0": end_state["router_inflight"] == 0,
             "node_slots_busy_0": end_state["node_busy_slots"] == 0,

@@ -84,18 +84,7 @@ def batch_groups(bd, reps: int = 20) -> dict:
     saved = [(t, t.clone()) for t in (bd.pos, bd.tok, bd.step)]
     out = {}
     for name, fns in groups.items():
-        st = torch.cuda.Stream()
-        st.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(st), bd.k_common.launch_options(bd.pdl):
-            for fn in fns:
-                fn()
-            torch.cuda.synchronize()
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr, stream=st):
-                for fn in fns:
-                    fn()
-        torch.cuda.current_stream().wait_stream(st)
-        torch.cuda.synchronize()
+        gr = S.capture_launches(fns, lambda: bd.k_common.launch_options(bd.pdl))
         sec = statistics.median(S.time_replays(gr, reps))
         for t, x in saved:
             t.copy_(x)

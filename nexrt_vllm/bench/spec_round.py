@@ -119,18 +119,7 @@ def round_groups(sd, nb: dict, reps: int = 20) -> dict:
     saved = [(t, t.clone()) for t in [sd.f.state.position, sd.f.step, sd.tokens, sd.round]]
     out = {}
     for name, fns in groups.items():
-        st = torch.cuda.Stream()
-        st.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(st), sd.f.launch_options():
-            for fn in fns:
-                fn()
-            torch.cuda.synchronize()
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr, stream=st):
-                for fn in fns:
-                    fn()
-        torch.cuda.current_stream().wait_stream(st)
-        torch.cuda.synchronize()
+        gr = S.capture_launches(fns, sd.f.launch_options)
         for t, x in saved:
             t.copy_(x)
         sec = statistics.median(S.time_replays(gr, reps))

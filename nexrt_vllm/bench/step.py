@@ -71,6 +71,19 @@ def time_replays(g, n: int) -> list[float]:
     return [ev[i].elapsed_time(ev[i + 1]) / 1e3 for i in range(n)]
 
 
+def capture_launches(fns, options) -> torch.cuda.CUDAGraph:
+    """One graph of the launches `fns` back to back, each run under the launch options `options()` (a
+    decoder's `launch_options`), captured as a runner captures its step (gpu/runner.py
+    `capture_graph`); the warm-up run's state changes stay."""
+    from nexrt_vllm.engine.gpu.runner import capture_graph
+
+    def run() -> None:
+        with options():
+            for fn in fns:
+                fn()
+    return capture_graph(run)
+
+
 def fill_context(eng, ctx: int, gen: torch.Generator) -> None:
     """Make the state hold `ctx` tokens of plausible magnitude (timing only: values do not matter)."""
     st = eng.state
@@ -155,18 +168,7 @@ def kernel_groups(d, reps: int = 20) -> dict:
     saved = [(t, t.clone()) for layer in d.state.layers for p, t in layer.parts().items() if p not in layer.ROWS]
     pos = d.state.position.clone()
     for name, items in groups.items():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s), d.launch_options():
-            for fn, _ in items:
-                fn()
-            torch.cuda.synchronize()
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr, stream=s):
-                for fn, _ in items:
-                    fn()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
+        gr = capture_launches([fn for fn, _ in items], d.launch_options)
         ts = time_replays(gr, reps)
         sec = statistics.median(ts)
         nb = sum(x[1] for x in items)

@@ -26,6 +26,7 @@ from nexrt_vllm.engine.decode_loop import DecodeLoop
 from nexrt_vllm.engine.errors import EngineError, InputError, StateError
 from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
 from nexrt_vllm.engine.gpu.control import wait_record
+from nexrt_vllm.engine.gpu.runner import capture_graph
 from nexrt_vllm.engine.state import DecodeState
 
 
@@ -73,26 +74,8 @@ class BatchRunner:
             return
         d.live.zero_()
         self._live = [False] * self.n
-        saved = [(t, t.clone()) for t in (d.step, d.tok, d.pos)]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            d.launch()  # warm-up: compiles the kernels, the allocator settles
-            torch.cuda.synchronize()
-            for t, c in saved:
-                t.copy_(c)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=s):
-                d.launch()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        for t, c in saved:
-            t.copy_(c)
-        d.ring.fill_(-1)
-        d.ring_host.fill_(-1)
-        torch.cuda.synchronize()
+        self.graph = capture_graph(d.launch, (d.step, d.tok, d.pos), (d.ring, d.ring_host))
         self._step = int(d.step.item())
-        self.graph = g
 
     # ---- requests ------------------------------------------------------------------------------------
     def join(self, slot: int, first_token: int, params) -> str | None:

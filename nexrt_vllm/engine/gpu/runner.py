@@ -9,7 +9,7 @@ past a stop.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -17,6 +17,36 @@ from nexrt_vllm.engine.decode_loop import DecodeLoop
 from nexrt_vllm.engine.errors import EngineError
 from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+
+
+def capture_graph(launch: Callable[[], None], live: Iterable[torch.Tensor] = (),
+                  clear: Iterable[torch.Tensor] = ()) -> torch.cuda.CUDAGraph:
+    """`launch` captured into a CUDA graph without a trace: one warm-up run on a side stream (compiles the
+    kernels, the allocator settles), the tensors of `live` (what a run mutates) put back, the capture,
+    `live` put back again, then the tensors of `clear` filled with -1 (the control rings and words the
+    warm-up wrote: the restored step counter publishes its step again)."""
+    saved = [(t, t.clone()) for t in {id(t): t for t in live}.values()]
+
+    def restore() -> None:
+        for t, c in saved:
+            t.copy_(c)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        launch()
+        torch.cuda.synchronize()
+        restore()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            launch()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    restore()
+    for t in clear:
+        t.fill_(-1)
+    torch.cuda.synchronize()
+    return g
 
 
 class GraphRunner:
@@ -50,42 +80,18 @@ class GraphRunner:
             if mask and not self.masks:
                 raise EngineError(f"grammar masks need host-mapped control memory (have {self.d.control})")
             d = self.d
-            saved = self._snapshot()
             flag = d.mem.host["flag"]
             if mask:
                 flag.fill_(1 << 62)  # the warm-up step must not wait for a mask
                 torch.cuda.synchronize()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                d.launch(*key)  # warm-up: compiles the kernels, allocator settles
-                torch.cuda.synchronize()
-                self._restore(saved)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=s):
-                    d.launch(*key)
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            self._restore(saved)
-            # The warm-up published step `step+1`; the restored counter will publish it again.
-            d.ring.fill_(-1)
-            d.ring_host.fill_(-1)
+            self.graphs[key] = capture_graph(lambda: d.launch(*key), self._live(), (d.ring, d.ring_host, d.mask_status))
             flag.fill_(int(d.step.item()))  # no later step has a mask yet
-            d.mask_status.fill_(-1)
-            torch.cuda.synchronize()
-            self.graphs[key] = g
         return self.graphs[key]
 
-    def _snapshot(self) -> dict:
-        # Warm-up runs a real step; put back every tensor it mutates so capture leaves no trace.
+    def _live(self) -> list[torch.Tensor]:
+        # every tensor a step mutates
         d = self.d
-        live = [d.state.position, d.tok, d.step, d.res] + d.state.buffers()
-        return {id(t): (t, t.clone()) for t in live}
-
-    @staticmethod
-    def _restore(saved: dict) -> None:
-        for t, c in saved.values():
-            t.copy_(c)
+        return [d.state.position, d.tok, d.step, d.res] + d.state.buffers()
 
     def stream(self, first_token: int, params, constraint=None) -> Iterator[int]:
         """The token ids of `stream_steps`."""

@@ -30,7 +30,7 @@ from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gdn import gdn_step_kernel
 from nexrt_vllm.engine.kernels.gemv import fold_vec, head_blocks
-from nexrt_vllm.engine.kernels.gemv_verify import _acc_rows, _dot_t, _rstd_rows, _w_head_rows, _x_block
+from nexrt_vllm.engine.kernels.gemv_verify import _gemv_rows
 from nexrt_vllm.engine.kernels.moe import _down, _gate_up, _token_row
 from nexrt_vllm.engine.kernels.sampling import argmax_partials
 
@@ -40,6 +40,14 @@ MAX_ROWS = 8  # slots of one batch step (the M-row GEMVs keep the rows in regist
 @triton.jit
 def _live(live_ptr, b):
     return tl.load(live_ptr + b) != 0
+
+
+@triton.jit
+def _slot(live_ptr, AXIS: tl.constexpr, PDL: tl.constexpr):
+    """After the PDL wait: this program's slot (grid axis AXIS), as int64, and whether it steps."""
+    pdl_begin(PDL)
+    b = tl.program_id(AXIS)
+    return b, b.to(tl.int64), _live(live_ptr, b)
 
 
 @triton.jit
@@ -98,30 +106,8 @@ def gemv_rows_conv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, live_pt
     rmask = rows < N
     jrow = tl.arange(0, MP)
     jm = jrow < M
-    if DOT == 0:
-        w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, 0, BLOCK_K, PRE)
-        pdl_begin(PDL)
-        rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, 1, KP, BLOCK_K)
-        y, _ = _acc_rows(x_ptr, w_ptr, nw_ptr, nw_ptr, stride_x, 0, jrow, jm, rows, rmask, pid, N, K, stride_w, eps,
-                         rstd, w0, w1, w2, w3, u0, u1, u2, u3, 1, 0, 1, False, BLOCK_N, BLOCK_K, EVEN_K, PRE, VEC)
-    else:
-        pdl_begin(PDL)
-        rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, 1, KP, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
-        offs_k = tl.arange(0, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + offs_k
-            cmask = cols < K
-            if EVEN_K:
-                wmask = rmask[:, None]
-            else:
-                wmask = rmask[:, None] & cmask[None, :]
-            w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=wmask, other=0.0,
-                        eviction_policy="evict_first")
-            xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, nw_ptr, 0, rstd, eps, pid, 1, 1,
-                                   False, BLOCK_K))
-            acc = _dot_t(w, xt, acc, DOT)
-        y = tl.trans(acc)
+    y, _ = _gemv_rows(x_ptr, w_ptr, nw_ptr, nw_ptr, stride_x, 0, jrow, jm, rows, rmask, pid, N, K, stride_w, eps, 1, 0,
+                      1, False, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, PRE, VEC, PDL)
     _conv_rows(y, y_ptr, stride_y, conv_ptr, stride_cs, cw_ptr, live_ptr, jrow, jm, rows, rmask, CONV_N, KC, KCP)
 
 
@@ -132,10 +118,8 @@ def qk_rope_rows_kernel(qkv_ptr, q_out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_pt
                         PDL: tl.constexpr):
     """`qk_rope_cache_kernel` per slot: grid (H + KVH, B), slot b's qkv row, q row, K/V cache (slot stride
     stride_kv) and position."""
-    pdl_begin(PDL)
-    b = tl.program_id(1)
-    if _live(live_ptr, b):
-        b64 = b.to(tl.int64)
+    b, b64, live = _slot(live_ptr, 1, PDL)
+    if live:
         _qk_rope_head(qkv_ptr + b * stride_qkv, q_out_ptr + b * stride_q, k_ptr + b64 * stride_kv,
                       v_ptr + b64 * stride_kv, qn_ptr, kn_ptr, cos_ptr, sin_ptr, tl.program_id(0),
                       tl.load(pos_ptr + b), eps, stride_ch, stride_cs, H, KVH, HD, ROT, RESTP, HDP)
@@ -147,10 +131,8 @@ def attn_scores_rows_kernel(q_ptr, k_ptr, pos_ptr, live_ptr, s_ptr, m_ptr, l_ptr
                             G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
                             DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """`attn_scores_kernel` per slot: grid (KVH, NSPLIT, B), slot b's q row, K cache, position and scratch rows."""
-    pdl_begin(PDL)
-    b = tl.program_id(2)
-    if _live(live_ptr, b):
-        b64 = b.to(tl.int64)
+    b, b64, live = _slot(live_ptr, 2, PDL)
+    if live:
         attn_scores_kernel(q_ptr + b * stride_q, k_ptr + b64 * stride_kv, pos_ptr + b, s_ptr + b64 * stride_s,
                            m_ptr + b * stride_ml, l_ptr + b * stride_ml, scale, stride_ch, stride_cs, max_len, NSPLIT,
                            MIN_PER, G, GP, HD, BLOCK, DOT_F32, False)
@@ -162,10 +144,8 @@ def attn_pv_rows_kernel(v_ptr, pos_ptr, live_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, 
                         G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
                         DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """`attn_pv_kernel` per slot: grid (KVH, NSPLIT, B)."""
-    pdl_begin(PDL)
-    b = tl.program_id(2)
-    if _live(live_ptr, b):
-        b64 = b.to(tl.int64)
+    b, b64, live = _slot(live_ptr, 2, PDL)
+    if live:
         attn_pv_kernel(v_ptr + b64 * stride_kv, pos_ptr + b, s_ptr + b64 * stride_s, m_ptr + b * stride_ml,
                        l_ptr + b * stride_ml, acc_ptr + b64 * stride_acc, stride_ch, stride_cs, max_len, NSPLIT,
                        MIN_PER, G, GP, HD, BLOCK, DOT_F32, False)
@@ -176,10 +156,9 @@ def attn_combine_rows_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, live_ptr, strid
                              NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr, HD: tl.constexpr,
                              BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """`attn_combine_kernel` per slot: grid (H, HD / BLOCK_D, B), slot b's gate (qkv row) and output row."""
-    pdl_begin(PDL)
-    b = tl.program_id(2)
-    if _live(live_ptr, b):
-        attn_combine_kernel(acc_ptr + b.to(tl.int64) * stride_acc, qkv_ptr + b * stride_qkv, out_ptr + b * stride_out,
+    b, b64, live = _slot(live_ptr, 2, PDL)
+    if live:
+        attn_combine_kernel(acc_ptr + b64 * stride_acc, qkv_ptr + b * stride_qkv, out_ptr + b * stride_out,
                             pos_ptr + b, NSPLIT, MIN_PER, BLOCK, HD, BLOCK_D, False)
 
 

@@ -278,12 +278,8 @@ def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win
     rmask = rows < N
     jrow = tl.arange(0, MP)
     jm = jrow < M
-    w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
-    pdl_begin(PDL)
-    rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
-    y, y_up = _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
-                        eps, rstd, w0, w1, w2, w3, u0, u1, u2, u3, PRO, EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K,
-                        PRE, VEC)
+    y, y_up = _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
+                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, 0, PRE, VEC, PDL)
     _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows, rmask,
                    pid, CONV_N, EPI, KC, KCP)
 
@@ -298,6 +294,47 @@ def _dot_t(w, xt, acc, DOT: tl.constexpr):
     else:
         out = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
     return out
+
+
+@triton.jit
+def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w, eps,
+               PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
+               PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr):
+    """y, y_up [MP, BLOCK_N]: this program's BLOCK_N outputs for the M rows of x after the prologue (y_up: EPI 2's
+    up half), PDL's wait included. DOT 0: `gemv_rows_kernel`'s fold (PRE K blocks of W loaded before the
+    wait, VEC-column FMA runs); DOT 1 / 2: `gemv_rows_dot_kernel`'s tensor-core loop (`_dot_t`)."""
+    MP: tl.constexpr = jrow.shape[0]
+    if DOT == 0:
+        w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
+        pdl_begin(PDL)
+        rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
+        y, y_up = _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K,
+                            stride_w, eps, rstd, w0, w1, w2, w3, u0, u1, u2, u3, PRO, EPI, GROUP, STORE_XN, BLOCK_N,
+                            BLOCK_K, EVEN_K, PRE, VEC)
+    else:
+        pdl_begin(PDL)
+        rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
+        acc_u = acc
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs_k
+            cmask = cols < K
+            if EVEN_K:
+                wmask = rmask[:, None]
+            else:
+                wmask = rmask[:, None] & cmask[None, :]
+            wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
+            w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
+            xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, pid,
+                                   PRO, GROUP, STORE_XN, BLOCK_K))
+            acc = _dot_t(w, xt, acc, DOT)
+            if EPI == 2:
+                wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
+                acc_u = _dot_t(wu, xt, acc_u, DOT)
+        y, y_up = tl.trans(acc), tl.trans(acc_u)
+    return y, y_up
 
 
 @triton.jit
@@ -316,25 +353,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     rmask = rows < N
     jrow = tl.arange(0, MP)
     jm = jrow < M
-    pdl_begin(PDL)
-    rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
-    acc_u = acc
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + offs_k
-        cmask = cols < K
-        if EVEN_K:
-            wmask = rmask[:, None]
-        else:
-            wmask = rmask[:, None] & cmask[None, :]
-        wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
-        w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
-        xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, pid, PRO,
-                               GROUP, STORE_XN, BLOCK_K))
-        acc = _dot_t(w, xt, acc, DOT)
-        if EPI == 2:
-            wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
-            acc_u = _dot_t(wu, xt, acc_u, DOT)
-    _epilogue_rows(tl.trans(acc), tl.trans(acc_u), y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr,
-                   stride_win, jrow, jm, rows, rmask, pid, CONV_N, EPI, KC, KCP)
+    y, y_up = _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
+                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL)
+    _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows, rmask,
+                   pid, CONV_N, EPI, KC, KCP)
