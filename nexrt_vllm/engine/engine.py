@@ -108,11 +108,19 @@ class Engine:
 
     def slot(self) -> "Engine":
         """Another engine over this one's weights with its own DecodeState: one more request a node
-        decodes alongside (node/batch.py, `--max-batch`), on the eager step."""
-        if self.graph is not None or self.speculative is not None or self.batch_graph is not None:
-            raise NotBuiltError("slot engines of their own run the eager step: not with the one-request graph or "
-                                "speculative decoding (the batch step's slots: use_batch_graph, slots)")
-        return Engine(self.config, self.model, self.max_seq_len)
+        decodes alongside (node/batch.py, `--max-batch`), on the eager step. With speculative decoding it
+        speculates too, with a Speculator of its own (drafter cache, verify scratch; the same settings,
+        synthetic schedule and `on_round`)."""
+        if self.graph is not None or self.batch_graph is not None:
+            raise NotBuiltError("slot engines of their own run the eager step: not with the one-request graph "
+                                "(the batch step's slots: use_batch_graph, slots)")
+        eng = Engine(self.config, self.model, self.max_seq_len)
+        if self.speculative is not None:
+            eng.speculative = self._new_speculator(self.speculative.num_speculative_tokens)
+            eng.speculative.synthetic = self.speculative.synthetic
+            eng.speculative.on_round = self.speculative.on_round
+            eng.draft_vocab = self.draft_vocab
+        return eng
 
     def slots(self, n: int) -> list["Engine"]:
         """The engines of `n` request slots over these weights, this one first (node/batch.py): with the
@@ -238,8 +246,6 @@ class Engine:
         `synthetic` (engine.spec.synthetic.SyntheticAcceptance, benchmarks only): every round accepts the
         drafts its schedule says instead of the matching ones - output is then no longer the target's."""
         from nexrt_vllm.engine.spec.draft_vocab import check_draft_vocab
-        from nexrt_vllm.engine.spec.mtp import Drafter, mtp_weights
-        from nexrt_vllm.engine.spec.speculative import Speculator
 
         if method != "mtp":
             raise ConfigError(f"unknown speculative method {method!r}; supported: 'mtp'")
@@ -256,14 +262,22 @@ class Engine:
         if synthetic is not None and synthetic.num_drafts != num_speculative_tokens:
             raise ConfigError(f"the synthetic acceptance schedule has {synthetic.num_drafts} rates, one per draft; "
                               f"num_speculative_tokens is {num_speculative_tokens}")
-        w = mtp_weights(self.config, self.model.mtp, self.model.embed)
-        M = num_speculative_tokens + 1
-        drafter = Drafter(self.model.config, w, self.model.lm_head, self.max_seq_len, extra=M)
-        self.speculative = Speculator(self.model, drafter, num_speculative_tokens)
+        self.speculative = self._new_speculator(num_speculative_tokens)
         self.speculative.synthetic = synthetic
         self.draft_vocab = draft_vocab
         if self.graph is not None:
             self._capture_spec()
+
+    def _new_speculator(self, num_speculative_tokens: int):
+        """A Speculator over this engine's model with a drafter cache and verify scratch of its own."""
+        from nexrt_vllm.engine.spec.mtp import Drafter, mtp_weights
+        from nexrt_vllm.engine.spec.speculative import Speculator
+
+        # the slots share the head's weights (a MoE head's experts are stacked once, here)
+        w = self.speculative.drafter.w if self.speculative is not None else \
+            mtp_weights(self.config, self.model.mtp, self.model.embed)
+        drafter = Drafter(self.model.config, w, self.model.lm_head, self.max_seq_len, extra=num_speculative_tokens + 1)
+        return Speculator(self.model, drafter, num_speculative_tokens)
 
     # ---- generation -----------------------------------------------------------------------------
     def stream(self, first_token: int, params: SamplingParams, constraint=None) -> Iterator[int]:

@@ -12,6 +12,11 @@ greedy requests without logprobs or grammar are stepped together by one replay o
 batch step per batch step (engine/gpu/batch_runner.py: it applies each request's stop rules); the
 others run their slot engine's eager loop in the same batch step.
 
+With speculative decoding (`--speculative mtp`, eager: CPU or --graph off) every slot engine has a
+Speculator of its own (`Engine.slot`: drafter cache, verify scratch), so a request's rounds are the
+rounds it would run alone; a batch step runs one round of each speculating request and sends all
+its tokens. Grammar-constrained requests take their one-token step, as alone.
+
 The thread talks back to the asyncio loop only through each job's ``put`` (thread-safe) and
 ``finished`` callbacks.
 """
@@ -102,7 +107,7 @@ class DecodeBatch:
             t = time.perf_counter()
             stepped = self._graph_step() if self._graph_jobs else 0
             for job in [j for j in self._active if not j.on_graph]:
-                stepped += self._step(job)
+                stepped += self._step(job) > 0
             if stepped and self.metrics is not None:
                 self.metrics.batch_size.observe(stepped)
                 self.metrics.step_seconds.observe(time.perf_counter() - t)
@@ -170,27 +175,33 @@ class DecodeBatch:
         return sent
 
     def _step(self, job: Job) -> int:
-        """One step of `job`'s loop; 1 if it produced a token."""
-        if job.stop.is_set():
-            self._leave(job, "end", "cancelled")
-            return 0
-        try:
-            rec = next(job.steps)
-        except StopIteration:
-            self._leave(job, "end", self.engines[job.slot].finish_reason or "length")
-            return 0
-        except Exception as e:  # noqa: BLE001 - any engine failure ends this stream as an error
-            log.exception("decode of rid=%s failed", job.rid)
-            self._leave(job, "err", f"{type(e).__name__}: {e}")
-            return 0
-        if job.stop.is_set():  # cancelled while this step ran: its token is not sent
-            self._leave(job, "end", "cancelled")
-            return 0
-        if self.metrics is not None:
-            self.metrics.tokens.inc()
-        job.tokens.append(int(rec.token))
-        job.put("tok", rec)
-        return 1
+        """One step of `job`'s loop: one token, or every token of one speculative round (the slot's
+        Speculator holds the round's later tokens back, `buffered`); the number of tokens sent."""
+        spec = self.engines[job.slot].speculative
+        sent = 0
+        while True:
+            if job.stop.is_set():
+                self._leave(job, "end", "cancelled")
+                return sent
+            try:
+                rec = next(job.steps)
+            except StopIteration:
+                self._leave(job, "end", self.engines[job.slot].finish_reason or "length")
+                return sent
+            except Exception as e:  # noqa: BLE001 - any engine failure ends this stream as an error
+                log.exception("decode of rid=%s failed", job.rid)
+                self._leave(job, "err", f"{type(e).__name__}: {e}")
+                return sent
+            if job.stop.is_set():  # cancelled while this step ran: its token is not sent
+                self._leave(job, "end", "cancelled")
+                return sent
+            if self.metrics is not None:
+                self.metrics.tokens.inc()
+            job.tokens.append(int(rec.token))
+            job.put("tok", rec)
+            sent += 1
+            if spec is None or spec.buffered == 0:
+                return sent
 
     def _leave(self, job: Job, kind: str, value, joined: bool = True) -> None:
         if job.on_graph:

@@ -247,8 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="receive buffer memory (default: host on CPU, pinned on CUDA)")
     ap.add_argument("--max-batch", type=int, default=1,
                     help="requests decoded together (1-8): each admitted request has its own slot (state, "
-                         "sampling, stops); they join and leave between steps. > 1 without --speculative, with "
-                         "--tp 1; on the CUDA graph path (--graph fused or auto) greedy requests without logprobs "
+                         "sampling, stops); they join and leave between steps. > 1 with --tp 1; with --speculative "
+                         "each slot runs its own rounds (eager: CPU or --graph off); on the CUDA graph path (--graph fused or auto) greedy requests without logprobs "
                          "or grammar run the captured batch step, the others their slot's eager step")
     ap.add_argument("--recv-buffers", type=int, default=None,
                     help="receive buffers (default: max-batch + 1, so a stale writer's buffer can be "
@@ -303,9 +303,9 @@ def _positive(ap, args) -> None:
         if args.graph == "eager":
             ap.error(f"--max-batch {args.max_batch} on the CUDA graph path runs the fused batch step (--graph fused "
                      f"or auto), not --graph eager")
-        if args.speculative != "off":
-            ap.error(f"--speculative {args.speculative} with --max-batch > 1 is not built: speculative decoding "
-                     f"serves one request per node")
+        if args.speculative != "off" and args.graph == "fused":
+            ap.error(f"--speculative {args.speculative} with --max-batch > 1 runs each slot's eager round "
+                     f"(--graph off or auto): the batched round graph is not built")
         if args.tp > 1:
             ap.error("--max-batch > 1 with --tp > 1 is not built")
     for name in ("max_seq_len", "recv_buffers", "tp"):
@@ -424,9 +424,9 @@ async def serve(args) -> None:
     cfg = engine.config
     log.info("weights loaded (%s, %s) in %.1fs", args.load_format, engine.weight_format, time.monotonic() - t0)
     # GPU graph path: compiled and captured once here, before the node serves (not per request).
-    if args.graph == "auto":  # the batch step reads bf16 weights only
+    if args.graph == "auto":  # the batch step reads bf16 weights only and has no speculative round
         args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 \
-            and (args.max_batch == 1 or engine.weight_format != "fp8") else "off"
+            and (args.max_batch == 1 or (engine.weight_format != "fp8" and args.speculative == "off")) else "off"
     if args.speculative != "off":
         from nexrt_vllm.engine import EngineError
         try:
@@ -494,7 +494,8 @@ async def serve(args) -> None:
     if engine.speculative is not None:
         node.metrics.speculative(args.speculative, args.num_speculative_tokens,
                                  args.synthetic.length if args.synthetic is not None else None)
-        engine.speculative.on_round = node.metrics.acceptance_length.observe
+        for e in node.engines:  # every slot's rounds
+            e.speculative.on_round = node.metrics.acceptance_length.observe
     svc = Endpoints(node, args)
     app = web.Application(client_max_size=1 << 20)
     app.router.add_post("/v1/admit", svc.admit)

@@ -142,7 +142,8 @@ def test_cancel_mid_batch_leaves_the_others_unchanged(env):
 @pytest.mark.parametrize("flags,message", [
     (["--max-batch", "9"], "--max-batch must be in [1, 8]"),
     (["--max-batch", "0"], "--max-batch must be in [1, 8]"),
-    (["--max-batch", "2", "--speculative", "mtp"], "with --max-batch > 1 is not built"),
+    (["--max-batch", "2", "--speculative", "mtp", "--device", "cuda", "--graph", "fused"],
+     "the batched round graph is not built"),
     (["--max-batch", "2", "--device", "cuda", "--graph", "eager"], "runs the fused batch step"),
     (["--max-batch", "2", "--tp", "2"], "--max-batch > 1 with --tp > 1 is not built"),
 ])

@@ -95,6 +95,7 @@ class Speculator:
         self.rounds = [0] * (self.M + 1)
         self.on_round = None
         self.synthetic = None
+        self.buffered = 0  # tokens of the current round `steps` holds back, yielded before the next round
         self._ctx_len, self._ctx_hidden = -1, None
 
     # ---- drafter context ----------------------------------------------------------------------
@@ -191,6 +192,13 @@ class Speculator:
         `first_token`, stop/EOS yielded, at most max_tokens - 1, until the context is full. After a
         stop, state.seq_len may count accepted positions past the stop token (their tokens are
         discarded)."""
+        self.buffered = 0
+        try:
+            yield from self._steps(engine, first_token, params, loop)
+        finally:
+            self.buffered = 0
+
+    def _steps(self, engine, first_token: int, params: SamplingParams, loop: DecodeLoop) -> Iterator[Sampled]:
         model, state, M, dev = self.model, engine.state, self.M, engine.device
         gen = Sampler(params, dev).generator  # seeded as the plain sampler's (None when greedy)
         rows, ctx_hidden = self.take_context(state.seq_len)
@@ -230,6 +238,7 @@ class Speculator:
                     self.on_round(n_acc)
             emitted = out[:n_acc].tolist()
             for j, tok in enumerate(emitted):
+                self.buffered = n_acc - 1 - j
                 if params.logprobs is None:
                     yield Sampled(tok)
                 else:
