@@ -303,9 +303,13 @@ def _positive(ap, args) -> None:
         if args.graph == "eager":
             ap.error(f"--max-batch {args.max_batch} on the CUDA graph path runs the fused batch step (--graph fused "
                      f"or auto), not --graph eager")
-        if args.speculative != "off" and args.graph == "fused":
+        # on a GPU each slot's eager round would be far slower than one request's captured round: refuse
+        # rather than fall back quietly
+        if args.speculative != "off" and (args.graph == "fused" or (args.graph == "auto"
+                                                                    and args.device.startswith("cuda"))):
             ap.error(f"--speculative {args.speculative} with --max-batch > 1 runs each slot's eager round "
-                     f"(--graph off or auto): the batched round graph is not built")
+                     f"(--graph off, or on CPU): the batched round graph is not built; on a GPU serve MTP "
+                     f"with --max-batch 1, or batch without --speculative")
         if args.tp > 1:
             ap.error("--max-batch > 1 with --tp > 1 is not built")
     for name in ("max_seq_len", "recv_buffers", "tp"):
@@ -424,9 +428,9 @@ async def serve(args) -> None:
     cfg = engine.config
     log.info("weights loaded (%s, %s) in %.1fs", args.load_format, engine.weight_format, time.monotonic() - t0)
     # GPU graph path: compiled and captured once here, before the node serves (not per request).
-    if args.graph == "auto":  # the batch step reads bf16 weights only and has no speculative round
+    if args.graph == "auto":  # the batch step reads bf16 weights only
         args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 \
-            and (args.max_batch == 1 or (engine.weight_format != "fp8" and args.speculative == "off")) else "off"
+            and (args.max_batch == 1 or engine.weight_format != "fp8") else "off"
     if args.speculative != "off":
         from nexrt_vllm.engine import EngineError
         try:

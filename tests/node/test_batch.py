@@ -144,6 +144,7 @@ def test_cancel_mid_batch_leaves_the_others_unchanged(env):
     (["--max-batch", "0"], "--max-batch must be in [1, 8]"),
     (["--max-batch", "2", "--speculative", "mtp", "--device", "cuda", "--graph", "fused"],
      "the batched round graph is not built"),
+    (["--max-batch", "2", "--speculative", "mtp", "--device", "cuda"], "the batched round graph is not built"),
     (["--max-batch", "2", "--device", "cuda", "--graph", "eager"], "runs the fused batch step"),
     (["--max-batch", "2", "--tp", "2"], "--max-batch > 1 with --tp > 1 is not built"),
 ])

@@ -42,7 +42,7 @@ from nexrt_vllm.engine.fp8 import FP8Weight
 from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch
 from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
-from nexrt_vllm.engine.gpu.runner import GraphRunner
+from nexrt_vllm.engine.gpu.runner import GraphRunner, capture_graph
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
 from nexrt_vllm.engine.spec.draft_vocab import check_draft_vocab
 from nexrt_vllm.engine.state import AttentionState
@@ -297,27 +297,7 @@ class SpecRunner:
         d, f = self.d, self.d.f
         if self.graph is not None or f.state.device.type != "cuda":
             return
-        saved = [(t, t.clone()) for t in self._live()]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            d.launch()
-            torch.cuda.synchronize()
-            for t, c in saved:
-                t.copy_(c)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=s):
-                d.launch()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        for t, c in saved:
-            t.copy_(c)
-        f.ring.fill_(-1)
-        f.ring_host.fill_(-1)
-        d.rounds.fill_(-1)
-        d.rounds_host.fill_(-1)
-        torch.cuda.synchronize()
-        self.graph = g
+        self.graph = capture_graph(d.launch, self._live(), (f.ring, f.ring_host, d.rounds, d.rounds_host))
 
     def _replay(self) -> None:
         if self.graph is None:  # CPU (the interpreter tests): the round's launches, run in order
