@@ -5,16 +5,14 @@ Requests join and leave between steps: each one's tokens (greedy, seeded samplin
 the same request alone, byte for byte, however the others start, end or are cancelled; a fourth
 admission is refused 409 while three are in flight; 0 busy slots after. Flags the batch does not
 support are refused at start."""
-import json
 import random
-import threading
-import time
 
 import pytest
 import torch
 
 from nexrt_vllm.engine import SamplingParams
 from nexrt_vllm.node.server import main as node_main
+from nexrt_vllm.testing.batch_clients import GenerateStream
 from nexrt_vllm.testing.node_process import NodeProcess, PrefillSide
 
 torch.set_num_threads(1)
@@ -44,40 +42,11 @@ def _alone(side, prompt, params):
     return first, [(r.token, r.logprob) for r in eng.steps(first, params)]
 
 
-class Stream(threading.Thread):
-    """One /v1/generate stream read in its own thread; `lines` fill as tokens arrive."""
-
-    def __init__(self, node, rid, gen, first, max_tokens, cancel_after=None, **kw):
-        super().__init__(daemon=True)
-        self.node, self.rid, self.gen, self.first, self.max_tokens, self.kw = node, rid, gen, first, max_tokens, kw
-        self.cancel_after, self.lines, self.error = cancel_after, [], None
-
-    def run(self):
-        try:
-            with self.node.open_generate(self.rid, self.gen, self.first, self.max_tokens, timeout=120, **self.kw) as r:
-                for raw in r:
-                    if raw.strip():
-                        self.lines.append(json.loads(raw))
-                        if self.cancel_after is not None and len(self.lines) == self.cancel_after:
-                            self.node.call("POST", "/v1/cancel", {"rid": self.rid})
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-
-    def tokens(self):
-        return [x["token"] for x in self.lines if "token" in x]
-
-    def wait_tokens(self, n, timeout=60.0):
-        deadline = time.monotonic() + timeout
-        while len(self.tokens()) < n and self.is_alive():
-            assert time.monotonic() < deadline, f"{self.rid}: {len(self.tokens())} tokens after {timeout}s"
-            time.sleep(0.01)
-
-
 def _start(node, side, rid, prompt, max_tokens, **kw):
     prep = side.prepare(prompt)
     adm = node.admit(rid)
     side.send(node, rid, adm["generation"], prep)
-    s = Stream(node, rid, adm["generation"], prep["first"], max_tokens, **kw)
+    s = GenerateStream(node, rid, adm["generation"], prep["first"], max_tokens, **kw)
     s.start()
     return prep, s
 

@@ -6,7 +6,6 @@ logprobs) by their slot engine's eager loop in the same batch steps; a request w
 stops ends at once, a cancelled one leaves mid-stream. Each request's tokens (and finish reason)
 equal the same request alone on the eager engine; every slot is released. The captured graph on a
 GPU: tests/gpu/test_batch_graph.py."""
-import threading
 
 import torch
 
@@ -15,7 +14,8 @@ from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
 from nexrt_vllm.engine.gpu.batch_runner import BatchRunner
 from nexrt_vllm.engine.gpu.tuning import Tuning
 from nexrt_vllm.engine.state import StackedStates
-from nexrt_vllm.node.batch import DecodeBatch, Job
+from nexrt_vllm.node.batch import DecodeBatch
+from nexrt_vllm.testing.batch_clients import JobRequest
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
 
 kernels.load(interpret=True)
@@ -26,44 +26,22 @@ CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128,
                     moe=(64, 128, 1), moe_down=(64, 64, 1))
 
 
-class Request:
-    """One job's stream as the node's generate handler sees it: tokens, then one end."""
-
-    def __init__(self, rid, slot, prompt, params, cancel_after=None):
-        self.rid, self.slot, self.prompt, self.params, self.cancel_after = rid, slot, prompt, params, cancel_after
-        self.tokens, self.logprobs, self.end, self.released = [], [], None, threading.Event()
-        self.stop = threading.Event()
-
-    def job(self, first: int) -> Job:
-        return Job(self.rid, self.slot, lambda engine: engine.prefill(self.prompt), first, self.params, None,
-                   self.put, self.released.set, stop=self.stop)
-
-    def put(self, kind, value):
-        if kind == "tok":
-            self.tokens.append(value.token)
-            self.logprobs.append(value.logprob)
-            if self.cancel_after is not None and len(self.tokens) >= self.cancel_after:
-                self.stop.set()
-        elif kind in ("end", "err"):
-            self.end = (kind, value)
-
-
 def test_greedy_jobs_on_the_batch_step_the_others_eager(ckpt_factory):
     path = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
     ref = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
-    reqs = [Request("greedy", 0, periodic_prompt(19, seed=51), SamplingParams(max_tokens=6, ignore_eos=True)),
-            Request("sampled", 1, periodic_prompt(11, seed=52),
+    reqs = [JobRequest("greedy", 0, periodic_prompt(19, seed=51), SamplingParams(max_tokens=6, ignore_eos=True)),
+            JobRequest("sampled", 1, periodic_prompt(11, seed=52),
                     SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, seed=7)),
-            Request("logprobs", 2, periodic_prompt(25, seed=53), SamplingParams(max_tokens=3, logprobs=2,
+            JobRequest("logprobs", 2, periodic_prompt(25, seed=53), SamplingParams(max_tokens=3, logprobs=2,
                                                                                 ignore_eos=True))]
-    later = [Request("cancelled", 1, periodic_prompt(14, seed=54), SamplingParams(max_tokens=40, ignore_eos=True),
+    later = [JobRequest("cancelled", 1, periodic_prompt(14, seed=54), SamplingParams(max_tokens=40, ignore_eos=True),
                      cancel_after=2)]
     first, want = {}, {}
     for r in reqs + later:
         first[r.rid] = int(ref.prefill(r.prompt).argmax())
         want[r.rid] = [(s.token, s.logprob) for s in ref.steps(first[r.rid], r.params)]
     # a greedy request whose first token stops: it ends before any step
-    stopper = Request("stops", 2, reqs[0].prompt, SamplingParams(max_tokens=5, stop_token_ids=(first["greedy"],)))
+    stopper = JobRequest("stops", 2, reqs[0].prompt, SamplingParams(max_tokens=5, stop_token_ids=(first["greedy"],)))
 
     eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
     runner = BatchRunner(BatchDecoder(eng.model, StackedStates(eng.model.config, SLOTS, MAX_LEN, eng.dtype,

@@ -8,42 +8,18 @@ sends a whole round of each; a request cancelled mid-batch leaves the others unc
 request takes its slot. A real `nexrt-decode --max-batch 4 --speculative mtp` then serves 3
 concurrent hand-offs (and one cancelled mid-stream) with each request's own tokens, records the
 acceptance of every slot's rounds and frees every slot."""
-import json
-import threading
-import time
 
 import pytest
 import torch
 
 from nexrt_vllm.engine import Engine, SamplingParams
-from nexrt_vllm.node.batch import DecodeBatch, Job
+from nexrt_vllm.node.batch import DecodeBatch
+from nexrt_vllm.testing.batch_clients import GenerateStream, JobRequest
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, period_continuation, periodic_prompt
 from nexrt_vllm.testing.node_process import NodeProcess, PrefillSide
 
 torch.set_num_threads(1)
 SLOTS, MAX_LEN = 4, 128
-
-
-class Request:
-    """One job's stream as the node's generate handler sees it: tokens, then one end."""
-
-    def __init__(self, rid, slot, prompt, params, cancel_after=None):
-        self.rid, self.slot, self.prompt, self.params, self.cancel_after = rid, slot, prompt, params, cancel_after
-        self.tokens, self.logprobs, self.end, self.released = [], [], None, threading.Event()
-        self.stop = threading.Event()
-
-    def job(self, first: int) -> Job:
-        return Job(self.rid, self.slot, lambda engine: engine.prefill(self.prompt), first, self.params, None,
-                   self.put, self.released.set, stop=self.stop)
-
-    def put(self, kind, value):
-        if kind == "tok":
-            self.tokens.append(value.token)
-            self.logprobs.append(value.logprob)
-            if self.cancel_after is not None and len(self.tokens) >= self.cancel_after:
-                self.stop.set()
-        elif kind in ("end", "err"):
-            self.end = (kind, value)
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +54,14 @@ class Metrics:
 
 def test_each_speculating_request_in_a_batch_equals_it_alone(ckpt):
     ref, plain = _engine(ckpt), _engine(ckpt, speculative=False)
-    reqs = [Request("greedy", 0, periodic_prompt(19, seed=61), SamplingParams(max_tokens=40, ignore_eos=True)),
-            Request("sampled", 1, periodic_prompt(11, seed=62),
+    reqs = [JobRequest("greedy", 0, periodic_prompt(19, seed=61), SamplingParams(max_tokens=40, ignore_eos=True)),
+            JobRequest("sampled", 1, periodic_prompt(11, seed=62),
                     SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_k=5, seed=7)),
-            Request("logprobs", 2, periodic_prompt(25, seed=63), SamplingParams(max_tokens=20, logprobs=2,
+            JobRequest("logprobs", 2, periodic_prompt(25, seed=63), SamplingParams(max_tokens=20, logprobs=2,
                                                                                 ignore_eos=True)),
-            Request("cancelled", 3, periodic_prompt(14, seed=64), SamplingParams(max_tokens=60, ignore_eos=True),
+            JobRequest("cancelled", 3, periodic_prompt(14, seed=64), SamplingParams(max_tokens=60, ignore_eos=True),
                     cancel_after=5)]
-    later = Request("later", 3, periodic_prompt(30, seed=65), SamplingParams(max_tokens=30, ignore_eos=True))
+    later = JobRequest("later", 3, periodic_prompt(30, seed=65), SamplingParams(max_tokens=30, ignore_eos=True))
     first, want = {}, {}
     for r in reqs + [later]:  # each alone on a speculating engine
         first[r.rid] = int(ref.prefill(r.prompt).argmax())
@@ -128,35 +104,6 @@ def test_each_speculating_request_in_a_batch_equals_it_alone(ckpt):
     assert sum(metrics.batch_size.values) < sent
 
 
-class Stream(threading.Thread):
-    """One /v1/generate stream read in its own thread (cancelled after `cancel_after` tokens)."""
-
-    def __init__(self, node, rid, gen, first, max_tokens, cancel_after=None, **kw):
-        super().__init__(daemon=True)
-        self.node, self.rid, self.gen, self.first, self.max_tokens, self.kw = node, rid, gen, first, max_tokens, kw
-        self.cancel_after, self.lines, self.error = cancel_after, [], None
-
-    def run(self):
-        try:
-            with self.node.open_generate(self.rid, self.gen, self.first, self.max_tokens, timeout=300, **self.kw) as r:
-                for raw in r:
-                    if raw.strip():
-                        self.lines.append(json.loads(raw))
-                        if self.cancel_after is not None and len(self.lines) == self.cancel_after:
-                            self.node.call("POST", "/v1/cancel", {"rid": self.rid})
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-
-    def tokens(self):
-        return [x["token"] for x in self.lines if "token" in x]
-
-    def wait_tokens(self, n, timeout=120.0):
-        deadline = time.monotonic() + timeout
-        while len(self.tokens()) < n and self.is_alive():
-            assert time.monotonic() < deadline, f"{self.rid}: {len(self.tokens())} tokens after {timeout}s"
-            time.sleep(0.01)
-
-
 @pytest.fixture(scope="module")
 def node(ckpt):
     n = NodeProcess(ckpt, "mooncake", "--max-batch", str(SLOTS), "--speculative", "mtp",
@@ -184,10 +131,11 @@ def test_node_serves_concurrent_speculating_requests(node, side):
         prep = side.prepare(prompt)
         adm = node.admit(rid)
         side.send(node, rid, adm["generation"], prep)
-        streams[rid] = (prep["first"], Stream(node, rid, adm["generation"], prep["first"], lengths[rid],
-                                              ignore_eos=True, cancel_after=6 if rid == "s-3" else None))
+        streams[rid] = (prep["first"], GenerateStream(node, rid, adm["generation"], prep["first"], lengths[rid],
+                                                      ignore_eos=True, cancel_after=6 if rid == "s-3" else None,
+                                                      timeout=300))
         streams[rid][1].start()
-    streams["s-0"][1].wait_tokens(2)
+    streams["s-0"][1].wait_tokens(2, timeout=120)
     h = node.health()
     assert h["busy_slots"] >= 2 and h["max_batch"] == SLOTS
     for rid, (first, s) in streams.items():
