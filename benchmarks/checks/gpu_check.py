@@ -45,7 +45,7 @@ def log(*a):
 
 KERNEL_TESTS = {"bf16": ("test_kernels_decode_ops.py", "test_kernels_logprobs.py"), "fp8": ("test_kernels_fp8.py",),
                 "spec": ("test_kernels_verify_gemv.py", "test_kernels_verify_attn_gdn.py",
-                         "test_kernels_gdn_recompute.py", "test_kernels_spec.py")}
+                         "test_kernels_spec.py")}
 
 
 def kernel_tests(out: str, pdl: bool = False, which: str = "all") -> dict:
@@ -426,8 +426,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-tests-only", action="store_true", help="of the tests, only the kernel tests")
     ap.add_argument("--kernel-tests", choices=("all", "bf16", "fp8", "spec"), default="all",
                     help="which kernel test files (fp8: tests/engine/test_kernels_fp8.py; spec: the speculative "
-                         "round's, test_kernels_verify_*.py, test_kernels_gdn_recompute.py and "
-                         "test_kernels_spec.py)")
+                         "round's, test_kernels_verify_*.py and test_kernels_spec.py)")
     ap.add_argument("--tiny-steps", type=int, default=256)
     ap.add_argument("--trained-parity", action="store_true", help="fused vs eager on trained tiny checkpoints")
     ap.add_argument("--checkpoints", default="", help="dir of <arch>/ checkpoints trained beforehand "

@@ -6,8 +6,8 @@ Each candidate overrides one or more Tuning fields of the defaults; the JSON hol
 step and group times and the candidate with the least step time summed over the shapes.
 `--dtype fp8` sweeps the FP8 kernels' launch shapes on block-quantized weights, `bf16` the bf16
 ones; the first candidate of each (`vec` 1) is the kernels' elementwise accumulators of before.
-`--speculative` times the MTP round instead, by default against the round's own options
-(`ROUND_CANDIDATES`).
+`--speculative` times the MTP round instead: the defaults, then each `--candidates` override (none
+given: the defaults alone).
 
     python3 benchmarks/tools/tuning_sweep.py --dtype bf16 --shapes 2b,35b --context 8192 --json OUT/sweep.json
     python3 benchmarks/tools/tuning_sweep.py --speculative --shapes 2b,35b --context 8192 --json OUT/round.json
@@ -45,11 +45,6 @@ CANDIDATES = {
 }
 
 
-# the round's options (engine/gpu/spec_round.py): the GDN commit recomputing the accepted positions
-# instead of the verify writing the state after each
-ROUND_CANDIDATES = [{"gdn_verify_recompute": True}]
-
-
 def _tuples(v):
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
@@ -78,14 +73,15 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="2b,35b")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--json", required=True)
-    ap.add_argument("--candidates", default="", help="a JSON list of Tuning overrides to time instead of the "
-                    "dtype's built-in list (lists become tuples), e.g. '[{\"moe_fp8\": [4, 1024, 1]}]'")
+    ap.add_argument("--candidates", default="", help="a JSON list of Tuning overrides to time (lists become "
+                    "tuples), e.g. '[{\"moe_fp8\": [4, 1024, 1]}]'; default: the dtype's built-in list, with "
+                    "--speculative none (the defaults alone)")
     ap.add_argument("--speculative", action="store_true", help="time the MTP round (nexrt_vllm/bench/spec_round.py, "
                     "random head, bf16) and its launch groups per candidate instead of the step")
     ap.add_argument("--draft-vocab", type=int, default=None)
     a = ap.parse_args(argv)
     cands = [{k: _tuples(v) for k, v in c.items()} for c in json.loads(a.candidates)] if a.candidates else \
-        ROUND_CANDIDATES if a.speculative else CANDIDATES[a.dtype]
+        [] if a.speculative else CANDIDATES[a.dtype]
     gen = torch.Generator(device="cuda").manual_seed(1234)
     out = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dtype": a.dtype,
            "context": a.context, "default": dataclasses.asdict(Tuning()), "shapes": {}}

@@ -4,9 +4,8 @@ greedy parity of the round graph against the plain step graph and the eager engi
 
 Bytes per round count what the round must move once: every weight of the verify (the MoE experts:
 the distinct experts the M rows select, measured per layer on this run's tokens), K/V rows 0..n+M-1
-read and M rows written, each GDN layer's state read once and written after each of the M positions
-(with `Tuning.gdn_verify_recompute` read only), the commit (one state read and written; recomputing,
-also its rows), the head's M-row pass and chained steps (its fc, layer,
+read and M rows written, each GDN layer's state read once and written after each of the M positions,
+the commit (one state read and written), the head's M-row pass and chained steps (its fc, layer,
 experts and the lm_head rows it reads: `draft_vocab`). An expert two rows choose is counted once
 (the experts launch runs all rows at once, their programs reading such an expert's tiles together:
 the bytes are what the round needs, its time what the kernels take). Effective tok/s = acceptance length / round
@@ -66,7 +65,7 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
         mx, ff = L.mixer, L.ffn
         return {
             "gdn_in_proj+conv": lambda: nb(mx.w_in) + nb(mx.conv_w) + nb(mx.state.conv) * (2 + rows),
-            "gdn_step": lambda: (1 + (0 if sd.recompute else rows)) * nb(mx.state.rec),
+            "gdn_step": lambda: (1 + rows) * nb(mx.state.rec),
             "gdn_out_proj": lambda: nb(mx.w_out),
             "attn_qkv_proj": lambda: nb(mx.w_qkv),
             "attn_qknorm_rope_kvwrite": lambda: 2 * rows * kv_row,
@@ -91,7 +90,7 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
                 b = layer_bytes(group, sd.f.layers[s.layer], M, n, distinct.get(s.layer, k))
         elif s.group == "commit":
             st = sd.f.state.gdn(s.layer)
-            b = 2 * (nb(st.rec) + nb(st.conv)) + (nb(sd.gdn_rows[s.layer]) if sd.recompute else 0)
+            b = 2 * (nb(st.rec) + nb(st.conv))
         elif stage in ("draft", "chain"):
             rows = M if stage == "draft" else 1
             if group == "fc":

@@ -562,7 +562,7 @@ class Model:
 class VerifyScratch:
     """Static buffers of a verify pass of up to `width` positions: per GDN layer the conv inputs and
     the recurrent state after each position (what `Model.commit` selects from). The states are
-    allocated on first use: the graph path's round may recompute instead (gpu/spec_round.py)."""
+    allocated on first use: a slot engine's Speculator that never verifies holds none."""
 
     def __init__(self, cfg: ModelConfig, width: int, dtype: torch.dtype, device):
         self.width, self.cfg, self.device = width, cfg, device

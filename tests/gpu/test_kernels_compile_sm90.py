@@ -144,20 +144,11 @@ SPEC_VARIANTS = [
     ("attn_verify_pv_start_m1", attention.attn_verify_pv_kernel, dict(AV, M=1, HAS_START=True), 4, SPEC_T, ()),
     ("attn_verify_combine", attention.attn_verify_combine_kernel,
      dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, BLOCK=64, H=8, HD=256, BLOCK_D=64), 4, SPEC_T, ()),
-    ("gdn_verify_1warp", gdn.gdn_verify_kernel,
-     dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, KEEP=True, PRE=False), 1, SPEC_T, ()),
+    ("gdn_verify_1warp", gdn.gdn_verify_kernel, dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1,
+     SPEC_T, ()),
     ("gdn_verify_35b_prefetch", gdn.gdn_verify_kernel,
-     dict(M=4, HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, KEEP=True, PRE=True), 1, SPEC_T, ()),
+     dict(M=4, HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1, SPEC_T, ()),
     ("gdn_commit", gdn.gdn_commit_kernel, dict(KM1=3, KM1P=4, BLOCK=4096, BLOCK_C=256), 4, SPEC_T, ()),
-    # Tuning.gdn_verify_recompute: the verify without per-position states, the commit that recomputes
-    ("gdn_verify_nokeep_1warp", gdn.gdn_verify_kernel,
-     dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, KEEP=False, PRE=False), 1, SPEC_T, ()),
-    ("gdn_verify_nokeep_35b_prefetch", gdn.gdn_verify_kernel,
-     dict(M=4, HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, KEEP=False, PRE=True), 1, SPEC_T, ()),
-    ("gdn_commit_recompute_1warp", gdn.gdn_commit_recompute_kernel,
-     dict(HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, KM1=3, KM1P=4, BLOCK_C=256, PRE=False), 1, SPEC_T, ()),
-    ("gdn_commit_recompute_35b_prefetch", gdn.gdn_commit_recompute_kernel,
-     dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, KM1=3, KM1P=4, BLOCK_C=256, PRE=True), 1, SPEC_T, ()),
     ("moe_gate_up_m4", moe.moe_gate_up_kernel, dict(MU, M=4), 1, SPEC_T, ALIGN_M),
     ("moe_down_m4", moe.moe_down_kernel, dict(MD, M=4), 1, SPEC_T, ALIGN_M),
     ("accept", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True, SYNTH=False), 8, SPEC_T, ()),
@@ -265,7 +256,7 @@ def compiled():
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 66 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 58 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):

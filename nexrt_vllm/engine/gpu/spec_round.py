@@ -6,8 +6,7 @@ host value in it:
 1. verify: the target runs tokens [t, d_1 .. d_{M-1}] at positions pos..pos+M-1 in one pass. Every
    projection is an M-row GEMV (each weight tile read once for the M rows); GDN layers run the M
    tokens in order from the live state, which they leave untouched, keeping the conv inputs and the
-   recurrent state after each position (`VerifyScratch`; with `Tuning.gdn_verify_recompute` no
-   state, but the layer's own input rows instead); attention writes the M K/V rows and
+   recurrent state after each position (`VerifyScratch`); attention writes the M K/V rows and
    attends causally among them; MoE routes the M rows in one launch and runs all M rows' experts
    in the step's two launches with a row grid axis (an expert two rows choose is read by both at
    once, mostly from L2). The lm_head leaves per-row argmax partials and
@@ -15,8 +14,7 @@ host value in it:
 2. accept (`kernels/spec.accept`): the target's tokens y, a = the leading drafts equal to them;
    y_0..y_a go to the control ring, then the round record; position += a + 1; y_a is the next
    round's first token.
-3. commit: each GDN layer's state after position a becomes live (`gdn.gdn_commit`, or
-   `gdn.gdn_commit_recompute`: positions 0..a run again over the kept rows). K/V rows past
+3. commit: each GDN layer's state after position a becomes live (`gdn.gdn_commit`). K/V rows past
    the accepted ones stay written but lie at or past the position, so no later query sees them
    before they are overwritten.
 4. draft the next round: the MTP head over rows base..base+M-1 with (hidden_j, y_j) (its own K/V
@@ -87,12 +85,7 @@ class SpecDecoder:
         self.base, self.acc, self.dtok, self.dpos, self.round = (z(1, d=i64) for _ in range(5))
         # verify activations, one row per position
         self.res, self.buf = z(M, H), z(M, f.buf.numel())
-        # GDN layers: the state after each position (the eager scratch's), or, recomputing in the commit,
-        # each layer's own in_proj + conv rows, which the commit reads again (the width of `buf`: the
-        # same row stride for every launch that reads them)
-        self.recompute = f.t.gdn_verify_recompute
-        self.rec_after = None if self.recompute else self.scratch.rec_after
-        self.gdn_rows = {i: z(M, f.buf.numel()) for i in c.gdn_layers} if self.recompute else None
+        self.rec_after = self.scratch.rec_after  # GDN layers: the state after each position (the eager scratch's)
         self.o, self.q = z(M, f.o.numel()), z(M, f.q.numel())
         self.attn_scratch = self._attn_scratch(M)
         if c.num_experts:
@@ -157,7 +150,8 @@ class SpecDecoder:
             self.pmax, self.pidx, self.n_part, self.tokens, self.y, f.state.position, self.base, self.acc, f.step,
             self.round, f.ring, self.rounds, RING, self.forced)))
         for i in c.gdn_layers:
-            steps.append(Launch("commit", i, self._commit(i, f.layers[i].mixer)))
+            steps.append(Launch("commit", i, lambda i=i: f.k_gdn.gdn_commit(
+                f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M), self.rec_after[i], self.acc)))
         steps += self._draft()
         return steps
 
@@ -165,35 +159,22 @@ class SpecDecoder:
         """An M-row GEMV's launch keywords from a fixed shape (Tuning.lm_rows, gemv_gated_rows)."""
         return gemv_kwargs(self.f.t, w, shape)
 
-    def _gdn_shape(self) -> dict:
-        """The verify's GDN step launch keywords; the recomputing commit's must be the same (same bits)."""
-        c, t = self.cfg, self.f.t
-        return dict(num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-                    head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
-                    num_warps=t.gdn_warps, prefetch=t.prefetch > 0)
-
-    def _commit(self, i: int, m: GDNMixer):
-        f, st, win = self.f, self.f.state.gdn(i), self.scratch.window(i, self.M)
-        if self.recompute:
-            return lambda: f.k_gdn.gdn_commit_recompute(st.conv, st.rec, win, self.gdn_rows[i], self.acc, m.a_log,
-                                                        m.dt_bias, **self._gdn_shape())
-        return lambda: f.k_gdn.gdn_commit(st.conv, st.rec, win, self.rec_after[i], self.acc)
-
     def _gdn(self, i: int, L: FusedLayer):
         c, g, t, m, eps, M, f = self.cfg, self.f.k_gemv, self.f.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.f
-        buf = self.gdn_rows[i] if self.recompute else self.buf
-        rec_after = None if self.recompute else self.rec_after[i]
         return [
             ("gdn_in_proj+conv", lambda: g.gemv(
-                self.res, m.w_in, buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
+                self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
                 aux0=m.state.conv, aux1=m.conv_w, window=self.scratch.window(i, M), eps=eps, conv_n=c.conv_dim,
                 kc=c.conv_kernel, m=M,
                 **f.gemv_shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv, rows=True))),
             ("gdn_step", lambda: f.k_gdn.gdn_verify_step(
-                buf, m.state.rec, rec_after, self.o, m.a_log, m.dt_bias, m=M, **self._gdn_shape())),
+                self.buf, m.state.rec, self.rec_after[i], self.o, m.a_log, m.dt_bias, m=M,
+                num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
+                num_warps=t.gdn_warps, prefetch=t.prefetch > 0)),
             ("gdn_out_proj", lambda: g.gemv(
                 self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
-                z=buf[:, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=M,
+                z=self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=M,
                 **self._rows_rule(m.w_out, t.gemv_gated_rows)))]
 
     def _attention(self, L: FusedLayer, x, pos, start, m: int, cos, sin):

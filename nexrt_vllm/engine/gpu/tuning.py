@@ -85,11 +85,6 @@ class Tuning:
     attn_min_per: int = 64
     attn_warps: int = 4
     gdn_block_v: int = 16
-    # The speculative verify's GDN step keeps no state per position (each would be a full fp32 state
-    # write): the commit runs the accepted positions again from the live state over the verify's own
-    # rows (kept per layer) and writes the state once (kernels/gdn.py `gdn_commit_recompute`; the
-    # same bits as the per-position copy). Off until it is timed on the H200 against the copy.
-    gdn_verify_recompute: bool = False
     # One-warp programs for the GDN step and the MoE experts: their reductions (the L2 norms, the
     # top-k picks of the routing, the per-expert dot products) stay in warp shuffles, no CTA barrier
     # between a program's loads and its arithmetic.

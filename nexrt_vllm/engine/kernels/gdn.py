@@ -8,10 +8,7 @@ whole head, so it runs in the out_proj prologue (`gemv` PRO_GATED) instead of he
 
 Verify pass (speculative decoding): `gdn_verify_step` runs M tokens in order from the live state with
 the slice in registers (read once, the live state never written) and stores the state after each
-token; `gdn_commit` then makes the accepted token's state (recurrent and conv window) live. Or, without
-those M state stores: `gdn_commit_recompute` runs the accepted tokens 0..a again from the live state
-over the verify's own input rows (`_delta_token`, the same launch shape: the same bits) and writes the
-state once.
+token; `gdn_commit` then makes the accepted token's state (recurrent and conv window) live.
 """
 import triton
 import triton.language as tl
@@ -89,10 +86,10 @@ def gdn_step(buf, state, out, a_log, dt_bias, *, num_k_heads, num_v_heads, head_
 def gdn_verify_kernel(buf_ptr, state_ptr, rec_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
                       KEY_DIM, VALUE_DIM, OFF_B, OFF_A, q_scale, stride_buf, stride_rec, stride_out,
                       M: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BLOCK_V: tl.constexpr, KEEP: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_V: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     # The verify pass's M tokens in order, grid (value head, value block) as gdn_step: the live state
-    # slice is read once and carried in registers; with KEEP the slice after token j goes to
-    # rec_after[j] (what gdn_commit picks from). The live state is never written.
+    # slice is read once and carried in registers; the slice after token j goes to rec_after[j] (what
+    # gdn_commit picks from), the live state is never written.
     vh = tl.program_id(0)
     jb = tl.program_id(1)
     kh = vh // (HV // HK)
@@ -108,8 +105,7 @@ def gdn_verify_kernel(buf_ptr, state_ptr, rec_ptr, out_ptr, a_log_ptr, dt_bias_p
     for j in range(M):
         s, o = _delta_token(s, buf_ptr + j * stride_buf, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM,
                             OFF_B, OFF_A, q_scale, DK, DV)
-        if KEEP:
-            tl.store(rec_ptr + j * stride_rec + so, s)
+        tl.store(rec_ptr + j * stride_rec + so, s)
         tl.store(out_ptr + j * stride_out + vh * DV + offs_v, _bf16(o).to(out_ptr.dtype.element_ty))
 
 
@@ -135,65 +131,22 @@ def gdn_commit_kernel(conv_ptr, rec_ptr, window_ptr, rec_after_ptr, a_ptr, N_REC
         tl.store(conv_ptr + c[:, None] * stride_conv + t[None, :], x, mask=cm)
 
 
-@triton.jit
-def gdn_commit_recompute_kernel(conv_ptr, rec_ptr, window_ptr, buf_ptr, a_ptr, a_log_ptr, dt_bias_ptr,
-                                KEY_DIM, OFF_B, OFF_A, q_scale, stride_buf, CONV_DIM, stride_conv, stride_win,
-                                HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                                BLOCK_V: tl.constexpr, KM1: tl.constexpr, KM1P: tl.constexpr, BLOCK_C: tl.constexpr,
-                                PRE: tl.constexpr, PDL: tl.constexpr):
-    # The first HV * DV / BLOCK_V programs are gdn_verify_kernel's (value head, value block) programs:
-    # each runs tokens 0..a from the live slice with the verify's arithmetic on the verify's rows, so
-    # its slice after token a is the verify's bit for bit, and writes it once. The rest copy the conv
-    # window's columns a+1 .. a+KM1 onto the conv state (BLOCK_C channels each), as gdn_commit_kernel.
-    pid = tl.program_id(0)
-    nvb = DV // BLOCK_V
-    if pid < HV * nvb:
-        vh = pid // nvb
-        jb = pid % nvb
-        kh = vh // (HV // HK)
-        offs_k = tl.arange(0, DK)
-        offs_v = jb * BLOCK_V + tl.arange(0, BLOCK_V)
-        so = vh * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-        if PRE:
-            # Written only by this kernel (the previous round's commit of this layer), read by this
-            # round's verify, both long complete: read it before the wait (a comes from accept).
-            s = tl.load(rec_ptr + so)
-        pdl_begin(PDL)
-        if not PRE:
-            s = tl.load(rec_ptr + so)
-        a = tl.load(a_ptr)
-        for j in range(a + 1):
-            s, _ = _delta_token(s, buf_ptr + j * stride_buf, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v,
-                                KEY_DIM, OFF_B, OFF_A, q_scale, DK, DV)
-        tl.store(rec_ptr + so, s)
-    else:
-        pdl_begin(PDL)
-        a = tl.load(a_ptr)
-        c = (pid - HV * nvb) * BLOCK_C + tl.arange(0, BLOCK_C)
-        t = tl.arange(0, KM1P)
-        cm = (c < CONV_DIM)[:, None] & (t < KM1)[None, :]
-        x = tl.load(window_ptr + c[:, None] * stride_win + (a + 1 + t)[None, :], mask=cm)
-        tl.store(conv_ptr + c[:, None] * stride_conv + t[None, :], x, mask=cm)
-
-
 def gdn_verify_step(buf, state, rec_after, out, a_log, dt_bias, *, m, num_k_heads, num_v_heads, head_k_dim,
                     head_v_dim, block_v=32, num_warps=4, prefetch=False):
     """The recurrent part of a verify pass over m tokens. `buf` [m, width] (row stride; rows [q|k|v|z|b|a]
     as the conv epilogue leaves them), `state` the live [HV, dk, dv] fp32 state (read only),
-    `rec_after` [>= m, HV, dk, dv] fp32 receives the state after each token (None: not kept; the
-    commit is then `gdn_commit_recompute` over the same `buf` rows), `out` [m, value_dim] (row
-    stride). `prefetch` as gdn_step."""
+    `rec_after` [>= m, HV, dk, dv] fp32 receives the state after each token, `out` [m, value_dim]
+    (row stride). `prefetch` as gdn_step."""
     key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     off_b = 2 * key_dim + 2 * value_dim
     block_v = min(block_v, head_v_dim)
-    keep = rec_after is not None
-    assert state.is_contiguous() and (not keep or (rec_after.shape[0] >= m and rec_after[0].is_contiguous()))
+    assert rec_after.shape[0] >= m and rec_after[0].is_contiguous() and state.is_contiguous()
     sb = buf.stride(0) if buf.dim() > 1 else 0
     so = out.stride(0) if out.dim() > 1 else 0
     gdn_verify_kernel[(num_v_heads, head_v_dim // block_v)](
-        buf, state, rec_after if keep else state, out, a_log, dt_bias, key_dim, value_dim, off_b, off_b + num_v_heads,
-        float(head_k_dim) ** 0.5, sb, rec_after.stride(0) if keep else 0, so, M=m, HV=num_v_heads, HK=num_k_heads,
-        DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, KEEP=keep, PRE=bool(prefetch), **LAUNCH, num_warps=num_warps)
+        buf, state, rec_after, out, a_log, dt_bias, key_dim, value_dim, off_b, off_b + num_v_heads,
+        float(head_k_dim) ** 0.5, sb, rec_after.stride(0), so, M=m, HV=num_v_heads, HK=num_k_heads, DK=head_k_dim,
+        DV=head_v_dim, BLOCK_V=block_v, PRE=bool(prefetch), **LAUNCH, num_warps=num_warps)
 
 
 def gdn_commit(conv_state, rec_state, window, rec_after, a, *, block=4096, block_c=256, num_warps=4):
@@ -208,22 +161,3 @@ def gdn_commit(conv_state, rec_state, window, rec_after, a, *, block=4096, block
     gdn_commit_kernel[grid](conv_state, rec_state, window, rec_after, a, n_rec, conv_dim, conv_state.stride(0),
                             window.stride(0), rec_after.stride(0), KM1=km1, KM1P=triton.next_power_of_2(km1),
                             BLOCK=block, BLOCK_C=block_c, **LAUNCH, num_warps=num_warps)
-
-
-def gdn_commit_recompute(conv_state, rec_state, window, buf, a, a_log, dt_bias, *, num_k_heads, num_v_heads,
-                         head_k_dim, head_v_dim, block_v=32, num_warps=4, prefetch=False, block_c=256):
-    """`gdn_commit` for a verify that kept no per-token state (`gdn_verify_step` with rec_after None), in
-    one launch: rec_state (the live state the verify read) advances by tokens 0..a of `buf` (the
-    verify's [m, width] rows, still intact) and conv_state[:, t] = window[:, a+1+t]. `block_v`,
-    `num_warps` must be the verify's: the same programs give the same bits. `prefetch` as gdn_step."""
-    key_dim = num_k_heads * head_k_dim
-    off_b = 2 * key_dim + 2 * num_v_heads * head_v_dim
-    block_v = min(block_v, head_v_dim)
-    conv_dim, km1 = conv_state.shape
-    assert rec_state.is_contiguous() and window.stride(1) == 1 and conv_state.stride(1) == 1
-    grid = (num_v_heads * (head_v_dim // block_v) + triton.cdiv(conv_dim, block_c),)
-    gdn_commit_recompute_kernel[grid](
-        conv_state, rec_state, window, buf, a, a_log, dt_bias, key_dim, off_b, off_b + num_v_heads,
-        float(head_k_dim) ** 0.5, buf.stride(0), conv_dim, conv_state.stride(0), window.stride(0), HV=num_v_heads,
-        HK=num_k_heads, DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, KM1=km1, KM1P=triton.next_power_of_2(km1),
-        BLOCK_C=block_c, PRE=bool(prefetch), **LAUNCH, num_warps=num_warps)
