@@ -7,14 +7,7 @@ the kernel variants the two real shapes use with Triton's bundled ptxas and chec
 the grid-dependency instructions. Runs in a subprocess: the test process imports the kernels in
 interpreter mode.
 """
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = r'''
 import json, sys
@@ -247,12 +240,8 @@ json.dump(out, sys.stdout)
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def compiled(compile_sm90):
+    return compile_sm90(SCRIPT)
 
 
 def test_every_kernel_builds_a_cubin(compiled):

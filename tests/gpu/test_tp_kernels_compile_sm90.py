@@ -4,14 +4,7 @@ partial-sum epilogue (EPI_PARTIAL, bf16 and FP8 weights), at the 2B shape. CI ha
 what shows the compiled path builds (Triton's bundled ptxas); test_kernels_compile_sm90.py does the
 same for the one-GPU step. Runs in a subprocess: the test process imports the kernels interpreted.
 """
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = r'''
 import json, sys
@@ -52,12 +45,8 @@ json.dump(out, sys.stdout)
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def compiled(compile_sm90):
+    return compile_sm90(SCRIPT)
 
 
 def test_tp_kernels_build_cubins_with_the_pdl_pair_only_with_pdl(compiled):
