@@ -130,7 +130,7 @@ def round_groups(sd, nb: dict, reps: int = 20) -> dict:
     return out
 
 
-def capture(eng, tuning, draft_vocab: int | None):
+def capture(eng, tuning, draft_vocab):
     """The fused step graph and the round graph of a speculating engine under `tuning`: (fused, runner, spec)."""
     from nexrt_vllm.engine.gpu.decoder import FusedDecoder
     from nexrt_vllm.engine.gpu.runner import GraphRunner
@@ -158,7 +158,7 @@ def time_step_and_round(eng, fused, g_plain, spec, ctx: int, reps: int) -> tuple
     return t_step, statistics.median(S.time_replays(spec.graph, reps))
 
 
-def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab: int | None = None):
+def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab=None):
     """A random-weight engine of shape `key` with a random MTP head, speculating."""
     eng = S.random_engine(key, max_len)
     random_mtp_head(eng)
@@ -166,7 +166,7 @@ def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab: int | No
     return eng
 
 
-def measure_round(eng, tuning, ctx: int, draft_vocab: int | None = None, reps: int = 100) -> dict:
+def measure_round(eng, tuning, ctx: int, draft_vocab=None, reps: int = 100) -> dict:
     """The captured round (and the plain step) under `tuning` at context ctx: median times and the
     round's launch groups (`round_groups`, bytes counted as `round_bytes`)."""
     fused, runner, spec = capture(eng, tuning, draft_vocab)
@@ -183,7 +183,7 @@ def measure_round(eng, tuning, ctx: int, draft_vocab: int | None = None, reps: i
 
 
 def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int, bw: float, tuning=None,
-                   graft_dir: str = "", num_spec: int = 3, draft_vocab: int | None = None,
+                   graft_dir: str = "", num_spec: int = 3, draft_vocab=None,
                    breakdown_ctx: int = 8192) -> dict:
     from nexrt_vllm.engine.sampling import SamplingParams
 
