@@ -135,33 +135,57 @@ class Engine:
         """Decode up to `n` requests (2..8) in one captured CUDA graph per step (gpu.batch_runner.BatchRunner
         over gpu.batch_decoder.BatchDecoder; CUDA, bfloat16 weights): their states are stacked
         (state.StackedStates), this engine's becomes slot 0's and `slots(n)` gives every slot's
-        engine. Greedy requests without logprobs or grammar join the batch step (node/batch.py); the
-        others decode on their slot engine's eager loop. Not with `use_graph` or speculative decoding."""
+        engine. With speculative decoding (`enable_speculative` first) a step is one MTP round of
+        every slot (gpu.batch_round.BatchRoundRunner; n x M verify rows, at most 32). Greedy requests
+        without logprobs or grammar join the batch graph (node/batch.py); the others decode on their
+        slot engine's eager loop (or eager round). Not with `use_graph`."""
         if self.device.type != "cuda":
             raise EngineError(f"the batch graph needs a CUDA device (engine is on {self.device})")
-        from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder  # triton: imported by the GPU path only
-        from nexrt_vllm.engine.gpu.batch_runner import BatchRunner
-        self._check_batch()
-        states = StackedStates(self.model.config, n, self.max_seq_len, self.dtype, self.device)
-        runner = BatchRunner(BatchDecoder(self.model, states, tuning))
+        runner = self.batch_runner(n, tuning)
         runner.capture()
         self.use_batch(runner)
 
+    def batch_runner(self, n: int, tuning=None):
+        """The batch graph's runner over `n` stacked slots of this engine's model, not captured (on the CPU
+        its replays run the launches through the Triton interpreter, the tests' way in; `use_batch`
+        then makes it this engine's): a BatchRunner, or with speculative decoding a BatchRoundRunner
+        whose slots each have a Speculator over their head cache."""
+        from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder  # triton: imported by the GPU path only
+        from nexrt_vllm.engine.gpu.batch_runner import BatchRunner
+        self._check_batch()
+        spec = self.speculative
+        states = StackedStates(self.model.config, n, self.max_seq_len, self.dtype, self.device,
+                               pad_rows=spec.M if spec is not None else 0)
+        batch = BatchDecoder(self.model, states, tuning)
+        if spec is None:
+            return BatchRunner(batch)
+        from nexrt_vllm.engine.gpu.batch_round import BatchRoundDecoder, BatchRoundRunner
+        d = BatchRoundDecoder(batch, spec.drafter.w, spec.num_speculative_tokens, self.draft_vocab,
+                              synthetic=spec.synthetic is not None)
+        slots = []
+        for b in range(n):
+            s = self._new_speculator(spec.num_speculative_tokens, over=d.drafter_views(b))
+            s.synthetic, s.on_round = spec.synthetic, spec.on_round
+            slots.append(s)
+        return BatchRoundRunner(d, slots)
+
     def use_batch(self, runner) -> None:
-        """Decode through `runner` (a BatchRunner over this engine's model; `use_batch_graph` builds and
-        captures one; on the CPU its replays run the launches through the Triton interpreter, the tests'
-        way in): this engine becomes slot 0 (its state that slot's), `slots` gives the slot engines."""
+        """Decode through `runner` (`batch_runner`'s, over this engine's model): this engine becomes slot
+        0 (its state that slot's), `slots` gives the slot engines; with a BatchRoundRunner each slot
+        engine speculates with its slot's Speculator."""
         self._check_batch()
         states = runner.d.states.states
         self.state = states[0]
         self._slot_engines = [self] + [Engine(self.config, self.model, self.max_seq_len, state=s) for s in states[1:]]
-        for e in self._slot_engines:
+        for b, e in enumerate(self._slot_engines):
             e.batch_graph = runner
+            if getattr(runner, "speculators", None) is not None:
+                e.speculative, e.draft_vocab = runner.speculators[b], self.draft_vocab
 
     def _check_batch(self) -> None:
-        if self.graph is not None or self.speculative is not None or self.batch_graph is not None:
-            raise NotBuiltError("the batch step is not built together with the one-request graph or speculative "
-                                "decoding, and is set up once")
+        if self.graph is not None or self.batch_graph is not None:
+            raise NotBuiltError("the batch step is not built together with the one-request graph, and is set up "
+                                "once")
 
     # ---- the two passes -------------------------------------------------------------------------
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
@@ -250,8 +274,7 @@ class Engine:
         if method != "mtp":
             raise ConfigError(f"unknown speculative method {method!r}; supported: 'mtp'")
         if self.batch_graph is not None:
-            raise NotBuiltError("speculative decoding with the batch step (more than one request per node) is not "
-                                "built")
+            raise NotBuiltError("enable speculative decoding before the batch graph (use_batch_graph) is built")
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
                 or not 1 <= num_speculative_tokens <= 15:
             raise ConfigError(f"num_speculative_tokens must be an int in [1, 15], got {num_speculative_tokens!r}")
@@ -268,15 +291,17 @@ class Engine:
         if self.graph is not None:
             self._capture_spec()
 
-    def _new_speculator(self, num_speculative_tokens: int):
-        """A Speculator over this engine's model with a drafter cache and verify scratch of its own."""
+    def _new_speculator(self, num_speculative_tokens: int, over=None):
+        """A Speculator over this engine's model with a drafter cache (or `over`: Drafter's) and verify
+        scratch of its own."""
         from nexrt_vllm.engine.spec.mtp import Drafter, mtp_weights
         from nexrt_vllm.engine.spec.speculative import Speculator
 
         # the slots share the head's weights (a MoE head's experts are stacked once, here)
         w = self.speculative.drafter.w if self.speculative is not None else \
             mtp_weights(self.config, self.model.mtp, self.model.embed)
-        drafter = Drafter(self.model.config, w, self.model.lm_head, self.max_seq_len, extra=num_speculative_tokens + 1)
+        drafter = Drafter(self.model.config, w, self.model.lm_head, self.max_seq_len, extra=num_speculative_tokens + 1,
+                          over=over)
         return Speculator(self.model, drafter, num_speculative_tokens)
 
     # ---- generation -----------------------------------------------------------------------------

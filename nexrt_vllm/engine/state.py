@@ -18,6 +18,8 @@ it and advances it on the device; `seq_len` is the host's copy, kept equal by th
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -207,16 +209,25 @@ class StackedStates:
     with a leading slot dimension [n, ...] and the positions as one int64 [n], so a batched kernel
     reaches slot b's tensors by a stride. `states[b]` is slot b's `DecodeState`, whose tensors are
     views of slot b (the hand-off, the eager step and export read and write it as any state).
-    `attention(i)` / `gdn(i)` give layer i's stacked record (the batch step's view)."""
+    `attention(i)` / `gdn(i)` give layer i's stacked record (the batch step's view).
+
+    `pad_rows`: each stacked tensor's allocation runs that many rows (of its last dimension) past its
+    end, so a kernel may read a little past the last slot's last row (the batched speculative round's
+    rows past a context's end, kernels/batch_round.py) without leaving the allocation."""
 
     def __init__(self, cfg: ModelConfig, n: int, max_seq_len: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", pad_rows: int = 0):
         if not isinstance(n, int) or n < 1:
             raise StateError(f"the number of slots must be a positive int, got {n!r}")
         self.config, self.n, self.max_seq_len, self.dtype = cfg, n, max_seq_len, dtype
         self.device = torch.device(device)
+
+        def stacked(shape, dt):
+            count = n * math.prod(shape)
+            return torch.zeros(count + pad_rows * shape[-1], dtype=dt, device=self.device)[:count].view(n, *shape)
+
         self.layers: list[LayerState] = [
-            kind(**{p: torch.zeros((n, *shape), dtype=dt, device=self.device) for p, (shape, dt) in parts.items()})
+            kind(**{p: stacked(shape, dt) for p, (shape, dt) in parts.items()})
             for kind, parts in _layer_layouts(cfg, max_seq_len, dtype)]
         self.position = torch.zeros(n, dtype=torch.long, device=self.device)
         self.states = [DecodeState(cfg, max_seq_len, dtype, self.device, over=(

@@ -37,7 +37,8 @@ def _control_specs(vocab_size: int, slots: int = 0) -> dict:
     logprob ring parallel to it (slot s: the chosen token's logprob then the top KMAX, and their
     ids); the grammar flag (masks of every step <= flag are written) and two mask slots (step % 2);
     the speculative round records (round << 32 | tokens emitted, engine/gpu/spec_round.py); with
-    `slots`, the batch step's ring (one column per request slot, engine/gpu/batch_runner.py)."""
+    `slots`, the batch step's ring and the batched round's records (one column per request slot,
+    engine/gpu/batch_runner.py, batch_round.py)."""
     from nexrt_vllm.engine.kernels.sampling import KMAX
     specs = {"ring": ((RING,), torch.int64, -1), "rounds": ((RING,), torch.int64, -1),
              "lpv": ((RING, KMAX + 1), torch.float32, 0),
@@ -45,6 +46,7 @@ def _control_specs(vocab_size: int, slots: int = 0) -> dict:
              "masks": ((2, (vocab_size + 31) // 32), torch.int32, -1)}
     if slots:
         specs["slot_ring"] = ((RING, slots), torch.int64, -1)
+        specs["slot_rounds"] = ((RING, slots), torch.int64, -1)
     return specs
 
 

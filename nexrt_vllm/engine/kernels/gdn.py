@@ -110,25 +110,34 @@ def gdn_verify_kernel(buf_ptr, state_ptr, rec_ptr, out_ptr, a_log_ptr, dt_bias_p
 
 
 @triton.jit
-def gdn_commit_kernel(conv_ptr, rec_ptr, window_ptr, rec_after_ptr, a_ptr, N_REC, CONV_DIM, stride_conv, stride_win,
-                      stride_rec, KM1: tl.constexpr, KM1P: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+def gdn_commit_kernel(conv_ptr, rec_ptr, window_ptr, rec_after_ptr, a_ptr, live_ptr, N_REC, CONV_DIM, stride_conv,
+                      stride_win, stride_rec, slot_conv, slot_rec, slot_win, slot_after, KM1: tl.constexpr,
+                      KM1P: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LIVE: tl.constexpr,
                       PDL: tl.constexpr):
     # The first programs copy rec_after[a] onto the live recurrent state (BLOCK floats each), the rest
-    # the conv window's columns a+1 .. a+KM1 onto the conv state (BLOCK_C channels each).
+    # the conv window's columns a+1 .. a+KM1 onto the conv state (BLOCK_C channels each). Grid axis 1:
+    # the request slot (the batched round; slot_* its strides), a slot not live or with a < 0 (its
+    # round emitted nothing) left as it is.
     pdl_begin(PDL)
     pid = tl.program_id(0)
-    a = tl.load(a_ptr)
-    nrec = tl.cdiv(N_REC, BLOCK)
-    if pid < nrec:
-        o = pid * BLOCK + tl.arange(0, BLOCK)
-        om = o < N_REC
-        tl.store(rec_ptr + o, tl.load(rec_after_ptr + a * stride_rec + o, mask=om), mask=om)
-    else:
-        c = (pid - nrec) * BLOCK_C + tl.arange(0, BLOCK_C)
-        t = tl.arange(0, KM1P)
-        cm = (c < CONV_DIM)[:, None] & (t < KM1)[None, :]
-        x = tl.load(window_ptr + c[:, None] * stride_win + (a + 1 + t)[None, :], mask=cm)
-        tl.store(conv_ptr + c[:, None] * stride_conv + t[None, :], x, mask=cm)
+    b = tl.program_id(1).to(tl.int64)
+    a = tl.load(a_ptr + b)
+    on = a >= 0
+    if HAS_LIVE:
+        on = on & (tl.load(live_ptr + b) != 0)
+    if on:
+        nrec = tl.cdiv(N_REC, BLOCK)
+        if pid < nrec:
+            o = pid * BLOCK + tl.arange(0, BLOCK)
+            om = o < N_REC
+            tl.store(rec_ptr + b * slot_rec + o, tl.load(rec_after_ptr + b * slot_after + a * stride_rec + o, mask=om),
+                     mask=om)
+        else:
+            c = (pid - nrec) * BLOCK_C + tl.arange(0, BLOCK_C)
+            t = tl.arange(0, KM1P)
+            cm = (c < CONV_DIM)[:, None] & (t < KM1)[None, :]
+            x = tl.load(window_ptr + b * slot_win + c[:, None] * stride_win + (a + 1 + t)[None, :], mask=cm)
+            tl.store(conv_ptr + b * slot_conv + c[:, None] * stride_conv + t[None, :], x, mask=cm)
 
 
 def gdn_verify_step(buf, state, rec_after, out, a_log, dt_bias, *, m, num_k_heads, num_v_heads, head_k_dim,
@@ -149,15 +158,20 @@ def gdn_verify_step(buf, state, rec_after, out, a_log, dt_bias, *, m, num_k_head
         DV=head_v_dim, BLOCK_V=block_v, PRE=bool(prefetch), **LAUNCH, num_warps=num_warps)
 
 
-def gdn_commit(conv_state, rec_state, window, rec_after, a, *, block=4096, block_c=256, num_warps=4):
-    """Make the state after verified token `a` (int64 [1], device, 0..m-1) live, in one launch:
-    conv_state[:, t] = window[:, a+1+t] (t < kernel-1; window [conv_dim, kernel-1+m], row stride),
-    rec_state = rec_after[a]."""
-    conv_dim, km1 = conv_state.shape
-    n_rec = rec_state.numel()
-    assert rec_state.is_contiguous() and rec_after[0].is_contiguous() and window.stride(1) == 1
-    assert conv_state.stride(1) == 1
-    grid = (triton.cdiv(n_rec, block) + triton.cdiv(conv_dim, block_c),)
-    gdn_commit_kernel[grid](conv_state, rec_state, window, rec_after, a, n_rec, conv_dim, conv_state.stride(0),
-                            window.stride(0), rec_after.stride(0), KM1=km1, KM1P=triton.next_power_of_2(km1),
-                            BLOCK=block, BLOCK_C=block_c, **LAUNCH, num_warps=num_warps)
+def gdn_commit(conv_state, rec_state, window, rec_after, a, *, block=4096, block_c=256, num_warps=4, live=None):
+    """Make the state after verified token `a` (int64 [1], device, 0..m-1; < 0: nothing) live, in one
+    launch: conv_state[:, t] = window[:, a+1+t] (t < kernel-1; window [conv_dim, kernel-1+m], row
+    stride), rec_state = rec_after[a]. B request slots (`live` int32 [B]): every tensor gains a leading
+    slot dimension (a [B]; rec_after [B, m, ...]); slots not live are left as they are."""
+    slots = live is not None
+    one = (lambda t: t[0]) if slots else (lambda t: t)  # noqa: E731 - one slot's tensor
+    conv_dim, km1 = one(conv_state).shape
+    n_rec = one(rec_state).numel()
+    assert one(rec_state).is_contiguous() and one(rec_after)[0].is_contiguous() and window.stride(-1) == 1
+    assert conv_state.stride(-1) == 1
+    st = (lambda t: t.stride(0)) if slots else (lambda t: 0)  # noqa: E731 - the slot stride
+    grid = (triton.cdiv(n_rec, block) + triton.cdiv(conv_dim, block_c), live.numel() if slots else 1)
+    gdn_commit_kernel[grid](conv_state, rec_state, window, rec_after, a, live if slots else a, n_rec, conv_dim,
+                            one(conv_state).stride(0), one(window).stride(0), one(rec_after).stride(0), st(conv_state),
+                            st(rec_state), st(window), st(rec_after), KM1=km1, KM1P=triton.next_power_of_2(km1),
+                            BLOCK=block, BLOCK_C=block_c, HAS_LIVE=slots, **LAUNCH, num_warps=num_warps)

@@ -51,7 +51,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     previous kernel (PDL), cut to a power of two within K; `vec`: columns each thread sums in
     registers before accumulating (`_fold`; 0: a 16-byte load's, 1: elementwise); returns the grid size.
 
-    `m` > 1 (<= 8, bf16 W only): `gemv_rows_kernel` over the rows of x [m, K] into y [m, N], W read
+    `m` > 1 (<= 8, or <= 32 with `dot`; bf16 W only): `gemv_rows_kernel` over the rows of x [m, K] into y [m, N], W read
     once for all rows; every row strided (stride(0); unit column stride). Per row: z (PRO_GATED) and
     xn_out [m, K]; EPI_ARGMAX's aux0 fp32 / aux1 int32 [m, P] (P = the grid size returned; any row
     stride, the same for both); EPI_CONV runs the m rows as consecutive tokens from the live conv
@@ -133,8 +133,8 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
     """`gemv` with m > 1: `gemv_rows_kernel`, or `gemv_rows_dot_kernel` with `dot` pipeline stages."""
     if fp8:
         raise ValueError("gemv: m > 1 needs bf16 weights (got an FP8Weight)")
-    if not 1 <= m <= 8:
-        raise ValueError(f"gemv: m must be 1..8 (got {m})")
+    if not 1 <= m <= (32 if dot else 8):  # the fold keeps the rows in registers; the tensor cores take 32
+        raise ValueError(f"gemv: m must be 1..8 (1..32 on the tensor-core kernel, dot > 0), got {m}")
     if epi == EPI_PARTIAL:
         raise ValueError("gemv: EPI_PARTIAL is for m = 1 launches")
     k = w.shape[-1]

@@ -25,50 +25,71 @@ from .sampling import argmax_partials as _argmax_partials
 
 @triton.jit
 def accept_kernel(pmax_ptr, pidx_ptr, NP, tok_ptr, y_ptr, pos_ptr, base_ptr, nacc_ptr, step_ptr, round_ptr,
-                  ring_ptr, rounds_ptr, RING, forced_ptr, NF, M: tl.constexpr, MP: tl.constexpr,
-                  BLOCK: tl.constexpr, SYNTH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                  ring_ptr, rounds_ptr, RING, forced_ptr, NF, live_ptr, max_len, M: tl.constexpr, MP: tl.constexpr,
+                  BLOCK: tl.constexpr, SYNTH: tl.constexpr, HAS_LIVE: tl.constexpr, RING_B: tl.constexpr,
+                  ASM: tl.constexpr, PDL: tl.constexpr):
+    # Grid (slots,): program b is request slot b (its M rows of partials, its tokens, words, ring column);
+    # one slot: grid (1,), RING_B 1.
     pdl_begin(PDL)
-    j = tl.arange(0, MP)
-    y = tl.zeros([MP], dtype=tl.int32)
-    for r in tl.static_range(M):
-        y = tl.where(j == r, _argmax_partials(pmax_ptr + r * NP, pidx_ptr + r * NP, NP, BLOCK), y)
-    # a = leading drafts equal to the target's token at the position before them
-    drafts = tl.load(tok_ptr + 1 + j, mask=j < M - 1, other=-1).to(tl.int32)
-    miss = (j < M - 1) & (drafts != y)
-    a = tl.min(tl.where(miss | (j >= M - 1), j, MP), 0)
-    rnd = tl.load(round_ptr) + 1
-    if SYNTH:  # pinned acceptance: a from the schedule, the accepted drafts emitted as they are
-        a = tl.minimum(tl.load(forced_ptr + (rnd - 1) % NF).to(tl.int32), M - 1)
-        y = tl.where(j < a, drafts, y)
-    step = tl.load(step_ptr)
-    pos = tl.load(pos_ptr)
-    tl.store(y_ptr + j, y.to(y_ptr.dtype.element_ty), mask=j < M)
-    # ring slots of steps step+1 .. step+a+1 hold tokens y_0 .. y_a
-    s = step + 1 + j
-    tl.store(ring_ptr + (s - 1) % RING, (s.to(tl.int64) << 32) | y.to(tl.int64), mask=j <= a)
-    nxt = tl.sum(tl.where(j == a, y, 0), 0)
-    tl.store(tok_ptr, nxt.to(tok_ptr.dtype.element_ty))
-    tl.store(base_ptr, pos)
-    tl.store(pos_ptr, pos + a + 1)
-    tl.store(nacc_ptr, a.to(nacc_ptr.dtype.element_ty))
-    tl.store(step_ptr, step + a + 1)
-    tl.store(round_ptr, rnd)
-    tl.debug_barrier()  # every thread's token stores precede the round record ...
-    fence_sys(ASM)  # ... for the host too
-    tl.store(rounds_ptr + (rnd - 1) % RING, (rnd.to(tl.int64) << 32) | (a + 1).to(tl.int64))
+    b = tl.program_id(0)
+    on = True
+    if HAS_LIVE:
+        on = tl.load(live_ptr + b) != 0
+    if on:
+        j = tl.arange(0, MP)
+        y = tl.zeros([MP], dtype=tl.int32)
+        for r in tl.static_range(M):
+            row = b * M + r
+            y = tl.where(j == r, _argmax_partials(pmax_ptr + row * NP, pidx_ptr + row * NP, NP, BLOCK), y)
+        tok = tok_ptr + b * M
+        # a = leading drafts equal to the target's token at the position before them
+        drafts = tl.load(tok + 1 + j, mask=j < M - 1, other=-1).to(tl.int32)
+        miss = (j < M - 1) & (drafts != y)
+        a = tl.min(tl.where(miss | (j >= M - 1), j, MP), 0)
+        rnd = tl.load(round_ptr + b) + 1
+        if SYNTH:  # pinned acceptance: a from the schedule, the accepted drafts emitted as they are
+            a = tl.minimum(tl.load(forced_ptr + b * NF + (rnd - 1) % NF).to(tl.int32), M - 1)
+            y = tl.where(j < a, drafts, y)
+        step = tl.load(step_ptr + b)
+        pos = tl.load(pos_ptr + b)
+        # no token past the context: the round emits at most max_len - pos (a = -1: none, nothing moves)
+        a = tl.maximum(tl.minimum(a.to(tl.int64), max_len - pos - 1), -1).to(tl.int32)
+        tl.store(y_ptr + b * M + j, y.to(y_ptr.dtype.element_ty), mask=j < M)
+        # ring slots of steps step+1 .. step+a+1 hold tokens y_0 .. y_a
+        s = step + 1 + j
+        tl.store(ring_ptr + ((s - 1) % RING) * RING_B + b, (s.to(tl.int64) << 32) | y.to(tl.int64), mask=j <= a)
+        nxt = tl.sum(tl.where(j == a, y, 0), 0)
+        if a >= 0:
+            tl.store(tok, nxt.to(tok_ptr.dtype.element_ty))
+        tl.store(base_ptr + b, pos)
+        tl.store(pos_ptr + b, pos + a + 1)
+        tl.store(nacc_ptr + b, a.to(nacc_ptr.dtype.element_ty))
+        tl.store(step_ptr + b, step + a + 1)
+        tl.store(round_ptr + b, rnd)
+        tl.debug_barrier()  # every thread's token stores precede the round record ...
+        fence_sys(ASM)  # ... for the host too
+        tl.store(rounds_ptr + ((rnd - 1) % RING) * RING_B + b, (rnd.to(tl.int64) << 32) | (a + 1).to(tl.int64))
 
 
-def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, rounds, ring_slots, forced=None):
+def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, rounds, ring_slots, forced=None,
+           live=None, max_len=None):
     """Reduce the verify's lm_head partials pmax/pidx [M, n_partials] (row stride n_partials) to the
     target's tokens y [M]; accept the leading drafts tok[1:] that match; publish; advance (module doc).
     `forced` (int64 [NF], optional): pinned acceptance - round r accepts forced[(r - 1) % NF] drafts and
-    emits them as they are, then the target's token after them (engine/spec/synthetic.py)."""
-    m = tok.numel()
+    emits them as they are, then the target's token after them (engine/spec/synthetic.py).
+
+    B request slots (`live`, int32 [B]: the batched round, engine/gpu/batch_round.py): tok / y [B, M],
+    the partials [B*M, n_partials], pos / base / acc / step / rnd [B], ring and rounds [RING, B] (a
+    column per slot), forced [B, NF]; a slot whose live word is 0 is left as it is. `max_len`: no slot
+    emits a token past it (a <= max_len - pos - 1; a slot already full emits none, acc = -1)."""
+    b = live.numel() if live is not None else 1
+    m = tok.numel() // b
     block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
     synth = forced is not None
-    accept_kernel[(1,)](pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, rounds, ring_slots,
-                        forced if synth else rnd, forced.numel() if synth else 1,
-                        M=m, MP=max(triton.next_power_of_2(m), 2), BLOCK=block, SYNTH=synth, ASM=ASM, **LAUNCH,
+    accept_kernel[(b,)](pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, rounds, ring_slots,
+                        forced if synth else rnd, forced.shape[-1] if synth else 1, live if live is not None else rnd,
+                        max_len if max_len is not None else 1 << 62, M=m, MP=max(triton.next_power_of_2(m), 2),
+                        BLOCK=block, SYNTH=synth, HAS_LIVE=live is not None, RING_B=b, ASM=ASM, **LAUNCH,
                         num_warps=8 if block >= 4096 else 4)
 
 
@@ -100,24 +121,36 @@ def mtp_input(tok, embed, hidden, w_e, w_h, out, eps):
 
 
 @triton.jit
-def draft_pick_kernel(pmax_ptr, pidx_ptr, NP, ids_ptr, tok_ptr, dtok_ptr, base_ptr, nacc_ptr, dpos_ptr, K,
-                      BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr):
+def draft_pick_kernel(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, dtok_ptr, base_ptr, nacc_ptr, dpos_ptr, live_ptr,
+                      K, M, BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+    # Grid (slots,): program b picks slot b's draft (partials row b, tok row b of M, its words).
     pdl_begin(PDL)
-    d = _argmax_partials(pmax_ptr, pidx_ptr, NP, BLOCK)
-    if HAS_MAP:  # the lm_head rows were the map's: the argmax is an index into it
-        d = tl.load(ids_ptr + d)
-    tl.store(tok_ptr + K, d.to(tok_ptr.dtype.element_ty))
-    tl.store(dtok_ptr, d.to(dtok_ptr.dtype.element_ty))
-    tl.store(dpos_ptr, tl.load(base_ptr) + tl.load(nacc_ptr) + K)
+    b = tl.program_id(0)
+    on = True
+    if HAS_LIVE:
+        on = tl.load(live_ptr + b) != 0
+    if on:
+        d = _argmax_partials(pmax_ptr + b * stride_p, pidx_ptr + b * stride_p, NP, BLOCK)
+        if HAS_MAP:  # the lm_head rows were the map's: the argmax is an index into it
+            d = tl.load(ids_ptr + d)
+        tl.store(tok_ptr + b * M + K, d.to(tok_ptr.dtype.element_ty))
+        tl.store(dtok_ptr + b, d.to(dtok_ptr.dtype.element_ty))
+        # a round that emitted nothing (acc -1, a full context) drafts junk from row base
+        tl.store(dpos_ptr + b, tl.load(base_ptr + b) + tl.maximum(tl.load(nacc_ptr + b), 0) + K)
 
 
-def draft_pick(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, ids=None):
+def draft_pick(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, ids=None, live=None):
     """Draft d_k = argmax of the head's partials (with `ids`, int32 [N]: ids[argmax], the head's
     lm_head having read the rows of those token ids): tok[k] = dtok = d_k; dpos = base + acc + k (the
-    head row of the chained step that drafts d_{k+1})."""
+    head row of the chained step that drafts d_{k+1}). B slots (`live` int32 [B]): partials [B, >=
+    n_partials] (one row stride), tok [B, M], dtok / base / acc / dpos [B]; slots not live untouched."""
+    b = live.numel() if live is not None else 1
     block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
-    draft_pick_kernel[(1,)](pmax, pidx, n_partials, ids if ids is not None else pidx, tok, dtok, base, acc, dpos, k,
-                            BLOCK=block, HAS_MAP=ids is not None, **LAUNCH, num_warps=8 if block >= 4096 else 4)
+    draft_pick_kernel[(b,)](pmax, pidx, n_partials, pmax.stride(0) if pmax.dim() > 1 else 0,
+                            ids if ids is not None else pidx, tok, dtok, base, acc, dpos,
+                            live if live is not None else acc, k, tok.numel() // b, BLOCK=block,
+                            HAS_MAP=ids is not None, HAS_LIVE=live is not None, **LAUNCH,
+                            num_warps=8 if block >= 4096 else 4)
 
 
 __all__ = ["accept", "accept_kernel", "mtp_input", "mtp_input_kernel", "draft_pick", "draft_pick_kernel"]

@@ -126,17 +126,25 @@ class Drafter:
     Rows of the cache are positions (row i: the head's input at position i). `start` (int64 [1],
     device) is the first valid row: 0 when the head saw the whole prompt, else where the node began
     decoding (rows before it were never written and are masked). The cache has `extra` rows past
-    max_seq_len for the chained steps of the last rounds."""
+    max_seq_len for the chained steps of the last rounds. `over` (k, v, start): tensors of those
+    shapes to use instead of its own (a slot of the batched round's head caches, gpu/batch_round.py)."""
 
-    def __init__(self, cfg: ModelConfig, w: MTPWeights, lm_head, max_seq_len: int, extra: int):
+    def __init__(self, cfg: ModelConfig, w: MTPWeights, lm_head, max_seq_len: int, extra: int, over=None):
         self.config, self.w, self.lm_head = cfg, w, lm_head
         dtype, device = w.fc.dtype, w.fc.device
         rows = max_seq_len + extra
-        self.k = torch.zeros(cfg.num_kv_heads, rows, cfg.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        shape = (cfg.num_kv_heads, rows, cfg.head_dim)
+        if over is None:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros_like(self.k)
+            self.start = torch.zeros(1, dtype=torch.long, device=device)
+        else:
+            self.k, self.v, self.start = over
+            if tuple(self.k.shape) != shape or tuple(self.v.shape) != shape or tuple(self.start.shape) != (1,):
+                raise ValueError(f"Drafter over: k / v {shape} and start (1,), got {tuple(self.k.shape)}, "
+                                 f"{tuple(self.v.shape)}, {tuple(self.start.shape)}")
         self.rope_cos, self.rope_sin = rope_tables(cfg, rows, dtype, device)
         self.kv_index = torch.arange(rows, device=device)
-        self.start = torch.zeros(1, dtype=torch.long, device=device)
 
     def _input(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         eps, w = self.config.rms_norm_eps, self.w

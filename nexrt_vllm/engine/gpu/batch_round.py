@@ -1,0 +1,478 @@
+"""MTP speculative decoding for B request slots: one captured CUDA graph per batched round.
+
+The one-request round (gpu/spec_round.py: verify, accept, commit, draft) over the B slots of a batch
+node (`--max-batch B --speculative mtp`), every slot's M positions in the same launches: the
+verify's R = B * M rows are slot-major (row b * M + j: slot b's position pos[b] + j), so each
+projection is one M-row GEMV over all of them (each weight tile read once, on the tensor cores),
+the per-slot work (the GDN conv and recurrence over the slot's state, attention over its cache,
+the MoE experts its rows route to) runs the one-request round's kernel bodies with a grid axis over
+the slots (kernels/batch_round.py), and accept / commit / draft pick are per-slot programs
+(kernels/spec.py, kernels/gdn.py with `live`). The MTP head drafts for every slot together: its
+pass over the R rows (its own K/V cache per slot), then the M - 2 chained steps with one row per
+slot. Which slots take part is the device mask `live` (the host writes it between replays); a slot
+that is not live keeps its state, position, tokens and counters.
+
+Each slot has its own counters (device): the step counter of its tokens (the control ring's column b
+receives (step << 32 | token) for each token a round emits) and its round counter (the round
+ring's column b receives (round << 32 | tokens emitted)). A round never emits a token past the
+slot's context (the accept clamps it), so a slot speculates to its last position: its rows past
+the end are junk no token comes from (the K/V caches carry M rows of slack, StackedStates pad_rows).
+
+Greedy requests without logprobs or grammar (the others decode on their slot engine's eager round).
+`BatchRoundRunner` is the host side: `join`, `step`, `leave` as gpu/batch_runner.py's, a step being
+one round (each request gets 1..M tokens from it).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from nexrt_vllm.engine.decode_loop import DecodeLoop
+from nexrt_vllm.engine.errors import EngineError, InputError, NotBuiltError, StateError
+from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
+from nexrt_vllm.engine.gpu.batch_runner import SlotEvent
+from nexrt_vllm.engine.gpu.control import RING, wait_record
+from nexrt_vllm.engine.gpu.decoder import Launch
+from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
+from nexrt_vllm.engine.gpu.runner import capture_graph
+from nexrt_vllm.engine.gpu.spec_round import SYNTHETIC_ROUNDS
+from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
+from nexrt_vllm.engine.model import rope_tables
+from nexrt_vllm.engine.spec.draft_vocab import check_draft_vocab
+from nexrt_vllm.engine.state import AttentionState
+
+
+class BatchRoundDecoder:
+    """Static buffers of the batched round over a `BatchDecoder`'s fused weights and stacked states (whose
+    K/V caches carry M rows of slack: `StackedStates(pad_rows=M)`), the MTP head's weights `w`
+    (spec/mtp.py MTPWeights) and a head K/V cache per slot (`draft_k`, `draft_v`, `draft_start`: what
+    each slot's eager Drafter is over). `plan()` is the round as launches, `launch()` enqueues it."""
+
+    def __init__(self, batch: BatchDecoder, w, num_speculative_tokens: int, draft_vocab=None,
+                 synthetic: bool = False):
+        from nexrt_vllm.engine.kernels import batch_round, gdn, spec  # triton: GPU path only
+        self.kr, self.k_spec, self.k_gdn = batch_round, spec, gdn
+        self.b, self.cfg, self.t, self.states = batch, batch.cfg, batch.t, batch.states
+        c, n, M = batch.cfg, batch.n, num_speculative_tokens + 1
+        self.n, self.M, self.R = n, M, n * M
+        if self.R > batch_round.MAX_ROWS:
+            raise NotBuiltError(f"the batched speculative round verifies at most {batch_round.MAX_ROWS} rows: "
+                                f"{n} slots x {M} positions (num_speculative_tokens {num_speculative_tokens}) "
+                                f"= {self.R}")
+        L = self.states.max_seq_len
+        probe = self.states.attention(c.attention_layers[0]).k if c.attention_layers else None
+        if probe is not None and probe.untyped_storage().nbytes() < probe.numel() * probe.element_size() \
+                + M * c.head_dim * probe.element_size():
+            raise EngineError(f"the batched round needs StackedStates(pad_rows={M}) (rows past a context's end)")
+        V, H, dev, dt = c.vocab_size, c.hidden_size, self.states.device, self.states.dtype
+        z = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)  # noqa: E731
+        i64, R = torch.int64, self.R
+        # control: each slot's verify tokens [t, d_1..] and target tokens, its round's first position,
+        # accepted count, the head's chained-step token / position, its round and token counters
+        self.tok, self.y = z(n, M, d=i64), z(n, M, d=i64)
+        self.base, self.acc, self.dtok, self.dpos, self.round, self.step = (z(n, d=i64) for _ in range(6))
+        self.live, self.pos = batch.live, self.states.position
+        self.row_live = z(R, d=torch.int32)  # live, per row (the MoE experts' rows)
+        self.mem = batch.mem
+        self.ring_host, self.ring = self.mem.host["slot_ring"], self.mem.device["slot_ring"]
+        self.rounds_host, self.rounds = self.mem.host["slot_rounds"], self.mem.device["slot_rounds"]
+        # verify activations, R rows
+        width = batch.buf.shape[1]
+        self.res, self.buf = z(R, H), z(R, max(width, 2 * H))
+        self.o, self.q = z(R, batch.o.shape[1]), z(R, batch.q.shape[1])
+        self.window = {i: z(n, c.conv_dim, c.conv_kernel - 1 + M) for i in c.gdn_layers}
+        self.rec_after = {i: z(n, M, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                               d=torch.float32) for i in c.gdn_layers}
+        rows = L + M  # the head's cache (and the target's, read up to M rows past its end)
+        self.attn_scratch = {k: z(*s, d=torch.float32) for k, s in batch_round.verify_rows_scratch(
+            n, M, c.num_heads, self.t.attn_splits, rows, c.head_dim).items()}
+        if c.num_experts:
+            self.act, self.router_logits = z(R, batch.act.shape[1]), z(R, c.num_experts + 1)
+            self.ids, self.wts = z(R, c.num_experts_per_tok, d=torch.int32), z(R, c.num_experts_per_tok,
+                                                                               d=torch.float32)
+            self.xn = z(R, H)
+        if c.intermediate_size:
+            self.act_dense = z(R, c.intermediate_size)
+        self.logits = z(R, V, d=torch.float32)
+        self.lm_kw = self._rows_kw(batch.lm_head, V, R, self.t.lm_rows)
+        self.n_part = -(-V // self.lm_kw["block_n"])
+        self.pmax, self.pidx = z(R, self.n_part, d=torch.float32), z(R, self.n_part, d=torch.int32)
+        self.hn = z(R, H)  # final-normed hidden rows (the head's input)
+        # the head: its layer fused like the target's, over a K/V cache per slot
+        self.w = w
+        self.draft_k = z(n, c.num_kv_heads, rows, c.head_dim)
+        self.draft_v = torch.zeros_like(self.draft_k)
+        self.draft_start = z(n, d=i64)
+        self.draft_cos, self.draft_sin = rope_tables(c, rows, dt, dev)
+        lw = w.layer
+        w_qkv, (lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj) = concat_shared(
+            [lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj])
+        self.head = FusedLayer(lw.input_norm, lw.post_norm,
+                               AttentionMixer(w_qkv, lw.mixer.q_norm, lw.mixer.k_norm, lw.mixer.o_proj,
+                                              AttentionState(self.draft_k, self.draft_v)),
+                               fuse_ffn(lw.ffn))
+        dv = check_draft_vocab(draft_vocab, V)
+        self.draft_vocab = V if dv is None else dv if isinstance(dv, int) else dv.numel()
+        self.draft_lm, self.draft_ids = batch.lm_head, None
+        if isinstance(dv, torch.Tensor):
+            self.draft_lm = batch.lm_head.index_select(0, dv.to(dev)).contiguous()
+            self.draft_ids = dv.to(device=dev, dtype=torch.int32)
+        self.fc_in, self.u = z(R, 2 * H), z(R, H)
+        self.u1, self.g1 = z(n, H), z(n, H)
+        self.sel, self.row0 = z(n, d=i64), torch.arange(n, device=dev, dtype=i64) * M
+        self.dlm_kw = self._rows_kw(self.draft_lm, self.draft_vocab, n, self.t.lm_rows)
+        self.dlogits = z(n, self.draft_vocab, d=torch.float32)
+        self.n_dpart = -(-self.draft_vocab // self.dlm_kw["block_n"])
+        self.dpmax, self.dpidx = z(n, self.n_dpart, d=torch.float32), z(n, self.n_dpart, d=torch.int32)
+        # pinned acceptance (benchmarks): each slot's accepted-draft counts per round, written at join
+        self.forced = z(n, SYNTHETIC_ROUNDS, d=i64) if synthetic else None
+
+    def drafter_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k, v, start) of `slot`'s head cache: what its eager Drafter is built over (spec/mtp.py)."""
+        return self.draft_k[slot], self.draft_v[slot], self.draft_start[slot:slot + 1]
+
+    def _rows_kw(self, w, n_out: int, m: int, shape: RowsShape | None = None) -> dict:
+        """An m-row GEMV's keywords: `shape` (else the `gemv_rows` rule for n_out outputs), on the
+        tensor-core kernel past 8 rows (the fold keeps at most 8 rows in registers)."""
+        s = shape or self.t.shape(n_out, rows=True)
+        if m > 8 and s.stages == 0:
+            s = RowsShape(max(16, s.block_n), max(16, s.block_k), s.num_warps, 2)
+        return gemv_kwargs(self.t, w, s)
+
+    # ---- the round ---------------------------------------------------------------------------------
+    def plan(self) -> list[Launch]:
+        """The round's launches in order (group names as the one-request round's: verify_* / accept /
+        commit / draft_* / chain_*)."""
+        b, c, R, g = self.b, self.cfg, self.R, self.b.k_gemv
+        steps = [Launch("verify_embed", None, lambda: torch.index_select(b.embed, 0, self.tok.view(-1), out=self.res))]
+        for i, L in enumerate(b.layers):
+            mixer = self._gdn(i, L) if isinstance(L.mixer, GDNMixer) else self._attention(
+                L, self.res, self.pos, None, self.M, b.model.rope_cos, b.model.rope_sin)
+            steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + self._ffn(L, self.res, R, self.row_live)]
+        steps.append(Launch("verify_lm_head+argmax", None, lambda: g.gemv(
+            self.res, b.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=b.final_norm,
+            aux0=self.pmax, aux1=self.pidx, xn_out=self.hn, eps=c.rms_norm_eps, m=R, **self.lm_kw)))
+        steps.append(Launch("accept", None, lambda: self.k_spec.accept(
+            self.pmax, self.pidx, self.n_part, self.tok, self.y, self.pos, self.base, self.acc, self.step,
+            self.round, self.ring, self.rounds, RING, self.forced, live=self.live, max_len=self.states.max_seq_len)))
+        for i in c.gdn_layers:
+            st = self.states.gdn(i)
+            steps.append(Launch("commit", i, lambda i=i, st=st: self.k_gdn.gdn_commit(
+                st.conv, st.rec, self.window[i], self.rec_after[i], self.acc, live=self.live)))
+        return steps + self._draft()
+
+    def _gdn(self, i: int, L: FusedLayer):
+        c, t, m, eps, M, R, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.R, self.kr, \
+            self.b.k_gemv
+        st = self.states.gdn(i)
+        sh = self._rows_kw(m.w_in, m.w_in.shape[0], max(R, 9))
+        gated = self._rows_kw(m.w_out, c.hidden_size, R, t.gemv_gated_rows)
+        return [
+            ("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
+                self.res, m.w_in, self.buf, L.input_norm, st.conv, m.conv_w, self.window[i], self.live, m=M, eps=eps,
+                conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
+                num_warps=sh["num_warps"], stages=sh["dot"])),
+            ("gdn_step", lambda: kr.gdn_verify_rows(
+                self.buf, st.rec, self.rec_after[i], self.o, m.a_log, m.dt_bias, self.live, m=M,
+                num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
+                num_warps=t.gdn_warps)),
+            ("gdn_out_proj", lambda: g.gemv(
+                self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
+                z=self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=R,
+                **gated))]
+
+    def _attention(self, L: FusedLayer, x, pos, start, m: int, cos, sin):
+        """A full-attention mixer over each slot's m rows of x at positions pos[b]..pos[b]+m-1 (the target's
+        layers; the head's over its own caches, `start` its first valid rows)."""
+        c, t, a, eps, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.kr, self.b.k_gemv
+        rows = self.n * m
+        buf, q, o = self.buf[:rows], self.q[:rows], self.o[:rows]
+        qkv_kw = self._rows_kw(a.w_qkv, a.w_qkv.shape[0], rows)
+        o_kw = self._rows_kw(a.w_o, c.hidden_size, rows)
+        return [
+            ("attn_qkv_proj", lambda: g.gemv(x, a.w_qkv, buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, m=rows,
+                                             **qkv_kw)),
+            ("attn_qknorm_rope_kvwrite", lambda: kr.qk_rope_rows(
+                buf, q, a.state.k, a.state.v, a.q_norm, a.k_norm, cos, sin, pos, self.live, m=m,
+                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
+                eps=eps)),
+            ("attn_splitk+combine", lambda: kr.attention_verify_rows(
+                q, a.state.k, a.state.v, pos, self.live, buf, o, **self.attn_scratch, m=m, num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.attn_splits,
+                block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
+            ("attn_o_proj", lambda: g.gemv(o, a.w_o, x, epi=g.EPI_RESIDUAL, m=rows, **o_kw))]
+
+    def _ffn(self, L: FusedLayer, x, m: int, live):
+        """The FFN over the first m rows of x (`live` [m]: which rows' experts run)."""
+        c, t, ff, eps, g = self.cfg, self.t, L.ffn, self.cfg.rms_norm_eps, self.b.k_gemv
+        if isinstance(ff, MoEFFN):
+            router_kw = self._rows_kw(ff.w_router, ff.w_router.shape[0], m)
+            return [("moe_router", lambda: g.gemv(
+                        x, ff.w_router, self.router_logits[:m], pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
+                        xn_out=self.xn[:m], m=m, **router_kw)),
+                    ("moe_experts", lambda: self.b.k_batch.moe_experts_rows(
+                        self.xn[:m], x, self.router_logits[:m], ff.gate_up, ff.s_gate_up, ff.down, ff.s_down,
+                        self.act[:m], self.ids[:m], self.wts[:m], live, top_k=c.num_experts_per_tok,
+                        block_n=t.moe.block_n, block_k=t.moe.block_k, down_block_n=t.moe_down.block_n,
+                        down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps,
+                        down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))]
+        up_kw = self._rows_kw(ff.w_gate_up, ff.w_gate_up.shape[0] // 2, m)
+        down_kw = self._rows_kw(ff.w_down, c.hidden_size, m)
+        return [
+            ("mlp_gate_up+swiglu", lambda: g.gemv(
+                x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
+                eps=eps, m=m, **up_kw)),
+            ("mlp_down", lambda: g.gemv(self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m, **down_kw))]
+
+    def _draft(self) -> list[Launch]:
+        """The head's launches: its pass over every slot's M rows, each slot's pick, then the chained
+        steps, one row per slot (groups draft_* / chain_*)."""
+        c, M, R, n, g, w, ks = self.cfg, self.M, self.R, self.n, self.b.k_gemv, self.w, self.k_spec
+        eps = c.rms_norm_eps
+        fc_kw = {m: self._rows_kw(w.fc, c.hidden_size, m) for m in (R, n)}
+
+        def head(x, fc_in, tok, hidden, pos, m, live):
+            rows = n * m
+            steps = [("input", lambda: ks.mtp_input(tok, w.embed, hidden, w.pre_fc_norm_embedding,
+                                                    w.pre_fc_norm_hidden, fc_in, eps)),
+                     ("fc", lambda: g.gemv(fc_in, w.fc, x, m=rows, **fc_kw[rows]))]
+            steps += self._attention(self.head, x, pos, self.draft_start, m, self.draft_cos, self.draft_sin)
+            return steps + self._ffn(self.head, x, rows, live)
+
+        def pick(k):
+            return [("lm_head+argmax", lambda: g.gemv(
+                        self.u1, self.draft_lm, self.dlogits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
+                        aux0=self.dpmax, aux1=self.dpidx, xn_out=self.g1, eps=eps, m=n, n=self.draft_vocab,
+                        **self.dlm_kw)),
+                    ("pick", lambda: ks.draft_pick(self.dpmax, self.dpidx, self.n_dpart, self.tok, self.dtok,
+                                                   self.base, self.acc, self.dpos, k, self.draft_ids,
+                                                   live=self.live))]
+
+        def select():  # u1[b] = u[b * M + acc[b]] (a slot whose round emitted nothing: its row 0, junk)
+            torch.clamp(self.acc, min=0, out=self.sel)
+            self.sel.add_(self.row0)
+            torch.index_select(self.u, 0, self.sel, out=self.u1)
+
+        # each slot's rows base..base+M-1 from (hidden_j, y_j); its row acc drafts d_1
+        steps = head(self.u, self.fc_in, self.y.view(-1), self.hn, self.base, M, self.row_live)
+        steps.append(("select", select))
+        out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + pick(1)]
+        for k in range(1, M - 1):  # chained: (g, d_k) at row base + acc + k drafts d_{k+1}
+            steps = head(self.u1, self.fc_in[:n], self.dtok, self.g1, self.dpos, 1, self.live) + pick(k + 1)
+            out += [Launch("chain_" + grp, None, fn) for grp, fn in steps]
+        return out
+
+    def launch(self) -> None:
+        with self.b.k_common.launch_options(self.b.pdl):
+            for s in self.plan():
+                s.run()
+        if self.b.control == "pinned-copy":  # the rings reach the host by copy nodes (gpu/control.py)
+            self.ring_host.copy_(self.ring, non_blocking=True)
+            self.rounds_host.copy_(self.rounds, non_blocking=True)
+
+
+@dataclass(eq=False)
+class _Request:
+    slot: int
+    loop: DecodeLoop
+    state: object  # its slot's DecodeState
+    spec: object  # its slot's Speculator (the round histogram, `on_round`)
+    need: int  # tokens it may still take (max_tokens and the context)
+    got: int = 0  # tokens read
+    pending: int = 0  # rounds enqueued with it whose record is not read yet
+    placeholder: bool = False  # its first round's drafts are not the head's (not an acceptance sample)
+
+
+class BatchRoundRunner:
+    """The batched round graph over a `BatchRoundDecoder` and the host side of its slots: `join`, `step`,
+    `leave` (gpu/batch_runner.py's contract; one step is one round, 1..M tokens per request).
+
+    The host mirrors each slot's device counters: the rounds enqueued with the slot live (the round
+    counter after them) and the tokens its rounds emitted (the step counter, learned from each round
+    record). Records of rounds still in flight when a request leaves are read before its slot's
+    next request joins, so the mirrors stay exact."""
+
+    def __init__(self, decoder: BatchRoundDecoder, speculators: list, timeout_s: float = 60.0):
+        self.d, self.n, self.timeout_s = decoder, decoder.n, timeout_s
+        if len(speculators) != self.n:
+            raise EngineError(f"{self.n} slots need {self.n} speculators, got {len(speculators)}")
+        self.speculators = speculators
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.requests: list[_Request | None] = [None] * self.n
+        self._live = [False] * self.n
+        self._rounds = [int(x) for x in decoder.round.tolist()]  # enqueued rounds per slot (device counter after)
+        self._read = list(self._rounds)  # rounds whose record the host read, per slot
+        self._steps = [int(x) for x in decoder.step.tolist()]  # tokens emitted per slot, as read
+        self._inflight: deque[list[tuple[int, int, _Request]]] = deque()  # per replay: (slot, round, request)
+        self.replays = 0
+
+    @property
+    def busy(self) -> list[int]:
+        return [b for b, r in enumerate(self.requests) if r is not None]
+
+    @property
+    def M(self) -> int:
+        return self.d.M
+
+    def capture(self) -> None:
+        """Compile and capture the round graph (CUDA; on the CPU each replay runs the launches in order).
+        The warm-up round runs with no slot live: no state, counter or ring changes."""
+        d = self.d
+        if self.graph is not None or d.states.device.type != "cuda":
+            return
+        d.live.zero_()
+        d.row_live.zero_()
+        self._live = [False] * self.n
+        self.graph = capture_graph(d.launch, (d.step, d.round, d.tok, d.pos), ())
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def join(self, slot: int, first_token: int, params) -> str | None:
+        """Start a request in `slot` (its state loaded, token N = `first_token`): it takes part from the
+        next round on. The slot's Speculator says what the head knows of the context (spec/speculative.py
+        `take_context`): with the prompt's last hidden state the first round verifies the head's drafts,
+        else placeholders (exact either way). Returns None, or the finish reason when the request ends
+        before any token. Greedy without logprobs only."""
+        d = self.d
+        if not (params.greedy and params.logprobs is None):
+            raise EngineError("the batched round decodes greedy requests without logprobs (temperature 0, no logprobs)")
+        if not 0 <= slot < self.n or self.requests[slot] is not None:
+            raise EngineError(f"slot {slot} is not a free slot of this batch ({self.n} slots, busy {self.busy})")
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < d.cfg.vocab_size:
+            raise InputError(f"first_token must be an int in [0, {d.cfg.vocab_size}), got {first_token!r}")
+        st, spec = d.states.states[slot], self.speculators[slot]
+        if st.seq_len == 0:
+            raise StateError(f"slot {slot}: its state is empty (load a hand-off or prefill first)")
+        self._drain(slot)
+        rows, ctx_hidden = spec.take_context(st.seq_len)
+        loop = DecodeLoop(params, d.cfg.eos_token_ids)
+        if not loop.start(first_token):
+            return loop.finish_reason
+        need = loop.room(st)
+        if need <= 0:
+            loop.end()
+            return loop.finish_reason
+        drafts = None
+        if not rows:  # the head's context begins at the node's first decoded position
+            d.draft_start[slot].fill_(st.seq_len)
+        elif ctx_hidden is not None:
+            drafts = spec.first_drafts(ctx_hidden, first_token, st.seq_len)
+        d.tok[slot, 0].fill_(first_token)
+        if drafts is not None:
+            d.tok[slot, 1:].copy_(drafts)
+        else:
+            d.tok[slot, 1:].fill_(first_token)
+        d.pos[slot].fill_(st.seq_len)
+        if d.forced is not None:  # this request's schedule, from its next round on
+            k = min(need, SYNTHETIC_ROUNDS)
+            counts = spec.synthetic.draws(k)
+            if drafts is None:
+                counts[0] = 0  # placeholder drafts are not the head's: that round accepts none
+            at = (self._rounds[slot] + torch.arange(k, device=d.forced.device)) % SYNTHETIC_ROUNDS
+            d.forced[slot].index_copy_(0, at, torch.tensor(counts, dtype=torch.int64, device=d.forced.device))
+        self.requests[slot] = _Request(slot, loop, st, spec, need, placeholder=drafts is None)
+        return None
+
+    def leave(self, slot: int) -> None:
+        """End the request in `slot`: no later round includes it; the tokens of rounds already in flight
+        for it are dropped. The slot is free at once."""
+        self.requests[slot] = None
+
+    def _drain(self, slot: int) -> None:
+        """Read the records of `slot`'s rounds still in flight (its previous request's)."""
+        while self._read[slot] < self._rounds[slot]:
+            self._read_round(slot, self._read[slot] + 1)
+
+    def _read_round(self, slot: int, rnd: int) -> list[int]:
+        """Round `rnd` of `slot`: its tokens, read from the slot's ring column; the mirrors advance."""
+        d = self.d
+        n = wait_record(d.rounds_host[:, slot], rnd, self.timeout_s, f"slot {slot}: speculative round")
+        toks = []
+        for j in range(n):
+            s = self._steps[slot] + j + 1
+            tv = int(d.ring_host[(s - 1) % RING, slot])
+            if tv >> 32 != s:
+                raise EngineError(f"slot {slot}: speculative round {rnd}: token of step {s} missing from the ring")
+            toks.append(tv & 0xFFFFFFFF)
+        self._steps[slot] += n
+        self._read[slot] = rnd
+        return toks
+
+    def step(self) -> list[SlotEvent]:
+        """Read the oldest round in flight (enqueuing one first when none is) after enqueuing the next, and
+        return a `SlotEvent` per token it gave each request still in its slot (in order); a request that
+        ends has left when this returns. [] when no slot is live."""
+        if not self._inflight:
+            self._enqueue()
+        if not self._inflight:
+            return []
+        self._enqueue()  # round k + 1 in flight before we read round k
+        events = []
+        for slot, rnd, r in self._inflight.popleft():
+            if self._read[slot] >= rnd:
+                continue  # drained at a join
+            toks = self._read_round(slot, rnd)
+            r.pending -= 1
+            if self.requests[slot] is not r:
+                continue
+            r.state.seq_len += len(toks)
+            if r.placeholder:
+                r.placeholder = False
+            else:
+                r.spec.rounds[len(toks)] += 1
+                if r.spec.on_round is not None:
+                    r.spec.on_round(len(toks))
+            for tok in toks:
+                r.got += 1
+                end = r.loop.emit(tok)
+                if not end and r.got >= r.need:
+                    r.loop.end()  # its room is used up (a full context): "length"
+                    end = True
+                events.append(SlotEvent(slot, tok, r.loop.finish_reason if end else None))
+                if end:
+                    self.leave(slot)
+                    break
+        return events
+
+    def generate(self, slot: int, first_token: int, params) -> Iterator[int]:
+        """One request's tokens (`join`, then `step` until it ends), the other slots idle."""
+        if self.busy:
+            raise EngineError(f"generate runs one request alone; slots {self.busy} are decoding")
+        if self.join(slot, first_token, params) is not None:
+            return
+        while True:
+            for ev in self.step():
+                yield ev.token
+                if ev.finish_reason is not None:
+                    return
+
+    # ---- replays -------------------------------------------------------------------------------------
+    def _enqueue(self) -> None:
+        """Enqueue one round over the requests that may still take a token (each round in flight gives
+        at least one): none, nothing."""
+        d, M = self.d, self.M
+        reqs = [r for r in self.requests if r is not None and r.got + r.pending < r.need]
+        if not reqs:
+            return
+        want = [False] * self.n
+        for r in reqs:
+            want[r.slot] = True
+        for b in range(self.n):
+            if want[b] != self._live[b]:
+                d.live[b].fill_(int(want[b]))
+                d.row_live[b * M:(b + 1) * M].fill_(int(want[b]))
+                self._live[b] = want[b]
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            d.launch()
+        self.replays += 1
+        entry = []
+        for r in reqs:
+            r.pending += 1
+            self._rounds[r.slot] += 1
+            entry.append((r.slot, self._rounds[r.slot], r))
+        self._inflight.append(entry)

@@ -1,0 +1,127 @@
+"""The batched speculative round (gpu/batch_round.py BatchRoundDecoder, BatchRoundRunner: B request slots'
+MTP rounds in one plan of fused Triton launches, verify rows slot-major) against each request alone, on
+CPU through the Triton interpreter.
+
+Trained tiny checkpoints with trained MTP heads (confident greedy tokens, drafts that get accepted):
+every slot's tokens equal the eager engine's one-token loop for its request alone, token for token,
+while slots join late, leave early (max_tokens), meet a stop id or are cancelled; a request with the
+head's prompt context drafts at once (its rounds accept what the eager speculative loop accepts),
+one after a hand-off without it starts from placeholder drafts; a request that runs to its
+context's last position speculates to the end (the accept clamps the round, its rows past the end
+are not written) and ends "length" with the tokens alone gives; a slot that is not live is left
+byte for byte as it was. The graph capture and pipelined replays on the device:
+tests/gpu/test_batch_graph.py (gpu)."""
+import pytest
+import torch
+
+from nexrt_vllm.engine import Engine, EngineError, SamplingParams, kernels
+from nexrt_vllm.engine.gpu.batch_round import BatchRoundRunner
+from nexrt_vllm.engine.gpu.tuning import Tuning
+from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
+
+kernels.load(interpret=True)
+
+torch.set_num_threads(1)
+K, MAX_LEN = 2, 48  # drafts per round (M = 3)
+# Few, large programs: the interpreter's cost is per program. Every M-row GEMV on the tensor-core kernel
+# (2 stages), as the batched round runs them past 8 rows.
+CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128, 4, 2),), gemv_gated=(64, 128, 4),
+                    gemv_gated_rows=(64, 128, 4, 0), gemv_router=(64, 128, 4), prefetch=0, lm=(128, 256, 4),
+                    lm_rows=(128, 128, 4, 2), attn_splits=2, attn_block=32, gdn_block_v=64, moe=(64, 128, 1),
+                    moe_down=(64, 64, 1))
+
+
+def alone(ref: Engine, prompt: list[int], n: int) -> tuple[int, list[int]]:
+    """(first token, the eager one-token loop's next n greedy tokens) of a request alone."""
+    first = int(ref.prefill(prompt).argmax())
+    return first, list(ref.stream(first, SamplingParams(max_tokens=n + 1, ignore_eos=True)))
+
+
+def batch_engine(path: str, slots: int, **kw) -> tuple[Engine, BatchRoundRunner, list[Engine]]:
+    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
+    eng.enable_speculative("mtp", K, **kw)
+    runner = eng.batch_runner(slots, CPU_TUNING)
+    assert isinstance(runner, BatchRoundRunner)
+    eng.use_batch(runner)
+    return eng, runner, eng.slots(slots)
+
+
+def run(runner, got: dict, ends: dict, n_steps: int | None = None) -> None:
+    """`n_steps` batch rounds (None: until no slot is busy), collecting each slot's tokens and finish."""
+    k = 0
+    while (n_steps is None and runner.busy) or (n_steps is not None and k < n_steps):
+        for ev in runner.step():
+            got.setdefault(ev.slot, []).append(ev.token)
+            if ev.finish_reason:
+                ends[ev.slot] = ev.finish_reason
+        k += 1
+        assert k < 200
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_batched_round_equals_each_request_alone(ckpt_factory, arch):
+    path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
+    ref = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
+    prompts = [periodic_prompt(n, seed=s) for n, s in ((21, 31), (9, 32), (30, 33))]
+    steps = [4, 9, MAX_LEN - 30 - 1]  # slot 2 runs to its context's end
+    refs = [alone(ref, p, n) for p, n in zip(prompts, steps)]
+
+    eng, runner, engines = batch_engine(path, 3)
+    d = runner.d
+    assert [e.state for e in engines] == d.states.states and all(e.batch_graph is runner for e in engines)
+    assert all(e.speculative is s for e, s in zip(engines, runner.speculators))
+    engines[0].prefill(prompts[0])  # the eager prefill: the slot's state and its head's prompt context
+    engines[2].prefill(prompts[2])
+    # slot 1 after a hand-off without the head's context: placeholder drafts first
+    engines[1].prefill(prompts[1])
+    engines[1].import_state(*engines[1].export_state())
+    idle = [t.clone() for t in engines[1].state.buffers()] + [d.draft_k[1].clone()]
+    got, ends = {}, {}
+    for b in (0, 2):
+        assert runner.join(b, refs[b][0], SamplingParams(max_tokens=steps[b] + 1, ignore_eos=True)) is None
+    run(runner, got, ends, 2)
+    after = [t.clone() for t in engines[1].state.buffers()] + [d.draft_k[1].clone()]
+    assert all(torch.equal(x, y) for x, y in zip(idle, after)) and 1 not in got
+    assert runner.join(1, refs[1][0], SamplingParams(max_tokens=steps[1] + 1, ignore_eos=True)) is None
+    run(runner, got, ends)
+    for b in range(3):
+        assert got[b] == refs[b][1], (arch, b, got[b], refs[b][1])
+        assert ends[b] == "length"
+    assert engines[2].state.seq_len == MAX_LEN  # to the context's last position
+    rounds = runner.speculators[0].rounds
+    assert sum(k * c for k, c in enumerate(rounds)) > 1.3 * sum(rounds), rounds  # the head's drafts were accepted
+    assert runner.busy == [] and runner.step() == []
+
+
+def test_stop_cancel_and_refusals(ckpt_factory):
+    """A stop id inside an accepted round ends that request with it (the round's later tokens dropped); a
+    request cancelled mid-stream (`leave`) and its rounds in flight leave the other's tokens as they
+    are alone, and its slot takes the next request with exact tokens; sampled / logprob requests are
+    refused by the round graph."""
+    arch = "qwen3_5"
+    path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
+    ref = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
+    pa, pb = periodic_prompt(17, seed=41), periodic_prompt(12, seed=42)
+    fa, want_a = alone(ref, pa, 12)
+    fb, want_b = alone(ref, pb, 12)
+    eng, runner, (a, b) = batch_engine(path, 2)
+    a.prefill(pa)
+    b.prefill(pb)
+    with pytest.raises(EngineError, match="greedy"):
+        runner.join(0, fa, SamplingParams(max_tokens=5, temperature=0.7, seed=1))
+    with pytest.raises(EngineError, match="greedy"):
+        runner.join(0, fa, SamplingParams(max_tokens=5, logprobs=2))
+    assert runner.join(0, fa, SamplingParams(max_tokens=5, stop_token_ids=(fa,))) == "stop"
+    stop = want_b[4]
+    assert runner.join(0, fa, SamplingParams(max_tokens=50, ignore_eos=True)) is None
+    assert runner.join(1, fb, SamplingParams(max_tokens=50, stop_token_ids=(stop,), ignore_eos=True)) is None
+    got, ends = {}, {}
+    while 1 in runner.busy:
+        run(runner, got, ends, 1)
+    assert got[1] == want_b[:want_b.index(stop) + 1] and ends[1] == "stop"
+    run(runner, got, ends, 1)
+    runner.leave(0)  # cancelled with a round in flight
+    assert got[0] == want_a[:len(got[0])] and runner.busy == []
+    # the cancelled slot's next request (the same prompt again) decodes exactly
+    a.prefill(pa)
+    assert list(runner.generate(0, fa, SamplingParams(max_tokens=13, ignore_eos=True))) == want_a
