@@ -14,7 +14,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nexrt_vllm.engine.kernels import attention, batch, gdn, gemv, moe, sampling, spec
+from nexrt_vllm.engine.kernels import attention, batch, batch_round, gdn, gemv, moe, sampling, spec
 
 FP32_PTRS = {"state_ptr", "wts_ptr", "m_ptr", "l_ptr", "acc_ptr", "s_ptr", "pmax_ptr", "cum_ptr", "params_ptr",
              "vals_ptr", "cos_ptr", "sin_ptr"}
@@ -105,7 +105,7 @@ RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256
 ARGMAX = {"y_ptr": "*fp32", "aux0_ptr": "*fp32", "aux1_ptr": "*i32"}
 SPEC_T = {"forced_ptr": "*i64", "rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
           "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
-          "dpos_ptr": "*i64"}
+          "dpos_ptr": "*i64", "live_ptr": "*i32", "max_len": "i64"}
 # the MoE experts at the step's one-warp defaults (M = 1 token row; the verify: M = 4)
 MU = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8, M=1)
 MD = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, VEC=8, M=1)
@@ -141,16 +141,19 @@ SPEC_VARIANTS = [
      SPEC_T, ()),
     ("gdn_verify_35b_prefetch", gdn.gdn_verify_kernel,
      dict(M=4, HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1, SPEC_T, ()),
-    ("gdn_commit", gdn.gdn_commit_kernel, dict(KM1=3, KM1P=4, BLOCK=4096, BLOCK_C=256), 4, SPEC_T, ()),
+    ("gdn_commit", gdn.gdn_commit_kernel, dict(KM1=3, KM1P=4, BLOCK=4096, BLOCK_C=256, HAS_LIVE=False), 4, SPEC_T,
+     ()),
     ("moe_gate_up_m4", moe.moe_gate_up_kernel, dict(MU, M=4), 1, SPEC_T, ALIGN_M),
     ("moe_down_m4", moe.moe_down_kernel, dict(MD, M=4), 1, SPEC_T, ALIGN_M),
-    ("accept", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True, SYNTH=False), 8, SPEC_T, ()),
+    ("accept", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True, SYNTH=False, HAS_LIVE=False, RING_B=1), 8,
+     SPEC_T, ()),
     # pinned acceptance (engine/spec/synthetic.py): the accepted count read from the host-filled ring
-    ("accept_synthetic", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True, SYNTH=True), 8, SPEC_T, ()),
+    ("accept_synthetic", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True, SYNTH=True, HAS_LIVE=False,
+                                                  RING_B=1), 8, SPEC_T, ()),
     ("mtp_input", spec.mtp_input_kernel, dict(HP=2048), 4, SPEC_T, ()),
-    ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192, HAS_MAP=False), 8, SPEC_T, ()),
+    ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192, HAS_MAP=False, HAS_LIVE=False), 8, SPEC_T, ()),
     # a draft token map (engine/spec/draft_vocab.py): the argmax index mapped to its token id
-    ("draft_pick_map", spec.draft_pick_kernel, dict(BLOCK=2048, HAS_MAP=True), 4, SPEC_T, ()),
+    ("draft_pick_map", spec.draft_pick_kernel, dict(BLOCK=2048, HAS_MAP=True, HAS_LIVE=False), 4, SPEC_T, ()),
 ]
 # The batch step (engine/gpu/batch_decoder.py) over B = 8 slots (M = 8 rows; the 2B / 35B-A3B shapes at the
 # Tuning defaults): the M-row GEMVs it launches, kernels/batch.py's per-slot kernels.
@@ -193,6 +196,34 @@ BATCH_VARIANTS = [
     ("batch_moe_down", batch.moe_down_rows_kernel, dict(MD, M=8), 1, BT, ALIGN_M),
     ("batch_finish", batch.finish_rows_kernel, dict(B=8, BLOCK=4096), 8, BT, ()),
 ]
+# The batched round (engine/gpu/batch_round.py) over B = 8 slots x M = 4 positions (32 rows): its 32-row
+# tensor-core GEMVs, kernels/batch_round.py's per-slot verify kernels, the per-slot accept / commit / pick.
+R32 = dict(RD, M=32, MP=32)
+ROUND_VARIANTS = [
+    ("round_rows32_qkv", gemv.gemv_rows_dot_kernel, dict(R32, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
+    ("round_rows32_gated_residual", gemv.gemv_rows_dot_kernel, dict(R32, PRO=2, EPI=1, GROUP=128, BLOCK_K=1024,
+                                                                     STAGES=2), 8, {}, ALIGN_R),
+    ("round_rows32_lm_head_argmax_xn", gemv.gemv_rows_dot_kernel,
+     dict(R32, PRO=1, EPI=4, STORE_XN=True, BLOCK_N=64, STAGES=3), 4, ARGMAX, ALIGN_R),
+    ("round_conv_slots", batch_round.gemv_conv_slots_kernel,
+     dict(R=32, RP=32, M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, STAGES=3), 2,
+     BT, ALIGN_B),
+    ("round_gdn_verify", batch_round.gdn_verify_rows_kernel, dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16), 1,
+     dict(BT, rec_ptr="*fp32"), ()),
+    ("round_qk_rope", batch_round.qk_rope_rows_kernel, dict(M=4, H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
+     BT, ()),
+    ("round_attn_scores", batch_round.attn_verify_scores_rows_kernel, AV, 4, dict(BT, start_ptr="*i64"), ()),
+    ("round_attn_pv_head_m1", batch_round.attn_verify_pv_rows_kernel, dict(AV, M=1, HAS_START=True), 4,
+     dict(BT, start_ptr="*i64"), ()),
+    ("round_attn_combine", batch_round.attn_verify_combine_rows_kernel,
+     dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, BLOCK=64, H=8, HD=256, BLOCK_D=64), 4,
+     dict(BT, start_ptr="*i64"), ()),
+    ("round_accept", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True, SYNTH=False, HAS_LIVE=True, RING_B=8),
+     8, SPEC_T, ()),
+    ("round_commit", gdn.gdn_commit_kernel, dict(KM1=3, KM1P=4, BLOCK=4096, BLOCK_C=256, HAS_LIVE=True), 4, SPEC_T,
+     ()),
+    ("round_draft_pick_map", spec.draft_pick_kernel, dict(BLOCK=2048, HAS_MAP=True, HAS_LIVE=True), 4, SPEC_T, ()),
+]
 out = {}
 for pdl in (False, True):
     on = dict(PDL=pdl)
@@ -230,7 +261,7 @@ for pdl in (False, True):
         ("tail_mask_logprobs_write", sampling.tail_kernel, dict(TAIL, MASK=True, TOPK=True, WRITE=True), 4),
     ]:
         out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, dict(consts, **on), nw, LP_TYPES)
-    for name, fn, consts, nw, types, aligned in FP8_VARIANTS + SPEC_VARIANTS + BATCH_VARIANTS:
+    for name, fn, consts, nw, types, aligned in FP8_VARIANTS + SPEC_VARIANTS + BATCH_VARIANTS + ROUND_VARIANTS:
         consts = dict(consts, **on)
         stages = {"num_stages": consts.pop("STAGES")} if "STAGES" in consts else {}
         out[f"{name}{'_pdl' if pdl else ''}"] = compile_(fn, consts, nw, types,
@@ -245,7 +276,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 58 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 58 + 40 + 24 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
@@ -258,10 +289,11 @@ def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
 
 
 def test_batch_step_gemvs_run_on_the_tensor_cores(compiled):
-    """The batch step's M-row GEMVs at 2 and 8 rows (and the in_proj with the per-slot conv epilogue on
-    its tensor-core path) stream their weight tiles through pipelined copies into tensor-core MMAs."""
-    dots = {k: v for k, v in compiled.items() if k.startswith(("batch_rows", )) and "fold" not in k}
-    assert len(dots) == 18
+    """The batch step's M-row GEMVs at 2 and 8 rows, the batched round's at 32 (and the in_proj with the
+    per-slot conv epilogue on its tensor-core path, both) stream their weight tiles through pipelined copies into tensor-core MMAs."""
+    dots = {k: v for k, v in compiled.items() if k.startswith(("batch_rows", "round_rows", "round_conv"))
+            and "fold" not in k}
+    assert len(dots) == 18 + 8
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
 
@@ -281,7 +313,7 @@ def test_host_memory_ordering_is_compiled_in(compiled):
     for pdl in ("", "_pdl"):
         assert compiled[f"finish_logprobs_mask{pdl}"]["fence_sys"] >= 1
         assert compiled[f"finish{pdl}"]["fence_sys"] == 0
-        for name in ("accept", "accept_synthetic"):  # the round's tokens before its record
+        for name in ("accept", "accept_synthetic", "round_accept"):  # the round's tokens before its record
             assert compiled[f"{name}{pdl}"]["fence_sys"] >= 1
         assert compiled[f"tail_logprobs{pdl}"]["volatile_loads"] == 0
         for name in ("tail_mask", "tail_mask_logprobs_write"):
