@@ -43,6 +43,7 @@ from nexrt_vllm.node.service import DecodeNode, Options
 log = logging.getLogger("nexrt.decode")
 
 MAX_BATCH = 8
+ROUND_ROWS = 32  # verify rows of the batched speculative round (kernels/batch_round.py MAX_ROWS)
 
 
 def _error(e: Refusal) -> web.Response:
@@ -304,13 +305,13 @@ def _positive(ap, args) -> None:
         if args.graph == "eager":
             ap.error(f"--max-batch {args.max_batch} on the CUDA graph path runs the fused batch step (--graph fused "
                      f"or auto), not --graph eager")
-        # on a GPU each slot's eager round would be far slower than one request's captured round: refuse
-        # rather than fall back quietly
-        if args.speculative != "off" and (args.graph == "fused" or (args.graph == "auto"
-                                                                    and args.device.startswith("cuda"))):
-            ap.error(f"--speculative {args.speculative} with --max-batch > 1 runs each slot's eager round "
-                     f"(--graph off, or on CPU): the batched round graph is not built; on a GPU serve MTP "
-                     f"with --max-batch 1, or batch without --speculative")
+        # the batched round graph verifies every slot's M positions as rows of one launch (at most 32)
+        rows = args.max_batch * (args.num_speculative_tokens + 1)
+        if args.speculative != "off" and rows > ROUND_ROWS and (
+                args.graph == "fused" or (args.graph == "auto" and args.device.startswith("cuda"))):
+            ap.error(f"--speculative {args.speculative} with --max-batch {args.max_batch} on the CUDA graph path "
+                     f"verifies --max-batch x (--num-speculative-tokens + 1) = {rows} rows per round, at most "
+                     f"{ROUND_ROWS}: lower either (or --graph off: each slot's eager round)")
         if args.tp > 1:
             ap.error("--max-batch > 1 with --tp > 1 is not built")
     for name in ("max_seq_len", "recv_buffers", "tp"):

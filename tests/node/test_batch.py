@@ -111,9 +111,10 @@ def test_cancel_mid_batch_leaves_the_others_unchanged(env):
 @pytest.mark.parametrize("flags,message", [
     (["--max-batch", "9"], "--max-batch must be in [1, 8]"),
     (["--max-batch", "0"], "--max-batch must be in [1, 8]"),
-    (["--max-batch", "2", "--speculative", "mtp", "--device", "cuda", "--graph", "fused"],
-     "the batched round graph is not built"),
-    (["--max-batch", "2", "--speculative", "mtp", "--device", "cuda"], "the batched round graph is not built"),
+    (["--max-batch", "8", "--speculative", "mtp", "--num-speculative-tokens", "4", "--device", "cuda", "--graph",
+      "fused"], "= 40 rows per round, at most 32"),
+    (["--max-batch", "5", "--speculative", "mtp", "--num-speculative-tokens", "7", "--device", "cuda"],
+     "= 40 rows per round, at most 32"),
     (["--max-batch", "2", "--device", "cuda", "--graph", "eager"], "runs the fused batch step"),
     (["--max-batch", "2", "--tp", "2"], "--max-batch > 1 with --tp > 1 is not built"),
 ])

@@ -4,8 +4,9 @@ through the Triton interpreter: the node's wiring of `nexrt-decode --graph fused
 Greedy requests without logprobs are stepped by the batch step, the others (seeded sampling,
 logprobs) by their slot engine's eager loop in the same batch steps; a request whose first token
 stops ends at once, a cancelled one leaves mid-stream. Each request's tokens (and finish reason)
-equal the same request alone on the eager engine; every slot is released. The captured graph on a
-GPU: tests/gpu/test_batch_graph.py."""
+equal the same request alone on the eager engine; every slot is released. With speculative decoding
+the greedy ones run the batched round graph instead. The captured graphs on a GPU:
+tests/gpu/test_batch_graph.py."""
 
 import torch
 
@@ -69,3 +70,39 @@ def test_greedy_jobs_on_the_batch_step_the_others_eager(ckpt_factory):
     assert c.tokens == [t for t, _ in want["cancelled"]][:len(c.tokens)]
     assert stopper.end == ("end", "stop") and stopper.tokens == []
     assert runner.busy == [] and runner.replays >= len(want["greedy"])
+
+
+def test_speculating_batch_greedy_jobs_on_the_round_graph_the_others_eager_rounds(ckpt_factory):
+    """`--speculative mtp --max-batch B` on the graph path: greedy jobs run the batched round graph
+    (engine/gpu/batch_round.py), a seeded sampled job its slot engine's eager round, in the same batch
+    steps. The greedy tokens equal the one-token loop's alone, the sampled ones those of the same
+    request alone on a speculating eager engine; the round graph drafted (rounds of > 1 token)."""
+    path = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
+    ref = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
+    ref_spec = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
+    ref_spec.enable_speculative("mtp", 2)
+    reqs = [JobRequest("greedy", 0, periodic_prompt(19, seed=61), SamplingParams(max_tokens=12, ignore_eos=True)),
+            JobRequest("sampled", 1, periodic_prompt(11, seed=62),
+                       SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8, seed=7)),
+            JobRequest("greedy2", 2, periodic_prompt(25, seed=63), SamplingParams(max_tokens=9, ignore_eos=True))]
+    first, want = {}, {}
+    for r in reqs:
+        e = ref_spec if r.params.temperature > 0 else ref
+        first[r.rid] = int(e.prefill(r.prompt).argmax())
+        want[r.rid] = [s.token for s in e.steps(first[r.rid], r.params)]
+
+    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
+    eng.enable_speculative("mtp", 2)
+    runner = eng.batch_runner(SLOTS, CPU_TUNING)
+    eng.use_batch(runner)
+    batch = DecodeBatch(eng.slots(SLOTS))
+    try:
+        for r in reqs:
+            batch.submit(r.job(first[r.rid]))
+        for r in reqs:
+            assert r.released.wait(900), r.rid
+    finally:
+        batch.close()
+    for r in reqs:
+        assert r.end == ("end", "length") and r.tokens == want[r.rid], (r.rid, r.end, r.tokens, want[r.rid])
+    assert runner.busy == [] and runner.replays < len(want["greedy"])  # more than one token per round
