@@ -35,6 +35,13 @@ on --graft weights):
 
     python benchmarks/decode_bench.py --shapes 2b,35b --contexts 8192 --batch 1,2,4,8 --graft .work/graft \
         --json $OUT/decode_batch_h200.json
+
+With `--speculative mtp` too, the batched MTP round (nexrt_vllm/bench/batch_round.py): per batch size the
+round time against the one-request round and the plain batch step, and tok/s per request and in total
+at InferenceX's golden acceptance length (random weights; timing only):
+
+    python benchmarks/decode_bench.py --shapes 2b,35b --contexts 8192 --batch 1,2,4,8 --speculative mtp \
+        --json $OUT/decode_batch_round_h200.json
 """
 from __future__ import annotations
 
@@ -47,7 +54,7 @@ import time
 
 import torch
 
-from nexrt_vllm.bench import batch_step, spec_round
+from nexrt_vllm.bench import batch_round, batch_step, spec_round
 from nexrt_vllm.bench.checks import finish, record, write
 from nexrt_vllm.bench.shapes import HF_TOKS, NAMES, SHAPES
 from nexrt_vllm.bench.step import (GROUPS, bytes_per_step, copy_bandwidth, fill_context, graft_engine, kernel_groups,
@@ -482,10 +489,16 @@ def main(argv=None) -> int:
             ap.error(f"--batch: comma-separated batch sizes, got {args.batch!r}")
         if not batches or not 1 <= batches[0] <= batches[-1] <= 8:
             ap.error(f"--batch: sizes in [1, 8], got {args.batch!r}")
-        if dtypes != ["bf16"] or args.speculative != "off" or args.tp > 1:
-            ap.error("--batch runs bf16 weights without --speculative, at --tp 1")
+        if dtypes != ["bf16"] or args.tp > 1 or (args.speculative != "off" and args.graft):
+            ap.error("--batch runs bf16 weights at --tp 1 (with --speculative: random weights, not --graft)")
         for key in args.shapes.split(","):
             try:
+                if args.speculative == "mtp":
+                    results["shapes"].append(batch_round.run_batch_round_shape(
+                        key, contexts, batches, args.steps, tuning, args.num_speculative_tokens, args.draft_vocab,
+                        args.breakdown_ctx))
+                    save()
+                    continue
                 results["shapes"].append(batch_step.run_batch_shape(
                     key, contexts, batches, args.steps, bw, tuning, args.graft, args.batch_parity_steps,
                     args.breakdown_ctx))
@@ -499,6 +512,11 @@ def main(argv=None) -> int:
             f"{'GB/step':>9}{'MBU%':>7}")
         for r in results["shapes"]:
             for c in r["rows"]:
+                if "round_ms" in c:  # the batched round (batch_round.py)
+                    log(f"{r['shape']:<22}{c['batch']:>3}{'all':>5}{c['context']:>7}  round {c['round_ms']:.3f} ms "
+                        f"= {c['round_over_step']:.2f}x step, {c.get('tok_s_per_request_at_acceptance', 0):.0f} "
+                        f"tok/s/req, {c.get('tok_s_total_at_acceptance', 0):.0f} tok/s at the golden acceptance")
+                    continue
                 log(f"{r['shape']:<22}{c['batch']:>3}{c['live']:>5}{c['context']:>7}{c['step_ms']:>9.3f}"
                     f"{c.get('step_over_b1', float('nan')):>7.3f}{c['tok_s_per_request']:>10.0f}"
                     f"{c['tok_s_total']:>8.0f}{c['bytes_per_step'] / 1e9:>9.3f}{100 * c['mbu']:>7.1f}")

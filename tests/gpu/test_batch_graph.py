@@ -3,7 +3,8 @@ the slot ring read by the host) and the decode node that runs it (`nexrt-decode 
 
 Engine: on trained tiny checkpoints of the three families, four slots joining and leaving at
 different steps; each request's greedy tokens equal the eager engine's for it alone, and a slot
-that is not live keeps its state byte for byte. Node: three requests at once (two greedy on the
+that is not live keeps its state byte for byte; the same for the batched MTP round graph
+(`--speculative mtp --max-batch B`), one slot speculating to its context's end. Node: three requests at once (two greedy on the
 batch step, one seeded sampled on its slot's eager loop) equal the same requests sent one at a time
 to the same node, and the greedy ones the CPU engine's continuation; 0 busy slots after. Marked
 `gpu` (skipped without a CUDA GPU); the CPU interpreter runs the same launches:
@@ -69,6 +70,53 @@ def test_captured_batch_step_equals_each_request_alone(ckpt_factory, arch):
     # a request alone on the batch step: the same tokens (the step's rows do not depend on each other)
     engines[1].prefill(prompts[0])
     assert list(runner.generate(1, firsts[0], SamplingParams(max_tokens=N + 1, ignore_eos=True))) == want[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_captured_batched_round_equals_each_request_alone(ckpt_factory, arch):
+    """The batched MTP round graph (engine/gpu/batch_round.py, 4 slots x M = 4 = 16 verify rows): each
+    request's greedy tokens equal the eager one-token loop's alone, slots joining late and one running to
+    its context's last position; the trained heads' drafts are accepted (more than one token a round)."""
+    L = 160
+    path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
+    ref = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_seq_len=L, progress=False)
+    prompts = [periodic_prompt(n, seed=s) for n, s in ((40, 71), (17, 72), (70, 73), (29, 74))]
+    lengths = [N, N // 2, L - 70, N]  # slot 2: to the context's end
+    firsts, want = [], []
+    for p, n in zip(prompts, lengths):
+        firsts.append(int(ref.prefill(p).argmax()))
+        want.append(list(ref.stream(firsts[-1], SamplingParams(max_tokens=n + 1, ignore_eos=True))))
+    del ref
+    eng = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_seq_len=L, progress=False)
+    eng.enable_speculative("mtp", 3)
+    eng.use_batch_graph(4)
+    runner, engines = eng.batch_graph, eng.slots(4)
+    assert runner.graph is not None and runner.M == 4
+    for e, p in zip(engines, prompts):
+        e.prefill(p)
+    got, ended = {b: [] for b in range(4)}, {}
+
+    def rounds(n):
+        for _ in range(n):
+            for ev in runner.step():
+                got[ev.slot].append(ev.token)
+                if ev.finish_reason:
+                    ended[ev.slot] = ev.finish_reason
+
+    for b in (0, 1, 2):
+        assert runner.join(b, firsts[b], SamplingParams(max_tokens=lengths[b] + 1, ignore_eos=True)) is None
+    idle = _states(engines[3])
+    rounds(4)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(idle, _states(engines[3])))  # not live: untouched
+    assert runner.join(3, firsts[3], SamplingParams(max_tokens=lengths[3] + 1, ignore_eos=True)) is None
+    while runner.busy:
+        rounds(1)
+    for b in range(4):
+        assert got[b] == want[b], (arch, b, next(i for i, (x, y) in enumerate(zip(got[b], want[b])) if x != y))
+        assert ended[b] == "length"
+    assert engines[2].state.seq_len == L
+    assert runner.replays < sum(lengths) / 2 / 1.3, runner.replays  # rounds of more than one token
 
 
 class _Stream(threading.Thread):

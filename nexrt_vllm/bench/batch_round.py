@@ -1,0 +1,125 @@
+"""The captured batched MTP round at a real shape (`benchmarks/decode_bench.py --batch 1,2,4,8 --speculative mtp`):
+round time for B requests speculating together, against the one-request round and the plain batch step
+at the same B, all in one process over one copy of the fused weights.
+
+Batch 1 is the one-request round (gpu/spec_round.py: what a `--max-batch 1 --speculative mtp` node
+runs) and its plain step; batch B > 1 is the batched round over B slots (gpu/batch_round.py, one
+graph, every slot live, each at the same context) and the plain batch step (gpu/batch_decoder.py).
+Random weights and a random head: timing only (the tokens and acceptance of the batched round are
+checked on trained checkpoints, tests/gpu/test_batch_graph.py). Per-request tok/s at an acceptance
+length L = L / round time (InferenceX's golden 3.39 for 3 drafts); total = B times that.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from nexrt_vllm.bench import spec_round
+from nexrt_vllm.bench import step as S
+from nexrt_vllm.bench.shapes import NAMES, SHAPES
+
+GOLDEN = {3: 3.39, 4: 3.97}  # InferenceX's pinned acceptance length by drafts per round (Qwen3.5 MTP)
+
+
+def _groups(rd, reps: int = 20) -> dict:
+    """Device time of each launch group of the batched round (its launches back to back in one graph)."""
+    groups: dict[str, list] = {}
+    for s in rd.plan():
+        groups.setdefault(s.group, []).append(s.run)
+    saved = [(t, t.clone()) for t in (rd.pos, rd.tok, rd.step, rd.round, rd.acc, rd.base)]
+    out = {}
+    for name, fns in groups.items():
+        gr = S.capture_launches(fns, lambda: rd.b.k_common.launch_options(rd.b.pdl))
+        for t, x in saved:
+            t.copy_(x)
+        sec = statistics.median(S.time_replays(gr, reps))
+        for t, x in saved:
+            t.copy_(x)
+        out[name] = {"launches": len(fns), "us_per_round": sec * 1e6}
+        del gr
+    return out
+
+
+def _time(graph, pos: torch.Tensor, ctx: int, reps: int) -> float:
+    """Median device time (s) of `graph` replays from position ctx (each replay advances it)."""
+    pos.fill_(ctx)
+    S.time_replays(graph, 5)
+    pos.fill_(ctx)
+    return statistics.median(S.time_replays(graph, reps))
+
+
+def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], steps: int, tuning=None,
+                          num_spec: int = 3, draft_vocab=None, breakdown_ctx: int = 8192) -> dict:
+    from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
+    from nexrt_vllm.engine.gpu.batch_round import BatchRoundDecoder
+    from nexrt_vllm.engine.gpu.runner import capture_graph
+    from nexrt_vllm.engine.state import StackedStates
+
+    t0 = time.time()
+    M = num_spec + 1
+    max_len = max(contexts, default=0) + (steps + 8) * M + 64
+    eng = spec_round.spec_engine(key, max_len, num_spec, draft_vocab)
+    fused, runner1, spec1 = spec_round.capture(eng, tuning, draft_vocab)
+    g1 = runner1.capture(False)
+    S.log(f"[{key}/batch-round] one-request step and round captured in {time.time() - t0:.1f}s")
+    L = GOLDEN.get(num_spec)
+    res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "random", "dtype": "bf16", "pdl": fused.pdl,
+           "batches": batches, "num_speculative_tokens": num_spec, "acceptance_length": L,
+           "draft_vocab": spec1.d.draft_vocab, "rows": []}
+    gen = torch.Generator(device=eng.device).manual_seed(1234)
+    base: dict[int, float] = {}
+
+    def row(B, ctx, t_round, t_step):
+        r = {"batch": B, "context": ctx, "round_ms": t_round * 1e3, "step_ms": t_step * 1e3,
+             "round_over_step": t_round / t_step}
+        if ctx in base:
+            r["round_over_b1_round"] = t_round / base[ctx]
+        if L:
+            r["tok_s_per_request_at_acceptance"] = L / t_round
+            r["tok_s_total_at_acceptance"] = B * L / t_round
+        return r
+
+    if 1 in batches:
+        for ctx in contexts:
+            S.fill_context(eng, ctx, gen)
+            t_step, t_round = spec_round.time_step_and_round(eng, fused, g1, spec1, ctx, steps)
+            base[ctx] = t_round
+            res["rows"].append(row(1, ctx, t_round, t_step))
+            S.log(f"[{key}/batch-round] B 1 ctx {ctx}: round {t_round * 1e3:.3f} ms = {t_round / t_step:.2f}x step")
+    for B in [b for b in batches if b > 1]:
+        t1 = time.time()
+        states = StackedStates(eng.model.config, B, max_len, eng.dtype, eng.device, pad_rows=M)
+        bd = BatchDecoder(eng.model, states, tuning, layers=fused.layers)
+        rd = BatchRoundDecoder(bd, eng.speculative.drafter.w, num_spec, draft_vocab)
+        bd.live.zero_()
+        g_step = capture_graph(bd.launch, (bd.step, bd.tok, bd.pos), (bd.ring, bd.ring_host))
+        g_round = capture_graph(rd.launch, (rd.step, rd.round, rd.tok, rd.pos), ())
+        S.log(f"[{key}/batch-round] B {B}: captured in {time.time() - t1:.1f}s, {len(rd.plan())} launches, GPU mem "
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+        bd.live.fill_(1)
+        rd.row_live.fill_(1)
+        rd.tok.copy_(torch.randint(3, bd.cfg.vocab_size, (B, M), generator=gen, device=gen.device))
+        bd.tok.copy_(rd.tok[:, 0])
+        for ctx in contexts:
+            for st in states.states:
+                S.fill_context(SimpleNamespace(state=st), ctx, gen)
+            t_step = _time(g_step, bd.pos, ctx, steps)
+            t_round = _time(g_round, rd.pos, ctx, steps)
+            r = row(B, ctx, t_round, t_step)
+            if ctx == breakdown_ctx:
+                rd.pos.fill_(ctx)
+                r["groups"] = _groups(rd)
+            res["rows"].append(r)
+            S.log(f"[{key}/batch-round] B {B} ctx {ctx}: round {t_round * 1e3:.3f} ms = {r['round_over_step']:.2f}x "
+                  f"its step" + (f", {r['round_over_b1_round']:.2f}x the B 1 round" if ctx in base else "")
+                  + (f", at acceptance {L}: {r['tok_s_per_request_at_acceptance']:.0f} tok/s/request, "
+                     f"{r['tok_s_total_at_acceptance']:.0f} tok/s" if L else ""))
+        bd.live.zero_()
+        del g_step, g_round, rd, bd, states
+        torch.cuda.empty_cache()
+    del spec1, runner1, fused, eng, g1
+    torch.cuda.empty_cache()
+    return res
