@@ -8,7 +8,8 @@ step must move once: every weight once (the M-row GEMVs read each for all rows),
 K/V rows 0..n, its GDN state read and written, its conv state, its embedding row; the MoE experts:
 the distinct experts the B rows select, measured per layer on this run's tokens (an expert two
 rows choose is read once: their programs read its tiles together). A row "live 1" is the largest B's
-graph with one slot live (what a request alone costs on such a node). With `parity_steps`, each
+runner with one slot live: the smallest bucket graph it replays then (gpu/batch_runner.py; `graph_slots`),
+what a request alone costs on such a node. With `parity_steps`, each
 slot's greedy tokens in the batch against the same request alone on the eager engine and on the
 one-request graph (checked on grafted, trained weights; reported on random ones).
 """
@@ -149,7 +150,7 @@ def parity(eng, fused_runner, runner, prompts: list[list[int]], steps: int) -> d
 def run_batch_shape(key: str, contexts: list[int], batches: list[int], steps: int, bw: float, tuning=None,
                     graft_dir: str = "", parity_steps: int = 0, breakdown_ctx: int = 8192) -> dict:
     from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
-    from nexrt_vllm.engine.gpu.batch_runner import BatchRunner
+    from nexrt_vllm.engine.gpu.batch_runner import BatchRunner, bucket
     from nexrt_vllm.engine.gpu.decoder import FusedDecoder
     from nexrt_vllm.engine.gpu.runner import GraphRunner
     from nexrt_vllm.engine.state import StackedStates
@@ -206,8 +207,10 @@ def run_batch_shape(key: str, contexts: list[int], batches: list[int], steps: in
                 bd.pos.fill_(ctx)
                 distinct = distinct_experts(bd) if eng.config.num_experts else {}
                 nb = batch_bytes(bd, ctx, live, distinct)
-                t = _time_batch(bd, runner.graph, ctx, live, steps, gen)
+                k = bucket(runner.buckets, live)
+                t = _time_batch(bd, runner.graphs[k], ctx, live, steps, gen)
                 row = _row(B, live, ctx, t, nb["total"], bw, base.get(ctx))
+                row["graph_slots"] = k
                 row["bytes_breakdown"] = nb
                 if distinct:
                     row["distinct_experts_per_layer"] = statistics.mean(distinct.values())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import heapq
 import logging
 import math
 import threading
@@ -123,7 +124,7 @@ class DecodeNode:
             raise self._refuse(P.Reason.BUSY, "no receive buffer is free (in use, or waiting for a stale writer)")
         self._generation += 1
         adm = Admission(rid, self._generation, AdmissionState.RESERVED, now + self.opts.admit_timeout,
-                        slot=self._free_slots.pop(0), ready=asyncio.get_running_loop().create_future(),
+                        slot=heapq.heappop(self._free_slots), ready=asyncio.get_running_loop().create_future(),
                         structured=spec)
         if spec is not None:
             adm.grammar = self._compile(spec)
@@ -307,7 +308,7 @@ class DecodeNode:
             adm.buffer.release(writer_live, self.opts.quarantine_s, live)
         self.context.release(adm.parts)
         del self.admissions[adm.rid]
-        self._free_slots.append(adm.slot)
+        heapq.heappush(self._free_slots, adm.slot)  # lowest first: few requests replay a small batch graph
         self._tombstones[adm.rid] = (adm.generation, adm.state in (AdmissionState.READY, AdmissionState.DECODING))
         while len(self._tombstones) > TOMBSTONES:
             self._tombstones.popitem(last=False)

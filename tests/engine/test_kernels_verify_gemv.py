@@ -276,9 +276,29 @@ def test_m_rows_rejects_fp8_and_bad_shapes():
         gemv.gemv(x, w8, y, m=2)
     w = torch.zeros(32, 64, dtype=BF)
     with pytest.raises(ValueError, match="m must be 1..8"):
-        gemv.gemv(torch.zeros(9, 64, dtype=BF), w, torch.zeros(9, 32, dtype=BF), m=9)
+        gemv.gemv(torch.zeros(9, 64, dtype=BF), w, torch.zeros(9, 32, dtype=BF), m=9, dot=0)
+    with pytest.raises(ValueError, match=r"1..32 on the tensor-core kernel"):
+        gemv.gemv(torch.zeros(33, 64, dtype=BF), w, torch.zeros(33, 32, dtype=BF), m=33, dot=2, block_n=16)
     with pytest.raises(ValueError, match="block_n and block_k >= 16"):
         gemv.gemv(x, w, y, m=2, dot=2, block_n=8)
     with pytest.raises(ValueError, match="window"):
         gemv.gemv(x, w, y, epi=gemv.EPI_CONV, aux0=torch.zeros(16, 3, dtype=BF), aux1=torch.zeros(16, 4, dtype=BF),
                   conv_n=16, m=2)
+
+
+@pytest.mark.parametrize("m", [12, 32])  # the batched speculative round: B slots x M positions, up to 32
+def test_tensor_core_rows_past_eight(m):
+    """The tensor-core M-row kernel past the fold's 8 rows: every row equals the one-row GEMV's (rmsnorm
+    prologue, argmax partials), the rows independent of each other."""
+    g = torch.Generator().manual_seed(13)
+    k, n = 96, 70
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(BF)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    y = nan_rows(m, n)
+    gemv.gemv(x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32, m=m, dot=2)
+    assert not y.isnan().any()
+    for j in range(m):
+        y1 = nan_like(torch.empty(n, dtype=BF))
+        gemv.gemv(x[j], w, y1, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32)
+        assert rel(y[j], y1) < SAME, j

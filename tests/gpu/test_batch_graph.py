@@ -40,7 +40,7 @@ def test_captured_batch_step_equals_each_request_alone(ckpt_factory, arch):
     eng = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_seq_len=256, progress=False)
     eng.use_batch_graph(4)
     runner, engines = eng.batch_graph, eng.slots(4)
-    assert runner.graph is not None
+    assert runner.graph is not None and sorted(runner.graphs) == runner.buckets == [2, 4]
     for e, p in zip(engines, prompts):
         e.prefill(p)
     got = {b: [] for b in range(4)}
@@ -91,7 +91,7 @@ def test_captured_batched_round_equals_each_request_alone(ckpt_factory, arch):
     eng.enable_speculative("mtp", 3)
     eng.use_batch_graph(4)
     runner, engines = eng.batch_graph, eng.slots(4)
-    assert runner.graph is not None and runner.M == 4
+    assert runner.graph is not None and runner.M == 4 and sorted(runner.graphs) == runner.buckets == [1, 2, 4]
     for e, p in zip(engines, prompts):
         e.prefill(p)
     got, ended = {b: [] for b in range(4)}, {}

@@ -97,7 +97,7 @@ def test_stop_cancel_and_refusals(ckpt_factory):
     """A stop id inside an accepted round ends that request with it (the round's later tokens dropped); a
     request cancelled mid-stream (`leave`) and its rounds in flight leave the other's tokens as they
     are alone, and its slot takes the next request with exact tokens; sampled / logprob requests are
-    refused by the round graph."""
+    refused by the round graph. The replays cover the fewest slots holding every live one (buckets)."""
     arch = "qwen3_5"
     path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
     ref = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
@@ -125,3 +125,5 @@ def test_stop_cancel_and_refusals(ckpt_factory):
     # the cancelled slot's next request (the same prompt again) decodes exactly
     a.prefill(pa)
     assert list(runner.generate(0, fa, SamplingParams(max_tokens=13, ignore_eos=True))) == want_a
+    # slot 0 alone replayed the one-slot bucket (M rows), both slots the two-slot one
+    assert runner.buckets == [1, 2] and runner.bucket_replays[1] > 0 and runner.bucket_replays[2] > 0

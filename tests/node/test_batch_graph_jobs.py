@@ -70,6 +70,7 @@ def test_greedy_jobs_on_the_batch_step_the_others_eager(ckpt_factory):
     assert c.tokens == [t for t, _ in want["cancelled"]][:len(c.tokens)]
     assert stopper.end == ("end", "stop") and stopper.tokens == []
     assert runner.busy == [] and runner.replays >= len(want["greedy"])
+    assert runner.buckets == [2, 3] and runner.bucket_replays[2] > 0  # slot 0 alone on the graph: 2 rows
 
 
 def test_speculating_batch_greedy_jobs_on_the_round_graph_the_others_eager_rounds(ckpt_factory):

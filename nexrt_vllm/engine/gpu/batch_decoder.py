@@ -108,83 +108,90 @@ class BatchDecoder:
         return gemv_kwargs(self.t, w, self.t.shape(n, rows=True), prefetch)
 
     # ---- one batch step ------------------------------------------------------------------------------
-    def plan(self) -> list[Launch]:
-        """The batch step's launches in order (the single-request step's group names, then "finish")."""
-        c, g, n = self.cfg, self.k_gemv, self.n
-        steps = [Launch("embed", None, lambda: self.k_batch.embed_rows(self.tok, self.live, self.embed, self.res))]
+    def plan(self, k: int | None = None) -> list[Launch]:
+        """The batch step's launches in order (the single-request step's group names, then "finish") over
+        slots 0..k-1 (default: every slot): rows k.. and their slots are left out of every launch."""
+        c, g, k = self.cfg, self.k_gemv, k or self.n
+        if not 2 <= k <= self.n:
+            raise EngineError(f"a batch step runs 2..{self.n} slots, got {k}")
+        steps = [Launch("embed", None, lambda: self.k_batch.embed_rows(self.tok[:k], self.live[:k], self.embed,
+                                                                        self.res[:k]))]
         for i, L in enumerate(self.layers):
             mixer = self._gdn if isinstance(L.mixer, GDNMixer) else self._attention
             ffn = self._moe if isinstance(L.ffn, MoEFFN) else self._dense
-            steps += [Launch(group, i, fn) for group, fn in mixer(L) + ffn(L)]
+            steps += [Launch(group, i, fn) for group, fn in mixer(L, k) + ffn(L, k)]
         steps.append(Launch("lm_head+argmax", None, lambda: g.gemv(
-            self.res, self.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
-            aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, m=n, **self.lm_kw)))
+            self.res[:k], self.lm_head, self.logits[:k], pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
+            aux0=self.pmax[:k], aux1=self.pidx[:k], eps=c.rms_norm_eps, m=k, **self.lm_kw)))
         steps.append(Launch("finish", None, lambda: self.k_batch.finish_rows(
-            self.pmax, self.pidx, self.n_part, self.live, self.tok, self.pos, self.step, self.ring)))
+            self.pmax[:k], self.pidx[:k], self.n_part, self.live[:k], self.tok[:k], self.pos[:k], self.step,
+            self.ring)))
         return steps
 
-    def _gdn(self, L: FusedLayer) -> list[tuple]:
-        c, g, t, m, eps, n, kb = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.n, self.k_batch
+    def _gdn(self, L: FusedLayer, k: int) -> list[tuple]:
+        c, g, t, m, eps, kb = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.k_batch
         sh = self.t.shape(m.w_in.shape[0], rows=True)
         return [
             ("gdn_in_proj+conv", lambda: kb.gemv_rows_conv(
-                self.res, m.w_in, self.buf, L.input_norm, m.state.conv, m.conv_w, self.live, eps=eps,
+                self.res[:k], m.w_in, self.buf[:k], L.input_norm, m.state.conv, m.conv_w, self.live[:k], eps=eps,
                 conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh.block_n, block_k=sh.block_k, num_warps=sh.num_warps,
                 dot=sh.stages, prefetch=t.prefetch_conv)),
             ("gdn_step", lambda: kb.gdn_step_rows(
-                self.buf, m.state.rec, self.o, m.a_log, m.dt_bias, self.live, num_k_heads=c.linear_num_key_heads,
-                num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
-                head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v, num_warps=t.gdn_warps,
-                prefetch=t.prefetch > 0)),
+                self.buf[:k], m.state.rec, self.o[:k], m.a_log, m.dt_bias, self.live[:k],
+                num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
+                num_warps=t.gdn_warps, prefetch=t.prefetch > 0)),
             ("gdn_out_proj", lambda: g.gemv(
-                self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
-                z=self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=n,
+                self.o[:k], m.w_out, self.res[:k], pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
+                z=self.buf[:k, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=k,
                 **self.rows_shape(m.w_out, c.hidden_size)))]
 
-    def _attention(self, L: FusedLayer) -> list[tuple]:
-        c, g, t, a, eps, n, kb = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.n, self.k_batch
+    def _attention(self, L: FusedLayer, k: int) -> list[tuple]:
+        c, g, t, a, eps, kb = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.k_batch
         return [
             ("attn_qkv_proj", lambda: g.gemv(
-                self.res, a.w_qkv, self.buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, m=n,
+                self.res[:k], a.w_qkv, self.buf[:k], pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, m=k,
                 **self.rows_shape(a.w_qkv, a.w_qkv.shape[0]))),
             ("attn_qknorm_rope_kvwrite", lambda: kb.qk_rope_rows(
-                self.buf, self.q, a.state.k, a.state.v, a.q_norm, a.k_norm, self.model.rope_cos, self.model.rope_sin,
-                self.pos, self.live, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                rotary_dim=c.rotary_dim, eps=eps)),
+                self.buf[:k], self.q[:k], a.state.k, a.state.v, a.q_norm, a.k_norm, self.model.rope_cos,
+                self.model.rope_sin, self.pos[:k], self.live[:k], num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                head_dim=c.head_dim, rotary_dim=c.rotary_dim, eps=eps)),
             ("attn_splitk+combine", lambda: kb.attention_rows(
-                self.q, a.state.k, a.state.v, self.pos, self.live, self.buf, self.o, self.m_buf, self.l_buf,
-                self.acc_buf, self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
+                self.q[:k], a.state.k, a.state.v, self.pos[:k], self.live[:k], self.buf[:k], self.o[:k],
+                self.m_buf[:k], self.l_buf[:k], self.acc_buf[:k], self.s_buf[:k], num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, nsplit=t.attn_splits, block=t.attn_block,
+                min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(
-                self.o, a.w_o, self.res, epi=g.EPI_RESIDUAL, m=n, **self.rows_shape(a.w_o, c.hidden_size)))]
+                self.o[:k], a.w_o, self.res[:k], epi=g.EPI_RESIDUAL, m=k, **self.rows_shape(a.w_o, c.hidden_size)))]
 
-    def _moe(self, L: FusedLayer) -> list[tuple]:
-        c, g, t, f, n = self.cfg, self.k_gemv, self.t, L.ffn, self.n
+    def _moe(self, L: FusedLayer, k: int) -> list[tuple]:
+        c, g, t, f = self.cfg, self.k_gemv, self.t, L.ffn
         return [
             ("moe_router", lambda: g.gemv(
-                self.res, f.w_router, self.router_logits, pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=c.rms_norm_eps,
-                xn_out=self.xn, m=n, **self.rows_shape(f.w_router, f.w_router.shape[0]))),
+                self.res[:k], f.w_router, self.router_logits[:k], pro=g.PRO_RMSNORM, norm_w=L.post_norm,
+                eps=c.rms_norm_eps, xn_out=self.xn[:k], m=k, **self.rows_shape(f.w_router, f.w_router.shape[0]))),
             ("moe_experts", lambda: self.k_batch.moe_experts_rows(
-                self.xn, self.res, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down, self.act, self.ids,
-                self.wts, self.live, top_k=c.num_experts_per_tok, block_n=t.moe.block_n, block_k=t.moe.block_k,
-                down_block_n=t.moe_down.block_n, down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps,
-                down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))]
+                self.xn[:k], self.res[:k], self.router_logits[:k], f.gate_up, f.s_gate_up, f.down, f.s_down,
+                self.act[:k], self.ids[:k], self.wts[:k], self.live[:k], top_k=c.num_experts_per_tok,
+                block_n=t.moe.block_n, block_k=t.moe.block_k, down_block_n=t.moe_down.block_n,
+                down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps, down_num_warps=t.moe_down.num_warps,
+                norm_topk=c.norm_topk_prob, vec=t.vec))]
 
-    def _dense(self, L: FusedLayer) -> list[tuple]:
-        c, g, f, n = self.cfg, self.k_gemv, L.ffn, self.n
+    def _dense(self, L: FusedLayer, k: int) -> list[tuple]:
+        c, g, f = self.cfg, self.k_gemv, L.ffn
         return [
             ("mlp_gate_up+swiglu", lambda: g.gemv(
-                self.res, f.w_gate_up, self.act_dense, pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
-                eps=c.rms_norm_eps, m=n, **self.rows_shape(f.w_gate_up, f.w_gate_up.shape[0] // 2))),
+                self.res[:k], f.w_gate_up, self.act_dense[:k], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
+                eps=c.rms_norm_eps, m=k, **self.rows_shape(f.w_gate_up, f.w_gate_up.shape[0] // 2))),
             ("mlp_down", lambda: g.gemv(
-                self.act_dense, f.w_down, self.res, epi=g.EPI_RESIDUAL, m=n,
+                self.act_dense[:k], f.w_down, self.res[:k], epi=g.EPI_RESIDUAL, m=k,
                 **self.rows_shape(f.w_down, c.hidden_size)))]
 
-    def launch(self) -> None:
-        """Enqueue one batch step: every live slot b runs tok[b] at pos[b]; leaves its next token in tok[b],
-        pos[b] + 1 and (step << 32 | token) in its ring column."""
+    def launch(self, k: int | None = None) -> None:
+        """Enqueue one batch step over slots 0..k-1 (default: all): every live slot b runs tok[b] at pos[b];
+        leaves its next token in tok[b], pos[b] + 1 and (step << 32 | token) in its ring column."""
         with self.k_common.launch_options(self.pdl):
-            for s in self.plan():
+            for s in self.plan(k):
                 s.run()
         if self.control == "pinned-copy":  # the ring reaches the host by a copy node (gpu/control.py)
             self.ring_host.copy_(self.ring, non_blocking=True)

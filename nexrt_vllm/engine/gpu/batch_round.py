@@ -20,7 +20,8 @@ the end are junk no token comes from (the K/V caches carry M rows of slack, Stac
 
 Greedy requests without logprobs or grammar (the others decode on their slot engine's eager round).
 `BatchRoundRunner` is the host side: `join`, `step`, `leave` as gpu/batch_runner.py's, a step being
-one round (each request gets 1..M tokens from it).
+one round (each request gets 1..M tokens from it); as there, one graph per bucket of slots (1, 2, 4,
+... B: the first k slots, k * M rows), the smallest holding every live slot replayed.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch
 from nexrt_vllm.engine.decode_loop import DecodeLoop
 from nexrt_vllm.engine.errors import EngineError, InputError, NotBuiltError, StateError
 from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
-from nexrt_vllm.engine.gpu.batch_runner import SlotEvent
+from nexrt_vllm.engine.gpu.batch_runner import SlotEvent, bucket, row_buckets
 from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import Launch
 from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
@@ -97,7 +98,7 @@ class BatchRoundDecoder:
         if c.intermediate_size:
             self.act_dense = z(R, c.intermediate_size)
         self.logits = z(R, V, d=torch.float32)
-        self.lm_kw = self._rows_kw(batch.lm_head, V, R, self.t.lm_rows)
+        self.lm_kw = self._rows_kw(batch.lm_head, V, self.t.lm_rows)
         self.n_part = -(-V // self.lm_kw["block_n"])
         self.pmax, self.pidx = z(R, self.n_part, d=torch.float32), z(R, self.n_part, d=torch.int32)
         self.hn = z(R, H)  # final-normed hidden rows (the head's input)
@@ -123,7 +124,7 @@ class BatchRoundDecoder:
         self.fc_in, self.u = z(R, 2 * H), z(R, H)
         self.u1, self.g1 = z(n, H), z(n, H)
         self.sel, self.row0 = z(n, d=i64), torch.arange(n, device=dev, dtype=i64) * M
-        self.dlm_kw = self._rows_kw(self.draft_lm, self.draft_vocab, n, self.t.lm_rows)
+        self.dlm_kw = self._rows_kw(self.draft_lm, self.draft_vocab, self.t.lm_rows)
         self.dlogits = z(n, self.draft_vocab, d=torch.float32)
         self.n_dpart = -(-self.draft_vocab // self.dlm_kw["block_n"])
         self.dpmax, self.dpidx = z(n, self.n_dpart, d=torch.float32), z(n, self.n_dpart, d=torch.int32)
@@ -134,83 +135,92 @@ class BatchRoundDecoder:
         """(k, v, start) of `slot`'s head cache: what its eager Drafter is built over (spec/mtp.py)."""
         return self.draft_k[slot], self.draft_v[slot], self.draft_start[slot:slot + 1]
 
-    def _rows_kw(self, w, n_out: int, m: int, shape: RowsShape | None = None) -> dict:
-        """An m-row GEMV's keywords: `shape` (else the `gemv_rows` rule for n_out outputs), on the
-        tensor-core kernel past 8 rows (the fold keeps at most 8 rows in registers)."""
+    def _rows_kw(self, w, n_out: int, shape: RowsShape | None = None) -> dict:
+        """An M-row GEMV's keywords: `shape` (else the `gemv_rows` rule for n_out outputs), on the
+        tensor-core kernel when the round has more than 8 rows (the fold keeps at most 8 rows in
+        registers): every slot count runs the same kernels, so a request's arithmetic does not depend on
+        how many slots the replay covers."""
         s = shape or self.t.shape(n_out, rows=True)
-        if m > 8 and s.stages == 0:
+        if self.R > 8 and s.stages == 0:
             s = RowsShape(max(16, s.block_n), max(16, s.block_k), s.num_warps, 2)
         return gemv_kwargs(self.t, w, s)
 
     # ---- the round ---------------------------------------------------------------------------------
-    def plan(self) -> list[Launch]:
+    def plan(self, k: int | None = None) -> list[Launch]:
         """The round's launches in order (group names as the one-request round's: verify_* / accept /
-        commit / draft_* / chain_*)."""
-        b, c, R, g = self.b, self.cfg, self.R, self.b.k_gemv
-        steps = [Launch("verify_embed", None, lambda: torch.index_select(b.embed, 0, self.tok.view(-1), out=self.res))]
+        commit / draft_* / chain_*) over slots 0..k-1 (default: all; rows k*M.. and slots k.. are left out)."""
+        b, c, g, k = self.b, self.cfg, self.b.k_gemv, k or self.n
+        if not 1 <= k <= self.n:
+            raise EngineError(f"a batched round runs 1..{self.n} slots, got {k}")
+        R, live = k * self.M, self.live[:k]
+        steps = [Launch("verify_embed", None, lambda: torch.index_select(b.embed, 0, self.tok[:k].view(-1),
+                                                                         out=self.res[:R]))]
         for i, L in enumerate(b.layers):
-            mixer = self._gdn(i, L) if isinstance(L.mixer, GDNMixer) else self._attention(
-                L, self.res, self.pos, None, self.M, b.model.rope_cos, b.model.rope_sin)
-            steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + self._ffn(L, self.res, R, self.row_live)]
+            mixer = self._gdn(i, L, k) if isinstance(L.mixer, GDNMixer) else self._attention(
+                L, self.res[:R], self.pos[:k], None, self.M, k, b.model.rope_cos, b.model.rope_sin)
+            steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + self._ffn(L, self.res[:R], self.row_live[:R])]
         steps.append(Launch("verify_lm_head+argmax", None, lambda: g.gemv(
-            self.res, b.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=b.final_norm,
-            aux0=self.pmax, aux1=self.pidx, xn_out=self.hn, eps=c.rms_norm_eps, m=R, **self.lm_kw)))
+            self.res[:R], b.lm_head, self.logits[:R], pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=b.final_norm,
+            aux0=self.pmax[:R], aux1=self.pidx[:R], xn_out=self.hn[:R], eps=c.rms_norm_eps, m=R, **self.lm_kw)))
         steps.append(Launch("accept", None, lambda: self.k_spec.accept(
-            self.pmax, self.pidx, self.n_part, self.tok, self.y, self.pos, self.base, self.acc, self.step,
-            self.round, self.ring, self.rounds, RING, self.forced, live=self.live, max_len=self.states.max_seq_len)))
+            self.pmax[:R], self.pidx[:R], self.n_part, self.tok[:k], self.y[:k], self.pos[:k], self.base[:k],
+            self.acc[:k], self.step[:k], self.round[:k], self.ring, self.rounds, RING,
+            None if self.forced is None else self.forced[:k], live=live, max_len=self.states.max_seq_len)))
         for i in c.gdn_layers:
             st = self.states.gdn(i)
             steps.append(Launch("commit", i, lambda i=i, st=st: self.k_gdn.gdn_commit(
-                st.conv, st.rec, self.window[i], self.rec_after[i], self.acc, live=self.live)))
-        return steps + self._draft()
+                st.conv, st.rec, self.window[i][:k], self.rec_after[i][:k], self.acc[:k], live=live)))
+        return steps + self._draft(k)
 
-    def _gdn(self, i: int, L: FusedLayer):
-        c, t, m, eps, M, R, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.R, self.kr, \
-            self.b.k_gemv
-        st = self.states.gdn(i)
-        sh = self._rows_kw(m.w_in, m.w_in.shape[0], max(R, 9))
-        gated = self._rows_kw(m.w_out, c.hidden_size, R, t.gemv_gated_rows)
+    def _gdn(self, i: int, L: FusedLayer, k: int):
+        c, t, m, eps, M, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.kr, self.b.k_gemv
+        R, live, st = k * M, self.live[:k], self.states.gdn(i)
+        sh = self._rows_kw(m.w_in, m.w_in.shape[0])
+        if sh["dot"] == 0:  # the per-slot conv epilogue runs after the tensor-core loop only
+            sh = dict(sh, dot=2, block_n=max(16, sh["block_n"]), block_k=max(16, sh["block_k"]))
+        gated = self._rows_kw(m.w_out, c.hidden_size, t.gemv_gated_rows)
         return [
             ("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
-                self.res, m.w_in, self.buf, L.input_norm, st.conv, m.conv_w, self.window[i], self.live, m=M, eps=eps,
-                conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
+                self.res[:R], m.w_in, self.buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
+                eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
                 num_warps=sh["num_warps"], stages=sh["dot"])),
             ("gdn_step", lambda: kr.gdn_verify_rows(
-                self.buf, st.rec, self.rec_after[i], self.o, m.a_log, m.dt_bias, self.live, m=M,
+                self.buf[:R], st.rec, self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias, live, m=M,
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
                 head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
                 num_warps=t.gdn_warps)),
             ("gdn_out_proj", lambda: g.gemv(
-                self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
-                z=self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=R,
+                self.o[:R], m.w_out, self.res[:R], pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
+                z=self.buf[:R, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=R,
                 **gated))]
 
-    def _attention(self, L: FusedLayer, x, pos, start, m: int, cos, sin):
-        """A full-attention mixer over each slot's m rows of x at positions pos[b]..pos[b]+m-1 (the target's
-        layers; the head's over its own caches, `start` its first valid rows)."""
+    def _attention(self, L: FusedLayer, x, pos, start, m: int, k: int, cos, sin):
+        """A full-attention mixer over each of slots 0..k-1's m rows of x at positions pos[b]..pos[b]+m-1 (the
+        target's layers; the head's over its own caches, `start` their first valid rows)."""
         c, t, a, eps, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.kr, self.b.k_gemv
-        rows = self.n * m
+        rows, live = k * m, self.live[:k]
         buf, q, o = self.buf[:rows], self.q[:rows], self.o[:rows]
-        qkv_kw = self._rows_kw(a.w_qkv, a.w_qkv.shape[0], rows)
-        o_kw = self._rows_kw(a.w_o, c.hidden_size, rows)
+        scratch = {name: t_[:k] for name, t_ in self.attn_scratch.items()}
+        qkv_kw = self._rows_kw(a.w_qkv, a.w_qkv.shape[0])
+        o_kw = self._rows_kw(a.w_o, c.hidden_size)
         return [
             ("attn_qkv_proj", lambda: g.gemv(x, a.w_qkv, buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, m=rows,
                                              **qkv_kw)),
             ("attn_qknorm_rope_kvwrite", lambda: kr.qk_rope_rows(
-                buf, q, a.state.k, a.state.v, a.q_norm, a.k_norm, cos, sin, pos, self.live, m=m,
+                buf, q, a.state.k, a.state.v, a.q_norm, a.k_norm, cos, sin, pos, live, m=m,
                 num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
                 eps=eps)),
             ("attn_splitk+combine", lambda: kr.attention_verify_rows(
-                q, a.state.k, a.state.v, pos, self.live, buf, o, **self.attn_scratch, m=m, num_heads=c.num_heads,
+                q, a.state.k, a.state.v, pos, live, buf, o, **scratch, m=m, num_heads=c.num_heads,
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.attn_splits,
                 block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(o, a.w_o, x, epi=g.EPI_RESIDUAL, m=rows, **o_kw))]
 
-    def _ffn(self, L: FusedLayer, x, m: int, live):
-        """The FFN over the first m rows of x (`live` [m]: which rows' experts run)."""
-        c, t, ff, eps, g = self.cfg, self.t, L.ffn, self.cfg.rms_norm_eps, self.b.k_gemv
+    def _ffn(self, L: FusedLayer, x, live):
+        """The FFN over the rows of x (`live`, one word per row: which rows' experts run)."""
+        c, t, ff, eps, g, m = self.cfg, self.t, L.ffn, self.cfg.rms_norm_eps, self.b.k_gemv, x.shape[0]
         if isinstance(ff, MoEFFN):
-            router_kw = self._rows_kw(ff.w_router, ff.w_router.shape[0], m)
+            router_kw = self._rows_kw(ff.w_router, ff.w_router.shape[0])
             return [("moe_router", lambda: g.gemv(
                         x, ff.w_router, self.router_logits[:m], pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
                         xn_out=self.xn[:m], m=m, **router_kw)),
@@ -220,55 +230,56 @@ class BatchRoundDecoder:
                         block_n=t.moe.block_n, block_k=t.moe.block_k, down_block_n=t.moe_down.block_n,
                         down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps,
                         down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))]
-        up_kw = self._rows_kw(ff.w_gate_up, ff.w_gate_up.shape[0] // 2, m)
-        down_kw = self._rows_kw(ff.w_down, c.hidden_size, m)
+        up_kw = self._rows_kw(ff.w_gate_up, ff.w_gate_up.shape[0] // 2)
+        down_kw = self._rows_kw(ff.w_down, c.hidden_size)
         return [
             ("mlp_gate_up+swiglu", lambda: g.gemv(
                 x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
                 eps=eps, m=m, **up_kw)),
             ("mlp_down", lambda: g.gemv(self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m, **down_kw))]
 
-    def _draft(self) -> list[Launch]:
-        """The head's launches: its pass over every slot's M rows, each slot's pick, then the chained
-        steps, one row per slot (groups draft_* / chain_*)."""
-        c, M, R, n, g, w, ks = self.cfg, self.M, self.R, self.n, self.b.k_gemv, self.w, self.k_spec
-        eps = c.rms_norm_eps
-        fc_kw = {m: self._rows_kw(w.fc, c.hidden_size, m) for m in (R, n)}
+    def _draft(self, k: int) -> list[Launch]:
+        """The head's launches over slots 0..k-1: its pass over every slot's M rows, each slot's pick, then the
+        chained steps, one row per slot (groups draft_* / chain_*)."""
+        c, M, g, w, ks = self.cfg, self.M, self.b.k_gemv, self.w, self.k_spec
+        R, live, eps = k * M, self.live[:k], c.rms_norm_eps
+        start, u, u1, g1 = self.draft_start[:k], self.u[:R], self.u1[:k], self.g1[:k]
 
-        def head(x, fc_in, tok, hidden, pos, m, live):
-            rows = n * m
+        def head(x, fc_in, tok, hidden, pos, m, live_rows):
+            fc_kw = self._rows_kw(w.fc, c.hidden_size)
             steps = [("input", lambda: ks.mtp_input(tok, w.embed, hidden, w.pre_fc_norm_embedding,
                                                     w.pre_fc_norm_hidden, fc_in, eps)),
-                     ("fc", lambda: g.gemv(fc_in, w.fc, x, m=rows, **fc_kw[rows]))]
-            steps += self._attention(self.head, x, pos, self.draft_start, m, self.draft_cos, self.draft_sin)
-            return steps + self._ffn(self.head, x, rows, live)
+                     ("fc", lambda: g.gemv(fc_in, w.fc, x, m=x.shape[0], **fc_kw))]
+            steps += self._attention(self.head, x, pos, start, m, k, self.draft_cos, self.draft_sin)
+            return steps + self._ffn(self.head, x, live_rows)
 
-        def pick(k):
+        def pick(j):
             return [("lm_head+argmax", lambda: g.gemv(
-                        self.u1, self.draft_lm, self.dlogits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
-                        aux0=self.dpmax, aux1=self.dpidx, xn_out=self.g1, eps=eps, m=n, n=self.draft_vocab,
+                        u1, self.draft_lm, self.dlogits[:k], pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
+                        aux0=self.dpmax[:k], aux1=self.dpidx[:k], xn_out=g1, eps=eps, m=k, n=self.draft_vocab,
                         **self.dlm_kw)),
-                    ("pick", lambda: ks.draft_pick(self.dpmax, self.dpidx, self.n_dpart, self.tok, self.dtok,
-                                                   self.base, self.acc, self.dpos, k, self.draft_ids,
-                                                   live=self.live))]
+                    ("pick", lambda: ks.draft_pick(self.dpmax[:k], self.dpidx[:k], self.n_dpart, self.tok[:k],
+                                                   self.dtok[:k], self.base[:k], self.acc[:k], self.dpos[:k], j,
+                                                   self.draft_ids, live=live))]
 
         def select():  # u1[b] = u[b * M + acc[b]] (a slot whose round emitted nothing: its row 0, junk)
-            torch.clamp(self.acc, min=0, out=self.sel)
-            self.sel.add_(self.row0)
-            torch.index_select(self.u, 0, self.sel, out=self.u1)
+            torch.clamp(self.acc[:k], min=0, out=self.sel[:k])
+            self.sel[:k].add_(self.row0[:k])
+            torch.index_select(u, 0, self.sel[:k], out=u1)
 
         # each slot's rows base..base+M-1 from (hidden_j, y_j); its row acc drafts d_1
-        steps = head(self.u, self.fc_in, self.y.view(-1), self.hn, self.base, M, self.row_live)
+        steps = head(u, self.fc_in[:R], self.y[:k].reshape(-1), self.hn[:R], self.base[:k], M, self.row_live[:R])
         steps.append(("select", select))
         out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + pick(1)]
-        for k in range(1, M - 1):  # chained: (g, d_k) at row base + acc + k drafts d_{k+1}
-            steps = head(self.u1, self.fc_in[:n], self.dtok, self.g1, self.dpos, 1, self.live) + pick(k + 1)
+        for j in range(1, M - 1):  # chained: (g, d_j) at row base + acc + j drafts d_{j+1}
+            steps = head(u1, self.fc_in[:k], self.dtok[:k], g1, self.dpos[:k], 1, live) + pick(j + 1)
             out += [Launch("chain_" + grp, None, fn) for grp, fn in steps]
         return out
 
-    def launch(self) -> None:
+    def launch(self, k: int | None = None) -> None:
+        """Enqueue one round over slots 0..k-1 (default: all)."""
         with self.b.k_common.launch_options(self.b.pdl):
-            for s in self.plan():
+            for s in self.plan(k):
                 s.run()
         if self.b.control == "pinned-copy":  # the rings reach the host by copy nodes (gpu/control.py)
             self.ring_host.copy_(self.ring, non_blocking=True)
@@ -301,7 +312,9 @@ class BatchRoundRunner:
         if len(speculators) != self.n:
             raise EngineError(f"{self.n} slots need {self.n} speculators, got {len(speculators)}")
         self.speculators = speculators
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.buckets = row_buckets(self.n, 1)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its round graph
+        self.bucket_replays = dict.fromkeys(self.buckets, 0)
         self.requests: list[_Request | None] = [None] * self.n
         self._live = [False] * self.n
         self._rounds = [int(x) for x in decoder.round.tolist()]  # enqueued rounds per slot (device counter after)
@@ -322,12 +335,18 @@ class BatchRoundRunner:
         """Compile and capture the round graph (CUDA; on the CPU each replay runs the launches in order).
         The warm-up round runs with no slot live: no state, counter or ring changes."""
         d = self.d
-        if self.graph is not None or d.states.device.type != "cuda":
+        if self.graphs or d.states.device.type != "cuda":
             return
         d.live.zero_()
         d.row_live.zero_()
         self._live = [False] * self.n
-        self.graph = capture_graph(d.launch, (d.step, d.round, d.tok, d.pos), ())
+        for k in self.buckets:
+            self.graphs[k] = capture_graph(lambda k=k: d.launch(k), (d.step, d.round, d.tok, d.pos), ())
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The round graph over every slot (None before `capture`, or on the CPU)."""
+        return self.graphs.get(self.n)
 
     # ---- requests ------------------------------------------------------------------------------------
     def join(self, slot: int, first_token: int, params) -> str | None:
@@ -465,11 +484,13 @@ class BatchRoundRunner:
                 d.live[b].fill_(int(want[b]))
                 d.row_live[b * M:(b + 1) * M].fill_(int(want[b]))
                 self._live[b] = want[b]
-        if self.graph is not None:
-            self.graph.replay()
+        k = bucket(self.buckets, max(r.slot for r in reqs) + 1)
+        if self.graphs:
+            self.graphs[k].replay()
         else:
-            d.launch()
+            d.launch(k)
         self.replays += 1
+        self.bucket_replays[k] += 1
         entry = []
         for r in reqs:
             r.pending += 1

@@ -1,9 +1,11 @@
 """The batch runner: one captured CUDA graph steps every live request slot once (`--max-batch`).
 
-`BatchRunner` captures a `BatchDecoder` step (gpu/batch_decoder.py) over all B slots in one graph;
-which slots step is the device mask `live`, so requests join and leave between replays without a
-new capture, and a slot that is not live costs its rows of the GEMVs (no weight bytes) and nothing
-else. The host keeps one replay in flight ahead of the one it reads (as gpu/runner.py does for one
+`BatchRunner` captures a `BatchDecoder` step (gpu/batch_decoder.py) over the first k slots for each
+bucket k of `buckets` (2, 4, 8, ... up to B) and replays the smallest bucket that holds every live
+slot (the node admits into the lowest free slot), so a few requests on a large node pay for few
+rows; which slots step is the device mask `live`, so requests join and leave between replays
+without a new capture, and a slot that is not live costs its rows of the GEMVs (no weight bytes)
+and nothing else. The host keeps one replay in flight ahead of the one it reads (as gpu/runner.py does for one
 request), reads each live slot's token from its column of the control ring and applies that
 request's stop rules (engine/decode_loop.py). A request never runs past its room (max_tokens and
 the context): a replay includes a slot only while the request may still take a token, so the one
@@ -30,6 +32,20 @@ from nexrt_vllm.engine.gpu.runner import capture_graph
 from nexrt_vllm.engine.state import DecodeState
 
 
+def row_buckets(n: int, least: int) -> list[int]:
+    """The slot counts a batch graph is captured for: least, 2 x least, ... below n, and n."""
+    out, k = [], least
+    while k < n:
+        out.append(k)
+        k *= 2
+    return out + [n]
+
+
+def bucket(buckets: list[int], slots: int) -> int:
+    """The smallest bucket holding `slots` slots (0..slots-1)."""
+    return next(k for k in buckets if k >= slots)
+
+
 @dataclass(frozen=True)
 class SlotEvent:
     """What one batch step gave a slot's request: its token, and the finish reason when the request ended
@@ -53,7 +69,9 @@ class BatchRunner:
 
     def __init__(self, decoder: BatchDecoder, timeout_s: float = 60.0):
         self.d, self.n, self.timeout_s = decoder, decoder.n, timeout_s
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.buckets = row_buckets(self.n, 2)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its step graph
+        self.bucket_replays = dict.fromkeys(self.buckets, 0)
         self.requests: list[_Request | None] = [None] * self.n
         self._live = [False] * self.n  # the host's copy of d.live
         self._inflight: deque[tuple[int, list[_Request]]] = deque()  # (step number, its live requests)
@@ -70,12 +88,18 @@ class BatchRunner:
         warm-up step runs with no slot live, so it leaves every slot's state, token and position as
         they were; the step counter and the ring are put back."""
         d = self.d
-        if self.graph is not None or d.states.device.type != "cuda":
+        if self.graphs or d.states.device.type != "cuda":
             return
         d.live.zero_()
         self._live = [False] * self.n
-        self.graph = capture_graph(d.launch, (d.step, d.tok, d.pos), (d.ring, d.ring_host))
+        for k in self.buckets:
+            self.graphs[k] = capture_graph(lambda k=k: d.launch(k), (d.step, d.tok, d.pos), (d.ring, d.ring_host))
         self._step = int(d.step.item())
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The graph over every slot (None before `capture`, or on the CPU)."""
+        return self.graphs.get(self.n)
 
     # ---- requests ------------------------------------------------------------------------------------
     def join(self, slot: int, first_token: int, params) -> str | None:
@@ -164,10 +188,12 @@ class BatchRunner:
             if want[b] != self._live[b]:
                 d.live[b].fill_(int(want[b]))
                 self._live[b] = want[b]
-        if self.graph is not None:
-            self.graph.replay()
+        k = bucket(self.buckets, max(r.slot for r in reqs) + 1)
+        if self.graphs:
+            self.graphs[k].replay()
         else:
-            d.launch()
+            d.launch(k)
         self.replays += 1
+        self.bucket_replays[k] += 1
         self._step += 1
         self._inflight.append((self._step, reqs))

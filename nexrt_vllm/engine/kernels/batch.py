@@ -215,10 +215,10 @@ def moe_down_rows_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr,
 
 @triton.jit
 def finish_rows_kernel(pmax_ptr, pidx_ptr, NP, stride_p, live_ptr, tok_ptr, pos_ptr, step_ptr, ring_ptr, RING,
-                       B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program: per live slot b the greedy token of row b (its NP (max, argmax) partials at row stride
-    stride_p; ties -> lowest id), stored as b's next input token, pos[b] + 1, and (step << 32 | token)
-    in ring [RING, B] at ((step - 1) % RING, b), one 8-byte store; then the step counter + 1."""
+                       RING_B, B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program: per live slot b < B the greedy token of row b (its NP (max, argmax) partials at row
+    stride stride_p; ties -> lowest id), stored as b's next input token, pos[b] + 1, and (step << 32 |
+    token) in ring [RING, RING_B] at ((step - 1) % RING, b), one 8-byte store; then the step counter + 1."""
     pdl_begin(PDL)
     step = tl.load(step_ptr) + 1
     for b in tl.static_range(B):
@@ -226,7 +226,7 @@ def finish_rows_kernel(pmax_ptr, pidx_ptr, NP, stride_p, live_ptr, tok_ptr, pos_
             tok = argmax_partials(pmax_ptr + b * stride_p, pidx_ptr + b * stride_p, NP, BLOCK)
             tl.store(tok_ptr + b, tok.to(tok_ptr.dtype.element_ty))
             tl.store(pos_ptr + b, tl.load(pos_ptr + b) + 1)
-            tl.store(ring_ptr + ((step - 1) % RING) * B + b, (step.to(tl.int64) << 32) | tok.to(tl.int64))
+            tl.store(ring_ptr + ((step - 1) % RING) * RING_B + b, (step.to(tl.int64) << 32) | tok.to(tl.int64))
     tl.store(step_ptr, step)
 
 
@@ -343,10 +343,11 @@ def moe_experts_rows(xn, res, logits, gate_up, shared_gate_up, down, shared_down
 
 
 def finish_rows(pmax, pidx, n_partials, live, tok, pos, step, ring):
-    """`finish_rows_kernel`: pmax / pidx [B, >= n_partials] (one row stride), ring [RING, B] int64."""
+    """`finish_rows_kernel`: pmax / pidx [B, >= n_partials] (one row stride), ring [RING, >= B] int64 (a
+    column per slot of the node; these B slots are its first)."""
     b = tok.numel()
-    if ring.dim() != 2 or ring.shape[1] != b or not ring.is_contiguous():
-        raise ValueError(f"finish_rows: the ring must be [RING, {b}] contiguous, got {tuple(ring.shape)}")
+    if ring.dim() != 2 or ring.shape[1] < b or not ring.is_contiguous():
+        raise ValueError(f"finish_rows: the ring must be [RING, >= {b}] contiguous, got {tuple(ring.shape)}")
     block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
-    finish_rows_kernel[(1,)](pmax, pidx, n_partials, _rows(pmax), live, tok, pos, step, ring, ring.shape[0], B=b,
-                             BLOCK=block, **LAUNCH, num_warps=8 if block >= 4096 else 4)
+    finish_rows_kernel[(1,)](pmax, pidx, n_partials, _rows(pmax), live, tok, pos, step, ring, ring.shape[0],
+                             ring.shape[1], B=b, BLOCK=block, **LAUNCH, num_warps=8 if block >= 4096 else 4)

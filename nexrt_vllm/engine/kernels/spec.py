@@ -79,8 +79,8 @@ def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, roun
     emits them as they are, then the target's token after them (engine/spec/synthetic.py).
 
     B request slots (`live`, int32 [B]: the batched round, engine/gpu/batch_round.py): tok / y [B, M],
-    the partials [B*M, n_partials], pos / base / acc / step / rnd [B], ring and rounds [RING, B] (a
-    column per slot), forced [B, NF]; a slot whose live word is 0 is left as it is. `max_len`: no slot
+    the partials [B*M, n_partials], pos / base / acc / step / rnd [B], ring and rounds [RING, >= B] (a
+    column per slot of the node, these B its first), forced [B, NF]; a slot whose live word is 0 is left as it is. `max_len`: no slot
     emits a token past it (a <= max_len - pos - 1; a slot already full emits none, acc = -1)."""
     b = live.numel() if live is not None else 1
     m = tok.numel() // b
@@ -89,7 +89,8 @@ def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, roun
     accept_kernel[(b,)](pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, rounds, ring_slots,
                         forced if synth else rnd, forced.shape[-1] if synth else 1, live if live is not None else rnd,
                         max_len if max_len is not None else 1 << 62, M=m, MP=max(triton.next_power_of_2(m), 2),
-                        BLOCK=block, SYNTH=synth, HAS_LIVE=live is not None, RING_B=b, ASM=ASM, **LAUNCH,
+                        BLOCK=block, SYNTH=synth, HAS_LIVE=live is not None, RING_B=ring.shape[1] if ring.dim() == 2 else 1, ASM=ASM,
+                        **LAUNCH,
                         num_warps=8 if block >= 4096 else 4)
 
 
