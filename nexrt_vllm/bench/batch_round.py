@@ -26,21 +26,9 @@ GOLDEN = {3: 3.39, 4: 3.97}  # InferenceX's pinned acceptance length by drafts p
 
 def _groups(rd, reps: int = 20) -> dict:
     """Device time of each launch group of the batched round (its launches back to back in one graph)."""
-    groups: dict[str, list] = {}
-    for s in rd.plan():
-        groups.setdefault(s.group, []).append(s.run)
-    saved = [(t, t.clone()) for t in (rd.pos, rd.tok, rd.step, rd.round, rd.acc, rd.base)]
-    out = {}
-    for name, fns in groups.items():
-        gr = S.capture_launches(fns, lambda: rd.b.k_common.launch_options(rd.b.pdl))
-        for t, x in saved:
-            t.copy_(x)
-        sec = statistics.median(S.time_replays(gr, reps))
-        for t, x in saved:
-            t.copy_(x)
-        out[name] = {"launches": len(fns), "us_per_round": sec * 1e6}
-        del gr
-    return out
+    times = S.group_times(rd.plan(), lambda: rd.b.k_common.launch_options(rd.b.pdl),
+                          (rd.pos, rd.tok, rd.step, rd.round, rd.acc, rd.base), reps)
+    return {name: {"launches": n, "us_per_round": sec * 1e6} for name, (n, sec) in times.items()}
 
 
 def _time(graph, pos: torch.Tensor, ctx: int, reps: int) -> float:

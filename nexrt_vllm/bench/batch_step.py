@@ -79,19 +79,8 @@ def batch_bytes(bd, n: int, live: int, distinct: dict[int, int]) -> dict[str, in
 def batch_groups(bd, reps: int = 20) -> dict:
     """Device time of each launch group of the batch step (every launch of the group back to back in one
     graph, as step.kernel_groups does for the one-request step)."""
-    groups: dict[str, list] = {}
-    for s in bd.plan():
-        groups.setdefault(s.group, []).append(s.run)
-    saved = [(t, t.clone()) for t in (bd.pos, bd.tok, bd.step)]
-    out = {}
-    for name, fns in groups.items():
-        gr = S.capture_launches(fns, lambda: bd.k_common.launch_options(bd.pdl))
-        sec = statistics.median(S.time_replays(gr, reps))
-        for t, x in saved:
-            t.copy_(x)
-        out[name] = {"launches": len(fns), "us_per_step": sec * 1e6}
-        del gr
-    return out
+    times = S.group_times(bd.plan(), lambda: bd.k_common.launch_options(bd.pdl), (bd.pos, bd.tok, bd.step), reps)
+    return {name: {"launches": n, "us_per_step": sec * 1e6} for name, (n, sec) in times.items()}
 
 
 def _fill_slots(states, ctx: int, gen: torch.Generator) -> None:

@@ -112,22 +112,9 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
 def round_groups(sd, nb: dict, reps: int = 20) -> dict:
     """Device time of each launch group of the round (every launch of the group back to back in one
     graph, as step.kernel_groups does for the step), with the bytes `round_bytes` counts for it."""
-    groups: dict[str, list] = {}
-    for s in sd.plan():
-        groups.setdefault(s.group, []).append(s.run)
-    saved = [(t, t.clone()) for t in [sd.f.state.position, sd.f.step, sd.tokens, sd.round]]
-    out = {}
-    for name, fns in groups.items():
-        gr = S.capture_launches(fns, sd.f.launch_options)
-        for t, x in saved:
-            t.copy_(x)
-        sec = statistics.median(S.time_replays(gr, reps))
-        for t, x in saved:
-            t.copy_(x)
-        out[name] = {"launches": len(fns), "us_per_round": sec * 1e6, "bytes_per_round": nb.get(name, 0),
-                     "GBps": nb.get(name, 0) / sec / 1e9}
-        del gr
-    return out
+    times = S.group_times(sd.plan(), sd.f.launch_options, [sd.f.state.position, sd.f.step, sd.tokens, sd.round], reps)
+    return {name: {"launches": n, "us_per_round": sec * 1e6, "bytes_per_round": nb.get(name, 0),
+                   "GBps": nb.get(name, 0) / sec / 1e9} for name, (n, sec) in times.items()}
 
 
 def capture(eng, tuning, draft_vocab):

@@ -158,6 +158,25 @@ def bytes_per_step(d, seq_len: int) -> dict[str, int]:
     return out
 
 
+def group_times(steps, options, saved, reps: int = 20) -> dict[str, tuple[int, float]]:
+    """Per launch group of `steps` (Launch records): (its launches, their median device time in s) back to
+    back in one graph, run under `options()`; the tensors of `saved` put back around each group's run."""
+    groups: dict[str, list] = {}
+    for s in steps:
+        groups.setdefault(s.group, []).append(s.run)
+    keep = [(t, t.clone()) for t in saved]
+    out = {}
+    for name, fns in groups.items():
+        gr = capture_launches(fns, options)
+        for t, x in keep:
+            t.copy_(x)
+        out[name] = (len(fns), statistics.median(time_replays(gr, reps)))
+        for t, x in keep:
+            t.copy_(x)
+        del gr
+    return out
+
+
 def kernel_groups(d, reps: int = 20) -> dict:
     """Device time of each kernel group of the fused step: the group's launches for every layer back
     to back in one graph (weights stream from HBM as in a real step), with the bytes they move."""

@@ -129,3 +129,23 @@ def test_draft_token_map(ckpt_factory):
     eng.speculative.rounds = [0] * (K + 2)
     assert list(eng.stream(first, SamplingParams(max_tokens=5, ignore_eos=True))) == want[:4]
     assert eng.speculative.rounds == [0, 3, 0, 0, 0], eng.speculative.rounds
+
+
+def test_four_drafts(ckpt_factory):
+    """M = 5 verify positions (4 drafts, InferenceX's other golden draft count): the round graph's tokens
+    equal the one-token loop's and its rounds the eager speculative loop's."""
+    path = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
+    plain = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
+    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
+    eng.enable_speculative("mtp", 4)
+    prompt, sp = periodic_prompt(30, seed=16), SamplingParams(max_tokens=11, ignore_eos=True)
+    first = int(plain.prefill(prompt).argmax())
+    want = list(plain.stream(first, sp))
+    eng.prefill(prompt)
+    assert list(eng.stream(first, sp)) == want
+    eager_rounds, eng.speculative.rounds = eng.speculative.rounds, [0] * 6
+    runner = on_graph_path(eng)
+    assert runner.M == 5
+    eng.prefill(prompt)
+    assert list(eng.stream(first, sp)) == want
+    assert eng.speculative.rounds == eager_rounds and max(k for k, c in enumerate(eager_rounds) if c) >= 3, eager_rounds

@@ -123,6 +123,10 @@ SPEC_VARIANTS = [
     ("rows_router_xn_prefetch", gemv.gemv_rows_kernel,
      dict(R, PRO=1, EPI=0, STORE_XN=True, BLOCK_N=4, BLOCK_K=1024, PRE=2), 4, {}, ALIGN_R),
     ("rows_m3_conv", gemv.gemv_rows_kernel, dict(R, M=3, MP=4, PRO=1, EPI=3, BLOCK_N=8, PRE=0), 4, {}, ALIGN_R),
+    # 4 drafts: M = 5 verify rows (padded to 8)
+    ("rows_m5_conv", gemv.gemv_rows_kernel, dict(R, M=5, MP=8, PRO=1, EPI=3, BLOCK_N=8, PRE=0), 4, {}, ALIGN_R),
+    ("rows_m5_gated_residual_prefetch", gemv.gemv_rows_kernel,
+     dict(R, M=5, MP=8, PRO=2, EPI=1, GROUP=128, KP=4096, BLOCK_N=8, BLOCK_K=1024, PRE=2), 8, {}, ALIGN_R),
     # the tensor-core M-row kernel at the Tuning defaults (gemv_rows, lm_rows: rows, K block, warps, stages)
     ("rows_dot_swiglu", gemv.gemv_rows_dot_kernel, dict(RD, PRO=1, EPI=2, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
     ("rows_dot_residual", gemv.gemv_rows_dot_kernel, dict(RD, PRO=0, EPI=1, KP=8192, STAGES=5), 1, {}, ALIGN_R),
@@ -150,6 +154,8 @@ SPEC_VARIANTS = [
     # pinned acceptance (engine/spec/synthetic.py): the accepted count read from the host-filled ring
     ("accept_synthetic", spec.accept_kernel, dict(M=4, MP=4, BLOCK=16384, ASM=True, SYNTH=True, HAS_LIVE=False,
                                                   RING_B=1), 8, SPEC_T, ()),
+    ("accept_m5", spec.accept_kernel, dict(M=5, MP=8, BLOCK=16384, ASM=True, SYNTH=False, HAS_LIVE=False, RING_B=1), 8,
+     SPEC_T, ()),
     ("mtp_input", spec.mtp_input_kernel, dict(HP=2048), 4, SPEC_T, ()),
     ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192, HAS_MAP=False, HAS_LIVE=False), 8, SPEC_T, ()),
     # a draft token map (engine/spec/draft_vocab.py): the argmax index mapped to its token id
@@ -276,7 +282,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 58 + 40 + 24 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 64 + 40 + 24 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):

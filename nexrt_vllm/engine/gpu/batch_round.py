@@ -26,19 +26,17 @@ one round (each request gets 1..M tokens from it); as there, one graph per bucke
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from nexrt_vllm.engine.decode_loop import DecodeLoop
-from nexrt_vllm.engine.errors import EngineError, InputError, NotBuiltError, StateError
+from nexrt_vllm.engine.errors import EngineError, NotBuiltError
 from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
-from nexrt_vllm.engine.gpu.batch_runner import SlotEvent, bucket, row_buckets
+from nexrt_vllm.engine.gpu.batch_runner import SlotEvent, SlotRunner
 from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import Launch
 from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
-from nexrt_vllm.engine.gpu.runner import capture_graph
 from nexrt_vllm.engine.gpu.spec_round import SYNTHETIC_ROUNDS
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
 from nexrt_vllm.engine.model import rope_tables
@@ -298,7 +296,7 @@ class _Request:
     placeholder: bool = False  # its first round's drafts are not the head's (not an acceptance sample)
 
 
-class BatchRoundRunner:
+class BatchRoundRunner(SlotRunner):
     """The batched round graph over a `BatchRoundDecoder` and the host side of its slots: `join`, `step`,
     `leave` (gpu/batch_runner.py's contract; one step is one round, 1..M tokens per request).
 
@@ -307,46 +305,35 @@ class BatchRoundRunner:
     record). Records of rounds still in flight when a request leaves are read before its slot's
     next request joins, so the mirrors stay exact."""
 
+    least = 1  # one slot's round is M rows
+    what = "batched round"
+
     def __init__(self, decoder: BatchRoundDecoder, speculators: list, timeout_s: float = 60.0):
-        self.d, self.n, self.timeout_s = decoder, decoder.n, timeout_s
+        super().__init__(decoder, timeout_s)
         if len(speculators) != self.n:
             raise EngineError(f"{self.n} slots need {self.n} speculators, got {len(speculators)}")
         self.speculators = speculators
-        self.buckets = row_buckets(self.n, 1)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its round graph
-        self.bucket_replays = dict.fromkeys(self.buckets, 0)
-        self.requests: list[_Request | None] = [None] * self.n
-        self._live = [False] * self.n
         self._rounds = [int(x) for x in decoder.round.tolist()]  # enqueued rounds per slot (device counter after)
         self._read = list(self._rounds)  # rounds whose record the host read, per slot
         self._steps = [int(x) for x in decoder.step.tolist()]  # tokens emitted per slot, as read
         self._inflight: deque[list[tuple[int, int, _Request]]] = deque()  # per replay: (slot, round, request)
-        self.replays = 0
-
-    @property
-    def busy(self) -> list[int]:
-        return [b for b, r in enumerate(self.requests) if r is not None]
 
     @property
     def M(self) -> int:
         return self.d.M
 
     def capture(self) -> None:
-        """Compile and capture the round graph (CUDA; on the CPU each replay runs the launches in order).
+        """Compile and capture the round graphs (CUDA; on the CPU each replay runs the launches in order).
         The warm-up round runs with no slot live: no state, counter or ring changes."""
         d = self.d
-        if self.graphs or d.states.device.type != "cuda":
-            return
-        d.live.zero_()
-        d.row_live.zero_()
-        self._live = [False] * self.n
-        for k in self.buckets:
-            self.graphs[k] = capture_graph(lambda k=k: d.launch(k), (d.step, d.round, d.tok, d.pos), ())
+        self._capture((d.step, d.round, d.tok, d.pos), ())
 
-    @property
-    def graph(self) -> torch.cuda.CUDAGraph | None:
-        """The round graph over every slot (None before `capture`, or on the CPU)."""
-        return self.graphs.get(self.n)
+    def _set_live(self, want: list[bool], force: bool = False) -> None:
+        M = self.M
+        for b in range(self.n):  # the rows' words (the MoE experts') with the slots'
+            if force or want[b] != self._live[b]:
+                self.d.row_live[b * M:(b + 1) * M].fill_(int(want[b]))
+        super()._set_live(want, force)
 
     # ---- requests ------------------------------------------------------------------------------------
     def join(self, slot: int, first_token: int, params) -> str | None:
@@ -356,15 +343,8 @@ class BatchRoundRunner:
         else placeholders (exact either way). Returns None, or the finish reason when the request ends
         before any token. Greedy without logprobs only."""
         d = self.d
-        if not (params.greedy and params.logprobs is None):
-            raise EngineError("the batched round decodes greedy requests without logprobs (temperature 0, no logprobs)")
-        if not 0 <= slot < self.n or self.requests[slot] is not None:
-            raise EngineError(f"slot {slot} is not a free slot of this batch ({self.n} slots, busy {self.busy})")
-        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < d.cfg.vocab_size:
-            raise InputError(f"first_token must be an int in [0, {d.cfg.vocab_size}), got {first_token!r}")
-        st, spec = d.states.states[slot], self.speculators[slot]
-        if st.seq_len == 0:
-            raise StateError(f"slot {slot}: its state is empty (load a hand-off or prefill first)")
+        st = self._check_join(slot, first_token, params)
+        spec = self.speculators[slot]
         self._drain(slot)
         rows, ctx_hidden = spec.take_context(st.seq_len)
         loop = DecodeLoop(params, d.cfg.eos_token_ids)
@@ -394,11 +374,6 @@ class BatchRoundRunner:
             d.forced[slot].index_copy_(0, at, torch.tensor(counts, dtype=torch.int64, device=d.forced.device))
         self.requests[slot] = _Request(slot, loop, st, spec, need, placeholder=drafts is None)
         return None
-
-    def leave(self, slot: int) -> None:
-        """End the request in `slot`: no later round includes it; the tokens of rounds already in flight
-        for it are dropped. The slot is free at once."""
-        self.requests[slot] = None
 
     def _drain(self, slot: int) -> None:
         """Read the records of `slot`'s rounds still in flight (its previous request's)."""
@@ -456,41 +431,14 @@ class BatchRoundRunner:
                     break
         return events
 
-    def generate(self, slot: int, first_token: int, params) -> Iterator[int]:
-        """One request's tokens (`join`, then `step` until it ends), the other slots idle."""
-        if self.busy:
-            raise EngineError(f"generate runs one request alone; slots {self.busy} are decoding")
-        if self.join(slot, first_token, params) is not None:
-            return
-        while True:
-            for ev in self.step():
-                yield ev.token
-                if ev.finish_reason is not None:
-                    return
-
     # ---- replays -------------------------------------------------------------------------------------
     def _enqueue(self) -> None:
         """Enqueue one round over the requests that may still take a token (each round in flight gives
         at least one): none, nothing."""
-        d, M = self.d, self.M
         reqs = [r for r in self.requests if r is not None and r.got + r.pending < r.need]
         if not reqs:
             return
-        want = [False] * self.n
-        for r in reqs:
-            want[r.slot] = True
-        for b in range(self.n):
-            if want[b] != self._live[b]:
-                d.live[b].fill_(int(want[b]))
-                d.row_live[b * M:(b + 1) * M].fill_(int(want[b]))
-                self._live[b] = want[b]
-        k = bucket(self.buckets, max(r.slot for r in reqs) + 1)
-        if self.graphs:
-            self.graphs[k].replay()
-        else:
-            d.launch(k)
-        self.replays += 1
-        self.bucket_replays[k] += 1
+        self._replay([r.slot for r in reqs])
         entry = []
         for r in reqs:
             r.pending += 1

@@ -64,18 +64,21 @@ class _Request:
     pending: int = 0  # replays enqueued with it whose token is not read yet
 
 
-class BatchRunner:
-    """The batch step graph over a `BatchDecoder` and the host side of its slots: `join`, `step`, `leave`."""
+class SlotRunner:
+    """What the batch graphs' host sides share (`BatchRunner`, gpu/batch_round.py `BatchRoundRunner`): the
+    request slots, one captured graph per bucket of leading slots (`least`, 2 x least, ... n), the live
+    mask and the replay of the smallest bucket holding the requests of a replay."""
 
-    def __init__(self, decoder: BatchDecoder, timeout_s: float = 60.0):
+    least = 2  # the smallest bucket
+    what = "batch step"  # the graph, in errors
+
+    def __init__(self, decoder, timeout_s: float = 60.0):
         self.d, self.n, self.timeout_s = decoder, decoder.n, timeout_s
-        self.buckets = row_buckets(self.n, 2)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its step graph
+        self.buckets = row_buckets(self.n, self.least)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its graph
         self.bucket_replays = dict.fromkeys(self.buckets, 0)
-        self.requests: list[_Request | None] = [None] * self.n
+        self.requests: list = [None] * self.n
         self._live = [False] * self.n  # the host's copy of d.live
-        self._inflight: deque[tuple[int, list[_Request]]] = deque()  # (step number, its live requests)
-        self._step = int(decoder.step.item())  # the device step counter after the replays enqueued
         self.replays = 0
 
     @property
@@ -83,39 +86,101 @@ class BatchRunner:
         """The slots with a request decoding."""
         return [b for b, r in enumerate(self.requests) if r is not None]
 
-    def capture(self) -> None:
-        """Compile and capture the step graph (CUDA; on the CPU each replay runs the launches in order). The
-        warm-up step runs with no slot live, so it leaves every slot's state, token and position as
-        they were; the step counter and the ring are put back."""
-        d = self.d
-        if self.graphs or d.states.device.type != "cuda":
-            return
-        d.live.zero_()
-        self._live = [False] * self.n
-        for k in self.buckets:
-            self.graphs[k] = capture_graph(lambda k=k: d.launch(k), (d.step, d.tok, d.pos), (d.ring, d.ring_host))
-        self._step = int(d.step.item())
-
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
         """The graph over every slot (None before `capture`, or on the CPU)."""
         return self.graphs.get(self.n)
+
+    def _capture(self, live, clear) -> bool:
+        """Capture every bucket's graph (CUDA, once) with no slot live; `live` / `clear` as `capture_graph`'s.
+        False when there was nothing to do."""
+        d = self.d
+        if self.graphs or d.states.device.type != "cuda":
+            return False
+        self._set_live([False] * self.n, force=True)
+        for k in self.buckets:
+            self.graphs[k] = capture_graph(lambda k=k: d.launch(k), live, clear)
+        return True
+
+    def _check_join(self, slot: int, first_token: int, params) -> DecodeState:
+        """The checks of a `join` (greedy without logprobs, a free slot, a token id, a loaded state): the
+        slot's state."""
+        if not (params.greedy and params.logprobs is None):
+            raise EngineError(f"the {self.what} decodes greedy requests without logprobs (temperature 0, no "
+                              f"logprobs)")
+        if not 0 <= slot < self.n or self.requests[slot] is not None:
+            raise EngineError(f"slot {slot} is not a free slot of this batch ({self.n} slots, busy {self.busy})")
+        vocab = self.d.cfg.vocab_size
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < vocab:
+            raise InputError(f"first_token must be an int in [0, {vocab}), got {first_token!r}")
+        st = self.d.states.states[slot]
+        if st.seq_len == 0:
+            raise StateError(f"slot {slot}: its state is empty (load a hand-off or prefill first)")
+        return st
+
+    def leave(self, slot: int) -> None:
+        """End the request in `slot` (finished, cancelled, failed): no later replay steps it; what a replay
+        already in flight gives it is dropped. The slot is free at once."""
+        self.requests[slot] = None
+
+    def generate(self, slot: int, first_token: int, params) -> Iterator[int]:
+        """One request's tokens (`join`, then `step` until it ends), the batch's other slots idle: a request
+        alone, for tests and warm-up."""
+        if self.busy:
+            raise EngineError(f"generate runs one request alone; slots {self.busy} are decoding")
+        if self.join(slot, first_token, params) is not None:
+            return
+        while True:
+            for ev in self.step():
+                yield ev.token
+                if ev.finish_reason is not None:
+                    return
+
+    def _set_live(self, want: list[bool], force: bool = False) -> None:
+        """Write the live words that change (stream-ordered fills between replays)."""
+        for b in range(self.n):
+            if force or want[b] != self._live[b]:
+                self.d.live[b].fill_(int(want[b]))
+                self._live[b] = want[b]
+
+    def _replay(self, slots: list[int]) -> None:
+        """One replay with exactly `slots` live: the smallest bucket's graph holding them (on the CPU its
+        launches, in order)."""
+        want = [False] * self.n
+        for b in slots:
+            want[b] = True
+        self._set_live(want)
+        k = bucket(self.buckets, max(slots) + 1)
+        if self.graphs:
+            self.graphs[k].replay()
+        else:
+            self.d.launch(k)
+        self.replays += 1
+        self.bucket_replays[k] += 1
+
+
+class BatchRunner(SlotRunner):
+    """The batch step graph over a `BatchDecoder` and the host side of its slots: `join`, `step`, `leave`."""
+
+    def __init__(self, decoder: BatchDecoder, timeout_s: float = 60.0):
+        super().__init__(decoder, timeout_s)
+        self._inflight: deque[tuple[int, list[_Request]]] = deque()  # (step number, its live requests)
+        self._step = int(decoder.step.item())  # the device step counter after the replays enqueued
+
+    def capture(self) -> None:
+        """Compile and capture the step graphs (CUDA; on the CPU each replay runs the launches in order). The
+        warm-up step runs with no slot live, so it leaves every slot's state, token and position as
+        they were; the step counter and the ring are put back."""
+        d = self.d
+        if self._capture((d.step, d.tok, d.pos), (d.ring, d.ring_host)):
+            self._step = int(d.step.item())
 
     # ---- requests ------------------------------------------------------------------------------------
     def join(self, slot: int, first_token: int, params) -> str | None:
         """Start a request in `slot`, whose state holds N tokens (loaded) and whose token N is `first_token`:
         it steps from the next replay on. Returns None, or the finish reason when the request ends
         before any token (`first_token` stops it, or it has no room). Greedy without logprobs only."""
-        if not (params.greedy and params.logprobs is None):
-            raise EngineError("the batch step decodes greedy requests without logprobs (temperature 0, no logprobs)")
-        if not 0 <= slot < self.n or self.requests[slot] is not None:
-            raise EngineError(f"slot {slot} is not a free slot of this batch ({self.n} slots, busy {self.busy})")
-        st = self.d.states.states[slot]
-        if isinstance(first_token, bool) or not isinstance(first_token, int) \
-                or not 0 <= first_token < self.d.cfg.vocab_size:
-            raise InputError(f"first_token must be an int in [0, {self.d.cfg.vocab_size}), got {first_token!r}")
-        if st.seq_len == 0:
-            raise StateError(f"slot {slot}: its state is empty (load a hand-off or prefill first)")
+        st = self._check_join(slot, first_token, params)
         loop = DecodeLoop(params, self.d.cfg.eos_token_ids)
         if not loop.start(first_token):
             return loop.finish_reason
@@ -127,11 +192,6 @@ class BatchRunner:
         self.d.pos[slot].fill_(st.seq_len)
         self.requests[slot] = _Request(slot, loop, st, room)
         return None
-
-    def leave(self, slot: int) -> None:
-        """End the request in `slot` (finished, cancelled, failed): no later replay steps it; the token of a
-        replay already in flight for it is dropped. The slot is free at once."""
-        self.requests[slot] = None
 
     def step(self) -> list[SlotEvent]:
         """Read the oldest replay in flight (enqueuing one first when none is) after enqueuing the next,
@@ -159,41 +219,15 @@ class BatchRunner:
                 self.leave(r.slot)
         return events
 
-    def generate(self, slot: int, first_token: int, params) -> Iterator[int]:
-        """One request's tokens (`join`, then `step` until it ends), the batch's other slots idle: a request
-        alone, for tests and warm-up."""
-        if self.busy:
-            raise EngineError(f"generate runs one request alone; slots {self.busy} are decoding")
-        if self.join(slot, first_token, params) is not None:
-            return
-        while True:
-            for ev in self.step():
-                yield ev.token
-                if ev.finish_reason is not None:
-                    return
-
     # ---- replays -------------------------------------------------------------------------------------
     def _enqueue(self) -> None:
         """Enqueue one replay over the requests that may still take a token (none: nothing)."""
-        d = self.d
         reqs = [r for r in self.requests if r is not None and r.budget > 0]
         if not reqs:
             return
-        want = [False] * self.n
         for r in reqs:
-            want[r.slot] = True
             r.budget -= 1
             r.pending += 1
-        for b in range(self.n):
-            if want[b] != self._live[b]:
-                d.live[b].fill_(int(want[b]))
-                self._live[b] = want[b]
-        k = bucket(self.buckets, max(r.slot for r in reqs) + 1)
-        if self.graphs:
-            self.graphs[k].replay()
-        else:
-            d.launch(k)
-        self.replays += 1
-        self.bucket_replays[k] += 1
+        self._replay([r.slot for r in reqs])
         self._step += 1
         self._inflight.append((self._step, reqs))

@@ -59,9 +59,9 @@ class SpecDecoder:
         from nexrt_vllm.engine.kernels import spec as k_spec  # triton: GPU path only
         self.k_spec = k_spec
         f, c, M = fused, fused.cfg, spec.M
-        if M > 4:  # the M-row kernels keep up to 4 rows in registers
-            raise NotBuiltError(f"the graph path's speculative round verifies at most 4 positions "
-                                f"(num_speculative_tokens <= 3), got {spec.num_speculative_tokens}")
+        if M > 8:  # the fold M-row GEMVs keep up to 8 rows in registers
+            raise NotBuiltError(f"the graph path's speculative round verifies at most 8 positions "
+                                f"(num_speculative_tokens <= 7), got {spec.num_speculative_tokens}")
         self.f, self.cfg, self.spec, self.M = f, c, spec, M
         self.drafter, self.scratch = spec.drafter, spec.scratch
         if any(isinstance(w, FP8Weight) for w in self._weights()):
