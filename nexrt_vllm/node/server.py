@@ -248,10 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="receive buffer memory (default: host on CPU, pinned on CUDA)")
     ap.add_argument("--max-batch", type=int, default=1,
                     help="requests decoded together (1-8): each admitted request has its own slot (state, "
-                         "sampling, stops); they join and leave between steps. > 1 with --tp 1; with --speculative "
-                         "each slot runs its own rounds (eager: CPU or --graph off); on the CUDA graph path "
-                         "(--graph fused or auto) greedy requests without logprobs or grammar run the captured "
-                         "batch step, the others their slot's eager step")
+                         "sampling, stops); they join and leave between steps. > 1 with --tp 1. On the CUDA graph "
+                         "path (--graph fused or auto) greedy requests without logprobs or grammar run the captured "
+                         "batch step (with --speculative: the batched round, max-batch x (drafts + 1) <= 32 rows), "
+                         "the others their slot's eager step or round; on CPU or --graph off every slot runs its "
+                         "own eager steps or rounds")
     ap.add_argument("--recv-buffers", type=int, default=None,
                     help="receive buffers (default: max-batch + 1, so a stale writer's buffer can be "
                          "quarantined without blocking)")
