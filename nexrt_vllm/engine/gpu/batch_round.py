@@ -78,9 +78,8 @@ class BatchRoundDecoder:
         self.mem = batch.mem
         self.ring_host, self.ring = self.mem.host["slot_ring"], self.mem.device["slot_ring"]
         self.rounds_host, self.rounds = self.mem.host["slot_rounds"], self.mem.device["slot_rounds"]
-        # verify activations, R rows
-        width = batch.buf.shape[1]
-        self.res, self.buf = z(R, H), z(R, max(width, 2 * H))
+        # verify activations, R rows (the head's layer has the shapes of the target's attention layers)
+        self.res, self.buf = z(R, H), z(R, batch.buf.shape[1])
         self.o, self.q = z(R, batch.o.shape[1]), z(R, batch.q.shape[1])
         self.window = {i: z(n, c.conv_dim, c.conv_kernel - 1 + M) for i in c.gdn_layers}
         self.rec_after = {i: z(n, M, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
@@ -156,7 +155,8 @@ class BatchRoundDecoder:
         for i, L in enumerate(b.layers):
             mixer = self._gdn(i, L, k) if isinstance(L.mixer, GDNMixer) else self._attention(
                 L, self.res[:R], self.pos[:k], None, self.M, k, b.model.rope_cos, b.model.rope_sin)
-            steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + self._ffn(L, self.res[:R], self.row_live[:R])]
+            ffn = self._ffn(L, self.res[:R], self.row_live[:R])
+            steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + ffn]
         steps.append(Launch("verify_lm_head+argmax", None, lambda: g.gemv(
             self.res[:R], b.lm_head, self.logits[:R], pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=b.final_norm,
             aux0=self.pmax[:R], aux1=self.pidx[:R], xn_out=self.hn[:R], eps=c.rms_norm_eps, m=R, **self.lm_kw)))

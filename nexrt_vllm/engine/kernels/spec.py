@@ -80,8 +80,9 @@ def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, roun
 
     B request slots (`live`, int32 [B]: the batched round, engine/gpu/batch_round.py): tok / y [B, M],
     the partials [B*M, n_partials], pos / base / acc / step / rnd [B], ring and rounds [RING, >= B] (a
-    column per slot of the node, these B its first), forced [B, NF]; a slot whose live word is 0 is left as it is. `max_len`: no slot
-    emits a token past it (a <= max_len - pos - 1; a slot already full emits none, acc = -1)."""
+    column per slot of the node, these B its first), forced [B, NF]; a slot whose live word is 0 is left
+    as it is. `max_len`: no slot emits a token past it (a <= max_len - pos - 1; a slot already full
+    emits none, acc = -1)."""
     b = live.numel() if live is not None else 1
     m = tok.numel() // b
     block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
@@ -89,8 +90,8 @@ def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, roun
     accept_kernel[(b,)](pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, rounds, ring_slots,
                         forced if synth else rnd, forced.shape[-1] if synth else 1, live if live is not None else rnd,
                         max_len if max_len is not None else 1 << 62, M=m, MP=max(triton.next_power_of_2(m), 2),
-                        BLOCK=block, SYNTH=synth, HAS_LIVE=live is not None, RING_B=ring.shape[1] if ring.dim() == 2 else 1, ASM=ASM,
-                        **LAUNCH,
+                        BLOCK=block, SYNTH=synth, HAS_LIVE=live is not None,
+                        RING_B=ring.shape[1] if ring.dim() == 2 else 1, ASM=ASM, **LAUNCH,
                         num_warps=8 if block >= 4096 else 4)
 
 
@@ -122,8 +123,9 @@ def mtp_input(tok, embed, hidden, w_e, w_h, out, eps):
 
 
 @triton.jit
-def draft_pick_kernel(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, dtok_ptr, base_ptr, nacc_ptr, dpos_ptr, live_ptr,
-                      K, M, BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+def draft_pick_kernel(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, dtok_ptr, base_ptr, nacc_ptr, dpos_ptr,
+                      live_ptr, K, M, BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, HAS_LIVE: tl.constexpr,
+                      PDL: tl.constexpr):
     # Grid (slots,): program b picks slot b's draft (partials row b, tok row b of M, its words).
     pdl_begin(PDL)
     b = tl.program_id(0)
