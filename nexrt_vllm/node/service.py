@@ -5,7 +5,7 @@ share it), so the state needs no locks; only the engines run in a worker thread 
 every decoding request of the node, one step each per batch step) and talk back through
 ``loop.call_soon_threadsafe``.
 
-Up to ``max_batch`` slots (``--max-batch``, default 1). An admission takes a slot at
+Up to ``max_batch`` slots (``--max-batch``, default 1). An admission takes the lowest free slot at
 ``/v1/admit`` and moves RESERVED -> RECEIVING (``begin`` accepted, buffer assigned) -> READY
 (``done`` validated) -> DECODING (``/v1/generate``) -> released. Each state has a deadline (admit,
 transfer, start timeouts), enforced by the reaper, so a missing peer never pins a slot.
