@@ -1,7 +1,7 @@
 """The captured round under a pinned acceptance schedule (kernels/spec.accept with forced counts), on
 CPU through the Triton interpreter: it emits what the eager loop emits under the same schedule (the
 drafts it was told to accept, then the target's token), round for round, and a placeholder first
-round (no head context) accepts nothing."""
+round (no head context) accepts nothing; the batched round (each slot's forced counts) as well."""
 import torch
 
 from nexrt_vllm.engine import Engine, SamplingParams, kernels
@@ -41,3 +41,27 @@ def test_graph_round_takes_the_schedule_as_the_eager_loop_does(ckpt_factory):
     eng.import_state(*eng.export_state())
     eng.speculative.rounds = [0] * 5
     assert list(eng.stream(first, SamplingParams(max_tokens=2, ignore_eos=True))) == target
+
+
+def test_batched_round_takes_the_schedule_as_the_eager_loop_does(ckpt_factory):
+    """The batched round (gpu/batch_round.py, each slot's forced counts) under the same schedule: a request
+    emits what the eager loop emits, round for round."""
+    from nexrt_vllm.engine.gpu.batch_round import BatchRoundRunner
+
+    path = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
+    rates, sp = (1.0, 0.6, 0.3), SamplingParams(max_tokens=9, ignore_eos=True)
+    prompt = periodic_prompt(40, seed=14)
+    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
+    first = int(eng.prefill(prompt).argmax())
+    eng.enable_speculative("mtp", 3, synthetic=SyntheticAcceptance(rates, seed=4))
+    eng.prefill(prompt)
+    want = list(eng.stream(first, sp))
+    want_rounds = list(eng.speculative.rounds)
+    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
+    eng.enable_speculative("mtp", 3, synthetic=SyntheticAcceptance(rates, seed=4))
+    runner = eng.batch_runner(2, CPU_TUNING)
+    assert isinstance(runner, BatchRoundRunner) and runner.d.forced is not None
+    eng.use_batch(runner)
+    eng.slots(2)[1].prefill(prompt)
+    assert list(runner.generate(1, first, sp)) == want
+    assert runner.speculators[1].rounds == want_rounds and sum(want_rounds) >= 2
