@@ -60,6 +60,7 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
             if tl.load(live_ptr + b) != 0:
                 ys = tl.load(y_ptr + (b * M + j)[:, None] * stride_y + rows[None, :], mask=jm[:, None] & rmask[None, :],
                              other=0.0).to(tl.float32)
+                tl.debug_barrier()  # the epilogue stores over these rows: every thread's load first
                 _epilogue_rows(ys, ys, y_ptr + b * M * stride_y, stride_y, conv_ptr + b * stride_cs, cw_ptr, 0,
                                win_ptr + b * stride_ws, stride_win, j, jm, rows, rmask, pid, CONV_N, 3,
                                KC, KCP)
