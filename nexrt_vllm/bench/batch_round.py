@@ -11,13 +11,12 @@ length L = L / round time (InferenceX's golden 3.39 for 3 drafts); total = B tim
 """
 from __future__ import annotations
 
-import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 
 from nexrt_vllm.bench import spec_round
+from nexrt_vllm.bench.batch_step import fill_slots
 from nexrt_vllm.bench import step as S
 from nexrt_vllm.bench.shapes import NAMES, SHAPES
 
@@ -29,14 +28,6 @@ def _groups(rd, reps: int = 20) -> dict:
     times = S.group_times(rd.plan(), lambda: rd.b.k_common.launch_options(rd.b.pdl),
                           (rd.pos, rd.tok, rd.step, rd.round, rd.acc, rd.base), reps)
     return {name: {"launches": n, "us_per_round": sec * 1e6} for name, (n, sec) in times.items()}
-
-
-def _time(graph, pos: torch.Tensor, ctx: int, reps: int) -> float:
-    """Median device time (s) of `graph` replays from position ctx (each replay advances it)."""
-    pos.fill_(ctx)
-    S.time_replays(graph, 5)
-    pos.fill_(ctx)
-    return statistics.median(S.time_replays(graph, reps))
 
 
 def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], steps: int, tuning=None,
@@ -92,10 +83,9 @@ def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], ste
         rd.tok.copy_(torch.randint(3, bd.cfg.vocab_size, (B, M), generator=gen, device=gen.device))
         bd.tok.copy_(rd.tok[:, 0])
         for ctx in contexts:
-            for st in states.states:
-                S.fill_context(SimpleNamespace(state=st), ctx, gen)
-            t_step = _time(g_step, bd.pos, ctx, steps)
-            t_round = _time(g_round, rd.pos, ctx, steps)
+            fill_slots(states, ctx, gen)
+            t_step = S.time_from(g_step, bd.pos, ctx, steps)
+            t_round = S.time_from(g_round, rd.pos, ctx, steps)
             r = row(B, ctx, t_round, t_step)
             if ctx == breakdown_ctx:
                 rd.pos.fill_(ctx)

@@ -83,7 +83,7 @@ def batch_groups(bd, reps: int = 20) -> dict:
     return {name: {"launches": n, "us_per_step": sec * 1e6} for name, (n, sec) in times.items()}
 
 
-def _fill_slots(states, ctx: int, gen: torch.Generator) -> None:
+def fill_slots(states, ctx: int, gen: torch.Generator) -> None:
     """Every slot holds `ctx` tokens of plausible magnitude (timing only)."""
     for st in states.states:
         S.fill_context(SimpleNamespace(state=st), ctx, gen)
@@ -94,10 +94,7 @@ def _time_batch(bd, graph, ctx: int, live: int, reps: int, gen: torch.Generator)
     bd.live.zero_()
     bd.live[:live].fill_(1)
     bd.tok.copy_(torch.randint(3, bd.cfg.vocab_size, (bd.n,), generator=gen, device=gen.device))
-    bd.pos.fill_(ctx)
-    S.time_replays(graph, 5)
-    bd.pos.fill_(ctx)
-    return statistics.median(S.time_replays(graph, reps))
+    return S.time_from(graph, bd.pos, ctx, reps)
 
 
 def parity(eng, fused_runner, runner, prompts: list[list[int]], steps: int) -> dict:
@@ -165,11 +162,8 @@ def run_batch_shape(key: str, contexts: list[int], batches: list[int], steps: in
         for ctx in contexts:
             S.fill_context(eng, ctx, gen)
             nb = S.bytes_per_step(fused, ctx)["total"]
-            fused.state.position.fill_(ctx)
             fused.tok.fill_(1)
-            S.time_replays(g1, 5)
-            fused.state.position.fill_(ctx)
-            t = statistics.median(S.time_replays(g1, steps))
+            t = S.time_from(g1, fused.state.position, ctx, steps)
             base[ctx] = t
             res["rows"].append(_row(1, 1, ctx, t, nb, bw, t))
             S.log(f"[{key}/batch] B 1 ctx {ctx}: step {t * 1e3:.3f} ms, {1 / t:.0f} tok/s")
@@ -189,7 +183,7 @@ def run_batch_shape(key: str, contexts: list[int], batches: list[int], steps: in
                   f"== one-request graph {p['all_equal_graph_alone']}")
         lives = [B] + ([1] if B == max(batches) else [])
         for ctx in contexts:
-            _fill_slots(states, ctx, gen)
+            fill_slots(states, ctx, gen)
             for live in lives:
                 bd.live.zero_()
                 bd.live[:live].fill_(1)

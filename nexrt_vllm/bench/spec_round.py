@@ -133,16 +133,10 @@ def capture(eng, tuning, draft_vocab):
 
 def time_step_and_round(eng, fused, g_plain, spec, ctx: int, reps: int) -> tuple[float, float]:
     """Median device time (s) of the plain step graph and of the round graph, each from position ctx."""
-    fused.state.position.fill_(ctx)
     fused.tok.fill_(1)
-    S.time_replays(g_plain, 5)
-    fused.state.position.fill_(ctx)
-    t_step = statistics.median(S.time_replays(g_plain, reps))
-    eng.state.position.fill_(ctx)
+    t_step = S.time_from(g_plain, fused.state.position, ctx, reps)
     spec.d.tokens.fill_(1)
-    S.time_replays(spec.graph, 5)
-    eng.state.position.fill_(ctx)
-    return t_step, statistics.median(S.time_replays(spec.graph, reps))
+    return t_step, S.time_from(spec.graph, eng.state.position, ctx, reps)
 
 
 def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab=None):

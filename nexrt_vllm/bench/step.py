@@ -71,6 +71,15 @@ def time_replays(g, n: int) -> list[float]:
     return [ev[i].elapsed_time(ev[i + 1]) / 1e3 for i in range(n)]
 
 
+def time_from(graph, pos: torch.Tensor, ctx: int, reps: int) -> float:
+    """Median device time (s) of `reps` replays of `graph` from position ctx (`pos`: the positions each
+    replay advances), after 5 warm-up replays from there."""
+    pos.fill_(ctx)
+    time_replays(graph, 5)
+    pos.fill_(ctx)
+    return statistics.median(time_replays(graph, reps))
+
+
 def capture_launches(fns, options) -> torch.cuda.CUDAGraph:
     """One graph of the launches `fns` back to back, each run under the launch options `options()` (a
     decoder's `launch_options`), captured as a runner captures its step (gpu/runner.py

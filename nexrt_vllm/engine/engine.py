@@ -116,10 +116,7 @@ class Engine:
                                 "(the batch step's slots: use_batch_graph, slots)")
         eng = Engine(self.config, self.model, self.max_seq_len)
         if self.speculative is not None:
-            eng.speculative = self._new_speculator(self.speculative.num_speculative_tokens)
-            eng.speculative.synthetic = self.speculative.synthetic
-            eng.speculative.on_round = self.speculative.on_round
-            eng.draft_vocab = self.draft_vocab
+            eng.speculative, eng.draft_vocab = self._slot_speculator(), self.draft_vocab
         return eng
 
     def slots(self, n: int) -> list["Engine"]:
@@ -162,12 +159,7 @@ class Engine:
         from nexrt_vllm.engine.gpu.batch_round import BatchRoundDecoder, BatchRoundRunner
         d = BatchRoundDecoder(batch, spec.drafter.w, spec.num_speculative_tokens, self.draft_vocab,
                               synthetic=spec.synthetic is not None)
-        slots = []
-        for b in range(n):
-            s = self._new_speculator(spec.num_speculative_tokens, over=d.drafter_views(b))
-            s.synthetic, s.on_round = spec.synthetic, spec.on_round
-            slots.append(s)
-        return BatchRoundRunner(d, slots)
+        return BatchRoundRunner(d, [self._slot_speculator(d.drafter_views(b)) for b in range(n)])
 
     def use_batch(self, runner) -> None:
         """Decode through `runner` (`batch_runner`'s, over this engine's model): this engine becomes slot
@@ -290,6 +282,13 @@ class Engine:
         self.draft_vocab = draft_vocab
         if self.graph is not None:
             self._capture_spec()
+
+    def _slot_speculator(self, over=None):
+        """A Speculator for another request slot: this engine's settings (drafts, synthetic schedule,
+        `on_round`), a drafter cache of its own (or `over`, as `_new_speculator`)."""
+        s = self._new_speculator(self.speculative.num_speculative_tokens, over)
+        s.synthetic, s.on_round = self.speculative.synthetic, self.speculative.on_round
+        return s
 
     def _new_speculator(self, num_speculative_tokens: int, over=None):
         """A Speculator over this engine's model with a drafter cache (or `over`: Drafter's) and verify

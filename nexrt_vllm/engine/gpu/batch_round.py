@@ -36,12 +36,10 @@ from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
 from nexrt_vllm.engine.gpu.batch_runner import SlotEvent, SlotRunner
 from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import Launch
-from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
-from nexrt_vllm.engine.gpu.spec_round import SYNTHETIC_ROUNDS
+from nexrt_vllm.engine.gpu.fusion import FusedLayer, GDNMixer, MoEFFN
+from nexrt_vllm.engine.gpu.spec_round import SYNTHETIC_ROUNDS, draft_rows, fuse_head
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
 from nexrt_vllm.engine.model import rope_tables
-from nexrt_vllm.engine.spec.draft_vocab import check_draft_vocab
-from nexrt_vllm.engine.state import AttentionState
 
 
 class BatchRoundDecoder:
@@ -105,19 +103,8 @@ class BatchRoundDecoder:
         self.draft_v = torch.zeros_like(self.draft_k)
         self.draft_start = z(n, d=i64)
         self.draft_cos, self.draft_sin = rope_tables(c, rows, dt, dev)
-        lw = w.layer
-        w_qkv, (lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj) = concat_shared(
-            [lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj])
-        self.head = FusedLayer(lw.input_norm, lw.post_norm,
-                               AttentionMixer(w_qkv, lw.mixer.q_norm, lw.mixer.k_norm, lw.mixer.o_proj,
-                                              AttentionState(self.draft_k, self.draft_v)),
-                               fuse_ffn(lw.ffn))
-        dv = check_draft_vocab(draft_vocab, V)
-        self.draft_vocab = V if dv is None else dv if isinstance(dv, int) else dv.numel()
-        self.draft_lm, self.draft_ids = batch.lm_head, None
-        if isinstance(dv, torch.Tensor):
-            self.draft_lm = batch.lm_head.index_select(0, dv.to(dev)).contiguous()
-            self.draft_ids = dv.to(device=dev, dtype=torch.int32)
+        self.head = fuse_head(w, self.draft_k, self.draft_v)
+        self.draft_vocab, self.draft_lm, self.draft_ids = draft_rows(batch.lm_head, draft_vocab)
         self.fc_in, self.u = z(R, 2 * H), z(R, H)
         self.u1, self.g1 = z(n, H), z(n, H)
         self.sel, self.row0 = z(n, d=i64), torch.arange(n, device=dev, dtype=i64) * M
@@ -132,13 +119,13 @@ class BatchRoundDecoder:
         """(k, v, start) of `slot`'s head cache: what its eager Drafter is built over (spec/mtp.py)."""
         return self.draft_k[slot], self.draft_v[slot], self.draft_start[slot:slot + 1]
 
-    def _rows_kw(self, w, n_out: int, shape: RowsShape | None = None) -> dict:
+    def _rows_kw(self, w, n_out: int, shape: RowsShape | None = None, dot: bool = False) -> dict:
         """An M-row GEMV's keywords: `shape` (else the `gemv_rows` rule for n_out outputs), on the
         tensor-core kernel when the round has more than 8 rows (the fold keeps at most 8 rows in
-        registers): every slot count runs the same kernels, so a request's arithmetic does not depend on
-        how many slots the replay covers."""
+        registers) or `dot`: every slot count runs the same kernels, so a request's arithmetic does not
+        depend on how many slots the replay covers."""
         s = shape or self.t.shape(n_out, rows=True)
-        if self.R > 8 and s.stages == 0:
+        if (dot or self.R > 8) and s.stages == 0:
             s = RowsShape(max(16, s.block_n), max(16, s.block_k), s.num_warps, 2)
         return gemv_kwargs(self.t, w, s)
 
@@ -173,9 +160,7 @@ class BatchRoundDecoder:
     def _gdn(self, i: int, L: FusedLayer, k: int):
         c, t, m, eps, M, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.kr, self.b.k_gemv
         R, live, st = k * M, self.live[:k], self.states.gdn(i)
-        sh = self._rows_kw(m.w_in, m.w_in.shape[0])
-        if sh["dot"] == 0:  # the per-slot conv epilogue runs after the tensor-core loop only
-            sh = dict(sh, dot=2, block_n=max(16, sh["block_n"]), block_k=max(16, sh["block_k"]))
+        sh = self._rows_kw(m.w_in, m.w_in.shape[0], dot=True)  # the per-slot conv follows the tensor-core loop
         gated = self._rows_kw(m.w_out, c.hidden_size, t.gemv_gated_rows)
         return [
             ("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
@@ -347,13 +332,10 @@ class BatchRoundRunner(SlotRunner):
         spec = self.speculators[slot]
         self._drain(slot)
         rows, ctx_hidden = spec.take_context(st.seq_len)
-        loop = DecodeLoop(params, d.cfg.eos_token_ids)
-        if not loop.start(first_token):
-            return loop.finish_reason
-        need = loop.room(st)
-        if need <= 0:
-            loop.end()
-            return loop.finish_reason
+        started = self._start_loop(st, first_token, params)
+        if isinstance(started, str):
+            return started
+        loop, need = started
         drafts = None
         if not rows:  # the head's context begins at the node's first decoded position
             d.draft_start[slot].fill_(st.seq_len)

@@ -118,6 +118,18 @@ class SlotRunner:
             raise StateError(f"slot {slot}: its state is empty (load a hand-off or prefill first)")
         return st
 
+    def _start_loop(self, st: DecodeState, first_token: int, params) -> tuple[DecodeLoop, int] | str:
+        """A joining request's stop rules and the tokens it may take from `st` (its room), or the finish
+        reason when it ends before any token (`first_token` stops it, or it has no room)."""
+        loop = DecodeLoop(params, self.d.cfg.eos_token_ids)
+        if not loop.start(first_token):
+            return loop.finish_reason
+        room = loop.room(st)
+        if room <= 0:
+            loop.end()
+            return loop.finish_reason
+        return loop, room
+
     def leave(self, slot: int) -> None:
         """End the request in `slot` (finished, cancelled, failed): no later replay steps it; what a replay
         already in flight gives it is dropped. The slot is free at once."""
@@ -181,13 +193,10 @@ class BatchRunner(SlotRunner):
         it steps from the next replay on. Returns None, or the finish reason when the request ends
         before any token (`first_token` stops it, or it has no room). Greedy without logprobs only."""
         st = self._check_join(slot, first_token, params)
-        loop = DecodeLoop(params, self.d.cfg.eos_token_ids)
-        if not loop.start(first_token):
-            return loop.finish_reason
-        room = loop.room(st)
-        if room <= 0:
-            loop.end()
-            return loop.finish_reason
+        started = self._start_loop(st, first_token, params)
+        if isinstance(started, str):
+            return started
+        loop, room = started
         self.d.tok[slot].fill_(first_token)
         self.d.pos[slot].fill_(st.seq_len)
         self.requests[slot] = _Request(slot, loop, st, room)

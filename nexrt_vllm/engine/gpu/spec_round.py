@@ -49,6 +49,29 @@ from nexrt_vllm.engine.state import AttentionState
 SYNTHETIC_ROUNDS = 1 << 16
 
 
+def draft_rows(lm_head: torch.Tensor, draft_vocab) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """The MTP head's lm_head for a draft vocabulary (engine/spec/draft_vocab.py): (rows it reads, the
+    weight: the first N rows of the target's, or a token map's rows copied once, the map's ids (int32,
+    what the pick maps the argmax through; None without a map))."""
+    V = lm_head.shape[0]
+    dv = check_draft_vocab(draft_vocab, V)
+    if isinstance(dv, torch.Tensor):
+        return dv.numel(), lm_head.index_select(0, dv.to(lm_head.device)).contiguous(), \
+            dv.to(device=lm_head.device, dtype=torch.int32)
+    return V if dv is None else dv, lm_head, None
+
+
+def fuse_head(w, k: torch.Tensor, v: torch.Tensor) -> FusedLayer:
+    """The MTP head's layer (`w`: spec/mtp.py MTPWeights) fused as the target's layers are, its attention over
+    the K/V cache k / v (the eager head's weights re-pointed at the fused ones)."""
+    lw = w.layer
+    w_qkv, (lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj) = concat_shared(
+        [lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj])
+    return FusedLayer(lw.input_norm, lw.post_norm,
+                      AttentionMixer(w_qkv, lw.mixer.q_norm, lw.mixer.k_norm, lw.mixer.o_proj, AttentionState(k, v)),
+                      fuse_ffn(lw.ffn))
+
+
 class SpecDecoder:
     """Static buffers of the round over a `FusedDecoder`'s fused weights and a `Speculator`'s drafter;
     `plan()` is the round as launches, `launch()` enqueues it."""
@@ -69,14 +92,7 @@ class SpecDecoder:
                                 "keeps FP8 weights (load with fp8_weights='dequantize' or decode without --speculative)")
         V = c.vocab_size
         dev, dt, H = f.state.device, f.state.dtype, c.hidden_size
-        # the head's lm_head: the first draft_vocab rows of the target's, or a token map's rows (copied once)
-        # and the map (int32) the pick reads
-        dv = check_draft_vocab(draft_vocab, V)
-        self.draft_vocab = V if dv is None else dv if isinstance(dv, int) else dv.numel()
-        self.draft_lm, self.draft_ids = f.lm_head, None
-        if isinstance(dv, torch.Tensor):
-            self.draft_lm = f.lm_head.index_select(0, dv.to(dev)).contiguous()
-            self.draft_ids = dv.to(device=dev, dtype=torch.int32)
+        self.draft_vocab, self.draft_lm, self.draft_ids = draft_rows(f.lm_head, draft_vocab)
         z = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)  # noqa: E731
         i64 = torch.int64
         # control: verify tokens [t, d_1..], target tokens y, first position of the round, accepted count,
@@ -100,14 +116,7 @@ class SpecDecoder:
         self.pmax, self.pidx = z(M, self.n_part, d=torch.float32), z(M, self.n_part, d=torch.int32)
         self.hn = z(M, H)  # final-normed hidden rows (the lm_head's normed input)
         # the head: its layer fused like the target's, its attention over the drafter's own cache
-        w = self.drafter.w
-        lw = w.layer
-        w_qkv, (lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj) = concat_shared(
-            [lw.mixer.q_proj, lw.mixer.k_proj, lw.mixer.v_proj])
-        self.head = FusedLayer(lw.input_norm, lw.post_norm,
-                               AttentionMixer(w_qkv, lw.mixer.q_norm, lw.mixer.k_norm, lw.mixer.o_proj,
-                                              AttentionState(self.drafter.k, self.drafter.v)),
-                               fuse_ffn(lw.ffn))
+        self.head = fuse_head(self.drafter.w, self.drafter.k, self.drafter.v)
         self.fc_in, self.u = z(M, 2 * H), z(M, H)
         self.u1, self.g1 = z(1, H), z(1, H)
         self.dlogits = z(self.draft_vocab, d=torch.float32)
