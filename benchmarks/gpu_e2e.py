@@ -37,7 +37,8 @@ and both vLLMs with `--tensor-parallel-size N` on the same GPUs; the engine step
 
 `gpu_e2e.py merge A.json B.json --json OUT.json --png OUT.png [--engine DECODE.json]` joins runs (of a
 shape that measured different `--paths`; several shapes become sections) into one summary with the
-ratios, and draws one overlay of them all.
+ratios, and draws one overlay of them all; runs of a sweep (`--conc`) join their concurrencies, and the
+merged sweep gets its `pareto`, `ratios_by_conc` and chart (OUT_pareto.png) afresh.
 
 Writes OUT/gpu_e2e_<label>.json (summary: TPOT / TTFT / interactivity / E2EL medians of both paths,
 ratios, the node's step-time and hand-off metrics per scenario, the engine's own step time from
@@ -287,9 +288,18 @@ def _merge_shape(paths: list[str], runs: list[dict]) -> dict:
     for key in ("engine", "inferencex_client"):
         vals = [r[key] for r in runs if r.get(key) and "skipped" not in r[key]]
         m[key] = vals[-1] if key == "engine" and vals else {k: v for d in vals for k, v in d.items()}
-    m.pop("error", None)
-    m.pop("ratios", None)
-    m.pop("ratios_vs_plain_vllm", None)
+    # sweeps: path -> scenario -> concurrency -> result, joined across runs (each run measured some)
+    sweep: dict = {}
+    for r in runs:
+        for path, by_sc in (r.get("concurrency") or {}).items():
+            for sc, by_c in by_sc.items():
+                sweep.setdefault(path, {}).setdefault(sc, {}).update(by_c)
+    if sweep:
+        m["concurrency"] = sweep
+        m["conc"] = sorted({int(c) for by_sc in sweep.values() for by_c in by_sc.values() for c in by_c})
+        m["max_batch"] = max(r.get("max_batch") or 1 for r in runs)
+    for key in ("error", "ratios", "ratios_vs_plain_vllm", "pareto", "ratios_by_conc", "nexrt_throughput_scaling"):
+        m.pop(key, None)
     return m
 
 
@@ -311,8 +321,13 @@ def merge(paths: list[str], out: str, png: str | None, engine: list[str] = ()) -
             if not m.get("engine") and res["shapes"][0]["shape"].startswith(m["shape"]) \
                     and cfg["num_hidden_layers"] == m["layers"]:
                 m["engine"] = {**_engine_rows(res), "command": res.get("command")}
-    for m in shapes.values():
+    for label, m in shapes.items():
         add_ratios(m, sorted(set(m["nexrt"]) | set(m["vllm"]) | set(m.get("vllm_mtp") or ())))
+        if m.get("concurrency"):
+            scs = sorted({sc for by_sc in m["concurrency"].values() for sc in by_sc})
+            pareto = png and png.replace(".png", "_pareto.png" if len(shapes) == 1 else
+                                         f"_{re.sub(r'[^A-Za-z0-9.]+', '_', label).strip('_')}_pareto.png")
+            add_sweep(m, scs, pareto or None)
     first = next(iter(shapes.values()))
     result = first if len(shapes) == 1 else {"hw": first.get("hw"), "shapes": shapes}
     with open(out, "w") as f:
@@ -338,7 +353,8 @@ def merge(paths: list[str], out: str, png: str | None, engine: list[str] = ()) -
         ax.set_ylabel("output throughput per GPU (tok/s)")
         ax.set_title(f"NexRT path vs vLLM only on one {first.get('hw', '?')}, conc 1 (InferenceX rules)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.collections:
+            ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(png, dpi=120)
     log("merged", json.dumps({label: m.get("ratios") for label, m in shapes.items()}))

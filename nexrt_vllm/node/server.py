@@ -465,7 +465,7 @@ async def serve(args) -> None:
         graph = engine.batch_graph or engine.graph
         log.info("graph path %s captured in %.1fs (%s, control ring %s)", args.graph, time.monotonic() - t0,
                  f"batch step over {args.max_batch} slots" if engine.batch_graph else "one request",
-                 graph.d.control)
+                 getattr(graph.d, "b", graph.d).control)  # a batched round's control: its batch decoder's
     _warm_engine(engine)
     if args.recv_buffer_mib:
         size = int(args.recv_buffer_mib * (1 << 20))

@@ -31,3 +31,33 @@ def test_sweep_ratios_pick_the_best_baseline_at_each_concurrency(tmp_path):
     assert [p["conc"] for p in pts["nexrt"]] == [1, 4, 8]
     assert pts["vllm"][2] == {"conc": 8, "tok_s_user": pytest.approx(1e3 / 3.5), "output_tok_s_gpu": 2100}
     assert os.path.getsize(png) > 1000
+
+
+def test_merge_joins_sweeps_of_separate_runs(tmp_path):
+    """Runs that measured different paths (or concurrencies) of one shape's sweep become one sweep, with the
+    ratios against the best baseline at each concurrency and the Pareto chart drawn afresh."""
+    import json
+
+    from benchmarks.gpu_e2e import merge
+
+    def run(name, path, by_c, **kw):
+        r = {"command": f"gpu_e2e {path}", "shape": "Qwen3.5-2B", "layers": 24, "interleaved": False, "gpus": 1,
+             "conc": sorted(map(int, by_c)), "nexrt": {}, "vllm": {}, "node": {}, "ratios": {"stale": 1},
+             "concurrency": {path: {"8k1k": by_c}}, **kw}
+        p = tmp_path / name
+        p.write_text(json.dumps(r))
+        return str(p)
+
+    a = run("a.json", "nexrt", {"4": _r(1.06, 369, 2627), "8": _r(1.64, 258, 3722)}, max_batch=8)
+    b = run("b.json", "vllm", {"4": _r(2.98, 217, 1184), "8": _r(3.07, 2726, 1198)})
+    c = run("c.json", "nexrt", {"1": _r(0.7, 160, 1200)}, max_batch=8)
+    out, png = str(tmp_path / "m.json"), str(tmp_path / "m.png")
+    assert merge([a, b, c], out, png) == 0
+    m = json.load(open(out))
+    assert m["conc"] == [1, 4, 8] and m["max_batch"] == 8 and "stale" not in (m.get("ratios") or {})
+    assert sorted(m["concurrency"]["nexrt"]["8k1k"]) == ["1", "4", "8"]
+    by_c = m["ratios_by_conc"]["8k1k"]
+    assert sorted(by_c) == ["4", "8"] and by_c["8"]["baseline"] == "vllm"
+    assert by_c["4"]["interactivity_x"] == pytest.approx(2.98 / 1.06)
+    assert m["nexrt_throughput_scaling"]["8k1k"]["output_tok_s_over_conc1"] == pytest.approx(3722 / 1200)
+    assert os.path.getsize(str(tmp_path / "m_pareto.png")) > 1000
