@@ -123,13 +123,13 @@ class _Stream(threading.Thread):
     """One request through the node: prefilled and sent by `side`, its /v1/generate stream read here."""
 
     def __init__(self, node, side, rid, prompt, max_tokens, **sampling):
+        """Handed off here; decoding starts with `start()` (the stream's open)."""
         super().__init__(daemon=True)
         prep = side.prepare(prompt)
         gen = node.admit(rid)["generation"]
         side.send(node, rid, gen, prep)
         self.args = (rid, gen, prep["first"], max_tokens)
         self.node, self.sampling, self.lines, self.error = node, sampling, [], None
-        self.start()
 
     def run(self):
         try:
@@ -142,12 +142,16 @@ class _Stream(threading.Thread):
         return [x["token"] for x in self.lines if "token" in x]
 
 
-def test_node_batch_graph_requests_equal_them_alone(ckpt_factory):
+NODE_N = 400  # tokens per request through the node: long enough that the three decode together
+
+
+@pytest.mark.parametrize("speculative", ["off", "mtp"])
+def test_node_batch_graph_requests_equal_them_alone(ckpt_factory, speculative):
     from nexrt_vllm.testing.node_process import NodeProcess, PrefillSide
 
     ckpt = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
     node = NodeProcess(ckpt, "mooncake", "--device", "cuda", "--graph", "fused", "--max-batch", "3",
-                       max_seq_len=512, start_timeout=900)
+                       "--speculative", speculative, max_seq_len=512, start_timeout=900)
     side = PrefillSide(ckpt, "mooncake", max_seq_len=512)
     try:
         caps = node.call("GET", "/capabilities")[1]
@@ -157,19 +161,25 @@ def test_node_batch_graph_requests_equal_them_alone(ckpt_factory):
                 ("s-c", periodic_prompt(21, seed=73), seeded)]
         alone = {}
         for rid, p, kw in reqs:  # one at a time
-            s = _Stream(node, side, rid + "-alone", p, N, **kw)
+            s = _Stream(node, side, rid + "-alone", p, NODE_N, **kw)
+            s.start()
             s.join(600)
             assert s.error is None and s.lines[-1]["finish_reason"] == "length", (s.error, s.lines[-1:])
             alone[rid] = s.tokens()
-        streams = [_Stream(node, side, rid, p, N, **kw) for rid, p, kw in reqs]  # all three at once
+        # all three handed off first, then their streams opened at once (a CPU prefill per hand-off would
+        # otherwise let the GPU finish one request before the next arrives)
+        streams = [_Stream(node, side, rid, p, NODE_N, **kw) for rid, p, kw in reqs]
+        for s in streams:
+            s.start()
         for s in streams:
             s.join(600)
             assert s.error is None and s.lines[-1]["finish_reason"] == "length", (s.error, s.lines[-1:])
         for (rid, p, kw), s in zip(reqs, streams):
-            assert len(s.tokens()) == N - 1 and s.tokens() == alone[rid], rid
+            assert len(s.tokens()) == NODE_N - 1 and s.tokens() == alone[rid], rid
             if kw is greedy:  # and the CPU engine's own continuation
                 first = int(side.engine.prefill(p).argmax())
-                assert s.tokens() == list(side.engine.stream(first, SamplingParams(max_tokens=N, **kw))), rid
+                want = list(side.engine.stream(first, SamplingParams(max_tokens=NODE_N, **kw)))
+                assert s.tokens() == want, rid
         assert node.wait_free()["busy_slots"] == 0
         assert node.metric("nexrt_batch_size_sum") > node.metric("nexrt_batch_size_count")
     finally:
