@@ -502,6 +502,10 @@ def main(argv=None) -> int:
     ap.add_argument("--recv-memory", choices=("device", "pinned"), default="device")
     ap.add_argument("--share", type=float, default=None,
                     help="vLLM's --gpu-memory-utilization (default: 0.25 for 2b; 0.5 otherwise)")
+    ap.add_argument("--baseline-share", type=float, default=None,
+                    help="--gpu-memory-utilization of a baseline vLLM that runs alone on the GPU (plain, + MTP; "
+                         "default: --share). A sweep's baseline needs KV room for its concurrency: 0.25 of an "
+                         "80 GB GPU held four 9K-token requests")
     ap.add_argument("--concurrent-baseline", action="store_true",
                     help="start plain vLLM beside the NexRT stack, both vLLMs at once (needs memory for 3 models); "
                          "also measures the TTFT breakdown")
@@ -563,6 +567,9 @@ def main(argv=None) -> int:
         ["--draft-token-map", os.path.abspath(a.draft_token_map)] if a.draft_token_map else []
     if a.tp < 1:
         ap.error("--tp must be >= 1")
+    for flag, v in (("--share", a.share), ("--baseline-share", a.baseline_share)):
+        if v is not None and not 0 < v <= 1:
+            ap.error(f"{flag}: a fraction of the GPU's memory in (0, 1], got {v}")
     if a.tp > 1 and spec:
         ap.error("--tp > 1 with --speculative mtp: the node does not run MTP at TP > 1")
     if a.interleave and not (a.concurrent_baseline and set(a.paths) == {"nexrt", "vllm"}):
@@ -582,11 +589,13 @@ def main(argv=None) -> int:
     model = os.path.join(work, name + (f"-{a.layers}L" if a.layers else ""))
     info = write_model_dir(model, a.shape, a.tokenizer, a.layers, mtp=spec or a.vllm_mtp)
     share = a.share or (0.25 if a.shape == "2b" else 0.5)
+    alone_share = a.baseline_share or share  # a baseline vLLM with the GPU to itself
     max_len = max(i + o for i, o in map(scenario, a.scenarios)) + 512
     res_dir = os.path.join(work, "results")
     summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "interleaved": a.interleave,
                "shape": name, "device": a.device, "layers": info["layers"], "weights": "random (dummy load, both sides)",
                "transport": a.transport, "recv_memory": a.recv_memory, "vllm_gpu_memory_utilization": share,
+               "baseline_gpu_memory_utilization": alone_share,
                "num_prompts": a.num_prompts, "conc": 1, "tp": a.tp, "nexrt": {}, "vllm": {}, "node": {}}
     if sweep:
         summary.update({"conc": a.conc, "concurrency": {}, "gpus": a.tp, "max_batch": a.max_batch})
@@ -677,7 +686,7 @@ def main(argv=None) -> int:
             if purl is None:
                 stack.procs.stop()
                 stack = Stack(work, a.device, a.tp)
-                purl = stack.vllm("vllm_plain", model, max_len, None, share)
+                purl = stack.vllm("vllm_plain", model, max_len, None, alone_share)
                 asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
             for sc in ([] if a.interleave else a.scenarios):
                 for conc in a.conc:
@@ -688,7 +697,7 @@ def main(argv=None) -> int:
         if vspec and not a.interleave:  # one vLLM at a time: plain (if asked), then + MTP
             stack.procs.stop()
             stack = Stack(work, a.device, a.tp)
-            murl = stack.vllm("vllm_mtp", model, max_len, None, share, speculative=vspec)
+            murl = stack.vllm("vllm_mtp", model, max_len, None, alone_share, speculative=vspec)
             asyncio.run(_up(stack, [(murl, "vLLM + MTP")], a.start_timeout))
             for sc in a.scenarios:
                 for conc in a.conc:

@@ -168,6 +168,43 @@ def test_gated_residual(m, prefetch, block_k):
         assert rel(res[j], ref[j]) < REF, j
 
 
+@pytest.mark.parametrize("m", [2, 8, 12, 32])  # 12, 32: the batched round's rows (tensor-core kernel only)
+def test_gated_norm_rows_then_plain_gemv_equals_the_gated_prologue(m):
+    """Many rows: the GDN output norm in a launch of its own (kernels/gdn.py `gated_norm_rows`, in place
+    over the GDN output) and then a plain residual GEMV give the PRO_GATED launch's outputs; the normed rows
+    are torch's gated RMSNorm."""
+    from nexrt_vllm.engine.kernels import gdn
+
+    g = torch.Generator().manual_seed(17)
+    heads, dv, n = 8, 32, 40
+    vd = heads * dv
+    o = rows(torch.randn(m, vd, generator=g).to(BF), m)
+    buf = torch.randn(m, 3 * vd, generator=g).to(BF)
+    z = buf[:, vd:2 * vd]
+    nw = (1 + 0.1 * torch.randn(dv, generator=g)).to(BF)
+    w = (torch.randn(n, vd, generator=g) * 0.2).to(BF)
+    res0 = rows(torch.randn(m, n, generator=g).to(BF), m)
+    dot = {} if m <= 8 else {"dot": 2}
+    fused = res0.clone()
+    call(gemv.gemv, o, w, fused, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=16,
+         block_k=64, m=m, **dot)
+    oh = o.reshape(m, heads, dv).float()
+    normed = (oh * torch.rsqrt(oh.pow(2).mean(-1, keepdim=True) + 1e-6)).to(BF)
+    gated = ((nw * normed).float() * F.silu(z.reshape(m, heads, dv).float())).to(BF).reshape(m, vd)
+    x = nan_rows(m, vd)
+    call(gdn.gated_norm_rows, o, z, nw, x, m=m, group=dv, eps=1e-6, block=64)  # two heads a program
+    assert rel(x, gated) < REF
+    if DEV == "cpu":  # in place over the GDN output, as the batch decoders launch it (`call` moves no aliases)
+        x2 = o.clone()
+        gdn.gated_norm_rows(x2, z, nw, x2, m=m, group=dv, eps=1e-6, block=64)
+        assert torch.equal(x2, x)
+    split = res0.clone()
+    call(gemv.gemv, x, w, split, epi=gemv.EPI_RESIDUAL, block_n=16, block_k=64, m=m, **dot)
+    assert rel(split, fused) < SAME
+    with pytest.raises(ValueError, match="whole heads"):
+        gdn.gated_norm_rows(x, z, nw, x, m=m, group=24, eps=1e-6)
+
+
 @pytest.mark.parametrize("m", [2, 3, 4])
 @PREFETCH
 def test_rmsnorm_conv_window(m, prefetch):

@@ -209,6 +209,10 @@ ROUND_VARIANTS = [
     ("round_rows32_qkv", gemv.gemv_rows_dot_kernel, dict(R32, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
     ("round_rows32_gated_residual", gemv.gemv_rows_dot_kernel, dict(R32, PRO=2, EPI=1, GROUP=128, BLOCK_K=1024,
                                                                      STAGES=2), 8, {}, ALIGN_R),
+    # Tuning.gated_norm_rows: the GDN output norm of the 32 rows, then the plain out_proj
+    ("round_gated_norm", gdn.gated_norm_rows_kernel, dict(GROUP=128, BLOCK=512), 4, {}, ()),
+    ("round_rows32_residual", gemv.gemv_rows_dot_kernel, dict(R32, PRO=0, EPI=1, BLOCK_N=32, STAGES=3), 2, {},
+     ALIGN_R),
     ("round_rows32_lm_head_argmax_xn", gemv.gemv_rows_dot_kernel,
      dict(R32, PRO=1, EPI=4, STORE_XN=True, BLOCK_N=64, STAGES=3), 4, ARGMAX, ALIGN_R),
     ("round_conv_slots", batch_round.gemv_conv_slots_kernel,
@@ -282,7 +286,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 64 + 40 + 24 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 64 + 40 + 28 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
@@ -299,7 +303,7 @@ def test_batch_step_gemvs_run_on_the_tensor_cores(compiled):
     per-slot conv epilogue on its tensor-core path, both) stream their weight tiles through pipelined copies into tensor-core MMAs."""
     dots = {k: v for k, v in compiled.items() if k.startswith(("batch_rows", "round_rows", "round_conv"))
             and "fold" not in k}
-    assert len(dots) == 18 + 8
+    assert len(dots) == 18 + 10
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
 

@@ -30,6 +30,19 @@ from nexrt_vllm.engine.gpu.tuning import Tuning, gemv_kwargs, pdl_enabled
 from nexrt_vllm.engine.state import StackedStates
 
 
+def gated_out_proj(g, k_gdn, o, z, mixer: GDNMixer, res, rows: int, group: int, eps: float, split: bool,
+                   shape: dict) -> list[tuple]:
+    """The ("gdn_out_proj", launch) pairs of an M-row GDN out_proj over o[:rows] (z: the gate rows):
+    the gated-norm prologue in the GEMV, or with `split` (`Tuning.gated_norm_rows`) the norm in place
+    over o first and then the plain GEMV. Callers decide `split` from their most rows, not a replay's,
+    so a request's arithmetic does not depend on the slots live with it."""
+    if not split:
+        return [("gdn_out_proj", lambda: g.gemv(o, mixer.w_out, res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL,
+                                                norm_w=mixer.norm, z=z, eps=eps, group=group, m=rows, **shape))]
+    return [("gdn_out_proj", lambda: k_gdn.gated_norm_rows(o, z, mixer.norm, o, m=rows, group=group, eps=eps)),
+            ("gdn_out_proj", lambda: g.gemv(o, mixer.w_out, res, epi=g.EPI_RESIDUAL, m=rows, **shape))]
+
+
 class BatchDecoder:
     """Static buffers for `states.n` rows over the fused weights; `launch()` enqueues one batch step.
 
@@ -38,13 +51,13 @@ class BatchDecoder:
     the model's weights here (gpu/fusion.py re-points the eager model at the fused matrices)."""
 
     def __init__(self, model, states: StackedStates, tuning: Tuning | None = None, layers=None):
-        from nexrt_vllm.engine.kernels import batch, common, gemv  # triton: GPU path only
+        from nexrt_vllm.engine.kernels import batch, common, gdn, gemv  # triton: GPU path only
         cfg = model.config
         _require_gpu_dtype(cfg, states.dtype)
         if not 2 <= states.n <= batch.MAX_ROWS:
             raise EngineError(f"the batch step runs 2..{batch.MAX_ROWS} slots, got {states.n} (one slot: the "
                               f"single-request step, FusedDecoder)")
-        self.k_batch, self.k_common, self.k_gemv = batch, common, gemv
+        self.k_batch, self.k_common, self.k_gemv, self.k_gdn = batch, common, gemv, gdn
         self.model, self.cfg, self.states, self.t = model, cfg, states, tuning or Tuning()
         self.n = n = states.n
         self.pdl = pdl_enabled(self.t.pdl, common.DEFAULT_PDL, torch.cuda.get_device_capability(states.device)
@@ -141,10 +154,9 @@ class BatchDecoder:
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
                 head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
                 num_warps=t.gdn_warps, prefetch=t.prefetch > 0)),
-            ("gdn_out_proj", lambda: g.gemv(
-                self.o[:k], m.w_out, self.res[:k], pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
-                z=self.buf[:k, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=k,
-                **self.rows_shape(m.w_out, c.hidden_size)))]
+            *gated_out_proj(g, self.k_gdn, self.o[:k], self.buf[:k, c.conv_dim:c.conv_dim + c.value_dim], m,
+                            self.res[:k], k, c.linear_value_head_dim, eps, self.n >= t.gated_norm_rows,
+                            self.rows_shape(m.w_out, c.hidden_size))]
 
     def _attention(self, L: FusedLayer, k: int) -> list[tuple]:
         c, g, t, a, eps, kb = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.k_batch

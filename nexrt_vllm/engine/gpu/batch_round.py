@@ -32,7 +32,7 @@ import torch
 
 from nexrt_vllm.engine.decode_loop import DecodeLoop
 from nexrt_vllm.engine.errors import EngineError, NotBuiltError
-from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
+from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder, gated_out_proj
 from nexrt_vllm.engine.gpu.batch_runner import SlotEvent, SlotRunner
 from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import Launch
@@ -161,7 +161,8 @@ class BatchRoundDecoder:
         c, t, m, eps, M, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.kr, self.b.k_gemv
         R, live, st = k * M, self.live[:k], self.states.gdn(i)
         sh = self._rows_kw(m.w_in, m.w_in.shape[0], dot=True)  # the per-slot conv follows the tensor-core loop
-        gated = self._rows_kw(m.w_out, c.hidden_size, t.gemv_gated_rows)
+        split = self.R >= t.gated_norm_rows
+        gated = self._rows_kw(m.w_out, c.hidden_size, None if split else t.gemv_gated_rows)
         return [
             ("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
                 self.res[:R], m.w_in, self.buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
@@ -172,10 +173,8 @@ class BatchRoundDecoder:
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
                 head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
                 num_warps=t.gdn_warps)),
-            ("gdn_out_proj", lambda: g.gemv(
-                self.o[:R], m.w_out, self.res[:R], pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
-                z=self.buf[:R, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=R,
-                **gated))]
+            *gated_out_proj(g, self.k_gdn, self.o[:R], self.buf[:R, c.conv_dim:c.conv_dim + c.value_dim], m,
+                            self.res[:R], R, c.linear_value_head_dim, eps, split, gated)]
 
     def _attention(self, L: FusedLayer, x, pos, start, m: int, k: int, cos, sin):
         """A full-attention mixer over each of slots 0..k-1's m rows of x at positions pos[b]..pos[b]+m-1 (the

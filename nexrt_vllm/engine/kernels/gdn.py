@@ -4,7 +4,9 @@ Input is the fused in_proj output after the conv epilogue (`gemv` EPI_CONV): [q 
 with q, k, v already conv'd and SiLU'd. The update is separable over the value dimension (every
 column j of S only needs k, q and v_j), so the grid is (value head, value block) and each program
 reads its [dk, BLOCK_V] slice of S exactly once and writes it once. The gated output norm needs a
-whole head, so it runs in the out_proj prologue (`gemv` PRO_GATED) instead of here.
+whole head, so it runs in the out_proj prologue (`gemv` PRO_GATED) instead of here — or, for launches
+of many rows, in `gated_norm_rows` before a plain out_proj: the prologue is recomputed by every program
+of the GEMV, which costs more than the weight stream once the rows are many.
 
 Verify pass (speculative decoding): `gdn_verify_step` runs M tokens in order from the live state with
 the slice in registers (read once, the live state never written) and stores the state after each
@@ -15,6 +17,7 @@ import triton.language as tl
 
 from nexrt_vllm.engine.kernels.common import LAUNCH, pdl_begin
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
+from nexrt_vllm.engine.kernels.common import silu as _silu
 
 
 @triton.jit
@@ -175,3 +178,41 @@ def gdn_commit(conv_state, rec_state, window, rec_after, a, *, block=4096, block
                             one(conv_state).stride(0), one(window).stride(0), one(rec_after).stride(0), st(conv_state),
                             st(rec_state), st(window), st(rec_after), KM1=km1, KM1P=triton.next_power_of_2(km1),
                             BLOCK=block, BLOCK_C=block_c, HAS_LIVE=slots, **LAUNCH, num_warps=num_warps)
+
+
+@triton.jit
+def gated_norm_rows_kernel(x_ptr, z_ptr, w_ptr, out_ptr, eps, stride_x, stride_z, stride_out, V,
+                           GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # `gemv` PRO_GATED's prologue (kernels/gemv_verify.py `_load_x_rows`) for one row's BLOCK columns:
+    # the same ops and rounding points, so the plain GEMV over `out` gives the fused launch's products.
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < V
+    pdl_begin(PDL)
+    x = tl.load(x_ptr + r * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
+    NH: tl.constexpr = BLOCK // GROUP
+    x3 = tl.reshape(x, (NH, GROUP))
+    rs = tl.rsqrt(tl.sum(x3 * x3, 1) / GROUP + eps)
+    xn = tl.reshape(_bf16(x3 * rs[:, None]), (BLOCK,))
+    w = tl.load(w_ptr + (cols % GROUP), mask=cmask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + r * stride_z + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = _bf16(_bf16(w * xn) * _silu(z))
+    tl.store(out_ptr + r * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def gated_norm_rows(x, z, norm_w, out, *, m, group, eps, block=512, num_warps=4):
+    """The GDN output norm `w·rms(x)·SiLU(z)` per head of `group` values for rows x[:m] [m, V] (row strides;
+    z likewise, e.g. the z columns of the in_proj output) into out[:m] (bf16; may be x itself: each
+    program reads its values before it writes them). A plain `gemv` over `out` then equals the
+    PRO_GATED launch over x."""
+    v = x.shape[1]
+    block = max(min(block, triton.next_power_of_2(v)), group)
+    for name, t in (("x", x), ("z", z), ("out", out)):
+        if t.dim() != 2 or t.shape[0] < m or t.shape[1] < v or t.stride(1) != 1:
+            raise ValueError(f"gated_norm_rows: {name} must be [>= {m}, {v}] with unit column stride "
+                             f"(got {tuple(t.shape)})")
+    if v % group or block % group:
+        raise ValueError(f"gated_norm_rows: {v} values are not whole heads of {group} (block {block})")
+    gated_norm_rows_kernel[(m, triton.cdiv(v, block))](
+        x, z, norm_w, out, eps, x.stride(0), z.stride(0), out.stride(0), v, GROUP=group, BLOCK=block, **LAUNCH,
+        num_warps=num_warps)
