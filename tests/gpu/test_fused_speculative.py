@@ -9,6 +9,8 @@ lacks the continuation's tokens (no round accepts a draft), and across a stop id
 exact; the committed K/V rows equal the plain loop's. The graph capture and the pipelined replays are
 GPU-only (benchmarks/checks/gpu_check.py --speculative); here each replay runs the round's launches in order.
 The interpreter takes ~10-20 s per round, hence the short streams (the H200 run checks 256 tokens)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,8 +42,8 @@ def engines(ckpt_factory, arch):
     return plain, eng
 
 
-def on_graph_path(eng: Engine, draft_vocab=None) -> SpecRunner:
-    eng.graph = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused", tuning=CPU_TUNING))
+def on_graph_path(eng: Engine, draft_vocab=None, tuning: Tuning = CPU_TUNING) -> SpecRunner:
+    eng.graph = GraphRunner(FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning))
     eng.spec_graph = SpecRunner(eng.graph, eng.speculative, draft_vocab)
     return eng.spec_graph
 
@@ -133,7 +135,8 @@ def test_draft_token_map(ckpt_factory):
 
 def test_four_drafts(ckpt_factory):
     """M = 5 verify positions (4 drafts, InferenceX's other golden draft count): the round graph's tokens
-    equal the one-token loop's and its rounds the eager speculative loop's."""
+    equal the one-token loop's and its rounds the eager speculative loop's. The GDN out_proj's norm in a
+    launch of its own (`Tuning.gated_norm_rows` <= M), the batch decoders' path for many rows."""
     path = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
     plain = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
     eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
@@ -144,8 +147,10 @@ def test_four_drafts(ckpt_factory):
     eng.prefill(prompt)
     assert list(eng.stream(first, sp)) == want
     eager_rounds, eng.speculative.rounds = eng.speculative.rounds, [0] * 6
-    runner = on_graph_path(eng)
+    runner = on_graph_path(eng, tuning=dataclasses.replace(CPU_TUNING, gated_norm_rows=5))
     assert runner.M == 5
+    gdn_layers = len(eng.model.config.gdn_layers)
+    assert sum(s.group == "verify_gdn_out_proj" for s in runner.d.plan()) == 2 * gdn_layers  # norm, then GEMV
     eng.prefill(prompt)
     assert list(eng.stream(first, sp)) == want
     assert eng.speculative.rounds == eager_rounds and max(k for k, c in enumerate(eager_rounds) if c) >= 3, eager_rounds

@@ -37,6 +37,7 @@ import torch
 
 from nexrt_vllm.engine.errors import EngineError, NotBuiltError
 from nexrt_vllm.engine.fp8 import FP8Weight
+from nexrt_vllm.engine.gpu.batch_decoder import gated_out_proj
 from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch
 from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
@@ -170,6 +171,9 @@ class SpecDecoder:
 
     def _gdn(self, i: int, L: FusedLayer):
         c, g, t, m, eps, M, f = self.cfg, self.f.k_gemv, self.f.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.f
+        split = M >= t.gated_norm_rows  # the out_proj's norm in a launch of its own (batch_decoder.gated_out_proj)
+        out_shape = f.gemv_shape(m.w_out, c.hidden_size, rows=True) if split else \
+            self._rows_rule(m.w_out, t.gemv_gated_rows)
         return [
             ("gdn_in_proj+conv", lambda: g.gemv(
                 self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
@@ -181,10 +185,8 @@ class SpecDecoder:
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
                 head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
                 num_warps=t.gdn_warps, prefetch=t.prefetch > 0)),
-            ("gdn_out_proj", lambda: g.gemv(
-                self.o, m.w_out, self.res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL, norm_w=m.norm,
-                z=self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, m=M,
-                **self._rows_rule(m.w_out, t.gemv_gated_rows)))]
+            *gated_out_proj(g, f.k_gdn, self.o, self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], m, self.res, M,
+                            c.linear_value_head_dim, eps, split, out_shape)]
 
     def _attention(self, L: FusedLayer, x, pos, start, m: int, cos, sin):
         """A full-attention mixer over rows x[:m] at positions pos..pos+m-1 (the target's layers, or the
