@@ -7,10 +7,13 @@ step and group times and the candidate with the least step time summed over the 
 `--dtype fp8` sweeps the FP8 kernels' launch shapes on block-quantized weights, `bf16` the bf16
 ones; the first candidate of each (`vec` 1) is the kernels' elementwise accumulators of before.
 `--speculative` times the MTP round instead: the defaults, then each `--candidates` override (none
-given: the defaults alone).
+given: the defaults alone); with `--batch B` as well, the batched round over B slots
+(nexrt_vllm/bench/batch_round.py) and its plain batch step.
 
     python3 benchmarks/tools/tuning_sweep.py --dtype bf16 --shapes 2b,35b --context 8192 --json OUT/sweep.json
     python3 benchmarks/tools/tuning_sweep.py --speculative --shapes 2b,35b --context 8192 --json OUT/round.json
+    python3 benchmarks/tools/tuning_sweep.py --speculative --batch 8 --shapes 2b --context 8192 \
+        --candidates '[{"gated_norm_rows": 64}]' --json OUT/batch_round.json
 """
 import argparse
 import dataclasses
@@ -21,6 +24,7 @@ import time
 
 import torch
 
+from nexrt_vllm.bench import batch_round as BR
 from nexrt_vllm.bench import spec_round as SR
 from nexrt_vllm.bench import step as D
 
@@ -79,15 +83,26 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative", action="store_true", help="time the MTP round (nexrt_vllm/bench/spec_round.py, "
                     "random head, bf16) and its launch groups per candidate instead of the step")
     ap.add_argument("--draft-vocab", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=1, help="with --speculative: the batched round over this many "
+                    "slots (2..8, every slot live)")
     a = ap.parse_args(argv)
+    if a.batch != 1 and not (a.speculative and 2 <= a.batch <= 8):
+        ap.error("--batch: 2..8 slots, with --speculative")
     cands = [{k: _tuples(v) for k, v in c.items()} for c in json.loads(a.candidates)] if a.candidates else \
         [] if a.speculative else CANDIDATES[a.dtype]
     gen = torch.Generator(device="cuda").manual_seed(1234)
     out = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dtype": a.dtype,
-           "context": a.context, "default": dataclasses.asdict(Tuning()), "shapes": {}}
+           "context": a.context, "batch": a.batch, "default": dataclasses.asdict(Tuning()), "shapes": {}}
     for key in a.shapes.split(","):
         t0 = time.time()
-        if a.speculative:
+        if a.speculative and a.batch > 1:
+            from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+            eng = SR.spec_engine(key, a.context + 256, draft_vocab=a.draft_vocab)
+            layers = FusedDecoder(eng.model, eng.state, mode="fused").layers  # the weights every candidate shares
+
+            def run(t):
+                return BR.measure(eng, layers, t, a.context, a.batch, draft_vocab=a.draft_vocab)
+        elif a.speculative:
             eng = SR.spec_engine(key, a.context + 256, draft_vocab=a.draft_vocab)
 
             def run(t):

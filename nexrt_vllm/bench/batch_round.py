@@ -30,13 +30,31 @@ def _groups(rd, reps: int = 20) -> dict:
     return {name: {"launches": n, "us_per_round": sec * 1e6} for name, (n, sec) in times.items()}
 
 
-def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], steps: int, tuning=None,
-                          num_spec: int = 3, draft_vocab=None, breakdown_ctx: int = 8192) -> dict:
+def build(eng, layers, tuning, B: int, max_len: int, num_spec: int, draft_vocab, gen: torch.Generator):
+    """The plain batch step and the batched round over B slots (every slot live, random tokens) sharing
+    `layers` (a FusedDecoder's weights) under `tuning`: (states, batch decoder, round decoder, step graph,
+    round graph)."""
     from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
     from nexrt_vllm.engine.gpu.batch_round import BatchRoundDecoder
     from nexrt_vllm.engine.gpu.runner import capture_graph
     from nexrt_vllm.engine.state import StackedStates
 
+    M = num_spec + 1
+    states = StackedStates(eng.model.config, B, max_len, eng.dtype, eng.device, pad_rows=M)
+    bd = BatchDecoder(eng.model, states, tuning, layers=layers)
+    rd = BatchRoundDecoder(bd, eng.speculative.drafter.w, num_spec, draft_vocab)
+    bd.live.zero_()
+    g_step = capture_graph(bd.launch, (bd.step, bd.tok, bd.pos), (bd.ring, bd.ring_host))
+    g_round = capture_graph(rd.launch, (rd.step, rd.round, rd.tok, rd.pos), ())
+    bd.live.fill_(1)
+    rd.row_live.fill_(1)
+    rd.tok.copy_(torch.randint(3, bd.cfg.vocab_size, (B, M), generator=gen, device=gen.device))
+    bd.tok.copy_(rd.tok[:, 0])
+    return states, bd, rd, g_step, g_round
+
+
+def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], steps: int, tuning=None,
+                          num_spec: int = 3, draft_vocab=None, breakdown_ctx: int = 8192) -> dict:
     t0 = time.time()
     M = num_spec + 1
     max_len = max(contexts, default=0) + (steps + 8) * M + 64
@@ -70,18 +88,9 @@ def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], ste
             S.log(f"[{key}/batch-round] B 1 ctx {ctx}: round {t_round * 1e3:.3f} ms = {t_round / t_step:.2f}x step")
     for B in [b for b in batches if b > 1]:
         t1 = time.time()
-        states = StackedStates(eng.model.config, B, max_len, eng.dtype, eng.device, pad_rows=M)
-        bd = BatchDecoder(eng.model, states, tuning, layers=fused.layers)
-        rd = BatchRoundDecoder(bd, eng.speculative.drafter.w, num_spec, draft_vocab)
-        bd.live.zero_()
-        g_step = capture_graph(bd.launch, (bd.step, bd.tok, bd.pos), (bd.ring, bd.ring_host))
-        g_round = capture_graph(rd.launch, (rd.step, rd.round, rd.tok, rd.pos), ())
+        states, bd, rd, g_step, g_round = build(eng, fused.layers, tuning, B, max_len, num_spec, draft_vocab, gen)
         S.log(f"[{key}/batch-round] B {B}: captured in {time.time() - t1:.1f}s, {len(rd.plan())} launches, GPU mem "
               f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
-        bd.live.fill_(1)
-        rd.row_live.fill_(1)
-        rd.tok.copy_(torch.randint(3, bd.cfg.vocab_size, (B, M), generator=gen, device=gen.device))
-        bd.tok.copy_(rd.tok[:, 0])
         for ctx in contexts:
             fill_slots(states, ctx, gen)
             t_step = S.time_from(g_step, bd.pos, ctx, steps)
@@ -101,3 +110,20 @@ def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], ste
     del spec1, runner1, fused, eng, g1
     torch.cuda.empty_cache()
     return res
+
+
+def measure(eng, layers, tuning, ctx: int, B: int, num_spec: int = 3, draft_vocab=None, reps: int = 100) -> dict:
+    """The batched round and the plain batch step over B slots under `tuning` at context ctx (a launch-shape
+    sweep's candidate, benchmarks/tools/tuning_sweep.py --batch): median times and the round's groups."""
+    gen = torch.Generator(device=eng.device).manual_seed(1234)
+    states, bd, rd, g_step, g_round = build(eng, layers, tuning, B, ctx + (reps + 8) * (num_spec + 1) + 64, num_spec,
+                                            draft_vocab, gen)
+    fill_slots(states, ctx, gen)
+    t_step = S.time_from(g_step, bd.pos, ctx, reps)
+    t_round = S.time_from(g_round, rd.pos, ctx, reps)
+    rd.pos.fill_(ctx)
+    groups = {k: v["us_per_round"] for k, v in _groups(rd).items()}
+    del g_step, g_round, rd, bd, states
+    torch.cuda.empty_cache()
+    return {"step_us": t_step * 1e6, "round_us": t_round * 1e6, "round_over_step": t_round / t_step,
+            "groups": groups}
