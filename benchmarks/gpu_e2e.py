@@ -520,8 +520,10 @@ def main(argv=None) -> int:
                     help="dir with InferenceX's utils/bench_serving/*.py: also run its own client (cross-check)")
     ap.add_argument("--ix-scenarios", nargs="*", default=None, help="scenarios for --ix-client (default: all)")
     ap.add_argument("--ix-num-prompts", type=int, default=None, help="prompts per --ix-client run (default --num-prompts)")
-    ap.add_argument("--paths", nargs="+", choices=("nexrt", "vllm"), default=["nexrt", "vllm"],
-                    help="which paths to measure (a run cut short can be completed by another with the rest)")
+    ap.add_argument("--paths", nargs="+", choices=("nexrt", "vllm", "vllm_mtp"), default=None,
+                    help="which paths to measure: the NexRT path, plain vLLM, vLLM + MTP (default: all three with "
+                         "--speculative mtp or --vllm-mtp, else the first two); a run cut short can be completed "
+                         "by another with the rest, joined by `merge`")
     ap.add_argument("--speculative", choices=("off", "mtp"), default="off",
                     help="mtp: the node serves MTP rounds and the baseline is vLLM + MTP, both at the pinned "
                          "--acceptance-length (plain vLLM interleaved for reference)")
@@ -555,9 +557,10 @@ def main(argv=None) -> int:
             if a.num_speculative_tokens not in GOLDEN_AL:
                 ap.error(f"no golden acceptance length for {a.num_speculative_tokens} drafts: give --acceptance-length")
             a.acceptance_length = GOLDEN_AL[a.num_speculative_tokens]
-        if spec and "nexrt" not in a.paths:
-            ap.error("--speculative mtp measures the NexRT path against vLLM + MTP (plain vLLM too with --paths "
-                     "nexrt vllm)")
+    default_paths = ["nexrt", "vllm"] + (["vllm_mtp"] if spec or a.vllm_mtp else [])
+    a.paths = a.paths or default_paths
+    if "vllm_mtp" in a.paths and not (spec or a.vllm_mtp):
+        ap.error("--paths vllm_mtp: the MTP baseline needs --speculative mtp or --vllm-mtp (its config)")
     if a.draft_vocab is not None and a.draft_token_map:
         ap.error("give --draft-vocab or --draft-token-map, not both")
     if (a.draft_vocab is not None or a.draft_token_map) and not spec:
@@ -572,8 +575,8 @@ def main(argv=None) -> int:
             ap.error(f"{flag}: a fraction of the GPU's memory in (0, 1], got {v}")
     if a.tp > 1 and spec:
         ap.error("--tp > 1 with --speculative mtp: the node does not run MTP at TP > 1")
-    if a.interleave and not (a.concurrent_baseline and set(a.paths) == {"nexrt", "vllm"}):
-        ap.error("--interleave needs --concurrent-baseline and both --paths")
+    if a.interleave and not (a.concurrent_baseline and {"nexrt", "vllm"} <= set(a.paths)):
+        ap.error("--interleave needs --concurrent-baseline and the paths nexrt and vllm")
     for sc in a.scenarios:
         scenario(sc)
     if a.ix_client:
@@ -583,7 +586,8 @@ def main(argv=None) -> int:
 
     os.makedirs(a.out, exist_ok=True)
     label = a.shape + (f"_l{a.layers}" if a.layers else "") + (f"_tp{a.tp}" if a.tp > 1 else "") \
-        + ("" if len(a.paths) == 2 else "_" + a.paths[0]) + (f"_conc{'-'.join(map(str, a.conc))}" if sweep else "")
+        + ("" if sorted(a.paths) == sorted(default_paths) else "_" + "-".join(a.paths)) \
+        + (f"_conc{'-'.join(map(str, a.conc))}" if sweep else "")
     work = tempfile.mkdtemp(prefix="gpu-e2e-")
     name = NAMES.get(a.shape, "tiny-qwen3-next")
     model = os.path.join(work, name + (f"-{a.layers}L" if a.layers else ""))
@@ -654,7 +658,7 @@ def main(argv=None) -> int:
                 vurl = stack.vllm("vllm", model, max_len, a.transport, share, kv)
                 purl = stack.vllm("vllm_plain", model, max_len, None, share, kv)
                 ups = [(vurl, "vLLM + connector"), (purl, "vLLM plain")]
-                if spec:
+                if "vllm_mtp" in a.paths:
                     murl = stack.vllm("vllm_mtp", model, max_len, None, share, kv, speculative=vspec)
                     ups.append((murl, "vLLM + MTP"))
                 asyncio.run(_up(stack, ups, a.start_timeout))
@@ -668,7 +672,8 @@ def main(argv=None) -> int:
             for sc in a.scenarios:
                 for conc in a.conc:
                     before = scrape(node["url"])
-                    baselines = ({"vllm": purl, **({"vllm_mtp": murl} if spec else {})} if a.interleave else None)
+                    baselines = ({"vllm": purl, **({"vllm_mtp": murl} if "vllm_mtp" in a.paths else {})}
+                                 if a.interleave else None)
                     res = inferencex(rurl, "nexrt", "model", model, sc, a.num_prompts, res_dir, [], a.transport, hw,
                                      interleave=baselines, conc=conc)
                     record("nexrt", sc, conc, res["nexrt"])
@@ -694,7 +699,7 @@ def main(argv=None) -> int:
                                                         "", hw, conc=conc)["vllm"])
                     log(sc, conc, "vllm", summary["vllm"].get(sc))
                     save()
-        if vspec and not a.interleave:  # one vLLM at a time: plain (if asked), then + MTP
+        if "vllm_mtp" in a.paths and not a.interleave:  # one vLLM at a time: plain (if asked), then + MTP
             stack.procs.stop()
             stack = Stack(work, a.device, a.tp)
             murl = stack.vllm("vllm_mtp", model, max_len, None, alone_share, speculative=vspec)
