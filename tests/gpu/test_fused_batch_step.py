@@ -26,9 +26,10 @@ kernels.load(interpret=True)
 torch.set_num_threads(1)
 SLOTS, MAX_LEN = 3, 64
 # Few, large programs: the interpreter's cost is per program. The M-row GEMVs on the tensor-core kernel
-# (2 stages), as on the H200, except the GDN in_proj + conv, on the fold kernel (`gemv_rows_conv`'s other
-# path).
+# (2 stages), as on the H200, except the GDN in_proj + conv and (below Tuning.gated_norm_rows slots) the
+# GDN out_proj, on the fold kernel.
 CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128, 4, 2),), prefetch=0,
+                    gemv_gated_rows=(64, 128, 4, 0),
                     lm=(128, 256, 4), lm_rows=(128, 128, 4, 2), attn_splits=2, attn_block=32, gdn_block_v=64,
                     moe=(64, 128, 1), moe_down=(64, 64, 1))
 

@@ -144,6 +144,8 @@ class BatchDecoder:
     def _gdn(self, L: FusedLayer, k: int) -> list[tuple]:
         c, g, t, m, eps, kb = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.k_batch
         sh = self.t.shape(m.w_in.shape[0], rows=True)
+        # the out_proj: fewer slots than Tuning.gated_norm_rows take the round's gated shape (swept at 4 rows)
+        split = self.n >= t.gated_norm_rows
         return [
             ("gdn_in_proj+conv", lambda: kb.gemv_rows_conv(
                 self.res[:k], m.w_in, self.buf[:k], L.input_norm, m.state.conv, m.conv_w, self.live[:k], eps=eps,
@@ -155,8 +157,9 @@ class BatchDecoder:
                 head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
                 num_warps=t.gdn_warps, prefetch=t.prefetch > 0)),
             *gated_out_proj(g, self.k_gdn, self.o[:k], self.buf[:k, c.conv_dim:c.conv_dim + c.value_dim], m,
-                            self.res[:k], k, c.linear_value_head_dim, eps, self.n >= t.gated_norm_rows,
-                            self.rows_shape(m.w_out, c.hidden_size))]
+                            self.res[:k], k, c.linear_value_head_dim, eps, split,
+                            self.rows_shape(m.w_out, c.hidden_size) if split else
+                            gemv_kwargs(t, m.w_out, t.gemv_gated_rows))]
 
     def _attention(self, L: FusedLayer, k: int) -> list[tuple]:
         c, g, t, a, eps, kb = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.k_batch
