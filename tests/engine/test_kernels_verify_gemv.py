@@ -138,27 +138,34 @@ def test_plain_residual(m, prefetch):
         assert rel(res[j], ref[j]) < REF, j
 
 
-@MS
-@PREFETCH
-@pytest.mark.parametrize("block_k", [32, 64])  # one head, two heads per K block
-def test_gated_residual(m, prefetch, block_k):
-    """The GDN out_proj: gated RMSNorm per head with z the gate rows of the in_proj output (a strided
-    view of the [m, width] buffer)."""
-    g = torch.Generator().manual_seed(15)
-    heads, dv, n = 4, 32, 24
+def gated_case(m: int, heads: int, dv: int, n: int, seed: int):
+    """A GDN out_proj's inputs over m rows: (o, z — the gate rows, a strided view of the in_proj output —, the
+    norm weight, W [n, heads*dv], the residual rows) and torch's gated RMSNorm of o."""
+    g = torch.Generator().manual_seed(seed)
     vd = heads * dv
     o = rows(torch.randn(m, vd, generator=g).to(BF), m)
     buf = torch.randn(m, 3 * vd, generator=g).to(BF)
     z = buf[:, vd:2 * vd]
     nw = (1 + 0.1 * torch.randn(dv, generator=g)).to(BF)
     w = (torch.randn(n, vd, generator=g) * 0.2).to(BF)
-    res = rows(torch.randn(m, n, generator=g).to(BF), m)
-    res0 = res.clone()
-    call(gemv.gemv, o, w, res, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=8,
-         block_k=block_k, prefetch=prefetch, m=m)
+    res0 = rows(torch.randn(m, n, generator=g).to(BF), m)
     oh = o.reshape(m, heads, dv).float()
     normed = (oh * torch.rsqrt(oh.pow(2).mean(-1, keepdim=True) + 1e-6)).to(BF)
     gated = ((nw * normed).float() * F.silu(z.reshape(m, heads, dv).float())).to(BF).reshape(m, vd)
+    return o, z, nw, w, res0, gated
+
+
+@MS
+@PREFETCH
+@pytest.mark.parametrize("block_k", [32, 64])  # one head, two heads per K block
+def test_gated_residual(m, prefetch, block_k):
+    """The GDN out_proj: gated RMSNorm per head with z the gate rows of the in_proj output (a strided
+    view of the [m, width] buffer)."""
+    dv = 32
+    o, z, nw, w, res0, gated = gated_case(m, 4, dv, 24, seed=15)
+    res = res0.clone()
+    call(gemv.gemv, o, w, res, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=8,
+         block_k=block_k, prefetch=prefetch, m=m)
     ref = res0 + lin(gated, w)
     for j in range(m):
         r1 = res0[j].clone()
@@ -175,23 +182,13 @@ def test_gated_norm_rows_then_plain_gemv_equals_the_gated_prologue(m):
     are torch's gated RMSNorm."""
     from nexrt_vllm.engine.kernels import gdn
 
-    g = torch.Generator().manual_seed(17)
-    heads, dv, n = 8, 32, 40
-    vd = heads * dv
-    o = rows(torch.randn(m, vd, generator=g).to(BF), m)
-    buf = torch.randn(m, 3 * vd, generator=g).to(BF)
-    z = buf[:, vd:2 * vd]
-    nw = (1 + 0.1 * torch.randn(dv, generator=g)).to(BF)
-    w = (torch.randn(n, vd, generator=g) * 0.2).to(BF)
-    res0 = rows(torch.randn(m, n, generator=g).to(BF), m)
+    dv = 32
+    o, z, nw, w, res0, gated = gated_case(m, 8, dv, 40, seed=17)
     dot = {} if m <= 8 else {"dot": 2}
     fused = res0.clone()
     call(gemv.gemv, o, w, fused, pro=gemv.PRO_GATED, epi=gemv.EPI_RESIDUAL, norm_w=nw, z=z, group=dv, block_n=16,
          block_k=64, m=m, **dot)
-    oh = o.reshape(m, heads, dv).float()
-    normed = (oh * torch.rsqrt(oh.pow(2).mean(-1, keepdim=True) + 1e-6)).to(BF)
-    gated = ((nw * normed).float() * F.silu(z.reshape(m, heads, dv).float())).to(BF).reshape(m, vd)
-    x = nan_rows(m, vd)
+    x = nan_rows(m, o.shape[1])
     call(gdn.gated_norm_rows, o, z, nw, x, m=m, group=dv, eps=1e-6, block=64)  # two heads a program
     assert rel(x, gated) < REF
     if DEV == "cpu":  # in place over the GDN output, as the batch decoders launch it (`call` moves no aliases)
