@@ -79,9 +79,10 @@ class Tuning:
     lm_rows: RowsShape = RowsShape(64, 256, 4, 3)
     gemv_gated: GemvShape = GemvShape(8, 1024, 8)  # GDN out_proj (gated-norm prologue)
     # M-row GDN out_projs of at least this many rows (the batch step's slots, the batched round's
-    # slots x positions, the one-request round's positions) normalize in a launch of their own (kernels/gdn.py `gated_norm_rows`) and then
-    # run the plain M-row GEMV: each program of the gated launch recomputes the norm of every row, which
-    # at 8 rows cost the batch step several times the weight stream (docs/GPU.md "Several requests").
+    # slots x positions, the one-request round's positions) normalize in a launch of their own
+    # (kernels/gdn.py `gated_norm_rows`) and then run the plain M-row GEMV: each program of the gated
+    # launch recomputes the norm of every row, which at 8 rows cost the batch step several times the
+    # weight stream (docs/GPU.md "Several requests per round").
     gated_norm_rows: int = 8
     gemv_router: GemvShape = GemvShape(4, 1024, 4)  # MoE router (E+1 rows)
     lm: GemvShape = GemvShape(16, 256, 4)  # lm_head + argmax partials
