@@ -257,12 +257,18 @@ def add_sweep(summary: dict, scenarios, png: str | None) -> None:
                 "conc": int(top[0]), "output_tok_s_over_conc1": top[1]["output_throughput"] / one["output_throughput"]}
     if png and summary.get("pareto"):
         from nexrt_vllm.bench.pareto import plot_pareto
+        mb = summary.get("max_batch") or 1
+        names = {"nexrt": "NexRT path" + (" + MTP" if summary.get("speculative") == "mtp" else "")
+                 + (f" (--max-batch {mb})" if mb > 1 else ""), "vllm": "vLLM",
+                 "vllm_mtp": f"vLLM + MTP (acceptance {summary.get('acceptance_length')})"}
         for sc, series in summary["pareto"].items():
-            pts = {path: [{"conc": p["conc"], "median_intvty": p["tok_s_user"], "output_tput_per_gpu": p["output_tok_s_gpu"]}
-                          for p in rows] for path, rows in series.items() if rows}
+            pts = {names.get(path, path): [{"conc": p["conc"], "median_intvty": p["tok_s_user"],
+                                            "output_tput_per_gpu": p["output_tok_s_gpu"]} for p in rows]
+                   for path, rows in series.items() if rows}
             if pts:
                 plot_pareto(pts, png.replace(".png", f"_{sc}.png") if len(summary["pareto"]) > 1 else png,
-                            title=f"{summary.get('shape')} {sc}, one GPU", y_key="output_tput_per_gpu")
+                            title=f"{summary.get('shape')} {sc}, one {summary.get('hw', 'GPU')}",
+                            y_key="output_tput_per_gpu")
 
 
 def _engine_rows(res: dict) -> dict:
