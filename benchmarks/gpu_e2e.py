@@ -25,6 +25,8 @@ the same pinned acceptance length (`--acceptance-length`, default InferenceX's g
 The summary's ratios are then against vLLM + MTP (`ratios_vs_plain_vllm` keeps the others).
 
 `--conc 1 2 4 8` sweeps the client's concurrency (each path measured at each, one path after the other;
+with `--concurrent-baseline` every vLLM starts at once, and each path is measured while the others idle —
+one start-up wait instead of one per path;
 `--max-batch B` gives the node B slots, `--vllm-mtp` adds vLLM + MTP at the golden acceptance as a
 baseline while the node decodes plainly): `concurrency` holds every result, `pareto` the points
 (median tok/s/user, output tok/s per GPU: the prefill vLLM and the node share the one GPU, so a path
@@ -650,7 +652,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     ix = (a.ix_scenarios if a.ix_scenarios is not None else a.scenarios) if a.ix_client else ()
     ix_n = a.ix_num_prompts or a.num_prompts
-    purl = None
+    purl = murl = None
     try:
         if "nexrt" in a.paths:
             # One at a time: vLLM sizes its KV cache from the memory it sees while profiling, which a
@@ -705,11 +707,13 @@ def main(argv=None) -> int:
                                                         "", hw, conc=conc)["vllm"])
                     log(sc, conc, "vllm", summary["vllm"].get(sc))
                     save()
-        if "vllm_mtp" in a.paths and not a.interleave:  # one vLLM at a time: plain (if asked), then + MTP
-            stack.procs.stop()
-            stack = Stack(work, a.device, a.tp)
-            murl = stack.vllm("vllm_mtp", model, max_len, None, alone_share, speculative=vspec)
-            asyncio.run(_up(stack, [(murl, "vLLM + MTP")], a.start_timeout))
+        if "vllm_mtp" in a.paths and not a.interleave:
+            if murl is None:  # one vLLM at a time: plain (if asked), then + MTP alone
+                stack.procs.stop()
+                stack = Stack(work, a.device, a.tp)
+                murl = stack.vllm("vllm_mtp", model, max_len, None, alone_share, speculative=vspec)
+                asyncio.run(_up(stack, [(murl, "vLLM + MTP")], a.start_timeout))
+            # else started beside the others (--concurrent-baseline): measured now, the others idle
             for sc in a.scenarios:
                 for conc in a.conc:
                     record("vllm_mtp", sc, conc, inferencex(murl, "vllm_mtp", "model", model, sc, a.num_prompts,
