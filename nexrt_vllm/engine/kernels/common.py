@@ -63,6 +63,18 @@ def silu(x):
 
 
 @triton.jit
+def gated_rmsnorm(x, z, w, eps, GROUP: tl.constexpr):
+    """The GDN output norm over x [BLOCK] (whole heads of GROUP elements; fp32 values of bf16 tensors):
+    rms per head, bf16 norm, bf16 weight product (w: the norm weight per column), SiLU(z) gate."""
+    BLOCK: tl.constexpr = x.shape[0]
+    NH: tl.constexpr = BLOCK // GROUP
+    x2 = tl.reshape(x, (NH, GROUP))
+    r = tl.rsqrt(tl.sum(x2 * x2, 1) / GROUP + eps)
+    xn = tl.reshape(bf16_round(x2 * r[:, None]), (BLOCK,))
+    return bf16_round(bf16_round(w * xn) * silu(z))
+
+
+@triton.jit
 def pdl_begin(PDL: tl.constexpr):
     if PDL:
         gdc_wait()

@@ -15,9 +15,8 @@ token; `gdn_commit` then makes the accepted token's state (recurrent and conv wi
 import triton
 import triton.language as tl
 
-from nexrt_vllm.engine.kernels.common import LAUNCH, pdl_begin
+from nexrt_vllm.engine.kernels.common import LAUNCH, gated_rmsnorm, pdl_begin
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
-from nexrt_vllm.engine.kernels.common import silu as _silu
 
 
 @triton.jit
@@ -183,20 +182,16 @@ def gdn_commit(conv_state, rec_state, window, rec_after, a, *, block=4096, block
 @triton.jit
 def gated_norm_rows_kernel(x_ptr, z_ptr, w_ptr, out_ptr, eps, stride_x, stride_z, stride_out, V,
                            GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # `gemv` PRO_GATED's prologue (kernels/gemv_verify.py `_load_x_rows`) for one row's BLOCK columns:
-    # the same ops and rounding points, so the plain GEMV over `out` gives the fused launch's products.
+    # `gemv` PRO_GATED's prologue for one row's BLOCK columns (common.gated_rmsnorm, as the one-row
+    # GEMV runs it), so the plain GEMV over `out` gives the fused launch's products.
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < V
     pdl_begin(PDL)
     x = tl.load(x_ptr + r * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
-    NH: tl.constexpr = BLOCK // GROUP
-    x3 = tl.reshape(x, (NH, GROUP))
-    rs = tl.rsqrt(tl.sum(x3 * x3, 1) / GROUP + eps)
-    xn = tl.reshape(_bf16(x3 * rs[:, None]), (BLOCK,))
     w = tl.load(w_ptr + (cols % GROUP), mask=cmask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + r * stride_z + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = _bf16(_bf16(w * xn) * _silu(z))
+    y = gated_rmsnorm(x, z, w, eps, GROUP)
     tl.store(out_ptr + r * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=cmask)
 
 

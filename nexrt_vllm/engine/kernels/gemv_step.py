@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
-from nexrt_vllm.engine.kernels.common import l2_prefetch, pdl_begin
+from nexrt_vllm.engine.kernels.common import gated_rmsnorm, l2_prefetch, pdl_begin
 from nexrt_vllm.engine.kernels.common import silu as _silu
 
 
@@ -25,15 +25,10 @@ def _load_x(x_ptr, cols, cmask, nw_ptr, z_ptr, rstd, eps, PRO: tl.constexpr, GRO
         w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         x = _bf16((x * rstd) * (1.0 + w))
     elif PRO == 2:
-        # BLOCK_K spans whole heads of GROUP elements: rms per head, bf16 norm, bf16 weight
-        # product, SiLU(z) gate.
-        NH: tl.constexpr = BLOCK_K // GROUP
-        x2 = tl.reshape(x, (NH, GROUP))
-        r = tl.rsqrt(tl.sum(x2 * x2, 1) / GROUP + eps)
-        xn = tl.reshape(_bf16(x2 * r[:, None]), (BLOCK_K,))
+        # BLOCK_K spans whole heads of GROUP elements
         w = tl.load(nw_ptr + (cols % GROUP), mask=cmask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        x = _bf16(_bf16(w * xn) * _silu(z))
+        x = gated_rmsnorm(x, z, w, eps, GROUP)
     return x
 
 
