@@ -95,18 +95,17 @@ def main(argv=None) -> int:
            "context": a.context, "batch": a.batch, "default": dataclasses.asdict(Tuning()), "shapes": {}}
     for key in a.shapes.split(","):
         t0 = time.time()
-        if a.speculative and a.batch > 1:
-            from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+        if a.speculative:
             eng = SR.spec_engine(key, a.context + 256, draft_vocab=a.draft_vocab)
-            layers = FusedDecoder(eng.model, eng.state, mode="fused").layers  # the weights every candidate shares
+            if a.batch > 1:
+                from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+                layers = FusedDecoder(eng.model, eng.state, mode="fused").layers  # every candidate's weights
 
-            def run(t):
-                return BR.measure(eng, layers, t, a.context, a.batch, draft_vocab=a.draft_vocab)
-        elif a.speculative:
-            eng = SR.spec_engine(key, a.context + 256, draft_vocab=a.draft_vocab)
-
-            def run(t):
-                return SR.measure_round(eng, t, a.context, a.draft_vocab)
+                def run(t):
+                    return BR.measure(eng, layers, t, a.context, a.batch, draft_vocab=a.draft_vocab)
+            else:
+                def run(t):
+                    return SR.measure_round(eng, t, a.context, a.draft_vocab)
         else:
             eng = D.random_engine(key, a.context + 64, a.dtype)
 
