@@ -11,6 +11,8 @@ context's last position speculates to the end (the accept clamps the round, its 
 are not written) and ends "length" with the tokens alone gives; a slot that is not live is left
 byte for byte as it was. The graph capture and pipelined replays on the device:
 tests/gpu/test_batch_graph.py (gpu)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -37,10 +39,11 @@ def alone(ref: Engine, prompt: list[int], n: int) -> tuple[int, list[int]]:
     return first, list(ref.stream(first, SamplingParams(max_tokens=n + 1, ignore_eos=True)))
 
 
-def batch_engine(path: str, slots: int, **kw) -> tuple[Engine, BatchRoundRunner, list[Engine]]:
+def batch_engine(path: str, slots: int, tuning: Tuning = CPU_TUNING, **kw) -> tuple[Engine, BatchRoundRunner,
+                                                                                      list[Engine]]:
     eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
     eng.enable_speculative("mtp", K, **kw)
-    runner = eng.batch_runner(slots, CPU_TUNING)
+    runner = eng.batch_runner(slots, tuning)
     assert isinstance(runner, BatchRoundRunner)
     eng.use_batch(runner)
     return eng, runner, eng.slots(slots)
@@ -58,15 +61,16 @@ def run(runner, got: dict, ends: dict, n_steps: int | None = None) -> None:
         assert k < 200
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
-def test_batched_round_equals_each_request_alone(ckpt_factory, arch):
+# conv_all_slots: the in_proj's conv epilogue over every slot's rows at once (Tuning.conv_all_slots)
+@pytest.mark.parametrize("arch,all_slots", [("qwen3_5", False), ("qwen3_next", False), ("qwen3_5", True)])
+def test_batched_round_equals_each_request_alone(ckpt_factory, arch, all_slots):
     path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
     ref = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
     prompts = [periodic_prompt(n, seed=s) for n, s in ((21, 31), (9, 32), (30, 33))]
     steps = [4, 9, MAX_LEN - 30 - 1]  # slot 2 runs to its context's end
     refs = [alone(ref, p, n) for p, n in zip(prompts, steps)]
 
-    eng, runner, engines = batch_engine(path, 3)
+    eng, runner, engines = batch_engine(path, 3, dataclasses.replace(CPU_TUNING, conv_all_slots=all_slots))
     d = runner.d
     assert [e.state for e in engines] == d.states.states and all(e.batch_graph is runner for e in engines)
     assert all(e.speculative is s for e, s in zip(engines, runner.speculators))

@@ -167,7 +167,7 @@ class BatchRoundDecoder:
             ("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
                 self.res[:R], m.w_in, self.buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
                 eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
-                num_warps=sh["num_warps"], stages=sh["dot"])),
+                num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots)),
             ("gdn_step", lambda: kr.gdn_verify_rows(
                 self.buf[:R], st.rec, self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias, live, m=M,
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,

@@ -84,6 +84,11 @@ class Tuning:
     # launch recomputes the norm of every row, which at 8 rows cost the batch step several times the
     # weight stream (docs/GPU.md "Several requests per round").
     gated_norm_rows: int = 8
+    # The batched round's GDN in_proj + conv: the conv epilogue over every slot's rows in one pass instead
+    # of slot after slot (kernels/batch_round.py `_conv_all_slots`). At B = 8 the in_proj + conv took
+    # 755 µs against the MLP gate/up's 680 for 1.5x its weight bytes (H100, 2B): B dependent rounds of
+    # loads, barriers and stores per program. Off until a device sweep has timed it.
+    conv_all_slots: bool = False
     gemv_router: GemvShape = GemvShape(4, 1024, 4)  # MoE router (E+1 rows)
     lm: GemvShape = GemvShape(16, 256, 4)  # lm_head + argmax partials
     attn_splits: int = 128

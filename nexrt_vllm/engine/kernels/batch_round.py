@@ -29,6 +29,7 @@ from nexrt_vllm.engine.kernels.attention import (_INTERPRETED, _qk_rope_head, at
 from nexrt_vllm.engine.kernels.batch import _slot
 from nexrt_vllm.engine.kernels.common import ASM, LAUNCH
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
+from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gdn import gdn_verify_kernel
 from nexrt_vllm.engine.kernels.gemv_verify import _epilogue_rows, _gemv_rows
 
@@ -40,10 +41,11 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
                            stride_y, stride_cs, stride_ws, stride_win, eps, CONV_N, B, R: tl.constexpr,
                            RP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
                            KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           DOT: tl.constexpr, PDL: tl.constexpr):
+                           DOT: tl.constexpr, ALL_SLOTS: tl.constexpr, PDL: tl.constexpr):
     """y [R, N] = W RMSNorm(x_r) for the R = B * M rows (tensor-core loop, DOT 1; 2: fp32 products, the
     interpreter); then for each live slot b the conv epilogue of its rows b*M .. b*M+M-1 over its conv
-    state (conv_ptr + b * stride_cs, read only) and window (win_ptr + b * stride_ws, [CONV_N, KC-1+M])."""
+    state (conv_ptr + b * stride_cs, read only) and window (win_ptr + b * stride_ws, [CONV_N, KC-1+M]):
+    one slot after the other (`_epilogue_rows`), or with ALL_SLOTS every row at once (`_conv_all_slots`)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -54,16 +56,67 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
              mask=(jr < R)[:, None] & rmask[None, :])
     if pid * BLOCK_N < CONV_N:  # programs past the conv channels are done
         tl.debug_barrier()  # the rows this program stored, read back below by other threads of it
-        j = tl.arange(0, MP)
-        jm = j < M
-        for b in range(B):
-            if tl.load(live_ptr + b) != 0:
-                ys = tl.load(y_ptr + (b * M + j)[:, None] * stride_y + rows[None, :], mask=jm[:, None] & rmask[None, :],
-                             other=0.0).to(tl.float32)
-                tl.debug_barrier()  # the epilogue stores over these rows: every thread's load first
-                _epilogue_rows(ys, ys, y_ptr + b * M * stride_y, stride_y, conv_ptr + b * stride_cs, cw_ptr, 0,
-                               win_ptr + b * stride_ws, stride_win, j, jm, rows, rmask, pid, CONV_N, 3,
-                               KC, KCP)
+        if ALL_SLOTS:
+            _conv_all_slots(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win,
+                            jr, R, rows, rmask, CONV_N, M, MP, KC, KCP)
+        else:
+            _conv_each_slot(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win,
+                            rows, rmask, pid, CONV_N, B, M, MP, KC, KCP)
+
+
+@triton.jit
+def _conv_each_slot(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, rows,
+                    rmask, pid, CONV_N, B, M: tl.constexpr, MP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
+    """The conv epilogue slot by slot: the one-request round's (`_epilogue_rows` EPI 3) over slot b's rows."""
+    j = tl.arange(0, MP)
+    jm = j < M
+    for b in range(B):
+        if tl.load(live_ptr + b) != 0:
+            ys = tl.load(y_ptr + (b * M + j)[:, None] * stride_y + rows[None, :], mask=jm[:, None] & rmask[None, :],
+                         other=0.0).to(tl.float32)
+            tl.debug_barrier()  # the epilogue stores over these rows: every thread's load first
+            _epilogue_rows(ys, ys, y_ptr + b * M * stride_y, stride_y, conv_ptr + b * stride_cs, cw_ptr, 0,
+                           win_ptr + b * stride_ws, stride_win, j, jm, rows, rmask, pid, CONV_N, 3, KC, KCP)
+
+
+@triton.jit
+def _conv_all_slots(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, jr, R,
+                    rows, rmask, CONV_N, M: tl.constexpr, MP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
+    """`_conv_each_slot` over all rows at once, row r = b*M + j (slot b, position j): the same products and
+    sums (state taps over the last axis, the slot's new inputs over the middle one), without B dependent
+    rounds of loads, barriers and stores per program (the 32-row round spent most of its in_proj there)."""
+    b = jr // M
+    j = jr - b * M
+    lv = (jr < R) & (tl.load(live_ptr + b, mask=jr < R, other=0) != 0)
+    cm = rmask & (rows < CONV_N)
+    m2 = lv[:, None] & cm[None, :]  # [RP, BLOCK_N]: live rows' conv channels
+    yb = tl.load(y_ptr + jr[:, None] * stride_y + rows[None, :], mask=m2, other=0.0).to(tl.float32)
+    # the state taps: token j reads state column j + t for j + t < KC-1
+    b3 = b[:, None, None]
+    j3 = j[:, None, None]
+    r3 = rows[None, :, None]
+    t3 = tl.arange(0, KCP)[None, None, :]
+    tm = m2[:, :, None] & (t3 < KC - 1)
+    st = tl.load(conv_ptr + b3 * stride_cs + r3 * (KC - 1) + t3, mask=tm, other=0.0)
+    sm = m2[:, :, None] & (j3 + t3 < KC - 1)
+    sj = tl.load(conv_ptr + b3 * stride_cs + r3 * (KC - 1) + j3 + t3, mask=sm, other=0.0).to(tl.float32)
+    cw = tl.load(cw_ptr + r3 * KC + t3, mask=sm, other=0.0).to(tl.float32)
+    conv = tl.sum(tl.where(sm, cw * sj, 0.0), 2)  # [RP, BLOCK_N]
+    # the slot's new inputs: weight tap KC-1-(j-i) on its row i, 0 <= j-i <= KC-1
+    i3 = tl.arange(0, MP)[None, :, None]
+    d = j3 - i3  # [RP, MP, 1]
+    rr = rows[None, None, :]
+    ym = (d >= 0) & (d <= KC - 1) & (i3 < M) & m2[:, None, :]
+    yi = tl.load(y_ptr + (b3 * M + i3) * stride_y + rr, mask=ym, other=0.0).to(tl.float32)
+    cy = tl.load(cw_ptr + rr * KC + (KC - 1) - d, mask=ym, other=0.0).to(tl.float32)
+    conv += tl.sum(tl.where(ym, cy * yi, 0.0), 1)
+    # the windows: each slot's live state (from its row 0), then its rows' inputs
+    tl.store(win_ptr + b3 * stride_ws + r3 * stride_win + t3, st, mask=tm & (j3 == 0))
+    tl.store(win_ptr + b[:, None] * stride_ws + rows[None, :] * stride_win + (KC - 1) + j[:, None],
+             _bf16(yb).to(win_ptr.dtype.element_ty), mask=m2)
+    tl.debug_barrier()  # the stores below overwrite rows other threads loaded above
+    tl.store(y_ptr + jr[:, None] * stride_y + rows[None, :],
+             _bf16(_silu(_bf16(conv))).to(y_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -142,10 +195,11 @@ def attn_verify_combine_rows_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_pt
 # ---- launchers ------------------------------------------------------------------------------------
 
 def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv_n, kc, block_n, block_k, num_warps,
-                    stages=2):
+                    stages=2, all_slots=False):
     """y [B*m, N] = the GDN in_proj of RMSNorm(x [B*m, K]) (w [N, K] bf16), then per live slot b the verify's
     causal conv + SiLU on its m rows' first conv_n outputs from its conv state conv[b] ([B, conv_n, kc-1],
-    read only) into its window window[b] ([B, conv_n, kc-1+m]: the state, then the m new inputs)."""
+    read only) into its window window[b] ([B, conv_n, kc-1+m]: the state, then the m new inputs);
+    `all_slots`: every slot's rows in one pass (Tuning.conv_all_slots)."""
     r, k, n, nb = x.shape[0], w.shape[1], w.shape[0], live.numel()
     if r != nb * m or not 1 <= r <= MAX_ROWS:
         raise ValueError(f"gemv_conv_slots: {nb} slots x {m} rows = {r} rows, at most {MAX_ROWS}")
@@ -161,8 +215,8 @@ def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv
         x, w, y, norm_w, conv, conv_w, window, live, n, k, w.stride(0), x.stride(0), y.stride(0), conv.stride(0),
         window.stride(0), window.stride(1), eps, conv_n, nb, R=r, RP=max(16, triton.next_power_of_2(r)), M=m,
         MP=triton.next_power_of_2(m), KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)), KP=triton.next_power_of_2(k),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT=1 if ASM else 2, **LAUNCH, num_warps=num_warps,
-        num_stages=stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT=1 if ASM else 2, ALL_SLOTS=all_slots, **LAUNCH,
+        num_warps=num_warps, num_stages=stages)
 
 
 def gdn_verify_rows(buf, state, rec_after, out, a_log, dt_bias, live, *, m, num_k_heads, num_v_heads, head_k_dim,
