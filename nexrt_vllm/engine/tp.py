@@ -41,6 +41,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import re
 import time
 import traceback
 from dataclasses import replace
@@ -108,6 +109,9 @@ def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
     return min(vocab, rank * chunk), min(vocab, (rank + 1) * chunk)
 
 
+_EXPERT_PART = re.compile(r"^mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
 def _take(t: torch.Tensor, dim: int, pieces: list[tuple[int, int]]) -> torch.Tensor:
     """Concatenation of [start, end) slices along `dim`, as a new tensor (the full one can go)."""
     parts = [t.narrow(dim, a, b - a) for a, b in pieces]
@@ -118,6 +122,16 @@ def shard_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], tp: int, r
     """Rank `rank`'s shard of every canonical tensor (weights.py names). Unknown names raise."""
     if tp == 1:
         return tensors
+    return {name: shard_tensor(cfg, name, w, tp, rank) for name, w in tensors.items()}
+
+
+def shard_tensor(cfg: ModelConfig, name: str, w: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s shard of one canonical tensor (weights.py names; also one expert's
+    `layers.L.mlp.experts.J.{gate,up,down}_proj.weight` before the loader stacks them), a new tensor
+    unless replicated: a loader can shard each tensor as it reads it (`weights.load_checkpoint(shard=)`),
+    so a rank never holds the whole model. Unknown names raise."""
+    if tp == 1:
+        return w
     s = rank_sharding(cfg, tp, rank)
     hd, dk, dv = cfg.head_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     q0, q1 = split(cfg.num_heads, tp, rank, "num_attention_heads")
@@ -132,49 +146,48 @@ def shard_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], tp: int, r
         a, b = split(n, tp, rank, "an intermediate size")
         return [(a, b)]
 
-    out: dict[str, torch.Tensor] = {}
-    for name, w in tensors.items():
-        leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
-        if name == "lm_head.weight":
-            out[name] = _take(w, 0, [vocab_range(cfg.vocab_size, tp, rank)])
-        elif name in ("embed_tokens.weight", "norm.weight") or leaf in (
-                "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
-                "self_attn.k_norm.weight", "linear_attn.norm.weight", "mlp.gate.weight",
-                "mlp.shared_expert_gate.weight"):
-            out[name] = w  # replicated
-        elif leaf == "self_attn.q_proj.weight":  # per head: query rows then gate rows
-            out[name] = _take(w, 0, [(q0 * 2 * hd, q1 * 2 * hd)])
-        elif leaf in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
-            out[name] = _take(w, 0, [(kv0 * hd, kv1 * hd)])
-        elif leaf == "self_attn.o_proj.weight":
-            out[name] = _take(w, 1, [(q0 * hd, q1 * hd)])
-        elif leaf == "linear_attn.in_proj_qkvz.weight":
-            out[name] = _take(w, 0, [(k0 * group, k1 * group)])
-        elif leaf == "linear_attn.in_proj_ba.weight":
-            out[name] = _take(w, 0, [(k0 * 2 * r, k1 * 2 * r)])
-        elif leaf in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
-            out[name] = _take(w, 0, qkv_rows)
-        elif leaf == "linear_attn.in_proj_z.weight":
-            out[name] = _take(w, 0, [(v0 * dv, v1 * dv)])
-        elif leaf in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.dt_bias",
-                      "linear_attn.A_log"):
-            out[name] = _take(w, 0, [(v0, v1)])
-        elif leaf == "linear_attn.out_proj.weight":
-            out[name] = _take(w, 1, [(v0 * dv, v1 * dv)])
-        elif leaf in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.shared_expert.gate_proj.weight",
-                      "mlp.shared_expert.up_proj.weight"):
-            out[name] = _take(w, 0, chunk(w.shape[0]))
-        elif leaf in ("mlp.down_proj.weight", "mlp.shared_expert.down_proj.weight"):
-            out[name] = _take(w, 1, chunk(w.shape[1]))
-        elif leaf == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows then up rows
-            i = w.shape[1] // 2
-            (a, b), = chunk(i)
-            out[name] = _take(w, 1, [(a, b), (i + a, i + b)])
-        elif leaf == "mlp.experts.down_proj":  # [E, H, I]
-            out[name] = _take(w, 2, chunk(w.shape[2]))
-        else:
-            raise ConfigError(f"no tensor-parallel rule for weight {name!r}")
-    return out
+    leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    if name == "lm_head.weight":
+        return _take(w, 0, [vocab_range(cfg.vocab_size, tp, rank)])
+    elif name in ("embed_tokens.weight", "norm.weight") or leaf in (
+            "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight", "linear_attn.norm.weight", "mlp.gate.weight",
+            "mlp.shared_expert_gate.weight"):
+        return w  # replicated
+    elif leaf == "self_attn.q_proj.weight":  # per head: query rows then gate rows
+        return _take(w, 0, [(q0 * 2 * hd, q1 * 2 * hd)])
+    elif leaf in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+        return _take(w, 0, [(kv0 * hd, kv1 * hd)])
+    elif leaf == "self_attn.o_proj.weight":
+        return _take(w, 1, [(q0 * hd, q1 * hd)])
+    elif leaf == "linear_attn.in_proj_qkvz.weight":
+        return _take(w, 0, [(k0 * group, k1 * group)])
+    elif leaf == "linear_attn.in_proj_ba.weight":
+        return _take(w, 0, [(k0 * 2 * r, k1 * 2 * r)])
+    elif leaf in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
+        return _take(w, 0, qkv_rows)
+    elif leaf == "linear_attn.in_proj_z.weight":
+        return _take(w, 0, [(v0 * dv, v1 * dv)])
+    elif leaf in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.dt_bias",
+                  "linear_attn.A_log"):
+        return _take(w, 0, [(v0, v1)])
+    elif leaf == "linear_attn.out_proj.weight":
+        return _take(w, 1, [(v0 * dv, v1 * dv)])
+    elif leaf in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.shared_expert.gate_proj.weight",
+                  "mlp.shared_expert.up_proj.weight"):
+        return _take(w, 0, chunk(w.shape[0]))
+    elif leaf in ("mlp.down_proj.weight", "mlp.shared_expert.down_proj.weight"):
+        return _take(w, 1, chunk(w.shape[1]))
+    elif leaf == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows then up rows
+        i = w.shape[1] // 2
+        (a, b), = chunk(i)
+        return _take(w, 1, [(a, b), (i + a, i + b)])
+    elif leaf == "mlp.experts.down_proj":  # [E, H, I]
+        return _take(w, 2, chunk(w.shape[2]))
+    elif _EXPERT_PART.match(leaf):  # one expert's [I, H] gate / up, [H, I] down, as the stacks split
+        return _take(w, 1, chunk(w.shape[1])) if leaf.endswith("down_proj.weight") else _take(w, 0, chunk(w.shape[0]))
+    else:
+        raise ConfigError(f"no tensor-parallel rule for weight {name!r}")
 
 
 class TPModel(Model):
@@ -209,19 +222,22 @@ class TPModel(Model):
 
 
 def _build(spec: dict, tp: int, rank: int, group, device) -> Engine:
-    """Load (or make random) the full weights, keep this rank's shard, wrap it in an Engine."""
+    """Load (or make random) this rank's shard of the weights, wrap it in an Engine."""
     if spec.get("path") is not None:
         cfg = ModelConfig.from_pretrained(spec["path"])
     else:
         cfg = ModelConfig.from_dict(spec["config"])
     local_config(cfg, tp)  # ConfigError before any weight is read
     dt = resolve_dtype(spec.get("dtype"), cfg)
+
+    def mine(name: str, w: torch.Tensor) -> torch.Tensor:
+        return shard_tensor(cfg, name, w, tp, rank)
+
+    # each tensor sharded as it is read (or made): the device holds the rank's shard, never the model
     if spec.get("path") is not None and spec.get("load_format", "auto") != "dummy":
-        tensors, mtp = load_checkpoint(spec["path"], cfg, dt, device, progress=False)
+        shard, mtp = load_checkpoint(spec["path"], cfg, dt, device, progress=False, shard=mine)
     else:
-        tensors, mtp = random_weights(cfg, dt, device, spec.get("seed", 0)), None
-    shard = shard_weights(cfg, tensors, tp, rank)
-    del tensors
+        shard, mtp = random_weights(cfg, dt, device, spec.get("seed", 0), shard=mine), None
     model = TPModel(cfg, shard, spec["max_seq_len"], tp=tp, rank=rank, group=group, mtp=mtp)
     return Engine(cfg, model, spec["max_seq_len"])
 

@@ -20,6 +20,7 @@ import math
 import os
 import re
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
@@ -154,14 +155,22 @@ def _not_converted(module: str, patterns: tuple[str, ...]) -> bool:
 
 
 def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
-                    progress: bool = True, keep_fp8: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                    progress: bool = True, keep_fp8: bool = False,
+                    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Read, validate and cast every tensor; returns (canonical tensors, mtp tensors).
 
     All problems (missing, unexpected, misshaped, unsupported dtype) are reported in one WeightsError.
     `keep_fp8`: float8 projections the GPU kernels read (fp8.keepable) are returned as fp8.FP8Weight
     (stacked experts too, when every expert's gate / up / down is float8; else that stack is
     dequantized); the head stays dequantized when the embeddings are tied.
+    `shard(canonical name, tensor)`: each decoder tensor as read (an expert's gate / up / down under
+    `layers.L.mlp.experts.J.{gate,up,down}_proj.weight`, before the stack), on the host (an fp8 one
+    after its dequantization on `device`) and before it moves to `device`: what a tensor-parallel rank
+    keeps (tp.shard_tensor). The MTP tensors are not passed through it. Not with `keep_fp8`.
     """
+    if shard is not None and keep_fp8:
+        raise ValueError("load_checkpoint: shard= reads bf16 shards; keep_fp8 is for one device")
     name_to_file = _checkpoint_files(path)
 
     # Inspect headers only (shape, dtype) before reading any data.
@@ -306,6 +315,11 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
         with safe_open(file, framework="pt") as f:
             for n in names:
                 scale_of[n] = f.get_tensor(scales[n])
+    canon_of = {n: canon for canon, n in plan.items()}
+    for canon, groups in stacked.items():  # one expert's parts, named as tp.shard_tensor knows them
+        for j, g in enumerate(groups):
+            for x in g:
+                canon_of[x] = canon.rsplit(".", 1)[0] + f".{j}." + _EXPERT_RE.match(_canonical(x))[3] + "_proj.weight"
     raw: dict[str, torch.Tensor] = {}
     bar = tqdm(total=sum(len(v) for v in want.values()), desc="Loading weights", unit="tensor",
                disable=not progress)
@@ -327,6 +341,8 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
                 else:
                     if n in scale_of:  # on the target device: a large checkpoint dequantizes faster there
                         t = dequant_fp8_block(t.to(device), scale_of.pop(n).to(device), quant.block_n, quant.block_k)
+                    if shard is not None and n in canon_of:
+                        t = shard(canon_of[n], t)
                     raw[n] = t.to(device=device, dtype=dtype)
                 bar.update(1)
     bar.close()
@@ -346,11 +362,14 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0,
-                   std: float = 0.02) -> dict[str, torch.Tensor]:
+                   std: float = 0.02, shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                   ) -> dict[str, torch.Tensor]:
     """Random tensors of the model's exact shapes, made directly on `device` (no checkpoint needed).
 
     Matrices ~ N(0, std); zero-centred norms 0 (scale 1); the gated norm 1; A = exp(A_log) in [1, 16];
     dt_bias 1; conv filters ~ N(0, 1/sqrt(kernel)) so the conv neither vanishes nor explodes.
+    `shard(name, tensor)`: applied to each tensor as it is made (load_checkpoint's), so only one
+    whole tensor exists at a time; the values are those of the unsharded call.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
@@ -365,5 +384,5 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.dev
             t = torch.randn(shape, generator=gen, device=device, dtype=dtype) / math.sqrt(cfg.conv_kernel)
         else:
             t = torch.randn(shape, generator=gen, device=device, dtype=dtype) * std
-        out[name] = t
+        out[name] = t if shard is None else shard(name, t)
     return out
