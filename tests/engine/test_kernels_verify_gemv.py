@@ -202,6 +202,33 @@ def test_gated_norm_rows_then_plain_gemv_equals_the_gated_prologue(m):
         gdn.gated_norm_rows(x, z, nw, x, m=m, group=24, eps=1e-6)
 
 
+@pytest.mark.parametrize("m", [2, 12, 32])  # 12, 32: the batched round's rows (Tuning.norm_rows)
+def test_rmsnorm_rows_then_plain_gemv_equals_the_prologue(m):
+    """Many rows: the RMSNorm in a launch of its own (gemv.py `rmsnorm_rows`) gives each row exactly what
+    the one-row GEMV's prologue stores for it (xn_out), and the plain M-row GEMV over those rows the PRO_RMSNORM
+    launch's outputs (SwiGLU, as the dense gate/up)."""
+    g = torch.Generator().manual_seed(19)
+    k, n = 2100, 24  # K past one 1024-column block, ragged
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    w = (torch.randn(2 * n, k, generator=g) * 0.05).to(BF)
+    dot = {} if m <= 8 else {"dot": 2}
+    fused = nan_rows(m, n)
+    call(gemv.gemv, x, w, fused, pro=gemv.PRO_RMSNORM, epi=gemv.EPI_SWIGLU, norm_w=nw, block_n=16, block_k=256, m=m,
+         **dot)
+    xn = nan_rows(m, k)
+    call(gemv.rmsnorm_rows, x, nw, xn, m=m, eps=1e-6)
+    for j in (0, m - 1):
+        one, xn1 = nan_like(torch.empty(n, dtype=BF)), nan_like(torch.empty(k, dtype=BF))
+        call(gemv.gemv, x[j], w[:n], one, pro=gemv.PRO_RMSNORM, norm_w=nw, xn_out=xn1, block_n=8, block_k=256)
+        assert torch.equal(xn[j], xn1), j  # the one-row prologue's ops, byte for byte
+    split = nan_rows(m, n)
+    call(gemv.gemv, xn, w, split, epi=gemv.EPI_SWIGLU, block_n=16, block_k=256, m=m, **dot)
+    assert not split.isnan().any() and rel(split, fused) < SAME
+    with pytest.raises(ValueError, match="must not be x"):
+        gemv.rmsnorm_rows(xn, nw, xn, m=m, eps=1e-6)
+
+
 @pytest.mark.parametrize("m", [2, 3, 4])
 @PREFETCH
 def test_rmsnorm_conv_window(m, prefetch):

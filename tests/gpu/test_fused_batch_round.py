@@ -61,17 +61,20 @@ def run(runner, got: dict, ends: dict, n_steps: int | None = None) -> None:
         assert k < 200
 
 
-# conv_all_slots: the in_proj's conv epilogue over every slot's rows at once (Tuning.conv_all_slots)
-@pytest.mark.parametrize("arch,all_slots", [("qwen3_5", False), ("qwen3_next", False), ("qwen3_5", True)])
-def test_batched_round_equals_each_request_alone(ckpt_factory, arch, all_slots):
+# knobs: the in_proj's conv epilogue over every slot's rows at once (Tuning.conv_all_slots) and the RMSNorm
+# GEMVs' norm in launches of their own (Tuning.norm_rows; qwen3_5's dense FFN, the head's pass too)
+@pytest.mark.parametrize("arch,knobs", [("qwen3_5", False), ("qwen3_next", False), ("qwen3_5", True)])
+def test_batched_round_equals_each_request_alone(ckpt_factory, arch, knobs):
     path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
     ref = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
     prompts = [periodic_prompt(n, seed=s) for n, s in ((21, 31), (9, 32), (30, 33))]
     steps = [4, 9, MAX_LEN - 30 - 1]  # slot 2 runs to its context's end
     refs = [alone(ref, p, n) for p, n in zip(prompts, steps)]
 
-    eng, runner, engines = batch_engine(path, 3, dataclasses.replace(CPU_TUNING, conv_all_slots=all_slots))
+    tuning = dataclasses.replace(CPU_TUNING, conv_all_slots=True, norm_rows=2) if knobs else CPU_TUNING
+    eng, runner, engines = batch_engine(path, 3, tuning)
     d = runner.d
+    assert d.norm_once == knobs
     assert [e.state for e in engines] == d.states.states and all(e.batch_graph is runner for e in engines)
     assert all(e.speculative is s for e, s in zip(engines, runner.speculators))
     engines[0].prefill(prompts[0])  # the eager prefill: the slot's state and its head's prompt context

@@ -205,6 +205,7 @@ BATCH_VARIANTS = [
 # The batched round (engine/gpu/batch_round.py) over B = 8 slots x M = 4 positions (32 rows): its 32-row
 # tensor-core GEMVs, kernels/batch_round.py's per-slot verify kernels, the per-slot accept / commit / pick.
 R32 = dict(RD, M=32, MP=32)
+CS = dict(R=32, RP=32, M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, STAGES=3)
 ROUND_VARIANTS = [
     ("round_rows32_qkv", gemv.gemv_rows_dot_kernel, dict(R32, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
     ("round_rows32_gated_residual", gemv.gemv_rows_dot_kernel, dict(R32, PRO=2, EPI=1, GROUP=128, BLOCK_K=1024,
@@ -215,13 +216,13 @@ ROUND_VARIANTS = [
      ALIGN_R),
     ("round_rows32_lm_head_argmax_xn", gemv.gemv_rows_dot_kernel,
      dict(R32, PRO=1, EPI=4, STORE_XN=True, BLOCK_N=64, STAGES=3), 4, ARGMAX, ALIGN_R),
-    ("round_conv_slots", batch_round.gemv_conv_slots_kernel,
-     dict(R=32, RP=32, M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, ALL_SLOTS=False,
-          STAGES=3), 2, BT, ALIGN_B),
-    # Tuning.conv_all_slots: the conv epilogue over the 32 rows at once
-    ("round_conv_all_slots", batch_round.gemv_conv_slots_kernel,
-     dict(R=32, RP=32, M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, ALL_SLOTS=True,
-          STAGES=3), 2, BT, ALIGN_B),
+    ("round_conv_slots", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=False, PRO=1), 2, BT, ALIGN_B),
+    # Tuning.conv_all_slots: the conv epilogue over the 32 rows at once; Tuning.norm_rows: the RMSNorm once per
+    # row, then the in_proj over normed rows
+    ("round_conv_all_slots", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=True, PRO=1), 2, BT, ALIGN_B),
+    ("round_conv_slots_normed", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=True, PRO=0), 2, BT,
+     ALIGN_B),
+    ("round_rmsnorm_rows", gemv.rmsnorm_rows_kernel, dict(KP=2048, BLOCK_K=1024), 4, {}, ()),
     ("round_gdn_verify", batch_round.gdn_verify_rows_kernel, dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16), 1,
      dict(BT, rec_ptr="*fp32"), ()),
     ("round_qk_rope", batch_round.qk_rope_rows_kernel, dict(M=4, H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
@@ -290,7 +291,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 64 + 40 + 30 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 64 + 40 + 34 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
@@ -307,7 +308,7 @@ def test_batch_step_gemvs_run_on_the_tensor_cores(compiled):
     per-slot conv epilogue on its tensor-core path, slot by slot and all slots at once) stream their weight tiles through pipelined copies into tensor-core MMAs."""
     dots = {k: v for k, v in compiled.items() if k.startswith(("batch_rows", "round_rows", "round_conv"))
             and "fold" not in k}
-    assert len(dots) == 18 + 12
+    assert len(dots) == 18 + 14
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
 

@@ -78,6 +78,9 @@ class BatchRoundDecoder:
         self.rounds_host, self.rounds = self.mem.host["slot_rounds"], self.mem.device["slot_rounds"]
         # verify activations, R rows (the head's layer has the shapes of the target's attention layers)
         self.res, self.buf = z(R, H), z(R, batch.buf.shape[1])
+        # Tuning.norm_rows: the RMSNorm of the M-row passes' GEMVs once per row into xr, then plain GEMVs
+        self.norm_once = R >= self.t.norm_rows
+        self.xr = z(R, H) if self.norm_once else None
         self.o, self.q = z(R, batch.o.shape[1]), z(R, batch.q.shape[1])
         self.window = {i: z(n, c.conv_dim, c.conv_kernel - 1 + M) for i in c.gdn_layers}
         self.rec_after = {i: z(n, M, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
@@ -141,12 +144,19 @@ class BatchRoundDecoder:
                                                                          out=self.res[:R]))]
         for i, L in enumerate(b.layers):
             mixer = self._gdn(i, L, k) if isinstance(L.mixer, GDNMixer) else self._attention(
-                L, self.res[:R], self.pos[:k], None, self.M, k, b.model.rope_cos, b.model.rope_sin)
-            ffn = self._ffn(L, self.res[:R], self.row_live[:R])
+                L, self.res[:R], self.pos[:k], None, self.M, k, b.model.rope_cos, b.model.rope_sin, self.norm_once)
+            ffn = self._ffn(L, self.res[:R], self.row_live[:R], self.norm_once)
             steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + ffn]
-        steps.append(Launch("verify_lm_head+argmax", None, lambda: g.gemv(
-            self.res[:R], b.lm_head, self.logits[:R], pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=b.final_norm,
-            aux0=self.pmax[:R], aux1=self.pidx[:R], xn_out=self.hn[:R], eps=c.rms_norm_eps, m=R, **self.lm_kw)))
+        if self.norm_once:  # the final norm into hn (the head's input), then the plain lm_head
+            steps += [Launch("verify_lm_head+argmax", None, lambda: g.rmsnorm_rows(
+                          self.res[:R], b.final_norm, self.hn[:R], m=R, eps=c.rms_norm_eps)),
+                      Launch("verify_lm_head+argmax", None, lambda: g.gemv(
+                          self.hn[:R], b.lm_head, self.logits[:R], epi=g.EPI_ARGMAX, aux0=self.pmax[:R],
+                          aux1=self.pidx[:R], m=R, **self.lm_kw))]
+        else:
+            steps.append(Launch("verify_lm_head+argmax", None, lambda: g.gemv(
+                self.res[:R], b.lm_head, self.logits[:R], pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=b.final_norm,
+                aux0=self.pmax[:R], aux1=self.pidx[:R], xn_out=self.hn[:R], eps=c.rms_norm_eps, m=R, **self.lm_kw)))
         steps.append(Launch("accept", None, lambda: self.k_spec.accept(
             self.pmax[:R], self.pidx[:R], self.n_part, self.tok[:k], self.y[:k], self.pos[:k], self.base[:k],
             self.acc[:k], self.step[:k], self.round[:k], self.ring, self.rounds, RING,
@@ -163,11 +173,15 @@ class BatchRoundDecoder:
         sh = self._rows_kw(m.w_in, m.w_in.shape[0], dot=True)  # the per-slot conv follows the tensor-core loop
         split = self.R >= t.gated_norm_rows
         gated = self._rows_kw(m.w_out, c.hidden_size, None if split else t.gemv_gated_rows)
-        return [
+        x = self.xr[:R] if self.norm_once else self.res[:R]
+        norm = [("gdn_in_proj+conv", lambda: g.rmsnorm_rows(self.res[:R], L.input_norm, x, m=R, eps=eps))] \
+            if self.norm_once else []
+        return norm + [
             ("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
-                self.res[:R], m.w_in, self.buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
+                x, m.w_in, self.buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
                 eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
-                num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots)),
+                num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots,
+                normed=self.norm_once)),
             ("gdn_step", lambda: kr.gdn_verify_rows(
                 self.buf[:R], st.rec, self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias, live, m=M,
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
@@ -176,18 +190,24 @@ class BatchRoundDecoder:
             *gated_out_proj(g, self.k_gdn, self.o[:R], self.buf[:R, c.conv_dim:c.conv_dim + c.value_dim], m,
                             self.res[:R], R, c.linear_value_head_dim, eps, split, gated)]
 
-    def _attention(self, L: FusedLayer, x, pos, start, m: int, k: int, cos, sin):
+    def _attention(self, L: FusedLayer, x, pos, start, m: int, k: int, cos, sin, norm_once: bool = False):
         """A full-attention mixer over each of slots 0..k-1's m rows of x at positions pos[b]..pos[b]+m-1 (the
-        target's layers; the head's over its own caches, `start` their first valid rows)."""
+        target's layers; the head's over its own caches, `start` their first valid rows); `norm_once`: its
+        input norm in a launch of its own (Tuning.norm_rows)."""
         c, t, a, eps, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.kr, self.b.k_gemv
         rows, live = k * m, self.live[:k]
         buf, q, o = self.buf[:rows], self.q[:rows], self.o[:rows]
         scratch = {name: t_[:k] for name, t_ in self.attn_scratch.items()}
         qkv_kw = self._rows_kw(a.w_qkv, a.w_qkv.shape[0])
         o_kw = self._rows_kw(a.w_o, c.hidden_size)
-        return [
-            ("attn_qkv_proj", lambda: g.gemv(x, a.w_qkv, buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, m=rows,
-                                             **qkv_kw)),
+        if norm_once:
+            xr = self.xr[:rows]
+            qkv = [("attn_qkv_proj", lambda: g.rmsnorm_rows(x, L.input_norm, xr, m=rows, eps=eps)),
+                   ("attn_qkv_proj", lambda: g.gemv(xr, a.w_qkv, buf, m=rows, **qkv_kw))]
+        else:
+            qkv = [("attn_qkv_proj", lambda: g.gemv(x, a.w_qkv, buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps,
+                                                    m=rows, **qkv_kw))]
+        return qkv + [
             ("attn_qknorm_rope_kvwrite", lambda: kr.qk_rope_rows(
                 buf, q, a.state.k, a.state.v, a.q_norm, a.k_norm, cos, sin, pos, live, m=m,
                 num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
@@ -198,8 +218,9 @@ class BatchRoundDecoder:
                 block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(o, a.w_o, x, epi=g.EPI_RESIDUAL, m=rows, **o_kw))]
 
-    def _ffn(self, L: FusedLayer, x, live):
-        """The FFN over the rows of x (`live`, one word per row: which rows' experts run)."""
+    def _ffn(self, L: FusedLayer, x, live, norm_once: bool = False):
+        """The FFN over the rows of x (`live`, one word per row: which rows' experts run); `norm_once`: a dense
+        FFN's post-attention norm in a launch of its own (Tuning.norm_rows; the MoE router stores it anyway)."""
         c, t, ff, eps, g, m = self.cfg, self.t, L.ffn, self.cfg.rms_norm_eps, self.b.k_gemv, x.shape[0]
         if isinstance(ff, MoEFFN):
             router_kw = self._rows_kw(ff.w_router, ff.w_router.shape[0])
@@ -214,10 +235,16 @@ class BatchRoundDecoder:
                         down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))]
         up_kw = self._rows_kw(ff.w_gate_up, ff.w_gate_up.shape[0] // 2)
         down_kw = self._rows_kw(ff.w_down, c.hidden_size)
-        return [
-            ("mlp_gate_up+swiglu", lambda: g.gemv(
+        if norm_once:
+            xr = self.xr[:m]
+            gate_up = [("mlp_gate_up+swiglu", lambda: g.rmsnorm_rows(x, L.post_norm, xr, m=m, eps=eps)),
+                       ("mlp_gate_up+swiglu", lambda: g.gemv(xr, ff.w_gate_up, self.act_dense[:m], epi=g.EPI_SWIGLU,
+                                                             m=m, **up_kw))]
+        else:
+            gate_up = [("mlp_gate_up+swiglu", lambda: g.gemv(
                 x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
-                eps=eps, m=m, **up_kw)),
+                eps=eps, m=m, **up_kw))]
+        return gate_up + [
             ("mlp_down", lambda: g.gemv(self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m, **down_kw))]
 
     def _draft(self, k: int) -> list[Launch]:
@@ -227,13 +254,13 @@ class BatchRoundDecoder:
         R, live, eps = k * M, self.live[:k], c.rms_norm_eps
         start, u, u1, g1 = self.draft_start[:k], self.u[:R], self.u1[:k], self.g1[:k]
 
-        def head(x, fc_in, tok, hidden, pos, m, live_rows):
+        def head(x, fc_in, tok, hidden, pos, m, live_rows, norm_once=False):
             fc_kw = self._rows_kw(w.fc, c.hidden_size)
             steps = [("input", lambda: ks.mtp_input(tok, w.embed, hidden, w.pre_fc_norm_embedding,
                                                     w.pre_fc_norm_hidden, fc_in, eps)),
                      ("fc", lambda: g.gemv(fc_in, w.fc, x, m=x.shape[0], **fc_kw))]
-            steps += self._attention(self.head, x, pos, start, m, k, self.draft_cos, self.draft_sin)
-            return steps + self._ffn(self.head, x, live_rows)
+            steps += self._attention(self.head, x, pos, start, m, k, self.draft_cos, self.draft_sin, norm_once)
+            return steps + self._ffn(self.head, x, live_rows, norm_once)
 
         def pick(j):
             return [("lm_head+argmax", lambda: g.gemv(
@@ -250,7 +277,8 @@ class BatchRoundDecoder:
             torch.index_select(u, 0, self.sel[:k], out=u1)
 
         # each slot's rows base..base+M-1 from (hidden_j, y_j); its row acc drafts d_1
-        steps = head(u, self.fc_in[:R], self.y[:k].reshape(-1), self.hn[:R], self.base[:k], M, self.row_live[:R])
+        steps = head(u, self.fc_in[:R], self.y[:k].reshape(-1), self.hn[:R], self.base[:k], M, self.row_live[:R],
+                     self.norm_once)
         steps.append(("select", select))
         out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + pick(1)]
         for j in range(1, M - 1):  # chained: (g, d_j) at row base + acc + j drafts d_{j+1}

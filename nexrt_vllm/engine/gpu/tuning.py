@@ -89,6 +89,12 @@ class Tuning:
     # 755 µs against the MLP gate/up's 680 for 1.5x its weight bytes (H100, 2B): B dependent rounds of
     # loads, barriers and stores per program. Off until a device sweep has timed it.
     conv_all_slots: bool = False
+    # The batched round's RMSNorm GEMVs (GDN in_proj + conv, attention qkv, dense gate/up, lm_head; the
+    # verify's and the MTP head's pass over B x M rows) at this many rows or more: the norm once per row
+    # in a launch of its own (kernels/gemv.py `rmsnorm_rows`), then plain GEMVs. In the fused prologue
+    # every program re-reads all the rows twice (rstd, then the normed blocks): at 32 rows and 32 weight
+    # rows a program, twice its weight bytes. 64: off (the round has at most 32 rows) until timed.
+    norm_rows: int = 64
     gemv_router: GemvShape = GemvShape(4, 1024, 4)  # MoE router (E+1 rows)
     lm: GemvShape = GemvShape(16, 256, 4)  # lm_head + argmax partials
     attn_splits: int = 128

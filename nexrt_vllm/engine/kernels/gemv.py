@@ -25,7 +25,7 @@ import triton
 
 from nexrt_vllm.engine.kernels.common import ASM, LAUNCH
 from nexrt_vllm.engine.kernels.gemv_step import gemv_fp8_kernel, gemv_kernel
-from nexrt_vllm.engine.kernels.gemv_verify import gemv_rows_dot_kernel, gemv_rows_kernel
+from nexrt_vllm.engine.kernels.gemv_verify import gemv_rows_dot_kernel, gemv_rows_kernel, rmsnorm_rows_kernel
 
 PRO_NONE, PRO_RMSNORM, PRO_GATED = 0, 1, 2
 EPI_STORE, EPI_RESIDUAL, EPI_SWIGLU, EPI_CONV, EPI_ARGMAX, EPI_PARTIAL = 0, 1, 2, 3, 4, 5
@@ -181,3 +181,19 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
 __all__ = ["gemv", "l2_target", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel",
            "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
            "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]
+
+
+def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
+    """out[:m] = the zero-centred RMSNorm of x[:m] [m, K] (row strides, unit column stride; bf16 out, may not
+    alias x), each row as `gemv(pro=PRO_RMSNORM)` normalizes it: a plain `gemv(..., m=m)` over out then
+    equals that launch's products. For many rows, where the fused prologue's per-program cost grows
+    with the rows (Tuning.norm_rows)."""
+    k = x.shape[1]
+    for name, t in (("x", x), ("out", out)):
+        if t.dim() != 2 or t.shape[0] < m or t.shape[1] < k or t.stride(1) != 1:
+            raise ValueError(f"rmsnorm_rows: {name} must be [>= {m}, {k}] with unit column stride "
+                             f"(got {tuple(t.shape)})")
+    if out.data_ptr() == x.data_ptr():
+        raise ValueError("rmsnorm_rows: out must not be x (a row's norm reads the whole row twice)")
+    rmsnorm_rows_kernel[(m,)](x, norm_w, out, x.stride(0), out.stride(0), k, eps, KP=triton.next_power_of_2(k),
+                              BLOCK_K=min(block_k, triton.next_power_of_2(k)), **LAUNCH, num_warps=num_warps)

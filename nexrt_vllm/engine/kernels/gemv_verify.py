@@ -16,7 +16,7 @@ import triton.language as tl
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import pdl_begin
 from nexrt_vllm.engine.kernels.common import silu as _silu
-from nexrt_vllm.engine.kernels.gemv_step import _conv_state, _store_out
+from nexrt_vllm.engine.kernels.gemv_step import _conv_state, _load_x, _rstd, _store_out
 
 
 @triton.jit
@@ -357,3 +357,20 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                          eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL)
     _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows, rmask,
                    pid, CONV_N, EPI, KC, KCP)
+
+
+@triton.jit
+def rmsnorm_rows_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, K, eps, KP: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Row r of out = the PRO 1 prologue of row r of x (the one-row GEMV's `_rstd` and `_load_x`, the same
+    ops and order), once per row: the plain M-row GEMV over out then stands in for the PRO 1 launch,
+    whose every program re-reads and re-normalizes all the rows (Tuning.norm_rows)."""
+    r = tl.program_id(0)
+    pdl_begin(PDL)
+    xr = x_ptr + r * stride_x
+    rstd = _rstd(xr, K, eps, 1, KP, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cm = cols < K
+        xn = _load_x(xr, cols, cm, w_ptr, w_ptr, rstd, eps, 1, 1, BLOCK_K)
+        tl.store(out_ptr + r * stride_out + cols, xn.to(out_ptr.dtype.element_ty), mask=cm)
