@@ -59,7 +59,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 # split: the GDN out_proj's norm in a launch of its own (Tuning.gated_norm_rows; 3 slots take the prologue
-# by default)
+# by default), and the attention's K/V in other splits than the one-request step's (Tuning.batch_attn_splits)
 @pytest.mark.parametrize("arch,split", [("qwen3_5", False), ("qwen3_5", True), ("qwen3_5_moe", False),
                                         ("qwen3_next", False)])
 def test_batch_step_equals_each_request_alone(ckpt_factory, arch, split):
@@ -73,7 +73,8 @@ def test_batch_step_equals_each_request_alone(ckpt_factory, arch, split):
 
     eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
     states = StackedStates(eng.model.config, SLOTS, MAX_LEN, eng.dtype, eng.device)
-    tuning = dataclasses.replace(CPU_TUNING, gated_norm_rows=2 if split else 8)
+    tuning = dataclasses.replace(CPU_TUNING, gated_norm_rows=2, batch_attn_splits=4) if split else \
+        dataclasses.replace(CPU_TUNING, gated_norm_rows=8)
     runner = BatchRunner(BatchDecoder(eng.model, states, tuning))
     eng.use_batch(runner)
     engines = eng.slots(SLOTS)

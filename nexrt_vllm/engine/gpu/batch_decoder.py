@@ -83,7 +83,7 @@ class BatchDecoder:
         # activations, one row per slot (addresses fixed for capture)
         self.res, self.buf = z(n, H), z(n, width)
         self.o, self.q = z(n, max(c.value_dim, c.num_heads * c.head_dim)), z(n, c.num_heads * c.head_dim)
-        ns = self.t.attn_splits
+        ns = self.t.slot_attn_splits
         self.m_buf, self.l_buf = z(n, c.num_heads * ns, d=torch.float32), z(n, c.num_heads * ns, d=torch.float32)
         self.acc_buf = z(n, c.num_heads * ns * c.head_dim, d=torch.float32)
         self.s_buf = z(n, c.num_heads * states.max_seq_len, d=torch.float32)
@@ -174,7 +174,7 @@ class BatchDecoder:
             ("attn_splitk+combine", lambda: kb.attention_rows(
                 self.q[:k], a.state.k, a.state.v, self.pos[:k], self.live[:k], self.buf[:k], self.o[:k],
                 self.m_buf[:k], self.l_buf[:k], self.acc_buf[:k], self.s_buf[:k], num_heads=c.num_heads,
-                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, nsplit=t.attn_splits, block=t.attn_block,
+                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, nsplit=t.slot_attn_splits, block=t.attn_block,
                 min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(
                 self.o[:k], a.w_o, self.res[:k], epi=g.EPI_RESIDUAL, m=k, **self.rows_shape(a.w_o, c.hidden_size)))]

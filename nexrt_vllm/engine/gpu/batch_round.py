@@ -87,7 +87,7 @@ class BatchRoundDecoder:
                                d=torch.float32) for i in c.gdn_layers}
         rows = L + M  # the head's cache (and the target's, read up to M rows past its end)
         self.attn_scratch = {k: z(*s, d=torch.float32) for k, s in batch_round.verify_rows_scratch(
-            n, M, c.num_heads, self.t.attn_splits, rows, c.head_dim).items()}
+            n, M, c.num_heads, self.t.slot_attn_splits, rows, c.head_dim).items()}
         if c.num_experts:
             self.act, self.router_logits = z(R, batch.act.shape[1]), z(R, c.num_experts + 1)
             self.ids, self.wts = z(R, c.num_experts_per_tok, d=torch.int32), z(R, c.num_experts_per_tok,
@@ -214,7 +214,7 @@ class BatchRoundDecoder:
                 eps=eps)),
             ("attn_splitk+combine", lambda: kr.attention_verify_rows(
                 q, a.state.k, a.state.v, pos, live, buf, o, **scratch, m=m, num_heads=c.num_heads,
-                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.attn_splits,
+                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.slot_attn_splits,
                 block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(o, a.w_o, x, epi=g.EPI_RESIDUAL, m=rows, **o_kw))]
 

@@ -98,6 +98,10 @@ class Tuning:
     gemv_router: GemvShape = GemvShape(4, 1024, 4)  # MoE router (E+1 rows)
     lm: GemvShape = GemvShape(16, 256, 4)  # lm_head + argmax partials
     attn_splits: int = 128
+    # The K/V splits per request of the batch step and the batched round (0: attn_splits): their grids
+    # have one more axis over the slots, so B requests launch B times the programs of one (the H100's
+    # batched round at B = 8 spent 535 µs in attention over ~130 µs of K/V bytes).
+    batch_attn_splits: int = 0
     attn_block: int = 64
     attn_min_per: int = 64
     attn_warps: int = 4
@@ -164,6 +168,11 @@ class Tuning:
                 s = rule.shape
                 return RowsShape(*s, 0) if rows and isinstance(s, GemvShape) else s
         raise AssertionError("unreachable: the last gemv rule has no row limit")
+
+    @property
+    def slot_attn_splits(self) -> int:
+        """The K/V splits per request of the batch decoders (`batch_attn_splits`, else `attn_splits`)."""
+        return self.batch_attn_splits or self.attn_splits
 
 
 def gemv_kwargs(t: Tuning, w, shape: GemvShape | RowsShape, prefetch: int | None = None) -> dict:
