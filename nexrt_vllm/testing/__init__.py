@@ -334,6 +334,17 @@ def copy_margins(model, ids: list[int], start: int) -> list[float]:
 # in bf16 (engine.fp8.PUBLISHED_NOT_CONVERT); this default quantizes them, so every GDN projection
 # of a test checkpoint is fp8.
 FP8_NOT_CONVERT = ("lm_head", "mlp.gate", "mlp.shared_expert_gate")
+
+# make_checkpoint overrides with head counts that TP = 2 and 4 divide: KV heads 2 (replicated at TP = 4),
+# 4, 1 (replicated at both); the tensor-parallel tests' checkpoints
+TP_SHAPES = {
+    "qwen3_next": dict(num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4,
+                       linear_num_value_heads=8),
+    "qwen3_5": dict(num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=4,
+                    tie_word_embeddings=True),
+    "qwen3_5_moe": dict(num_attention_heads=4, num_key_value_heads=1, linear_num_key_heads=4,
+                        linear_num_value_heads=8, num_hidden_layers=5, full_attention_interval=2),
+}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 

@@ -13,17 +13,10 @@ from nexrt_vllm.engine.config import ModelConfig
 from nexrt_vllm.engine.errors import ConfigError
 from nexrt_vllm.engine.tp import shard_tensor, shard_weights
 from nexrt_vllm.engine.weights import load_checkpoint, random_weights
-from nexrt_vllm.testing import make_fp8_checkpoint
+from nexrt_vllm.testing import TP_SHAPES, make_fp8_checkpoint
 
 torch.set_num_threads(1)
-SHAPES = {  # head counts TP = 2 and 4 divide (tests/engine/test_tp_parity.py)
-    "qwen3_next": dict(num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4,
-                       linear_num_value_heads=8),
-    "qwen3_5": dict(num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=4,
-                    tie_word_embeddings=True),
-    "qwen3_5_moe": dict(num_attention_heads=4, num_key_value_heads=1, linear_num_key_heads=4,
-                        linear_num_value_heads=8, num_hidden_layers=5, full_attention_interval=2),
-}
+SHAPES = TP_SHAPES
 
 
 def same(a: dict, b: dict) -> None:

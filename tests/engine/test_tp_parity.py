@@ -11,20 +11,12 @@ from nexrt_vllm.engine import Engine
 from nexrt_vllm.engine.errors import ConfigError, StateError
 from nexrt_vllm.engine.tp import Group, local_config
 from nexrt_vllm.node import reshard as R
-from nexrt_vllm.testing import _model_class
+from nexrt_vllm.testing import TP_SHAPES, _model_class
 from nexrt_vllm.testing.connector_harness import TRAINED, period_continuation, periodic_prompt
 
 torch.set_num_threads(1)
 N_NEW = 20
-# head counts that TP = 2 and 4 divide; KV heads 2 (replicated at TP = 4), 4, 1 (replicated at both)
-SHAPES = {
-    "qwen3_next": dict(num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4,
-                       linear_num_value_heads=8),
-    "qwen3_5": dict(num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=4,
-                    tie_word_embeddings=True),
-    "qwen3_5_moe": dict(num_attention_heads=4, num_key_value_heads=1, linear_num_key_heads=4,
-                        linear_num_value_heads=8, num_hidden_layers=5, full_attention_interval=2),
-}
+SHAPES = TP_SHAPES
 PROMPT = [(i * 37 + 11) % 380 + 3 for i in range(70)]  # longer than one 64-token GDN chunk
 
 
