@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -186,13 +187,16 @@ def main(argv=None) -> int:
     # with the cache first, then the same port without it.
     stack = RealStack(model, workdir, max_len=args.max_len, transport=args.transport, device=args.device,
                       gpu_share=args.gpu_share, vllm_extra=tuple(dummy), nodes=(cache,) if one else (cache, plain))
-    where = "one H200" if gpu else "CPU stack"
+    # the GPU's name from nvidia-smi: torch here would hold a CUDA context beside vLLM's and the node's
+    where = "one " + subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                                    capture_output=True, text=True, timeout=30).stdout.strip() if gpu else "CPU stack"
     what = (f"Qwen3.5-{args.shape.upper()} shape{f' cut to {args.layers} layers' if args.layers else ''}, "
             f"random weights" if args.shape else f"tiny trained {os.path.basename(model)}")
     report = {"title": f"agentic replay, {where}, {what}: {len(trace['conversations'])} conversations x "
                        f"{args.turns} turns, block {trace['block_size']}", "trace": trace, "modes": {},
               "command": "python -m benchmarks.agentic_replay " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "device": args.device, "shape": args.shape, "layers": args.layers, "transport": args.transport}
+              "device": args.device, "hw": where, "shape": args.shape, "layers": args.layers,
+              "transport": args.transport}
     try:
         for salt, mode in enumerate(MODES):
             # --fallback error: a turn the fast tier could not serve fails the run instead of being timed on vLLM
