@@ -56,6 +56,20 @@ def test_pdl_only_where_the_gpu_has_it():
     assert not pdl_enabled(False, True, (9, 0)) and not pdl_enabled(None, False, (9, 0))
 
 
+def test_wide_rows_take_their_own_rules():
+    """The batched round's GEMVs past 8 rows take `gemv_rows_wide` when it has rules (a plain tuple becomes
+    rules), else `gemv_rows`, as every GEMV of at most 8 rows does; fp8 weights keep their own rules."""
+    from nexrt_vllm.engine.gpu.tuning import RowsShape, Tuning
+
+    t = Tuning()
+    assert t.gemv_rows_wide == () and t.shape(6144, rows=True, wide=True) == t.shape(6144, rows=True)
+    w = Tuning(gemv_rows_wide=((4096, 16, 256, 4, 3), (1 << 62, 64, 256, 4, 3)))
+    assert w.shape(2048, rows=True, wide=True) == RowsShape(16, 256, 4, 3)
+    assert w.shape(6144, rows=True, wide=True) == RowsShape(64, 256, 4, 3)
+    assert w.shape(6144, rows=True) == t.shape(6144, rows=True)  # at most 8 rows: unchanged
+    assert w.shape(6144, fp8=True, rows=True, wide=True) == t.shape(6144, fp8=True, rows=True)
+
+
 def test_decode_cli_tp_graph_needs_a_gpu_per_rank(capsys):
     """`--tp N --device cuda` (the graph path on every rank) refuses at start with fewer than N visible
     GPUs, naming both counts; at TP > 1 the graph modes are no longer refused as such."""

@@ -123,11 +123,11 @@ class BatchRoundDecoder:
         return self.draft_k[slot], self.draft_v[slot], self.draft_start[slot:slot + 1]
 
     def _rows_kw(self, w, n_out: int, shape: RowsShape | None = None, dot: bool = False) -> dict:
-        """An M-row GEMV's keywords: `shape` (else the `gemv_rows` rule for n_out outputs), on the
-        tensor-core kernel when the round has more than 8 rows (the fold keeps at most 8 rows in
-        registers) or `dot`: every slot count runs the same kernels, so a request's arithmetic does not
-        depend on how many slots the replay covers."""
-        s = shape or self.t.shape(n_out, rows=True)
+        """An M-row GEMV's keywords: `shape` (else the `gemv_rows` rule for n_out outputs, `gemv_rows_wide`'s
+        when the round has more than 8 rows), on the tensor-core kernel when the round has more than 8 rows
+        (the fold keeps at most 8 rows in registers) or `dot`: every slot count runs the same kernels, so a
+        request's arithmetic does not depend on how many slots the replay covers."""
+        s = shape or self.t.shape(n_out, rows=True, wide=self.R > 8)
         if (dot or self.R > 8) and s.stages == 0:
             s = RowsShape(max(16, s.block_n), max(16, s.block_k), s.num_warps, 2)
         return gemv_kwargs(self.t, w, s)

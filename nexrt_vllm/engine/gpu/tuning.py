@@ -56,7 +56,7 @@ class RowsRule(NamedTuple):
 NO_LIMIT = 1 << 62  # the last rule's max_rows
 
 # field name -> the named type of a shape field, or (the rule type,) for a field of rules
-_NAMED = {"gemv": (GemvRule,), "gemv_fp8": (GemvRule,), "gemv_rows": (RowsRule,),
+_NAMED = {"gemv": (GemvRule,), "gemv_fp8": (GemvRule,), "gemv_rows": (RowsRule,), "gemv_rows_wide": (RowsRule,),
           "gemv_gated": GemvShape, "gemv_router": GemvShape, "gemv_gated_fp8": GemvShape,
           "gemv_router_fp8": GemvShape, "lm": GemvShape, "lm_fp8": GemvShape, "moe": GemvShape,
           "moe_down": GemvShape, "moe_fp8": GemvShape, "moe_down_fp8": GemvShape,
@@ -75,6 +75,11 @@ class Tuning:
     # its GDN out_proj and lm_head. The best per launch group of sweeps at two shapes (docs/GPU.md).
     gemv_rows: tuple[RowsRule, ...] = (RowsRule(4096, 16, 256, 1, 5), RowsRule(10000, 32, 256, 2, 3),
                                        RowsRule(NO_LIMIT, 32, 256, 2, 3))
+    # The batched round's GEMVs over more than 8 rows (B slots x M positions, up to 32); empty: `gemv_rows`.
+    # At 32 rows the `gemv_rows` shapes (tuned at 4 rows: 1-2 warps) spill registers in the RMSNorm-prologue
+    # launches (sm_90 ptxas: 255 registers and 260-370 bytes of spill stores for qkv, gate/up, in_proj +
+    # conv); 4-warp programs of 16 weight rows do not. Empty until a device sweep has timed the candidates.
+    gemv_rows_wide: tuple[RowsRule, ...] = ()
     gemv_gated_rows: RowsShape = RowsShape(8, 1024, 8, 0)
     lm_rows: RowsShape = RowsShape(64, 256, 4, 3)
     gemv_gated: GemvShape = GemvShape(8, 1024, 8)  # GDN out_proj (gated-norm prologue)
@@ -159,10 +164,14 @@ class Tuning:
             elif kind is not None:
                 object.__setattr__(self, f.name, kind(*v))
 
-    def shape(self, n: int, fp8: bool = False, rows: bool = False) -> GemvShape | RowsShape:
+    def shape(self, n: int, fp8: bool = False, rows: bool = False, wide: bool = False) -> GemvShape | RowsShape:
         """The shape of a GEMV with `n` output rows over bf16 or `fp8` weights; `rows`: an M-row GEMV's
-        (`gemv_rows`; by the `gemv` rules with the fold kernel when that is empty)."""
-        rules = self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv
+        (`gemv_rows`; by the `gemv` rules with the fold kernel when that is empty); `wide`: over more than
+        8 rows (`gemv_rows_wide` when it has rules)."""
+        if rows and wide and self.gemv_rows_wide and not fp8:
+            rules = self.gemv_rows_wide
+        else:
+            rules = self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv
         for rule in rules:
             if n <= rule.max_rows:
                 s = rule.shape
