@@ -41,7 +41,6 @@ import math
 import multiprocessing as mp
 import os
 import queue
-import re
 import time
 import traceback
 from dataclasses import replace
@@ -58,7 +57,7 @@ from nexrt_vllm.engine.config import ModelConfig
 from nexrt_vllm.engine.engine import Engine, resolve_dtype
 from nexrt_vllm.engine.errors import ConfigError, EngineError, NotBuiltError, StateError
 from nexrt_vllm.engine.model import Model, rms_norm
-from nexrt_vllm.engine.weights import load_checkpoint, random_weights
+from nexrt_vllm.engine.weights import EXPERT_RE, load_checkpoint, random_weights
 
 log = logging.getLogger("nexrt.tp")
 
@@ -107,9 +106,6 @@ def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
     """LM-head rows of a rank: chunks of ceil(vocab/tp) (the last one shorter, maybe empty)."""
     chunk = math.ceil(vocab / tp)
     return min(vocab, rank * chunk), min(vocab, (rank + 1) * chunk)
-
-
-_EXPERT_PART = re.compile(r"^mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
 def _take(t: torch.Tensor, dim: int, pieces: list[tuple[int, int]]) -> torch.Tensor:
@@ -184,8 +180,8 @@ def shard_tensor(cfg: ModelConfig, name: str, w: torch.Tensor, tp: int, rank: in
         return _take(w, 1, [(a, b), (i + a, i + b)])
     elif leaf == "mlp.experts.down_proj":  # [E, H, I]
         return _take(w, 2, chunk(w.shape[2]))
-    elif _EXPERT_PART.match(leaf):  # one expert's [I, H] gate / up, [H, I] down, as the stacks split
-        return _take(w, 1, chunk(w.shape[1])) if leaf.endswith("down_proj.weight") else _take(w, 0, chunk(w.shape[0]))
+    elif (part := EXPERT_RE.match(name)):  # one expert's [I, H] gate / up, [H, I] down, as the stacks split
+        return _take(w, 1, chunk(w.shape[1])) if part[3] == "down" else _take(w, 0, chunk(w.shape[0]))
     else:
         raise ConfigError(f"no tensor-parallel rule for weight {name!r}")
 

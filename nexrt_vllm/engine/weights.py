@@ -39,7 +39,7 @@ LOADABLE_DTYPES = {"F32", "BF16", "F16"}
 FP8_DTYPE = "F8_E4M3"  # safetensors' name for torch.float8_e4m3fn
 SCALE_DTYPES = {"F32", "BF16"}  # both widen to fp32 exactly
 SCALE_SUFFIX = "_scale_inv"
-_EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _MAX_LISTED = 40
 
 
@@ -250,7 +250,7 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
         canon = _canonical(name)
         if canon == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding is the head
-        m = _EXPERT_RE.match(canon)
+        m = EXPERT_RE.match(canon)
         if m and f"layers.{m[1]}.mlp.experts.down_proj" in expected:
             experts[(int(m[1]), m[3])][int(m[2])] = name
             continue
@@ -315,11 +315,7 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
         with safe_open(file, framework="pt") as f:
             for n in names:
                 scale_of[n] = f.get_tensor(scales[n])
-    canon_of = {n: canon for canon, n in plan.items()}
-    for canon, groups in stacked.items():  # one expert's parts, named as tp.shard_tensor knows them
-        for j, g in enumerate(groups):
-            for x in g:
-                canon_of[x] = canon.rsplit(".", 1)[0] + f".{j}." + _EXPERT_RE.match(_canonical(x))[3] + "_proj.weight"
+    head = set(mtp_names)  # not sharded: the MTP head stays whole
     raw: dict[str, torch.Tensor] = {}
     bar = tqdm(total=sum(len(v) for v in want.values()), desc="Loading weights", unit="tensor",
                disable=not progress)
@@ -341,8 +337,8 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
                 else:
                     if n in scale_of:  # on the target device: a large checkpoint dequantizes faster there
                         t = dequant_fp8_block(t.to(device), scale_of.pop(n).to(device), quant.block_n, quant.block_k)
-                    if shard is not None and n in canon_of:
-                        t = shard(canon_of[n], t)
+                    if shard is not None and n not in head:
+                        t = shard(_canonical(n), t)  # a per-expert tensor by its own (unstacked) name
                     raw[n] = t.to(device=device, dtype=dtype)
                 bar.update(1)
     bar.close()

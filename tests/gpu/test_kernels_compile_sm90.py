@@ -305,7 +305,8 @@ def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
 
 def test_batch_step_gemvs_run_on_the_tensor_cores(compiled):
     """The batch step's M-row GEMVs at 2 and 8 rows, the batched round's at 32 (and the in_proj with the
-    per-slot conv epilogue on its tensor-core path, slot by slot and all slots at once) stream their weight tiles through pipelined copies into tensor-core MMAs."""
+    per-slot conv epilogue on its tensor-core path, slot by slot and all slots at once) stream their weight
+    tiles through pipelined copies into tensor-core MMAs."""
     dots = {k: v for k, v in compiled.items() if k.startswith(("batch_rows", "round_rows", "round_conv"))
             and "fold" not in k}
     assert len(dots) == 18 + 14

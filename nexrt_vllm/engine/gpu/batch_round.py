@@ -147,16 +147,10 @@ class BatchRoundDecoder:
                 L, self.res[:R], self.pos[:k], None, self.M, k, b.model.rope_cos, b.model.rope_sin, self.norm_once)
             ffn = self._ffn(L, self.res[:R], self.row_live[:R], self.norm_once)
             steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + ffn]
-        if self.norm_once:  # the final norm into hn (the head's input), then the plain lm_head
-            steps += [Launch("verify_lm_head+argmax", None, lambda: g.rmsnorm_rows(
-                          self.res[:R], b.final_norm, self.hn[:R], m=R, eps=c.rms_norm_eps)),
-                      Launch("verify_lm_head+argmax", None, lambda: g.gemv(
-                          self.hn[:R], b.lm_head, self.logits[:R], epi=g.EPI_ARGMAX, aux0=self.pmax[:R],
-                          aux1=self.pidx[:R], m=R, **self.lm_kw))]
-        else:
-            steps.append(Launch("verify_lm_head+argmax", None, lambda: g.gemv(
-                self.res[:R], b.lm_head, self.logits[:R], pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=b.final_norm,
-                aux0=self.pmax[:R], aux1=self.pidx[:R], xn_out=self.hn[:R], eps=c.rms_norm_eps, m=R, **self.lm_kw)))
+        # the final-normed rows left in hn: the head's input
+        steps += [Launch("verify_" + grp, None, fn) for grp, fn in self._rmsnorm_gemv(
+            "lm_head+argmax", self.res[:R], b.final_norm, b.lm_head, self.logits[:R], R, self.norm_once,
+            xn=self.hn[:R], epi=g.EPI_ARGMAX, aux0=self.pmax[:R], aux1=self.pidx[:R], **self.lm_kw)]
         steps.append(Launch("accept", None, lambda: self.k_spec.accept(
             self.pmax[:R], self.pidx[:R], self.n_part, self.tok[:k], self.y[:k], self.pos[:k], self.base[:k],
             self.acc[:k], self.step[:k], self.round[:k], self.ring, self.rounds, RING,
@@ -190,6 +184,18 @@ class BatchRoundDecoder:
             *gated_out_proj(g, self.k_gdn, self.o[:R], self.buf[:R, c.conv_dim:c.conv_dim + c.value_dim], m,
                             self.res[:R], R, c.linear_value_head_dim, eps, split, gated)]
 
+    def _rmsnorm_gemv(self, grp: str, x, norm_w, w, y, rows: int, norm_once: bool, xn=None, **kw) -> list[tuple]:
+        """The (grp, launch) pairs of an M-row GEMV over RMSNorm(x[:rows]) into y: the norm in its prologue, or
+        with `norm_once` (Tuning.norm_rows) in a launch of its own into xr and then the plain GEMV. `xn`: where
+        the normed rows are left too (the lm_head's, the MTP head's input); `kw`: the GEMV's epilogue and shape."""
+        g, eps = self.b.k_gemv, self.cfg.rms_norm_eps
+        if not norm_once:
+            return [(grp, lambda: g.gemv(x, w, y, pro=g.PRO_RMSNORM, norm_w=norm_w, eps=eps, xn_out=xn, m=rows,
+                                         **kw))]
+        xr = self.xr[:rows] if xn is None else xn
+        return [(grp, lambda: g.rmsnorm_rows(x, norm_w, xr, m=rows, eps=eps)),
+                (grp, lambda: g.gemv(xr, w, y, m=rows, **kw))]
+
     def _attention(self, L: FusedLayer, x, pos, start, m: int, k: int, cos, sin, norm_once: bool = False):
         """A full-attention mixer over each of slots 0..k-1's m rows of x at positions pos[b]..pos[b]+m-1 (the
         target's layers; the head's over its own caches, `start` their first valid rows); `norm_once`: its
@@ -200,14 +206,7 @@ class BatchRoundDecoder:
         scratch = {name: t_[:k] for name, t_ in self.attn_scratch.items()}
         qkv_kw = self._rows_kw(a.w_qkv, a.w_qkv.shape[0])
         o_kw = self._rows_kw(a.w_o, c.hidden_size)
-        if norm_once:
-            xr = self.xr[:rows]
-            qkv = [("attn_qkv_proj", lambda: g.rmsnorm_rows(x, L.input_norm, xr, m=rows, eps=eps)),
-                   ("attn_qkv_proj", lambda: g.gemv(xr, a.w_qkv, buf, m=rows, **qkv_kw))]
-        else:
-            qkv = [("attn_qkv_proj", lambda: g.gemv(x, a.w_qkv, buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps,
-                                                    m=rows, **qkv_kw))]
-        return qkv + [
+        return self._rmsnorm_gemv("attn_qkv_proj", x, L.input_norm, a.w_qkv, buf, rows, norm_once, **qkv_kw) + [
             ("attn_qknorm_rope_kvwrite", lambda: kr.qk_rope_rows(
                 buf, q, a.state.k, a.state.v, a.q_norm, a.k_norm, cos, sin, pos, live, m=m,
                 num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
@@ -235,16 +234,8 @@ class BatchRoundDecoder:
                         down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))]
         up_kw = self._rows_kw(ff.w_gate_up, ff.w_gate_up.shape[0] // 2)
         down_kw = self._rows_kw(ff.w_down, c.hidden_size)
-        if norm_once:
-            xr = self.xr[:m]
-            gate_up = [("mlp_gate_up+swiglu", lambda: g.rmsnorm_rows(x, L.post_norm, xr, m=m, eps=eps)),
-                       ("mlp_gate_up+swiglu", lambda: g.gemv(xr, ff.w_gate_up, self.act_dense[:m], epi=g.EPI_SWIGLU,
-                                                             m=m, **up_kw))]
-        else:
-            gate_up = [("mlp_gate_up+swiglu", lambda: g.gemv(
-                x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
-                eps=eps, m=m, **up_kw))]
-        return gate_up + [
+        return self._rmsnorm_gemv("mlp_gate_up+swiglu", x, L.post_norm, ff.w_gate_up, self.act_dense[:m], m, norm_once,
+                                  epi=g.EPI_SWIGLU, **up_kw) + [
             ("mlp_down", lambda: g.gemv(self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m, **down_kw))]
 
     def _draft(self, k: int) -> list[Launch]:

@@ -43,8 +43,9 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
                            KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            DOT: tl.constexpr, ALL_SLOTS: tl.constexpr, PRO: tl.constexpr, PDL: tl.constexpr):
     """y [R, N] = W RMSNorm(x_r) (PRO 1; PRO 0: x already normed, gemv.rmsnorm_rows) for the R = B * M rows
-    (tensor-core loop, DOT 1; 2: fp32 products, the interpreter); then for each live slot b the conv epilogue of its rows b*M .. b*M+M-1 over its conv
-    state (conv_ptr + b * stride_cs, read only) and window (win_ptr + b * stride_ws, [CONV_N, KC-1+M]):
+    (tensor-core loop, DOT 1; 2: fp32 products, the interpreter); then for each live slot b the conv epilogue
+    of its rows b*M .. b*M+M-1 over its conv state (conv_ptr + b * stride_cs, read only) and window
+    (win_ptr + b * stride_ws, [CONV_N, KC-1+M]):
     one slot after the other (`_epilogue_rows`), or with ALL_SLOTS every row at once (`_conv_all_slots`)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)

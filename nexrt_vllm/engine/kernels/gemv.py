@@ -178,11 +178,6 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
     return grid
 
 
-__all__ = ["gemv", "l2_target", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel",
-           "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
-           "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]
-
-
 def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
     """out[:m] = the zero-centred RMSNorm of x[:m] [m, K] (row strides, unit column stride; bf16 out, may not
     alias x), each row as `gemv(pro=PRO_RMSNORM)` normalizes it: a plain `gemv(..., m=m)` over out then
@@ -197,3 +192,9 @@ def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
         raise ValueError("rmsnorm_rows: out must not be x (a row's norm reads the whole row twice)")
     rmsnorm_rows_kernel[(m,)](x, norm_w, out, x.stride(0), out.stride(0), k, eps, KP=triton.next_power_of_2(k),
                               BLOCK_K=min(block_k, triton.next_power_of_2(k)), **LAUNCH, num_warps=num_warps)
+
+
+__all__ = ["gemv", "l2_target", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel",
+           "rmsnorm_rows", "rmsnorm_rows_kernel",
+           "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
+           "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]
