@@ -74,7 +74,8 @@ def test_batched_round_equals_each_request_alone(ckpt_factory, arch, knobs):
     refs = [alone(ref, p, n) for p, n in zip(prompts, steps)]
 
     tuning = dataclasses.replace(CPU_TUNING, conv_all_slots=True, norm_rows=2, batch_attn_splits=4,
-                                 gemv_rows_wide=((1 << 62, 32, 128, 4, 2),)) if knobs else CPU_TUNING
+                                 gemv_rows_wide=((1 << 62, 32, 128, 4, 2),)) if knobs else \
+        dataclasses.replace(CPU_TUNING, conv_all_slots=False, batch_attn_splits=0)  # the knobs' other sides
     eng, runner, engines = batch_engine(path, 3, tuning)
     d = runner.d
     assert d.norm_once == knobs

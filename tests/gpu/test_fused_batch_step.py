@@ -74,7 +74,7 @@ def test_batch_step_equals_each_request_alone(ckpt_factory, arch, split):
     eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
     states = StackedStates(eng.model.config, SLOTS, MAX_LEN, eng.dtype, eng.device)
     tuning = dataclasses.replace(CPU_TUNING, gated_norm_rows=2, batch_attn_splits=4) if split else \
-        dataclasses.replace(CPU_TUNING, gated_norm_rows=8)
+        dataclasses.replace(CPU_TUNING, gated_norm_rows=8, batch_attn_splits=0)
     runner = BatchRunner(BatchDecoder(eng.model, states, tuning))
     eng.use_batch(runner)
     engines = eng.slots(SLOTS)

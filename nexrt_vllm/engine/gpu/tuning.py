@@ -92,21 +92,24 @@ class Tuning:
     # The batched round's GDN in_proj + conv: the conv epilogue over every slot's rows in one pass instead
     # of slot after slot (kernels/batch_round.py `_conv_all_slots`). At B = 8 the in_proj + conv took
     # 755 µs against the MLP gate/up's 680 for 1.5x its weight bytes (H100, 2B): B dependent rounds of
-    # loads, barriers and stores per program. Off until a device sweep has timed it.
-    conv_all_slots: bool = False
+    # loads, barriers and stores per program. On since the H100 sweep (benchmarks/results/gpu/
+    # batch_round_sweep_2b_h100.json): with norm_rows 16 it took the B = 8 round 3,777 -> 3,770 µs.
+    conv_all_slots: bool = True
     # The batched round's RMSNorm GEMVs (GDN in_proj + conv, attention qkv, dense gate/up, lm_head; the
     # verify's and the MTP head's pass over B x M rows) at this many rows or more: the norm once per row
     # in a launch of its own (kernels/gemv.py `rmsnorm_rows`), then plain GEMVs. In the fused prologue
     # every program re-reads all the rows twice (rstd, then the normed blocks): at 32 rows and 32 weight
-    # rows a program, twice its weight bytes. 64: off (the round has at most 32 rows) until timed.
-    norm_rows: int = 64
+    # rows a program, twice its weight bytes. 16 (B >= 4; the one-request round's 4 rows keep the fused
+    # prologue): the H100 sweep's largest single gain, B = 8 round 4,326 -> 3,778 µs, B = 4 3,145 -> 2,968.
+    norm_rows: int = 16
     gemv_router: GemvShape = GemvShape(4, 1024, 4)  # MoE router (E+1 rows)
     lm: GemvShape = GemvShape(16, 256, 4)  # lm_head + argmax partials
     attn_splits: int = 128
     # The K/V splits per request of the batch step and the batched round (0: attn_splits): their grids
     # have one more axis over the slots, so B requests launch B times the programs of one (the H100's
-    # batched round at B = 8 spent 535 µs in attention over ~130 µs of K/V bytes).
-    batch_attn_splits: int = 0
+    # batched round at B = 8 spent 535 µs in attention over ~130 µs of K/V bytes). 64: the H100 sweep's
+    # best with the two knobs above (B = 8 round 3,657 µs, B = 4 2,896; 32 was close, 256 lost).
+    batch_attn_splits: int = 64
     attn_block: int = 64
     attn_min_per: int = 64
     attn_warps: int = 4
