@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", default=None, help="dir with the Qwen3.5 tokenizer.json (--shape)")
     ap.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
     ap.add_argument("--gpu-share", type=float, default=0.45, help="vLLM's share of the GPU's memory (cuda)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="unmeasured passes of the trace (own token contents) per mode before the measured one: "
+                         "vLLM's and the node's kernels meet every prefill and hand-off length first there")
     ap.add_argument("--one-node", action="store_true",
                     help="one node at a time, with the cache and then without (always on a GPU)")
     ap.add_argument("--out", required=True, help="JSON path (the plot: same name, .png)")
@@ -67,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _stream(url: str, body: dict) -> dict:
     """One streamed completion: text, timing of its chunks, usage."""
     t0 = time.perf_counter()
-    times, text, usage = [], "", None
+    times, text, usage, timing = [], "", None, None
     with requests.post(url + "/v1/completions", json={**body, "stream": True,
                                                       "stream_options": {"include_usage": True}},
                        stream=True, timeout=600) as r:
@@ -78,17 +81,23 @@ def _stream(url: str, body: dict) -> dict:
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
+                timing = chunk.get("nexrt_timing")  # the router's: its queue and vLLM legs, the node's transfer
             if chunk.get("choices"):
                 times.append(time.perf_counter() - t0)
                 text += chunk["choices"][0].get("text", "")
     n = usage["completion_tokens"] if usage else len(times)
-    return {"text": text, "tokens": n, "ttft_s": times[0] if times else None,
-            "second_token_s": times[1] if len(times) > 1 else None,
-            "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None}
+    rec = {"text": text, "tokens": n, "ttft_s": times[0] if times else None,
+           "second_token_s": times[1] if len(times) > 1 else None,
+           "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None}
+    if timing:  # where a NexRT turn's first token went: admission, vLLM's prefill leg, the rest is the router
+        rec.update(queue_s=timing.get("queue_s"), prefill_s=timing.get("prefill_s"),
+                   transfer_s=(timing.get("node") or {}).get("transfer_s"))
+    return rec
 
 
 def replay(trace: dict, url: str, node_url: str | None, model: str, tok: Tokenizer, salt: int, vocab, log) -> list:
-    """Every request of the trace through `url` (a router or vLLM); -> per-request records."""
+    """Every request of the trace through `url` (a router or vLLM); -> per-request records. `log`
+    None: quiet (a warm-up pass)."""
     bs = trace["block_size"]
     convs = trace["conversations"]
     prompts: list[list[int] | None] = [None] * len(convs)
@@ -112,7 +121,10 @@ def replay(trace: dict, url: str, node_url: str | None, model: str, tok: Tokeniz
         answer = tok.encode(rec.pop("text"), add_special_tokens=False).ids  # what an agent sends back: text
         prompts[c] = ids + answer
         out.append({"conversation": c, "turn": t, "input_tokens": len(ids), **rec})
+        if log is None:
+            continue
         log(f"  {convs[c]['id']} turn {t}: {len(ids)} tokens, ttft {rec['ttft_s'] * 1e3:.0f} ms"
+            + (f" (vLLM leg {rec['prefill_s'] * 1e3:.0f})" if rec.get("prefill_s") is not None else "")
             + (f", hand-off {rec['handoff_bytes'] / 2**20:.2f} MiB, held {rec['held_tokens']:.0f}"
                if before is not None else ""))
     return out
@@ -210,6 +222,9 @@ def main(argv=None) -> int:
                     stack.start_node(0)
                     stack.wait_node(0)
                 url, node_url = stack.router("--fallback", "error", nodes=[i])[0], stack.node_urls[i]
+            for w in range(args.warmup):
+                log(f"{mode}: warm-up pass {w + 1}")
+                replay(trace, url, node_url, model, tok, 1000 * (w + 1) + salt + 1, vocab, None)
             log(f"{mode}")
             turns = replay(trace, url, node_url, model, tok, salt + 1, vocab, log)
             report["modes"][mode] = {"turns": turns, "summary": summarize(turns)}
@@ -226,7 +241,8 @@ def main(argv=None) -> int:
         s = later[m]
         log(f"{m:12s} later turns (median): ttft {s['ttft_s'] * 1e3:.0f} ms, 2nd token "
             f"{s['second_token_s'] * 1e3:.0f} ms, tpot {s['tpot_s'] * 1e3:.1f} ms"
-            + (f", hand-off {s['handoff_bytes'] / 2**20:.2f} MiB" if s.get("handoff_bytes") is not None else ""))
+            + (f", hand-off {s['handoff_bytes'] / 2**20:.2f} MiB" if s.get("handoff_bytes") is not None else "")
+            + (f", vLLM leg {s['prefill_s'] * 1e3:.0f} ms" if s.get("prefill_s") is not None else ""))
     return 0
 
 

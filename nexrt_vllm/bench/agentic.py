@@ -70,9 +70,10 @@ def summarize(turns: list[dict]) -> dict:
     by_turn = {}
     for t in sorted({r["turn"] for r in turns}):
         rows = [r for r in turns if r["turn"] == t]
-        by_turn[t] = {k: med(rows, k) for k in ("input_tokens", "ttft_s", "second_token_s", "tpot_s",
-                                                "handoff_bytes", "held_tokens")}
+        by_turn[t] = {k: med(rows, k) for k in ("input_tokens", *KEYS)}
     later = [r for r in turns if r["turn"] > 0]
-    return {"by_turn": by_turn,
-            "later_turns": {k: med(later, k) for k in ("ttft_s", "second_token_s", "tpot_s", "handoff_bytes",
-                                                      "held_tokens")}}
+    return {"by_turn": by_turn, "later_turns": {k: med(later, k) for k in KEYS}}
+
+
+# per request: at the client, from the node's /metrics, and the router's own timing (NexRT turns)
+KEYS = ("ttft_s", "second_token_s", "tpot_s", "handoff_bytes", "held_tokens", "queue_s", "prefill_s", "transfer_s")

@@ -34,11 +34,12 @@ def test_summary_medians():
     rows = [{"turn": 0, "input_tokens": 100, "ttft_s": 0.1, "second_token_s": 0.2, "tpot_s": 0.01,
              "handoff_bytes": 1000, "held_tokens": 0},
             {"turn": 1, "input_tokens": 200, "ttft_s": 0.3, "second_token_s": 0.4, "tpot_s": 0.02,
-             "handoff_bytes": 300, "held_tokens": 64},
+             "handoff_bytes": 300, "held_tokens": 64, "queue_s": 0.001, "prefill_s": 0.25, "transfer_s": 0.01},
             {"turn": 1, "input_tokens": 220, "ttft_s": 0.5, "second_token_s": 0.6, "tpot_s": 0.04,
-             "handoff_bytes": 500, "held_tokens": 128}]
+             "handoff_bytes": 500, "held_tokens": 128, "queue_s": 0.003, "prefill_s": 0.45, "transfer_s": None}]
     s = summarize(rows)
     assert s["by_turn"][0]["handoff_bytes"] == 1000 and s["by_turn"][1]["ttft_s"] == 0.4
+    assert s["by_turn"][0]["prefill_s"] is None and s["by_turn"][1]["prefill_s"] == 0.35
     assert s["later_turns"] == {"ttft_s": 0.4, "second_token_s": 0.5, "tpot_s": 0.03, "handoff_bytes": 400,
-                                "held_tokens": 96}
+                                "held_tokens": 96, "queue_s": 0.002, "prefill_s": 0.35, "transfer_s": 0.01}
     assert summarize([{"turn": 0, "ttft_s": 0.1}])["by_turn"][0]["handoff_bytes"] is None
