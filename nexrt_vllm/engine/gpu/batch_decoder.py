@@ -144,7 +144,7 @@ class BatchDecoder:
     def _gdn(self, L: FusedLayer, k: int) -> list[tuple]:
         c, g, t, m, eps, kb = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.k_batch
         sh = self.t.shape(m.w_in.shape[0], rows=True)
-        # the out_proj: fewer slots than Tuning.gated_norm_rows take the round's gated shape (swept at 4 rows)
+        # the out_proj: fewer slots than Tuning.gated_norm_rows take the gated shape (`gemv_gated_rows`)
         split = self.n >= t.gated_norm_rows
         return [
             ("gdn_in_proj+conv", lambda: kb.gemv_rows_conv(

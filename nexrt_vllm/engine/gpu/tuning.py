@@ -87,8 +87,9 @@ class Tuning:
     # slots x positions, the one-request round's positions) normalize in a launch of their own
     # (kernels/gdn.py `gated_norm_rows`) and then run the plain M-row GEMV: each program of the gated
     # launch recomputes the norm of every row, which at 8 rows cost the batch step several times the
-    # weight stream (docs/GPU.md "Several requests per round").
-    gated_norm_rows: int = 8
+    # weight stream (docs/GPU.md "Several requests per round"). 4: the one-request round's 4 positions
+    # too (H100 sweep: round 2,444 -> 2,356 µs, 1.42x the step; the batch step at B = 4 1.27x -> 1.20x B = 1).
+    gated_norm_rows: int = 4
     # The batched round's GDN in_proj + conv: the conv epilogue over every slot's rows in one pass instead
     # of slot after slot (kernels/batch_round.py `_conv_all_slots`). At B = 8 the in_proj + conv took
     # 755 µs against the MLP gate/up's 680 for 1.5x its weight bytes (H100, 2B): B dependent rounds of
