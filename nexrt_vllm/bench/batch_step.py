@@ -58,6 +58,9 @@ def batch_bytes(bd, n: int, live: int, distinct: dict[int, int]) -> dict[str, in
             "gdn_in_proj+conv": lambda: nb(mx.w_in) + nb(mx.conv_w) + 2 * live * nb(mx.state.conv) // B,
             "gdn_step": lambda: 2 * live * nb(mx.state.rec) // B,
             "gdn_out_proj": lambda: nb(mx.w_out),
+            # the split norm (Tuning.gated_norm_rows) re-reads the GDN output rows, activations as the
+            # fused prologue's: not counted, as no launch's activation rows are
+            "gdn_out_norm": lambda: 0,
             "attn_qkv_proj": lambda: nb(mx.w_qkv),
             "attn_qknorm_rope_kvwrite": lambda: 2 * live * kv_row,
             "attn_splitk+combine": lambda: 2 * live * kv_row * (n + 1),

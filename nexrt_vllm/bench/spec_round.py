@@ -67,6 +67,7 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
             "gdn_in_proj+conv": lambda: nb(mx.w_in) + nb(mx.conv_w) + nb(mx.state.conv) * (2 + rows),
             "gdn_step": lambda: (1 + rows) * nb(mx.state.rec),
             "gdn_out_proj": lambda: nb(mx.w_out),
+            "gdn_out_norm": lambda: 0,  # activation rows (batch_step.batch_bytes)
             "attn_qkv_proj": lambda: nb(mx.w_qkv),
             "attn_qknorm_rope_kvwrite": lambda: 2 * rows * kv_row,
             "attn_splitk+combine": lambda: 2 * kv_row * (ctx + rows),
@@ -97,7 +98,7 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
                 b = nb(sd.drafter.w.fc)
             elif group == "lm_head+argmax":
                 b = sd.draft_vocab * c.hidden_size * sd.f.lm_head.element_size()
-            elif group in ("input", "select", "pick"):
+            elif group in ("input", "select", "pick", "pick+input"):
                 b = 0
             else:
                 n_e = (head_e if rows > 1 else k) if isinstance(sd.head.ffn, MoEFFN) else 0

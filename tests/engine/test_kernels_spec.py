@@ -92,3 +92,34 @@ def test_draft_pick_through_a_token_map():
     call(spec.draft_pick, pmax[0], pidx[0], 9, tok, dtok, base, acc, dpos, 1, ids)
     d = int(ids[23])
     assert tok.tolist() == [5, d, 0, 0] and int(dtok) == d and int(dpos) == 41
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_draft_pick_input_is_the_pick_then_the_input(mapped):
+    """One launch for a pick and the chained step's input: the same tokens, positions and fc input rows
+    (byte for byte) as draft_pick then mtp_input, over 3 slots of which the middle one is not live."""
+    g = torch.Generator().manual_seed(5)
+    H, V, B, M, K = 96, 60, 3, 4, 2
+    pmax, pidx = partials([23, 7, 41], n_part=12)
+    ids = torch.randperm(V, generator=g)[:60].to(torch.int32) if mapped else None
+    emb = torch.randn(V, H, generator=g).to(torch.bfloat16)
+    hid = torch.randn(B + 1, H, generator=g).to(torch.bfloat16)[:B]  # a view of a wider buffer
+    we, wh = (torch.randn(H, generator=g) * 0.1).to(torch.bfloat16), (torch.randn(H, generator=g) * 0.1).to(torch.bfloat16)
+    live = torch.tensor([1, 0, 1], dtype=torch.int32)
+
+    def words():
+        return (torch.arange(B * M, dtype=torch.int64).view(B, M) + 100, torch.tensor([5, 9, 3]),
+                torch.tensor([40, 50, 60]), torch.tensor([2, 1, -1]), torch.tensor([-1, -1, -1]))
+
+    tok, dtok, base, acc, dpos = want = words()
+    call(spec.draft_pick, pmax, pidx, 12, tok, dtok, base, acc, dpos, K, ids, live=live)
+    ref = torch.full((B, 2 * H), float("nan"), dtype=torch.bfloat16)
+    call(spec.mtp_input, dtok, emb, hid, we, wh, ref, 1e-6)
+    tok, dtok, base, acc, dpos = got = words()
+    out = torch.full((B, 2 * H), float("nan"), dtype=torch.bfloat16)
+    call(spec.draft_pick_input, pmax, pidx, 12, tok, dtok, base, acc, dpos, K, emb, hid, we, wh, out, 1e-6, ids,
+         live=live)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(out, ref)
+    picked = [int(ids[t]) if mapped else t for t in (23, 41)]
+    assert [int(dtok[0]), int(dtok[1]), int(dtok[2])] == [picked[0], 9, picked[1]]
+    assert dpos.tolist() == [40 + 2 + K, -1, 60 + 0 + K] and int(tok[1, K]) == 100 + M + K

@@ -160,6 +160,11 @@ SPEC_VARIANTS = [
     ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192, HAS_MAP=False, HAS_LIVE=False), 8, SPEC_T, ()),
     # a draft token map (engine/spec/draft_vocab.py): the argmax index mapped to its token id
     ("draft_pick_map", spec.draft_pick_kernel, dict(BLOCK=2048, HAS_MAP=True, HAS_LIVE=False), 4, SPEC_T, ()),
+    # a pick fused with the next chained step's input (one request; the batched round's live slots)
+    ("draft_pick_input", spec.draft_pick_input_kernel, dict(BLOCK=2048, HAS_MAP=True, HAS_LIVE=False, HP=2048), 4,
+     SPEC_T, ()),
+    ("draft_pick_input_slots", spec.draft_pick_input_kernel, dict(BLOCK=2048, HAS_MAP=True, HAS_LIVE=True, HP=2048),
+     4, SPEC_T, ()),
 ]
 # The batch step (engine/gpu/batch_decoder.py) over B = 8 slots (M = 8 rows; the 2B / 35B-A3B shapes at the
 # Tuning defaults): the M-row GEMVs it launches, kernels/batch.py's per-slot kernels.
@@ -291,7 +296,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 64 + 40 + 34 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 68 + 40 + 34 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):

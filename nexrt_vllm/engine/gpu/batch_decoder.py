@@ -32,14 +32,14 @@ from nexrt_vllm.engine.state import StackedStates
 
 def gated_out_proj(g, k_gdn, o, z, mixer: GDNMixer, res, rows: int, group: int, eps: float, split: bool,
                    shape: dict) -> list[tuple]:
-    """The ("gdn_out_proj", launch) pairs of an M-row GDN out_proj over o[:rows] (z: the gate rows):
-    the gated-norm prologue in the GEMV, or with `split` (`Tuning.gated_norm_rows`) the norm in place
-    over o first and then the plain GEMV. Callers decide `split` from their most rows, not a replay's,
-    so a request's arithmetic does not depend on the slots live with it."""
+    """The (group, launch) pairs of an M-row GDN out_proj over o[:rows] (z: the gate rows): the gated-norm
+    prologue in the GEMV ("gdn_out_proj"), or with `split` (`Tuning.gated_norm_rows`) the norm in place over
+    o first ("gdn_out_norm") and then the plain GEMV. Callers decide `split` from their most rows, not a
+    replay's, so a request's arithmetic does not depend on the slots live with it."""
     if not split:
         return [("gdn_out_proj", lambda: g.gemv(o, mixer.w_out, res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL,
                                                 norm_w=mixer.norm, z=z, eps=eps, group=group, m=rows, **shape))]
-    return [("gdn_out_proj", lambda: k_gdn.gated_norm_rows(o, z, mixer.norm, o, m=rows, group=group, eps=eps)),
+    return [("gdn_out_norm", lambda: k_gdn.gated_norm_rows(o, z, mixer.norm, o, m=rows, group=group, eps=eps)),
             ("gdn_out_proj", lambda: g.gemv(o, mixer.w_out, res, epi=g.EPI_RESIDUAL, m=rows, **shape))]
 
 

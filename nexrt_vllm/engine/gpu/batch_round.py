@@ -239,28 +239,31 @@ class BatchRoundDecoder:
             ("mlp_down", lambda: g.gemv(self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m, **down_kw))]
 
     def _draft(self, k: int) -> list[Launch]:
-        """The head's launches over slots 0..k-1: its pass over every slot's M rows, each slot's pick, then the
-        chained steps, one row per slot (groups draft_* / chain_*)."""
+        """The head's launches over slots 0..k-1: its pass over every slot's M rows, then the chained steps, one
+        row per slot, each from the pick of the draft before it fused with its input (`draft_pick_input`); the
+        last draft's pick ends the round (groups draft_* / chain_*)."""
         c, M, g, w, ks = self.cfg, self.M, self.b.k_gemv, self.w, self.k_spec
         R, live, eps = k * M, self.live[:k], c.rms_norm_eps
         start, u, u1, g1 = self.draft_start[:k], self.u[:R], self.u1[:k], self.g1[:k]
+        words = (self.dpmax[:k], self.dpidx[:k], self.n_dpart, self.tok[:k], self.dtok[:k], self.base[:k],
+                 self.acc[:k], self.dpos[:k])
 
-        def head(x, fc_in, tok, hidden, pos, m, live_rows, norm_once=False):
+        def head(x, fc_in, pos, m, live_rows, first, norm_once=False):
             fc_kw = self._rows_kw(w.fc, c.hidden_size)
-            steps = [("input", lambda: ks.mtp_input(tok, w.embed, hidden, w.pre_fc_norm_embedding,
-                                                    w.pre_fc_norm_hidden, fc_in, eps)),
-                     ("fc", lambda: g.gemv(fc_in, w.fc, x, m=x.shape[0], **fc_kw))]
+            steps = [first, ("fc", lambda: g.gemv(fc_in, w.fc, x, m=x.shape[0], **fc_kw))]
             steps += self._attention(self.head, x, pos, start, m, k, self.draft_cos, self.draft_sin, norm_once)
             return steps + self._ffn(self.head, x, live_rows, norm_once)
 
-        def pick(j):
-            return [("lm_head+argmax", lambda: g.gemv(
-                        u1, self.draft_lm, self.dlogits[:k], pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
-                        aux0=self.dpmax[:k], aux1=self.dpidx[:k], xn_out=g1, eps=eps, m=k, n=self.draft_vocab,
-                        **self.dlm_kw)),
-                    ("pick", lambda: ks.draft_pick(self.dpmax[:k], self.dpidx[:k], self.n_dpart, self.tok[:k],
-                                                   self.dtok[:k], self.base[:k], self.acc[:k], self.dpos[:k], j,
-                                                   self.draft_ids, live=live))]
+        def lm_head():
+            return ("lm_head+argmax", lambda: g.gemv(
+                u1, self.draft_lm, self.dlogits[:k], pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
+                aux0=self.dpmax[:k], aux1=self.dpidx[:k], xn_out=g1, eps=eps, m=k, n=self.draft_vocab,
+                **self.dlm_kw))
+
+        def pick_input(j):  # each live slot's d_j, and the fc input of its chained step (g, d_j)
+            return ("pick+input", lambda: ks.draft_pick_input(
+                *words, j, w.embed, g1, w.pre_fc_norm_embedding, w.pre_fc_norm_hidden, self.fc_in[:k], eps,
+                self.draft_ids, live=live))
 
         def select():  # u1[b] = u[b * M + acc[b]] (a slot whose round emitted nothing: its row 0, junk)
             torch.clamp(self.acc[:k], min=0, out=self.sel[:k])
@@ -268,13 +271,16 @@ class BatchRoundDecoder:
             torch.index_select(u, 0, self.sel[:k], out=u1)
 
         # each slot's rows base..base+M-1 from (hidden_j, y_j); its row acc drafts d_1
-        steps = head(u, self.fc_in[:R], self.y[:k].reshape(-1), self.hn[:R], self.base[:k], M, self.row_live[:R],
-                     self.norm_once)
+        first = ("input", lambda: ks.mtp_input(self.y[:k].reshape(-1), w.embed, self.hn[:R],
+                                               w.pre_fc_norm_embedding, w.pre_fc_norm_hidden, self.fc_in[:R], eps))
+        steps = head(u, self.fc_in[:R], self.base[:k], M, self.row_live[:R], first, self.norm_once)
         steps.append(("select", select))
-        out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + pick(1)]
+        out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + [lm_head()]]
         for j in range(1, M - 1):  # chained: (g, d_j) at row base + acc + j drafts d_{j+1}
-            steps = head(u1, self.fc_in[:k], self.dtok[:k], g1, self.dpos[:k], 1, live) + pick(j + 1)
+            steps = head(u1, self.fc_in[:k], self.dpos[:k], 1, live, pick_input(j)) + [lm_head()]
             out += [Launch("chain_" + grp, None, fn) for grp, fn in steps]
+        out.append(Launch(("chain_" if M > 2 else "draft_") + "pick", None,
+                          lambda: ks.draft_pick(*words, M - 1, self.draft_ids, live=live)))
         return out
 
     def launch(self, k: int | None = None) -> None:

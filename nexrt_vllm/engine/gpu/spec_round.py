@@ -232,32 +232,40 @@ class SpecDecoder:
                 **f.gemv_shape(ff.w_down, c.hidden_size, rows=m > 1)))]
 
     def _draft(self) -> list[Launch]:
-        """The head's launches: groups draft_* (the M-row pass and its pick) and chain_* (each chained step)."""
+        """The head's launches: groups draft_* (the M-row pass) and chain_* (each chained step, from the pick of
+        the draft before it fused with its input, `draft_pick_input`; the last draft's pick ends the round)."""
         f, c, M, g, d, w = self.f, self.cfg, self.M, self.f.k_gemv, self.drafter, self.drafter.w
         eps, ks = c.rms_norm_eps, self.k_spec
         lm = dict(f.lm_shape, n=self.draft_vocab)
 
-        def head(x, fc_in, tok, hidden, pos, m):
-            steps = [("input", lambda: ks.mtp_input(tok, w.embed, hidden, w.pre_fc_norm_embedding,
-                                                    w.pre_fc_norm_hidden, fc_in, eps)),
-                     ("fc", lambda: g.gemv(fc_in, w.fc, x, m=m, **f.gemv_shape(w.fc, c.hidden_size, rows=m > 1)))]
+        def head(x, fc_in, pos, m, first):
+            fc_kw = f.gemv_shape(w.fc, c.hidden_size, rows=m > 1)
+            steps = [first, ("fc", lambda: g.gemv(fc_in, w.fc, x, m=m, **fc_kw))]
             steps += self._attention(self.head, x, pos, d.start, m, d.rope_cos, d.rope_sin)
             return steps + self._ffn(self.head, x, m)
 
-        def pick(k):
-            return [("lm_head+argmax", lambda: g.gemv(
-                        self.u1, self.draft_lm, self.dlogits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
-                        aux0=self.dpmax, aux1=self.dpidx, xn_out=self.g1, eps=eps, **lm)),
-                    ("pick", lambda: ks.draft_pick(self.dpmax, self.dpidx, self.n_dpart, self.tokens, self.dtok,
-                                                   self.base, self.acc, self.dpos, k, self.draft_ids))]
+        def lm_head():
+            return ("lm_head+argmax", lambda: g.gemv(
+                self.u1, self.draft_lm, self.dlogits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
+                aux0=self.dpmax, aux1=self.dpidx, xn_out=self.g1, eps=eps, **lm))
+
+        def pick_input(k):  # d_k, and the fc input of the chained step (g, d_k) that drafts d_{k+1}
+            return ("pick+input", lambda: ks.draft_pick_input(
+                self.dpmax, self.dpidx, self.n_dpart, self.tokens, self.dtok, self.base, self.acc, self.dpos, k,
+                w.embed, self.g1, w.pre_fc_norm_embedding, w.pre_fc_norm_hidden, self.fc_in[:1], eps, self.draft_ids))
 
         # rows base..base+M-1 from (hidden_j, y_j); row a drafts d_1
-        steps = head(self.u, self.fc_in, self.y, self.hn, self.base, M)
+        first = ("input", lambda: ks.mtp_input(self.y, w.embed, self.hn, w.pre_fc_norm_embedding,
+                                               w.pre_fc_norm_hidden, self.fc_in, eps))
+        steps = head(self.u, self.fc_in, self.base, M, first)
         steps.append(("select", lambda: torch.index_select(self.u, 0, self.acc, out=self.u1)))
-        out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + pick(1)]
+        out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + [lm_head()]]
         for k in range(1, M - 1):  # chained: (g, d_k) at row base + a + k drafts d_{k+1}
-            steps = head(self.u1, self.fc_in[:1], self.dtok, self.g1, self.dpos, 1) + pick(k + 1)
+            steps = head(self.u1, self.fc_in[:1], self.dpos, 1, pick_input(k)) + [lm_head()]
             out += [Launch("chain_" + grp, None, fn) for grp, fn in steps]
+        out.append(Launch(("chain_" if M > 2 else "draft_") + "pick", None, lambda: ks.draft_pick(
+            self.dpmax, self.dpidx, self.n_dpart, self.tokens, self.dtok, self.base, self.acc, self.dpos, M - 1,
+            self.draft_ids)))
         return out
 
     def launch(self) -> None:

@@ -13,7 +13,8 @@ leaves y_a as the next round's first token.
 per row (zero-centred RMSNorm, bf16 rounding as the eager `Drafter._input`); `draft_pick_kernel`
 reduces the head's lm_head partials to a draft token (through the draft token map when the head
 read a map's rows: engine/spec/draft_vocab.py), stores it as the next verify input and as the
-next chained step's token, and sets that step's head position.
+next chained step's token, and sets that step's head position; `draft_pick_input_kernel` is the two in
+one launch (a pick followed by the chained step's input: one launch fewer per chained step).
 """
 import triton
 import triton.language as tl
@@ -96,6 +97,14 @@ def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, roun
 
 
 @triton.jit
+def _input_half(x, w, out_ptr, r, half, H, stride_o, eps, c, cm):
+    """One half of the head's fc input row r: RMSNorm(x; w), zero-centred, bf16-rounded."""
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / H + eps)
+    y = _bf16((x * rstd) * (1.0 + w))
+    tl.store(out_ptr + r * stride_o + half * H + c, y.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
 def mtp_input_kernel(tok_ptr, emb_ptr, hid_ptr, we_ptr, wh_ptr, out_ptr, H, stride_h, stride_o, eps,
                      HP: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
@@ -110,9 +119,7 @@ def mtp_input_kernel(tok_ptr, emb_ptr, hid_ptr, we_ptr, wh_ptr, out_ptr, H, stri
     else:
         x = tl.load(hid_ptr + r * stride_h + c, mask=cm, other=0.0).to(tl.float32)
         w = tl.load(wh_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 0) / H + eps)
-    y = _bf16((x * rstd) * (1.0 + w))
-    tl.store(out_ptr + r * stride_o + half * H + c, y.to(out_ptr.dtype.element_ty), mask=cm)
+    _input_half(x, w, out_ptr, r, half, H, stride_o, eps, c, cm)
 
 
 def mtp_input(tok, embed, hidden, w_e, w_h, out, eps):
@@ -120,6 +127,21 @@ def mtp_input(tok, embed, hidden, w_e, w_h, out, eps):
     t, h = out.shape[0], embed.shape[1]
     mtp_input_kernel[(t, 2)](tok, embed, hidden, w_e, w_h, out, h, hidden.stride(0), out.stride(0), eps,
                              HP=triton.next_power_of_2(h), **LAUNCH, num_warps=4)
+
+
+@triton.jit
+def _pick(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, dtok_ptr, base_ptr, nacc_ptr, dpos_ptr, b, K, M,
+          BLOCK: tl.constexpr, HAS_MAP: tl.constexpr):
+    """Slot b's draft d_K from its partials (through the map): tok[b, K] = dtok[b] = d_K, dpos[b] = the head
+    row of the chained step that drafts d_{K+1}; returns d_K."""
+    d = _argmax_partials(pmax_ptr + b * stride_p, pidx_ptr + b * stride_p, NP, BLOCK)
+    if HAS_MAP:  # the lm_head rows were the map's: the argmax is an index into it
+        d = tl.load(ids_ptr + d)
+    tl.store(tok_ptr + b * M + K, d.to(tok_ptr.dtype.element_ty))
+    tl.store(dtok_ptr + b, d.to(dtok_ptr.dtype.element_ty))
+    # a round that emitted nothing (acc -1, a full context) drafts junk from row base
+    tl.store(dpos_ptr + b, tl.load(base_ptr + b) + tl.maximum(tl.load(nacc_ptr + b), 0) + K)
+    return d
 
 
 @triton.jit
@@ -133,13 +155,38 @@ def draft_pick_kernel(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, dtok_p
     if HAS_LIVE:
         on = tl.load(live_ptr + b) != 0
     if on:
-        d = _argmax_partials(pmax_ptr + b * stride_p, pidx_ptr + b * stride_p, NP, BLOCK)
-        if HAS_MAP:  # the lm_head rows were the map's: the argmax is an index into it
-            d = tl.load(ids_ptr + d)
-        tl.store(tok_ptr + b * M + K, d.to(tok_ptr.dtype.element_ty))
-        tl.store(dtok_ptr + b, d.to(dtok_ptr.dtype.element_ty))
-        # a round that emitted nothing (acc -1, a full context) drafts junk from row base
-        tl.store(dpos_ptr + b, tl.load(base_ptr + b) + tl.maximum(tl.load(nacc_ptr + b), 0) + K)
+        _pick(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, dtok_ptr, base_ptr, nacc_ptr, dpos_ptr, b, K, M,
+              BLOCK, HAS_MAP)
+
+
+@triton.jit
+def draft_pick_input_kernel(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, dtok_ptr, base_ptr, nacc_ptr,
+                            dpos_ptr, live_ptr, K, M, emb_ptr, hid_ptr, we_ptr, wh_ptr, out_ptr, H, stride_h,
+                            stride_o, eps, BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, HAS_LIVE: tl.constexpr,
+                            HP: tl.constexpr, PDL: tl.constexpr):
+    # Grid (slots, 2): draft_pick then mtp_input of the chained step in one launch. Program (b, 0) picks
+    # slot b's d_K and normalizes its embedding (a slot not live: dtok[b] as it stands, as mtp_input
+    # would); program (b, 1) normalizes the hidden row, which does not wait for the pick.
+    pdl_begin(PDL)
+    b = tl.program_id(0)
+    half = tl.program_id(1)
+    c = tl.arange(0, HP)
+    cm = c < H
+    if half == 0:
+        on = True
+        if HAS_LIVE:
+            on = tl.load(live_ptr + b) != 0
+        if on:
+            t = _pick(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, dtok_ptr, base_ptr, nacc_ptr, dpos_ptr,
+                      b, K, M, BLOCK, HAS_MAP).to(tl.int64)
+        else:
+            t = tl.load(dtok_ptr + b).to(tl.int64)
+        x = tl.load(emb_ptr + t * H + c, mask=cm, other=0.0).to(tl.float32)
+        w = tl.load(we_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(hid_ptr + b * stride_h + c, mask=cm, other=0.0).to(tl.float32)
+        w = tl.load(wh_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    _input_half(x, w, out_ptr, b, half, H, stride_o, eps, c, cm)
 
 
 def draft_pick(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, ids=None, live=None):
@@ -156,4 +203,18 @@ def draft_pick(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, ids=None, 
                             num_warps=8 if block >= 4096 else 4)
 
 
-__all__ = ["accept", "accept_kernel", "mtp_input", "mtp_input_kernel", "draft_pick", "draft_pick_kernel"]
+def draft_pick_input(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, embed, hidden, w_e, w_h, out, eps,
+                     ids=None, live=None):
+    """`draft_pick(... k ...)` then `mtp_input(dtok, embed, hidden, w_e, w_h, out, eps)` in one launch: the
+    chained step's fc input rows [B, 2H] from the draft it picks (B = out.shape[0] slots)."""
+    b, h = out.shape[0], embed.shape[1]
+    block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
+    draft_pick_input_kernel[(b, 2)](
+        pmax, pidx, n_partials, pmax.stride(0) if pmax.dim() > 1 else 0, ids if ids is not None else pidx, tok, dtok,
+        base, acc, dpos, live if live is not None else acc, k, tok.numel() // b, embed, hidden, w_e, w_h, out, h,
+        hidden.stride(0), out.stride(0), eps, BLOCK=block, HAS_MAP=ids is not None, HAS_LIVE=live is not None,
+        HP=triton.next_power_of_2(h), **LAUNCH, num_warps=8 if block >= 4096 else 4)
+
+
+__all__ = ["accept", "accept_kernel", "mtp_input", "mtp_input_kernel", "draft_pick", "draft_pick_kernel",
+           "draft_pick_input", "draft_pick_input_kernel"]
