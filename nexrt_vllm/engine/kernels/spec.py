@@ -97,8 +97,18 @@ def accept(pmax, pidx, n_partials, tok, y, pos, base, acc, step, rnd, ring, roun
 
 
 @triton.jit
-def _input_half(x, w, out_ptr, r, half, H, stride_o, eps, c, cm):
-    """One half of the head's fc input row r: RMSNorm(x; w), zero-centred, bf16-rounded."""
+def _input_row(t, emb_ptr, hid_ptr, we_ptr, wh_ptr, out_ptr, r, half, H, stride_h, stride_o, eps,
+               HP: tl.constexpr):
+    """Half `half` of the head's fc input row r: 0, RMSNorm(embed[t]; w_e); 1, RMSNorm(hidden[r]; w_h)
+    (zero-centred, bf16-rounded)."""
+    c = tl.arange(0, HP)
+    cm = c < H
+    if half == 0:
+        x = tl.load(emb_ptr + t * H + c, mask=cm, other=0.0).to(tl.float32)
+        w = tl.load(we_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(hid_ptr + r * stride_h + c, mask=cm, other=0.0).to(tl.float32)
+        w = tl.load(wh_ptr + c, mask=cm, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / H + eps)
     y = _bf16((x * rstd) * (1.0 + w))
     tl.store(out_ptr + r * stride_o + half * H + c, y.to(out_ptr.dtype.element_ty), mask=cm)
@@ -110,16 +120,8 @@ def mtp_input_kernel(tok_ptr, emb_ptr, hid_ptr, we_ptr, wh_ptr, out_ptr, H, stri
     pdl_begin(PDL)
     r = tl.program_id(0)
     half = tl.program_id(1)  # 0: the embedding half, 1: the hidden half
-    c = tl.arange(0, HP)
-    cm = c < H
-    if half == 0:
-        t = tl.load(tok_ptr + r)
-        x = tl.load(emb_ptr + t * H + c, mask=cm, other=0.0).to(tl.float32)
-        w = tl.load(we_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(hid_ptr + r * stride_h + c, mask=cm, other=0.0).to(tl.float32)
-        w = tl.load(wh_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    _input_half(x, w, out_ptr, r, half, H, stride_o, eps, c, cm)
+    _input_row(tl.load(tok_ptr + r), emb_ptr, hid_ptr, we_ptr, wh_ptr, out_ptr, r, half, H, stride_h, stride_o,
+               eps, HP)
 
 
 def mtp_input(tok, embed, hidden, w_e, w_h, out, eps):
@@ -170,8 +172,7 @@ def draft_pick_input_kernel(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, 
     pdl_begin(PDL)
     b = tl.program_id(0)
     half = tl.program_id(1)
-    c = tl.arange(0, HP)
-    cm = c < H
+    t = tl.load(dtok_ptr + b).to(tl.int64)  # a slot not live keeps its token (the hidden half does not use it)
     if half == 0:
         on = True
         if HAS_LIVE:
@@ -179,14 +180,7 @@ def draft_pick_input_kernel(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, 
         if on:
             t = _pick(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, dtok_ptr, base_ptr, nacc_ptr, dpos_ptr,
                       b, K, M, BLOCK, HAS_MAP).to(tl.int64)
-        else:
-            t = tl.load(dtok_ptr + b).to(tl.int64)
-        x = tl.load(emb_ptr + t * H + c, mask=cm, other=0.0).to(tl.float32)
-        w = tl.load(we_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(hid_ptr + b * stride_h + c, mask=cm, other=0.0).to(tl.float32)
-        w = tl.load(wh_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    _input_half(x, w, out_ptr, b, half, H, stride_o, eps, c, cm)
+    _input_row(t, emb_ptr, hid_ptr, we_ptr, wh_ptr, out_ptr, b, half, H, stride_h, stride_o, eps, HP)
 
 
 def draft_pick(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, ids=None, live=None):
