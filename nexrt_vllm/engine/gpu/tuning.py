@@ -94,7 +94,7 @@ class Tuning:
     # of slot after slot (kernels/batch_round.py `_conv_all_slots`). At B = 8 the in_proj + conv took
     # 755 µs against the MLP gate/up's 680 for 1.5x its weight bytes (H100, 2B): B dependent rounds of
     # loads, barriers and stores per program. On since the H100 sweep (benchmarks/results/gpu/
-    # batch_round_sweep_2b_h100.json): with norm_rows 16 it took the B = 8 round 3,777 -> 3,770 µs.
+    # batch_round_sweep_2b_h100.json): with norm_rows 16 it took the B = 8 round 3,778 -> 3,770 µs.
     conv_all_slots: bool = True
     # The batched round's RMSNorm GEMVs (GDN in_proj + conv, attention qkv, dense gate/up, lm_head; the
     # verify's and the MTP head's pass over B x M rows) at this many rows or more: the norm once per row
