@@ -183,8 +183,8 @@ class SpecDecoder:
             ("gdn_step", lambda: f.k_gdn.gdn_verify_step(
                 self.buf, m.state.rec, self.rec_after[i], self.o, m.a_log, m.dt_bias, m=M,
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
-                num_warps=t.gdn_warps, prefetch=t.prefetch > 0)),
+                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, prefetch=t.prefetch > 0,
+                **t.gdn_verify)),
             *gated_out_proj(g, f.k_gdn, self.o, self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], m, self.res, M,
                             c.linear_value_head_dim, eps, split, out_shape)]
 
@@ -237,6 +237,7 @@ class SpecDecoder:
         f, c, M, g, d, w = self.f, self.cfg, self.M, self.f.k_gemv, self.drafter, self.drafter.w
         eps, ks = c.rms_norm_eps, self.k_spec
         lm = dict(f.lm_shape, n=self.draft_vocab)
+        words = (self.dpmax, self.dpidx, self.n_dpart, self.tokens, self.dtok, self.base, self.acc, self.dpos)
 
         def head(x, fc_in, pos, m, first):
             fc_kw = f.gemv_shape(w.fc, c.hidden_size, rows=m > 1)
@@ -251,8 +252,8 @@ class SpecDecoder:
 
         def pick_input(k):  # d_k, and the fc input of the chained step (g, d_k) that drafts d_{k+1}
             return ("pick+input", lambda: ks.draft_pick_input(
-                self.dpmax, self.dpidx, self.n_dpart, self.tokens, self.dtok, self.base, self.acc, self.dpos, k,
-                w.embed, self.g1, w.pre_fc_norm_embedding, w.pre_fc_norm_hidden, self.fc_in[:1], eps, self.draft_ids))
+                *words, k, w.embed, self.g1, w.pre_fc_norm_embedding, w.pre_fc_norm_hidden, self.fc_in[:1], eps,
+                self.draft_ids))
 
         # rows base..base+M-1 from (hidden_j, y_j); row a drafts d_1
         first = ("input", lambda: ks.mtp_input(self.y, w.embed, self.hn, w.pre_fc_norm_embedding,
@@ -263,9 +264,8 @@ class SpecDecoder:
         for k in range(1, M - 1):  # chained: (g, d_k) at row base + a + k drafts d_{k+1}
             steps = head(self.u1, self.fc_in[:1], self.dpos, 1, pick_input(k)) + [lm_head()]
             out += [Launch("chain_" + grp, None, fn) for grp, fn in steps]
-        out.append(Launch(("chain_" if M > 2 else "draft_") + "pick", None, lambda: ks.draft_pick(
-            self.dpmax, self.dpidx, self.n_dpart, self.tokens, self.dtok, self.base, self.acc, self.dpos, M - 1,
-            self.draft_ids)))
+        out.append(Launch(("chain_" if M > 2 else "draft_") + "pick", None,
+                          lambda: ks.draft_pick(*words, M - 1, self.draft_ids)))
         return out
 
     def launch(self) -> None:

@@ -183,18 +183,24 @@ def draft_pick_input_kernel(pmax_ptr, pidx_ptr, NP, stride_p, ids_ptr, tok_ptr, 
     _input_row(t, emb_ptr, hid_ptr, we_ptr, wh_ptr, out_ptr, b, half, H, stride_h, stride_o, eps, HP)
 
 
+def _pick_launch(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, ids, live, b: int):
+    """The pick's leading kernel arguments, its constexprs and warps (draft_pick and draft_pick_input)."""
+    block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
+    args = (pmax, pidx, n_partials, pmax.stride(0) if pmax.dim() > 1 else 0, ids if ids is not None else pidx, tok,
+            dtok, base, acc, dpos, live if live is not None else acc, k, tok.numel() // b)
+    kw = dict(BLOCK=block, HAS_MAP=ids is not None, HAS_LIVE=live is not None, **LAUNCH,
+              num_warps=8 if block >= 4096 else 4)
+    return args, kw
+
+
 def draft_pick(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, ids=None, live=None):
     """Draft d_k = argmax of the head's partials (with `ids`, int32 [N]: ids[argmax], the head's
     lm_head having read the rows of those token ids): tok[k] = dtok = d_k; dpos = base + acc + k (the
     head row of the chained step that drafts d_{k+1}). B slots (`live` int32 [B]): partials [B, >=
     n_partials] (one row stride), tok [B, M], dtok / base / acc / dpos [B]; slots not live untouched."""
     b = live.numel() if live is not None else 1
-    block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
-    draft_pick_kernel[(b,)](pmax, pidx, n_partials, pmax.stride(0) if pmax.dim() > 1 else 0,
-                            ids if ids is not None else pidx, tok, dtok, base, acc, dpos,
-                            live if live is not None else acc, k, tok.numel() // b, BLOCK=block,
-                            HAS_MAP=ids is not None, HAS_LIVE=live is not None, **LAUNCH,
-                            num_warps=8 if block >= 4096 else 4)
+    args, kw = _pick_launch(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, ids, live, b)
+    draft_pick_kernel[(b,)](*args, **kw)
 
 
 def draft_pick_input(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, embed, hidden, w_e, w_h, out, eps,
@@ -202,12 +208,9 @@ def draft_pick_input(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, embe
     """`draft_pick(... k ...)` then `mtp_input(dtok, embed, hidden, w_e, w_h, out, eps)` in one launch: the
     chained step's fc input rows [B, 2H] from the draft it picks (B = out.shape[0] slots)."""
     b, h = out.shape[0], embed.shape[1]
-    block = min(max(triton.next_power_of_2(n_partials), 128), 16384)
-    draft_pick_input_kernel[(b, 2)](
-        pmax, pidx, n_partials, pmax.stride(0) if pmax.dim() > 1 else 0, ids if ids is not None else pidx, tok, dtok,
-        base, acc, dpos, live if live is not None else acc, k, tok.numel() // b, embed, hidden, w_e, w_h, out, h,
-        hidden.stride(0), out.stride(0), eps, BLOCK=block, HAS_MAP=ids is not None, HAS_LIVE=live is not None,
-        HP=triton.next_power_of_2(h), **LAUNCH, num_warps=8 if block >= 4096 else 4)
+    args, kw = _pick_launch(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, ids, live, b)
+    draft_pick_input_kernel[(b, 2)](*args, embed, hidden, w_e, w_h, out, h, hidden.stride(0), out.stride(0), eps,
+                                    HP=triton.next_power_of_2(h), **kw)
 
 
 __all__ = ["accept", "accept_kernel", "mtp_input", "mtp_input_kernel", "draft_pick", "draft_pick_kernel",
