@@ -103,14 +103,15 @@ def vllm_argv(model: str, port: int, max_model_len: int, transport: str | None, 
               gpu_share: float = 0.3, extra: list[str] | None = None) -> list[str]:
     """The vLLM prefill server, with the connector unless `transport` is None.
 
-    CPU: small fixed KV memory, eager. GPU: a bounded share of the GPU's memory (the decode node
-    shares the GPU), CUDA graphs on, and the Triton GDN prefill kernels (vLLM's SM90 default,
-    FlashInfer, is often not installed)."""
+    CPU: small fixed KV memory, 4 sequences at a time, eager. GPU: vLLM's own sequence limit (a
+    benchmark's baseline at concurrency 8 must not queue half its requests), a bounded share of the
+    GPU's memory (the decode node shares the GPU), CUDA graphs on, and the Triton GDN prefill kernels
+    (vLLM's SM90 default, FlashInfer, is often not installed)."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
-            "--max-num-seqs", "4", "--uvicorn-log-level", "warning"]
+            "--uvicorn-log-level", "warning"]
     if device == "cpu":
-        argv += ["--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager"]
+        argv += ["--max-num-seqs", "4", "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager"]
     else:
         argv += ["--gpu-memory-utilization", str(gpu_share), "--gdn-prefill-backend", "triton"]
     if transport is not None:

@@ -143,8 +143,6 @@ SPEC_VARIANTS = [
      dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, BLOCK=64, H=8, HD=256, BLOCK_D=64), 4, SPEC_T, ()),
     ("gdn_verify_1warp", gdn.gdn_verify_kernel, dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1,
      SPEC_T, ()),
-    ("gdn_verify_block_v8_prefetch", gdn.gdn_verify_kernel,  # Tuning.gdn_verify_block_v
-     dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=8, PRE=True), 1, SPEC_T, ()),
     ("gdn_verify_35b_prefetch", gdn.gdn_verify_kernel,
      dict(M=4, HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1, SPEC_T, ()),
     ("gdn_commit", gdn.gdn_commit_kernel, dict(KM1=3, KM1P=4, BLOCK=4096, BLOCK_C=256, HAS_LIVE=False), 4, SPEC_T,
@@ -298,7 +296,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 70 + 40 + 34 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 68 + 40 + 34 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):

@@ -179,7 +179,8 @@ class BatchRoundDecoder:
             ("gdn_step", lambda: kr.gdn_verify_rows(
                 self.buf[:R], st.rec, self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias, live, m=M,
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, **t.gdn_verify)),
+                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
+                num_warps=t.gdn_warps)),
             *gated_out_proj(g, self.k_gdn, self.o[:R], self.buf[:R, c.conv_dim:c.conv_dim + c.value_dim], m,
                             self.res[:R], R, c.linear_value_head_dim, eps, split, gated)]
 

@@ -183,8 +183,8 @@ class SpecDecoder:
             ("gdn_step", lambda: f.k_gdn.gdn_verify_step(
                 self.buf, m.state.rec, self.rec_after[i], self.o, m.a_log, m.dt_bias, m=M,
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, prefetch=t.prefetch > 0,
-                **t.gdn_verify)),
+                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
+                num_warps=t.gdn_warps, prefetch=t.prefetch > 0)),
             *gated_out_proj(g, f.k_gdn, self.o, self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], m, self.res, M,
                             c.linear_value_head_dim, eps, split, out_shape)]
 

@@ -119,11 +119,6 @@ class Tuning:
     # top-k picks of the routing, the per-expert dot products) stay in warp shuffles, no CTA barrier
     # between a program's loads and its arithmetic.
     gdn_warps: int = 1
-    # The verify pass's GDN step (the one-request round and the batched round; 0: gdn_block_v / gdn_warps).
-    # It carries its slice through M tokens and stores it after each: at one request the step's shape
-    # gives 128 one-warp programs for 5 MiB of stores a layer (H200: 928 GB/s).
-    gdn_verify_block_v: int = 0
-    gdn_verify_warps: int = 0
     moe: GemvShape = GemvShape(2, 256, 1)  # experts' gate_up (and the shared expert's)
     moe_down: GemvShape = GemvShape(1, 512, 1)  # experts' down
     # Programmatic dependent launch for every kernel of the step (kernels/common.py) where the GPU has
@@ -186,12 +181,6 @@ class Tuning:
                 s = rule.shape
                 return RowsShape(*s, 0) if rows and isinstance(s, GemvShape) else s
         raise AssertionError("unreachable: the last gemv rule has no row limit")
-
-    @property
-    def gdn_verify(self) -> dict:
-        """The verify pass's GDN step launch keywords (`gdn_verify_block_v` / `_warps`, else the step's)."""
-        return {"block_v": self.gdn_verify_block_v or self.gdn_block_v,
-                "num_warps": self.gdn_verify_warps or self.gdn_warps}
 
     @property
     def slot_attn_splits(self) -> int:
