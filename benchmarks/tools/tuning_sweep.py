@@ -131,9 +131,9 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
     # the candidate with the least step time summed over the shapes (the defaults included). The defaults
-    # count at the better of their two timings: on the H100 the round timed first was 22 µs slower than
-    # the same round timed last, enough to crown a candidate that lost a process-separated A/B by 33 µs
-    # (benchmarks/results/gpu/gdn_verify_ab_h100.json).
+    # count at the better of their two timings: on the H100 the defaults timed first took 2,355 µs a round
+    # against 2,300 in decode_bench, enough to rank 22 µs ahead a candidate that lost a process-separated
+    # A/B by 32 µs (benchmarks/results/gpu/gdn_verify_ab_h100.json).
     key_t = "round_us" if a.speculative else "step_us"
     totals = {"default": sum(min(r["default"][key_t], r.get("default_after", r["default"])[key_t])
                              for r in out["shapes"].values())}
