@@ -363,3 +363,65 @@ def test_tensor_core_rows_past_eight(m):
         y1 = nan_like(torch.empty(n, dtype=BF))
         gemv.gemv(x[j], w, y1, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32)
         assert rel(y[j], y1) < SAME, j
+
+
+@pytest.mark.parametrize("m", [4, 12])
+@pytest.mark.parametrize("splits", [2, 3])  # 3: K's 5 blocks split 2 + 2 + 1
+@pytest.mark.parametrize("epi", ["swiglu", "residual", "argmax", "conv"])
+def test_split_k_equals_one_split(m, splits, epi):
+    """K over `splits` programs per output tile (`splits`, the tensor-core kernel): the tile's last program
+    sums the partials in split order and runs the epilogue. Outputs equal the one-split launch's to the
+    summation order (SwiGLU, residual add, lm_head partials, the conv window: every epilogue the verify
+    launches); a second launch over the same scratch gives the same bytes (the arrival counters were left
+    at 0); more splits than K blocks run one block a split."""
+    g = torch.Generator().manual_seed(21)
+    k, n, conv_n = 160, 48, 32  # 5 K blocks of 32; three tiles of 16 rows
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    w = (torch.randn(2 * n if epi == "swiglu" else n, k, generator=g) * 0.1).to(BF)
+    res0 = rows(torch.randn(m, n, generator=g).to(BF), m)
+    st, cw = torch.randn(conv_n, 3, generator=g).to(BF), (torch.randn(conv_n, 4, generator=g) * 0.5).to(BF)
+
+    def launch(s):
+        kw = dict(pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32, m=m, dot=2, splits=s)
+        out = {"y": nan_rows(m, n, torch.float32 if epi == "argmax" else BF)}
+        if epi == "swiglu":
+            kw["epi"] = gemv.EPI_SWIGLU
+        elif epi == "residual":
+            out["y"], kw["epi"] = res0.clone(), gemv.EPI_RESIDUAL
+        elif epi == "argmax":
+            out["pmax"], out["pidx"] = torch.full((m, 3), float("nan")), torch.full((m, 3), -1, dtype=torch.int32)
+            kw.update(epi=gemv.EPI_ARGMAX, aux0=out["pmax"], aux1=out["pidx"])
+        else:
+            out["win"] = torch.full((conv_n, 3 + m), float("nan"), dtype=BF)
+            kw.update(epi=gemv.EPI_CONV, aux0=st, aux1=cw, conv_n=conv_n, kc=4, window=out["win"])
+        call(gemv.gemv, x, w, out["y"], **kw)
+        return out
+
+    one, split = launch(1), launch(splits)
+    for name in one:
+        assert not split[name].isnan().any(), name
+        if name == "pidx":
+            assert torch.equal(split[name], one[name])
+        else:
+            assert rel(split[name], one[name]) < SAME, name
+    again = launch(splits)
+    for name in split:
+        assert torch.equal(again[name], split[name]), name
+    if DEV == "cpu":  # the scratch: counters back at 0; the logits are the partials' sums in split order
+        part, cnt = gemv.splitk_workspace(torch.device("cpu"), 0, 0)
+        assert not cnt.any()
+        if epi == "argmax":
+            mp = 1 << (m - 1).bit_length()
+            p = part[:splits * 3 * mp * 16].view(splits, 3, mp, 16)[:, :, :m].permute(0, 2, 1, 3).reshape(splits, m, n)
+            total = p[0].clone()
+            for q in range(1, splits):
+                total += p[q]
+            assert torch.equal(split["y"], total.to(BF).float())  # EPI_ARGMAX stores bf16-rounded logits
+    capped = nan_rows(m, n)  # more splits than K blocks: one block a split
+    call(gemv.gemv, x, w[:n], capped, m=m, dot=2, block_n=16, block_k=32, splits=9)
+    assert rel(capped, lin(x, w[:n])) < REF
+    with pytest.raises(ValueError, match="splits must be >= 1"):
+        gemv.gemv(x, w[:n], nan_rows(m, n), m=m, dot=2, block_n=16, block_k=32, splits=0)
+    with pytest.raises(ValueError, match="splits needs the tensor-core"):
+        gemv.gemv(x[:2], w[:n], nan_rows(2, n), m=2, dot=0, block_n=16, block_k=32, splits=2)

@@ -136,7 +136,8 @@ def test_draft_token_map(ckpt_factory):
 def test_four_drafts(ckpt_factory):
     """M = 5 verify positions (4 drafts, InferenceX's other golden draft count): the round graph's tokens
     equal the one-token loop's and its rounds the eager speculative loop's. The GDN out_proj's norm in a
-    launch of its own (`Tuning.gated_norm_rows` <= M), the batch decoders' path for many rows."""
+    launch of its own (`Tuning.gated_norm_rows` <= M), the batch decoders' path for many rows; the verify's
+    GEMVs with K split over two programs (`RowsShape.splits`: the K = 256 ones; K = 128 is one block)."""
     path = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
     plain = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
     eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
@@ -147,7 +148,8 @@ def test_four_drafts(ckpt_factory):
     eng.prefill(prompt)
     assert list(eng.stream(first, sp)) == want
     eager_rounds, eng.speculative.rounds = eng.speculative.rounds, [0] * 6
-    runner = on_graph_path(eng, tuning=dataclasses.replace(CPU_TUNING, gated_norm_rows=5))
+    runner = on_graph_path(eng, tuning=dataclasses.replace(CPU_TUNING, gated_norm_rows=5,
+                                                           gemv_rows=((1 << 62, 64, 128, 4, 2, 2),)))
     assert runner.M == 5
     gdn_layers = len(eng.model.config.gdn_layers)
     plan = [s.group for s in runner.d.plan()]

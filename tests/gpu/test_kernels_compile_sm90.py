@@ -16,9 +16,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nexrt_vllm.engine.kernels import attention, batch, batch_round, gdn, gemv, moe, sampling, spec
 
-FP32_PTRS = {"state_ptr", "wts_ptr", "m_ptr", "l_ptr", "acc_ptr", "s_ptr", "pmax_ptr", "cum_ptr", "params_ptr",
+FP32_PTRS = {"part_ptr", "state_ptr", "wts_ptr", "m_ptr", "l_ptr", "acc_ptr", "s_ptr", "pmax_ptr", "cum_ptr", "params_ptr",
              "vals_ptr", "cos_ptr", "sin_ptr"}
-I32_PTRS = {"ids_ptr", "pidx_ptr", "idx_ptr"}
+I32_PTRS = {"ids_ptr", "pidx_ptr", "idx_ptr", "cnt_ptr"}
 I64_PTRS = {"tok_ptr", "pos_ptr", "step_ptr", "ring_ptr", "seed_ptr"}
 FP32_SCALARS = {"eps", "q_scale", "scale"}
 
@@ -57,7 +57,8 @@ def compile_(fn, consts, num_warps=4, types=None, aligned=(), **options):
             "evict_first_v4": ptx.count("ld.global.L1::evict_first.L2::cache_hint.v4.b32"),
             "cp_async": ptx.count("cp.async.cg.shared.global"), "wgmma": ptx.count("wgmma.mma_async"),
             "mma": ptx.count("mma.sync.aligned"), "l2_prefetch": ptx.count("cp.async.bulk.prefetch.L2.global"),
-            "l2_before_wait": ptx[:wait].count("cp.async.bulk.prefetch.L2.global") if wait >= 0 else None}
+            "l2_before_wait": ptx[:wait].count("cp.async.bulk.prefetch.L2.global") if wait >= 0 else None,
+            "atomics": ptx.count("atom.global.gpu.acq_rel")}
 
 
 G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, PF=0)
@@ -101,7 +102,8 @@ FP8_VARIANTS = [
 # The speculative round (engine/gpu/spec_round.py) at M = 4 verify rows, the 2B / 35B-A3B shapes at the Tuning defaults.
 R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, M=4, MP=4)
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
-RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1)
+RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1,
+          SPLITS=1)
 ARGMAX = {"y_ptr": "*fp32", "aux0_ptr": "*fp32", "aux1_ptr": "*i32"}
 SPEC_T = {"forced_ptr": "*i64", "rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
           "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
@@ -134,6 +136,10 @@ SPEC_VARIANTS = [
     ("rows_dot_lm_head_argmax_xn", gemv.gemv_rows_dot_kernel,
      dict(RD, PRO=1, EPI=4, STORE_XN=True, BLOCK_N=64, STAGES=3), 4, ARGMAX, ALIGN_R),
     ("rows_dot_m3_qkv", gemv.gemv_rows_dot_kernel, dict(RD, M=3, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
+    # K split over two programs per tile (RowsShape.splits): the down projection, the SwiGLU's two halves
+    ("rows_dot_split2_residual", gemv.gemv_rows_dot_kernel, dict(RD, PRO=0, EPI=1, KP=8192, STAGES=5, SPLITS=2), 1, {},
+     ALIGN_R),
+    ("rows_dot_split2_swiglu", gemv.gemv_rows_dot_kernel, dict(RD, PRO=1, EPI=2, STAGES=3, SPLITS=2), 1, {}, ALIGN_R),
     ("qk_rope_cache_m", attention.qk_rope_cache_m_kernel, dict(H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
      SPEC_T, ()),
     ("attn_verify_scores", attention.attn_verify_scores_kernel, AV, 4, SPEC_T, ()),
@@ -296,16 +302,18 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 68 + 40 + 34 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 72 + 40 + 34 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
     """The tensor-core M-row kernel: its weight tiles go global -> shared by asynchronous copies (the
     compiler's software pipeline) into tensor-core MMAs (warpgroup or warp)."""
     dots = {k: v for k, v in compiled.items() if k.startswith("rows_dot_")}
-    assert len(dots) == 10
+    assert len(dots) == 14
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
+        # the split-K fixup: one arrival count per program (a gpu-scope acq_rel atomic), only when split
+        assert v["atomics"] == (1 if "_split" in name else 0), (name, v)
 
 
 def test_batch_step_gemvs_run_on_the_tensor_cores(compiled):

@@ -21,11 +21,13 @@ class GemvShape(NamedTuple):
 class RowsShape(NamedTuple):
     """One M-row GEMV launch (the speculative verify): `GemvShape`'s fields and the kernel, as pipeline
     stages of the tensor-core kernel (kernels/gemv_verify.py `gemv_rows_dot_kernel`; 0: the fold kernel
-    `gemv_rows_kernel`)."""
+    `gemv_rows_kernel`); `splits`: programs per output tile, each over its share of K (tensor-core
+    kernel only; a launch of few output rows otherwise has fewer programs than the GPU has SMs)."""
     block_n: int
     block_k: int
     num_warps: int
     stages: int
+    splits: int = 1
 
 
 class GemvRule(NamedTuple):
@@ -47,10 +49,11 @@ class RowsRule(NamedTuple):
     block_k: int
     num_warps: int
     stages: int
+    splits: int = 1
 
     @property
     def shape(self) -> RowsShape:
-        return RowsShape(self.block_n, self.block_k, self.num_warps, self.stages)
+        return RowsShape(self.block_n, self.block_k, self.num_warps, self.stages, self.splits)
 
 
 NO_LIMIT = 1 << 62  # the last rule's max_rows
@@ -195,6 +198,8 @@ def gemv_kwargs(t: Tuning, w, shape: GemvShape | RowsShape, prefetch: int | None
     kw = {"block_n": shape.block_n, "block_k": shape.block_k, "num_warps": shape.num_warps}
     if isinstance(shape, RowsShape):
         kw["dot"] = shape.stages
+        if shape.splits != 1:
+            kw["splits"] = shape.splits
     if isinstance(w, FP8Weight):
         kw.update(vec=t.vec_fp8, round_w=t.fp8_round_weights)
         if w.tail is not None:

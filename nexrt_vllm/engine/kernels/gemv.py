@@ -44,7 +44,7 @@ def fold_vec(vec: int, elem_bytes: int, block_k: int) -> int:
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
          conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False,
-         prefetch=0, vec=0, m=1, window=None, dot=0, l2=None):
+         prefetch=0, vec=0, m=1, window=None, dot=0, l2=None, splits=1):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
     optionally a bf16 tail; `round_w`: see gemv_step `_acc`'s ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
     N = rows of y); `prefetch`: K blocks of a bf16 W each program loads before it waits on the
@@ -60,6 +60,8 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     With m > 1 each thread always folds its 16-byte runs (`vec` is not used: elementwise
     accumulators for m rows would not fit in registers) and `prefetch` is cut to 4 blocks. `dot` > 0:
     `gemv_rows_dot_kernel` (tensor cores, >= 16 weight rows per program) with `dot` pipeline stages.
+    `splits` > 1 (with `dot`): K split over that many programs per output tile (at most one per K block),
+    summed in split order by the tile's last program (scratch: `splitk_workspace`).
     `l2` (m = 1, bf16 W): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for
     when done."""
     fp8 = hasattr(w, "scale")
@@ -70,7 +72,10 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
             raise ValueError("gemv: l2 prefetch is for m = 1 launches")
         return _gemv_rows(x, w, y, fp8, pro=pro, epi=epi, norm_w=norm_w, z=z, aux0=aux0, aux1=aux1, eps=eps,
                           conv_n=conv_n, group=group, kc=kc, xn_out=xn_out, block_n=block_n, block_k=block_k,
-                          num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window, dot=dot)
+                          num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window, dot=dot,
+                          splits=splits)
+    if splits != 1:
+        raise ValueError(f"gemv: splits is for the tensor-core M-row kernel (m > 1, dot > 0), got {splits}")
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
     block_k = min(block_k or 512, triton.next_power_of_2(k))
@@ -129,8 +134,9 @@ def l2_target(w, nbytes: int, halves: bool = False):
 
 
 def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, group, kc, xn_out, block_n,
-               block_k, num_warps, n, prefetch, vec, m, window, dot):
-    """`gemv` with m > 1: `gemv_rows_kernel`, or `gemv_rows_dot_kernel` with `dot` pipeline stages."""
+               block_k, num_warps, n, prefetch, vec, m, window, dot, splits):
+    """`gemv` with m > 1: `gemv_rows_kernel`, or `gemv_rows_dot_kernel` with `dot` pipeline stages (and K
+    split over `splits` programs per output tile)."""
     if fp8:
         raise ValueError("gemv: m > 1 needs bf16 weights (got an FP8Weight)")
     if not 1 <= m <= (32 if dot else 8):  # the fold keeps the rows in registers; the tensor cores take 32
@@ -172,10 +178,39 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
                   KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
                   **LAUNCH, num_warps=num_warps)
     if dot:
-        gemv_rows_dot_kernel[(grid,)](*args, DOT=1 if ASM else 2, num_stages=dot, **common)
+        if splits < 1:
+            raise ValueError(f"gemv: splits must be >= 1, got {splits}")
+        splits = min(splits, triton.cdiv(k, block_k))  # a rule's splits over a short K: one block a split
+        part, cnt = y, y
+        if splits > 1:
+            part, cnt = splitk_workspace(y.device, 2 * splits * grid * block_n * common["MP"], grid)
+        gemv_rows_dot_kernel[(grid, splits)](*args, DOT=1 if ASM else 2, SPLITS=splits, part_ptr=part, cnt_ptr=cnt,
+                                             num_stages=dot, **common)
         return grid
+    if splits != 1:
+        raise ValueError(f"gemv: splits needs the tensor-core M-row kernel (dot > 0), got {splits}")
     gemv_rows_kernel[(grid,)](*args, PRE=head_blocks(min(prefetch, 4), k, block_k), VEC=min(8, block_k), **common)
     return grid
+
+
+# (device, stream) -> (fp32 partials, int32 arrival counters, the buffers they replaced)
+_SPLITK: dict = {}
+
+
+def splitk_workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch of the split-K M-row GEMVs on `device`'s current stream: at least `numel` fp32 partials and
+    `tiles` arrival counters. Launches in one stream run one after another and a tile's last program leaves
+    its counter at 0, so they share one pair; streams get their own (concurrent graphs of one process). A
+    larger request allocates a new pair and keeps the old one alive: a captured graph holds its address."""
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    ws = _SPLITK.get(key)
+    if ws is None or ws[0].numel() < numel or ws[1].numel() < tiles:
+        numel = max(numel, ws[0].numel() if ws else 0)
+        tiles = max(tiles, ws[1].numel() if ws else 0)
+        ws = (torch.empty(numel, dtype=torch.float32, device=device),
+              torch.zeros(tiles, dtype=torch.int32, device=device), ws)
+        _SPLITK[key] = ws
+    return ws[0], ws[1]
 
 
 def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
@@ -194,7 +229,7 @@ def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
                               BLOCK_K=min(block_k, triton.next_power_of_2(k)), **LAUNCH, num_warps=num_warps)
 
 
-__all__ = ["gemv", "l2_target", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel",
+__all__ = ["gemv", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel",
            "rmsnorm_rows", "rmsnorm_rows_kernel",
            "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
            "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]

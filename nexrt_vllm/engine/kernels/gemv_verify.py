@@ -300,10 +300,11 @@ def _dot_t(w, xt, acc, DOT: tl.constexpr):
 def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w, eps,
                PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
-               PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr):
+               PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr = 1):
     """y, y_up [MP, BLOCK_N]: this program's BLOCK_N outputs for the M rows of x after the prologue (y_up: EPI 2's
     up half), PDL's wait included. DOT 0: `gemv_rows_kernel`'s fold (PRE K blocks of W loaded before the
-    wait, VEC-column FMA runs); DOT 1 / 2: `gemv_rows_dot_kernel`'s tensor-core loop (`_dot_t`)."""
+    wait, VEC-column FMA runs); DOT 1 / 2: `gemv_rows_dot_kernel`'s tensor-core loop (`_dot_t`), over the
+    K blocks of split program_id(1) of SPLITS (the split's partial sums)."""
     MP: tl.constexpr = jrow.shape[0]
     if DOT == 0:
         w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
@@ -318,7 +319,13 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
         acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
         acc_u = acc
         offs_k = tl.arange(0, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
+        k_lo = 0
+        k_hi = K
+        if SPLITS > 1:  # whole K blocks per split, the last split's range cut at K
+            per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
+            k_lo = tl.program_id(1) * per
+            k_hi = tl.minimum(K, k_lo + per)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             cols = k0 + offs_k
             cmask = cols < K
             if EVEN_K:
@@ -338,23 +345,63 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
 
 
 @triton.jit
+def _split_sum(y, y_up, part_ptr, cnt_ptr, pid, n_tiles, EPI: tl.constexpr, SPLITS: tl.constexpr):
+    """Split-K fixup of tile pid: store this split's partials y (and EPI 2's y_up) [MP, BLOCK_N] at part_ptr
+    [2, SPLITS, n_tiles, MP * BLOCK_N] fp32, count the arrival on cnt_ptr[pid] (acq_rel: the partials of
+    every earlier arrival are visible to the last); the last arrival resets the counter to 0 for the next
+    launch and returns the sums of all splits in split order. Returns (y, y_up, last: 1 or 0, an int32)."""
+    MP: tl.constexpr = y.shape[0]
+    BN: tl.constexpr = y.shape[1]
+    idx = tl.arange(0, MP)[:, None] * BN + tl.arange(0, BN)[None, :]
+    tile = MP * BN
+    half = SPLITS * n_tiles * tile
+    mine = (tl.program_id(1) * n_tiles + pid) * tile
+    tl.store(part_ptr + mine + idx, y)
+    if EPI == 2:
+        tl.store(part_ptr + half + mine + idx, y_up)
+    tl.debug_barrier()  # every thread's partials stored before the one-thread release below
+    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    # as an int: the interpreter's masks built from an atomic's compare come out int32 and are refused
+    last = (arrived == SPLITS - 1).to(tl.int32)
+    lim = last * tile  # this tile's partials when last, else none
+    y = tl.zeros([MP, BN], dtype=tl.float32)
+    y_up = y
+    for s in tl.static_range(SPLITS):
+        at = part_ptr + (s * n_tiles + pid) * tile + idx
+        y += tl.load(at, mask=idx < lim, other=0.0, cache_modifier=".cg")
+        if EPI == 2:
+            y_up += tl.load(at + half, mask=idx < lim, other=0.0, cache_modifier=".cg")
+    tl.store(cnt_ptr + pid, 0, mask=lim > 0)
+    return y, y_up, last
+
+
+@triton.jit
 def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win_ptr,
                          N, K, stride_w, stride_x, stride_y, stride_z, stride_a, stride_win, eps, CONV_N,
                          M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr,
                          GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr,
                          KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                         DOT: tl.constexpr, PDL: tl.constexpr):
+                         DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr):
     """`gemv_rows_kernel` through the tensor cores with the weight as the left operand: acc [BLOCK_N, MP] =
     W[rows] @ x^T (the compiler pads the MP columns to the instruction's). Each weight tile goes from the load
     straight into the product, so the compiler streams it through shared memory in pipeline stages
-    (num_stages); the x rows take the prologue per K block. Same epilogues (`_epilogue_rows`)."""
+    (num_stages); the x rows take the prologue per K block. Same epilogues (`_epilogue_rows`).
+
+    SPLITS > 1 (grid [tiles, SPLITS]): each program sums its share of K (`_split_sum`); the last of a tile's
+    programs to finish adds the tile's partials in split order and runs the epilogue, so a launch over few
+    output rows streams its weight from SPLITS times the programs and the sums do not depend on which
+    program finishes last."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     jrow = tl.arange(0, MP)
     jm = jrow < M
     y, y_up = _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
-                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL)
+                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL, SPLITS)
+    if SPLITS > 1:
+        y, y_up, last = _split_sum(y, y_up, part_ptr, cnt_ptr, pid, tl.num_programs(0), EPI, SPLITS)
+        rmask = rows < N * last  # the epilogue's stores: the last program's only
+        jm = jrow < M * last
     _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows, rmask,
                    pid, CONV_N, EPI, KC, KCP)
 
