@@ -546,6 +546,8 @@ def main(argv=None) -> int:
     ap.add_argument("--conc", type=int, nargs="+", default=[1],
                     help="client concurrencies to sweep (each path at each; > 1: one path after the other)")
     ap.add_argument("--max-batch", type=int, default=1, help="the node's --max-batch (requests decoded together)")
+    ap.add_argument("--node-tuning", default="", metavar="FIELD=VALUE,...",
+                    help="the node's --tuning (launch-shape overrides of the fused kernels); recorded in the JSON")
     ap.add_argument("--vllm-mtp", action="store_true",
                     help="measure vLLM + MTP (golden acceptance) as a baseline while the node decodes plainly")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel node (and vLLMs) over N GPUs")
@@ -612,6 +614,9 @@ def main(argv=None) -> int:
     if sweep:
         summary.update({"conc": a.conc, "concurrency": {}, "gpus": a.tp, "max_batch": a.max_batch})
     node_extra, vspec = ["--max-batch", str(a.max_batch)] if a.max_batch > 1 else [], None
+    if a.node_tuning:
+        node_extra += ["--tuning", a.node_tuning]
+        summary["node_tuning"] = a.node_tuning
     if a.vllm_mtp:
         vspec = {"method": "mtp", "num_speculative_tokens": a.num_speculative_tokens,
                  "rejection_sample_method": "synthetic", "synthetic_acceptance_length": a.acceptance_length}

@@ -38,26 +38,12 @@ def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
 
 
 def tuning_from(kvs: str):
-    """"field=value,..." -> a gpu.tuning.Tuning with those fields replaced (ints; 0/1 for bools; a/b/c tuples;
-    a/b/c+d/e/f tuples of tuples, e.g. the `gemv` rules)."""
-    import dataclasses
-
-    from nexrt_vllm.engine.gpu.tuning import Tuning
-    types = {f.name: f.type for f in dataclasses.fields(Tuning)}
-    kw = {}
-    for kv in filter(None, kvs.split(",")):
-        k, _, v = kv.partition("=")
-        if k not in types:
-            raise SystemExit(f"unknown Tuning field {k!r}; fields: {sorted(types)}")
-        if "+" in v:
-            kw[k] = tuple(tuple(int(x) for x in part.split("/")) for part in v.split("+"))
-        elif "/" in v:
-            kw[k] = tuple(int(x) for x in v.split("/"))
-        elif types[k] in ("bool", "bool | None"):
-            kw[k] = v.lower() in ("1", "true")
-        else:
-            kw[k] = int(v)
-    return dataclasses.replace(Tuning(), **kw), kw
+    """`gpu.tuning.tuning_overrides` for a benchmark's --tuning: a bad field exits with its message."""
+    from nexrt_vllm.engine.gpu.tuning import tuning_overrides
+    try:
+        return tuning_overrides(kvs)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def time_replays(g, n: int) -> list[float]:

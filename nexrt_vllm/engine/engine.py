@@ -215,7 +215,7 @@ class Engine:
         return logits
 
     # ---- GPU graph path (hook owned by the GPU path, docs/GPU.md) ------------------------------
-    def use_graph(self, mode: str = "fused") -> None:
+    def use_graph(self, mode: str = "fused", tuning=None) -> None:
         """Make `stream` decode through one captured CUDA graph per token (gpu.runner.GraphRunner
         over gpu.decoder.FusedDecoder; CUDA + bfloat16 only, EngineError otherwise). Every variant
         (greedy and sampling, each plain / with logprobs / with a grammar mask / both) is captured
@@ -224,7 +224,8 @@ class Engine:
         decode_step and the hand-off stay on the eager path; so do grammar-constrained requests
         when the control memory could not be host-mapped (`graph.masks` False). With speculative
         decoding (mode "fused" only) the round graph is captured too (gpu.spec_round.SpecRunner):
-        it serves greedy requests without logprobs; the others take the one-token graph."""
+        it serves greedy requests without logprobs; the others take the one-token graph. `tuning`: the
+        fused kernels' launch shapes (gpu.tuning.Tuning; None: the defaults)."""
         if self.device.type != "cuda":
             raise EngineError(f"the graph path needs a CUDA device (engine is on {self.device})")
         if self.speculative is not None and mode != "fused":
@@ -234,7 +235,7 @@ class Engine:
             raise NotBuiltError("this engine decodes through the batch step (use_batch_graph)")
         from nexrt_vllm.engine.gpu.decoder import FusedDecoder  # triton: imported by the GPU path only
         from nexrt_vllm.engine.gpu.runner import GraphRunner
-        runner = GraphRunner(FusedDecoder(self.model, self.state, mode=mode))
+        runner = GraphRunner(FusedDecoder(self.model, self.state, mode=mode, tuning=tuning))
         for sample, logprobs, mask in runner.VARIANTS:
             if runner.masks or not mask:
                 runner.capture(sample, logprobs, mask)

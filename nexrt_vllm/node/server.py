@@ -253,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "batch step (with --speculative: the batched round, max-batch x (drafts + 1) <= 32 rows), "
                          "the others their slot's eager step or round; on CPU or --graph off every slot runs its "
                          "own eager steps or rounds")
+    ap.add_argument("--tuning", default="", metavar="FIELD=VALUE,...",
+                    help="CUDA graph path: launch-shape overrides of the fused kernels (gpu/tuning.py Tuning fields, "
+                         "as decode_bench.py --tuning takes them, e.g. gemv_rows=4096/16/256/1/5/2+10000/32/256/2/3+"
+                         "4611686018427387904/32/256/2/3), for a GPU whose own sweep found faster shapes; default: "
+                         "the shipped defaults (docs/GPU.md)")
     ap.add_argument("--recv-buffers", type=int, default=None,
                     help="receive buffers (default: max-batch + 1, so a stale writer's buffer can be "
                          "quarantined without blocking)")
@@ -315,6 +320,11 @@ def _positive(ap, args) -> None:
                      f"{ROUND_ROWS}: lower either (or --graph off: each slot's eager round)")
         if args.tp > 1:
             ap.error("--max-batch > 1 with --tp > 1 is not built")
+    from nexrt_vllm.engine.gpu.tuning import tuning_overrides
+    try:
+        args.tuning_overrides = tuning_overrides(args.tuning)[1]
+    except ValueError as e:
+        ap.error(f"--tuning: {e}")
     for name in ("max_seq_len", "recv_buffers", "tp"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -456,10 +466,14 @@ async def serve(args) -> None:
                  "on a machine compiles the Triton kernels, about a minute)", args.graph)
         t0 = time.monotonic()
         try:
+            from nexrt_vllm.engine.gpu.tuning import tuning_overrides
+            tuning = tuning_overrides(args.tuning)[0] if args.tuning else None
+            if tuning is not None:
+                log.info("launch shapes: the defaults with %s", args.tuning_overrides)
             if args.max_batch > 1:
-                engine.use_batch_graph(args.max_batch)
+                engine.use_batch_graph(args.max_batch, tuning)
             else:
-                engine.use_graph(args.graph)
+                engine.use_graph(args.graph, tuning)
         except EngineError as e:
             raise ValueError(f"--graph {args.graph}: {e}") from None
         graph = engine.batch_graph or engine.graph

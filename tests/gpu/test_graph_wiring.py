@@ -70,6 +70,30 @@ def test_wide_rows_take_their_own_rules():
     assert w.shape(6144, fp8=True, rows=True, wide=True) == t.shape(6144, fp8=True, rows=True)
 
 
+def test_tuning_overrides_from_the_command_line(capsys):
+    """`nexrt-decode --tuning` / `decode_bench.py --tuning`: fields replaced in the defaults (rules with a
+    split count, the K split of the M-row GEMVs, reach the launch keywords); an unknown field, a value that
+    is not a number or a shape of the wrong length is refused at start, naming it."""
+    from nexrt_vllm.engine.gpu.tuning import RowsShape, Tuning, gemv_kwargs, tuning_overrides
+
+    t, kw = tuning_overrides("gemv_rows=4096/16/256/1/5/2+4611686018427387904/32/256/2/3,pdl=0,attn_splits=64")
+    assert kw == {"gemv_rows": ((4096, 16, 256, 1, 5, 2), (1 << 62, 32, 256, 2, 3)), "pdl": False, "attn_splits": 64}
+    assert t.shape(2048, rows=True) == RowsShape(16, 256, 1, 5, 2) and t.shape(6144, rows=True).splits == 1
+    w = torch.zeros(2048, 6144, dtype=torch.bfloat16)
+    assert gemv_kwargs(t, w, t.shape(2048, rows=True))["splits"] == 2
+    assert "splits" not in gemv_kwargs(Tuning(), w, Tuning().shape(2048, rows=True))  # the default: one
+    assert tuning_overrides("") == (Tuning(), {})
+    for bad, msg in (("gemv_rowz=1", "unknown Tuning field 'gemv_rowz'"), ("attn_splits=x", "attn_splits: 'x'"),
+                     ("lm_rows=64/256", "lm_rows=64/256")):
+        with pytest.raises(ValueError, match=msg):
+            tuning_overrides(bad)
+        ap = build_parser()
+        args = ap.parse_args(["--model", "m", "--tuning", bad])
+        with pytest.raises(SystemExit) as ei:
+            _positive(ap, args)
+        assert ei.value.code == 2 and "--tuning" in capsys.readouterr().err
+
+
 def test_decode_cli_tp_graph_needs_a_gpu_per_rank(capsys):
     """`--tp N --device cuda` (the graph path on every rank) refuses at start with fewer than N visible
     GPUs, naming both counts; at TP > 1 the graph modes are no longer refused as such."""

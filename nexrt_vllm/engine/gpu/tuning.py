@@ -191,6 +191,35 @@ class Tuning:
         return self.batch_attn_splits or self.attn_splits
 
 
+def tuning_overrides(kvs: str) -> tuple[Tuning, dict]:
+    """"field=value,..." -> (the default Tuning with those fields replaced, the replaced fields): ints, 0/1 for
+    bools, a/b/c tuples, a/b/c+d/e/f tuples of tuples (e.g. the `gemv` rules). ValueError naming the field
+    for an unknown field, a value that is not a number, or a shape of the wrong length."""
+    import dataclasses
+
+    types = {f.name: f.type for f in fields(Tuning)}
+    kw = {}
+    for kv in filter(None, kvs.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in types:
+            raise ValueError(f"unknown Tuning field {k!r}; fields: {sorted(types)}")
+        try:
+            if "+" in v:
+                kw[k] = tuple(tuple(int(x) for x in part.split("/")) for part in v.split("+"))
+            elif "/" in v:
+                kw[k] = tuple(int(x) for x in v.split("/"))
+            elif types[k] in ("bool", "bool | None"):
+                kw[k] = v.lower() in ("1", "true")
+            else:
+                kw[k] = int(v)
+        except ValueError:
+            raise ValueError(f"Tuning field {k}: {v!r} is not a number, a/b/c or a/b/c+d/e/f") from None
+    try:
+        return dataclasses.replace(Tuning(), **kw), kw
+    except TypeError as e:  # a shape tuple of the wrong length
+        raise ValueError(f"Tuning overrides {kvs!r}: {e}") from None
+
+
 def gemv_kwargs(t: Tuning, w, shape: GemvShape | RowsShape, prefetch: int | None = None) -> dict:
     """The `kernels.gemv.gemv` keywords of a launch of `shape` over the weight `w` (bf16, or an
     fp8.FP8Weight, whose fp8 rows before a bf16 tail must fill whole programs). `prefetch`: K blocks
