@@ -107,6 +107,46 @@ def test_gdn_commit_selects_position(m):
         assert torch.equal(conv, conv_ref) and torch.equal(rec, rec_ref), a
 
 
+@pytest.mark.parametrize("warps", [1, 4])
+def test_gdn_recommit_equals_the_verify_state_of_the_accepted_token(warps):
+    """`gdn_recommit` (Tuning.gdn_recommit): the verify keeps no states; the commit runs tokens 0..a of the
+    verify's rows again over the live state. Byte for byte the state `gdn_verify_step` kept for token a and
+    the conv columns `gdn_commit` copies, for every a, one request and three slots (one not live, one whose
+    round emitted nothing: a = -1; both left as they are)."""
+    from nexrt_vllm.engine.kernels import batch_round as kbr
+
+    hk, hv, dk, dv, m, conv_dim, kc = 2, 4, 32, 16, 4, 40, 4
+    kw = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, block_v=8, num_warps=warps)
+    g = torch.Generator().manual_seed(41)
+    window = torch.randn(3, conv_dim, kc - 1 + m, generator=g).to(BF)
+    bufs, states = [], []
+    for b in range(3):
+        buf, S, a_log, dt_bias = _gdn_inputs(m, hk, hv, dk, dv, seed=50 + b, pad=0)
+        bufs.append(buf)
+        states.append(S)
+    buf3, S3 = torch.cat(bufs), torch.stack(states)
+    rec_after = nan_like(torch.empty(3, m, hv, dk, dv))
+    out = nan_like(torch.empty(3 * m, hv * dv, dtype=BF))
+    all_live = torch.ones(3, dtype=torch.int32)
+    call(kbr.gdn_verify_rows, buf3, S3, rec_after, out, a_log, dt_bias, all_live, m=m, **kw)
+    out_nostore = nan_like(out)
+    call(kbr.gdn_verify_rows, buf3, S3, None, out_nostore, a_log, dt_bias, all_live, m=m, **kw)
+    assert torch.equal(out_nostore, out)  # the same outputs without the states
+    for a in range(m):  # one request
+        acc = torch.tensor([a])
+        conv, rec = nan_like(torch.empty(conv_dim, kc - 1, dtype=BF)), S3[1].clone()
+        conv_ref, rec_ref = conv.clone(), rec.clone()
+        call(gdn.gdn_commit, conv_ref, rec_ref, window[1], rec_after[1], acc, block=256, block_c=16)
+        call(gdn.gdn_recommit, bufs[1], conv, rec, window[1], acc, a_log, dt_bias, m=m, block_c=16, **kw)
+        assert torch.equal(rec, rec_ref) and torch.equal(conv, conv_ref), a
+    acc, live = torch.tensor([2, 3, -1]), torch.tensor([1, 0, 1], dtype=torch.int32)
+    conv, rec = torch.randn(3, conv_dim, kc - 1, generator=g).to(BF), S3.clone()
+    conv0, rec0 = conv.clone(), rec.clone()
+    call(gdn.gdn_recommit, buf3, conv, rec, window, acc, a_log, dt_bias, m=m, block_c=16, live=live, **kw)
+    assert torch.equal(rec[0], rec_after[0, 2]) and torch.equal(conv[0], window[0, :, 3:3 + kc - 1])
+    assert torch.equal(rec[1:], rec0[1:]) and torch.equal(conv[1:], conv0[1:])
+
+
 # ---------------------------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------------------------

@@ -147,10 +147,11 @@ SPEC_VARIANTS = [
     ("attn_verify_pv_start_m1", attention.attn_verify_pv_kernel, dict(AV, M=1, HAS_START=True), 4, SPEC_T, ()),
     ("attn_verify_combine", attention.attn_verify_combine_kernel,
      dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, BLOCK=64, H=8, HD=256, BLOCK_D=64), 4, SPEC_T, ()),
-    ("gdn_verify_1warp", gdn.gdn_verify_kernel, dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1,
+    ("gdn_verify_1warp", gdn.gdn_verify_kernel, dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False,
+                                                  STORE=True), 1,
      SPEC_T, ()),
     ("gdn_verify_35b_prefetch", gdn.gdn_verify_kernel,
-     dict(M=4, HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1, SPEC_T, ()),
+     dict(M=4, HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True, STORE=True), 1, SPEC_T, ()),
     ("gdn_commit", gdn.gdn_commit_kernel, dict(KM1=3, KM1P=4, BLOCK=4096, BLOCK_C=256, HAS_LIVE=False), 4, SPEC_T,
      ()),
     ("moe_gate_up_m4", moe.moe_gate_up_kernel, dict(MU, M=4), 1, SPEC_T, ALIGN_M),
@@ -234,8 +235,14 @@ ROUND_VARIANTS = [
     ("round_conv_slots_normed", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=True, PRO=0), 2, BT,
      ALIGN_B),
     ("round_rmsnorm_rows", gemv.rmsnorm_rows_kernel, dict(KP=2048, BLOCK_K=1024), 4, {}, ()),
-    ("round_gdn_verify", batch_round.gdn_verify_rows_kernel, dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16), 1,
-     dict(BT, rec_ptr="*fp32"), ()),
+    ("round_gdn_verify", batch_round.gdn_verify_rows_kernel,
+     dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, STORE=True), 1, dict(BT, rec_ptr="*fp32"), ()),
+    # Tuning.gdn_recommit: the verify keeps no states, the commit runs the accepted tokens again
+    ("round_gdn_verify_nostore", batch_round.gdn_verify_rows_kernel,
+     dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, STORE=False), 1, dict(BT, rec_ptr="*fp32"), ()),
+    ("round_gdn_recommit", gdn.gdn_recommit_kernel,
+     dict(HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, KM1=3, KM1P=4, BLOCK_C=256, HAS_LIVE=True), 1,
+     dict(BT, rec_ptr="*fp32", a_ptr="*i64", live_ptr="*i32"), ()),
     ("round_qk_rope", batch_round.qk_rope_rows_kernel, dict(M=4, H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
      BT, ()),
     ("round_attn_scores", batch_round.attn_verify_scores_rows_kernel, AV, 4, dict(BT, start_ptr="*i64"), ()),
@@ -302,7 +309,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 72 + 40 + 34 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 72 + 40 + 38 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):

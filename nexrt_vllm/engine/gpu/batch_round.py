@@ -83,8 +83,13 @@ class BatchRoundDecoder:
         self.xr = z(R, H) if self.norm_once else None
         self.o, self.q = z(R, batch.o.shape[1]), z(R, batch.q.shape[1])
         self.window = {i: z(n, c.conv_dim, c.conv_kernel - 1 + M) for i in c.gdn_layers}
-        self.rec_after = {i: z(n, M, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                               d=torch.float32) for i in c.gdn_layers}
+        # the GDN states after each position (gdn_commit picks the accepted one), or with Tuning.gdn_recommit
+        # none and each GDN layer's own verify rows (gdn_recommit runs the accepted ones again)
+        self.recommit = self.t.gdn_recommit
+        self.rec_after = None if self.recommit else {
+            i: z(n, M, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, d=torch.float32)
+            for i in c.gdn_layers}
+        self.gdn_buf = {i: z(R, batch.buf.shape[1]) for i in c.gdn_layers} if self.recommit else {}
         rows = L + M  # the head's cache (and the target's, read up to M rows past its end)
         self.attn_scratch = {k: z(*s, d=torch.float32) for k, s in batch_round.verify_rows_scratch(
             n, M, c.num_heads, self.t.slot_attn_splits, rows, c.head_dim).items()}
@@ -156,14 +161,22 @@ class BatchRoundDecoder:
             self.acc[:k], self.step[:k], self.round[:k], self.ring, self.rounds, RING,
             None if self.forced is None else self.forced[:k], live=live, max_len=self.states.max_seq_len)))
         for i in c.gdn_layers:
-            st = self.states.gdn(i)
-            steps.append(Launch("commit", i, lambda i=i, st=st: self.k_gdn.gdn_commit(
-                st.conv, st.rec, self.window[i][:k], self.rec_after[i][:k], self.acc[:k], live=live)))
+            st, m = self.states.gdn(i), self.b.layers[i].mixer
+            if self.recommit:
+                steps.append(Launch("commit", i, lambda i=i, st=st, m=m: self.k_gdn.gdn_recommit(
+                    self.gdn_buf[i][:R], st.conv, st.rec, self.window[i][:k], self.acc[:k], m.a_log, m.dt_bias,
+                    m=self.M, num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+                    head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim,
+                    block_v=self.t.gdn_block_v, num_warps=self.t.gdn_warps, live=live)))
+            else:
+                steps.append(Launch("commit", i, lambda i=i, st=st: self.k_gdn.gdn_commit(
+                    st.conv, st.rec, self.window[i][:k], self.rec_after[i][:k], self.acc[:k], live=live)))
         return steps + self._draft(k)
 
     def _gdn(self, i: int, L: FusedLayer, k: int):
         c, t, m, eps, M, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.kr, self.b.k_gemv
         R, live, st = k * M, self.live[:k], self.states.gdn(i)
+        buf = self.gdn_buf.get(i, self.buf)  # Tuning.gdn_recommit: the layer's own rows, read again at the commit
         sh = self._rows_kw(m.w_in, m.w_in.shape[0], dot=True)  # the per-slot conv follows the tensor-core loop
         split = self.R >= t.gated_norm_rows
         gated = self._rows_kw(m.w_out, c.hidden_size, None if split else t.gemv_gated_rows)
@@ -172,16 +185,17 @@ class BatchRoundDecoder:
             if self.norm_once else []
         return norm + [
             ("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
-                x, m.w_in, self.buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
+                x, m.w_in, buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
                 eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
                 num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots,
                 normed=self.norm_once)),
             ("gdn_step", lambda: kr.gdn_verify_rows(
-                self.buf[:R], st.rec, self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias, live, m=M,
+                buf[:R], st.rec, None if self.recommit else self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias,
+                live, m=M,
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
                 head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
                 num_warps=t.gdn_warps)),
-            *gated_out_proj(g, self.k_gdn, self.o[:R], self.buf[:R, c.conv_dim:c.conv_dim + c.value_dim], m,
+            *gated_out_proj(g, self.k_gdn, self.o[:R], buf[:R, c.conv_dim:c.conv_dim + c.value_dim], m,
                             self.res[:R], R, c.linear_value_head_dim, eps, split, gated)]
 
     def _rmsnorm_gemv(self, grp: str, x, norm_w, w, y, rows: int, norm_once: bool, xn=None, **kw) -> list[tuple]:

@@ -124,14 +124,15 @@ def _conv_all_slots(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride
 def gdn_verify_rows_kernel(buf_ptr, state_ptr, rec_ptr, out_ptr, a_log_ptr, dt_bias_ptr, live_ptr, KEY_DIM, VALUE_DIM,
                            OFF_B, OFF_A, q_scale, stride_buf, stride_rec, stride_out, slot_state, slot_rec,
                            M: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                           BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_V: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     """`gdn_verify_kernel` per slot: grid (HV, DV / BLOCK_V, B), slot b's M rows of [q|k|v|z|b|a] and of the
-    output, its live recurrent state (read only) and its states after each position."""
+    output, its live recurrent state (read only) and (STORE) its states after each position."""
     b, b64, live = _slot(live_ptr, 2, PDL)
     if live:
         gdn_verify_kernel(buf_ptr + b * M * stride_buf, state_ptr + b64 * slot_state, rec_ptr + b64 * slot_rec,
                           out_ptr + b * M * stride_out, a_log_ptr, dt_bias_ptr, KEY_DIM, VALUE_DIM, OFF_B, OFF_A,
-                          q_scale, stride_buf, stride_rec, stride_out, M, HV, HK, DK, DV, BLOCK_V, False, False)
+                          q_scale, stride_buf, stride_rec, stride_out, M, HV, HK, DK, DV, BLOCK_V, False, STORE,
+                          False)
 
 
 @triton.jit
@@ -225,16 +226,18 @@ def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv
 def gdn_verify_rows(buf, state, rec_after, out, a_log, dt_bias, live, *, m, num_k_heads, num_v_heads, head_k_dim,
                     head_v_dim, block_v=32, num_warps=4):
     """`gdn.gdn_verify_step` per live slot: buf [B*m, width] and out [B*m, value_dim] rows (slot-major), state
-    [B, HV, dk, dv] fp32 (read only), rec_after [B, >= m, HV, dk, dv] fp32 (the state after each position)."""
+    [B, HV, dk, dv] fp32 (read only), rec_after [B, >= m, HV, dk, dv] fp32 (the state after each position;
+    None: not kept, `gdn.gdn_recommit` then recomputes the accepted one)."""
     key_dim = num_k_heads * head_k_dim
     off_b = 2 * key_dim + 2 * num_v_heads * head_v_dim
     block_v = min(block_v, head_v_dim)
-    assert state[0].is_contiguous() and rec_after[0, 0].is_contiguous() and rec_after.shape[1] >= m
+    store = rec_after is not None
+    assert state[0].is_contiguous() and (not store or (rec_after[0, 0].is_contiguous() and rec_after.shape[1] >= m))
     gdn_verify_rows_kernel[(num_v_heads, head_v_dim // block_v, live.numel())](
-        buf, state, rec_after, out, a_log, dt_bias, live, key_dim, num_v_heads * head_v_dim, off_b, off_b + num_v_heads,
-        float(head_k_dim) ** 0.5, buf.stride(0), rec_after.stride(1), out.stride(0), state.stride(0),
-        rec_after.stride(0), M=m, HV=num_v_heads, HK=num_k_heads, DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v,
-        **LAUNCH, num_warps=num_warps)
+        buf, state, rec_after if store else state, out, a_log, dt_bias, live, key_dim, num_v_heads * head_v_dim,
+        off_b, off_b + num_v_heads, float(head_k_dim) ** 0.5, buf.stride(0), rec_after.stride(1) if store else 0,
+        out.stride(0), state.stride(0), rec_after.stride(0) if store else 0, M=m, HV=num_v_heads, HK=num_k_heads,
+        DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, STORE=store, **LAUNCH, num_warps=num_warps)
 
 
 def qk_rope_rows(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, pos, live, *, m, num_heads, num_kv_heads,

@@ -10,7 +10,9 @@ of the GEMV, which costs more than the weight stream once the rows are many.
 
 Verify pass (speculative decoding): `gdn_verify_step` runs M tokens in order from the live state with
 the slice in registers (read once, the live state never written) and stores the state after each
-token; `gdn_commit` then makes the accepted token's state (recurrent and conv window) live.
+token; `gdn_commit` then makes the accepted token's state (recurrent and conv window) live. Or the
+verify stores none and `gdn_recommit` runs the accepted tokens again over the live state (one state
+written per round instead of M; Tuning.gdn_recommit).
 """
 import triton
 import triton.language as tl
@@ -88,10 +90,11 @@ def gdn_step(buf, state, out, a_log, dt_bias, *, num_k_heads, num_v_heads, head_
 def gdn_verify_kernel(buf_ptr, state_ptr, rec_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
                       KEY_DIM, VALUE_DIM, OFF_B, OFF_A, q_scale, stride_buf, stride_rec, stride_out,
                       M: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BLOCK_V: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_V: tl.constexpr, PRE: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     # The verify pass's M tokens in order, grid (value head, value block) as gdn_step: the live state
     # slice is read once and carried in registers; the slice after token j goes to rec_after[j] (what
-    # gdn_commit picks from), the live state is never written.
+    # gdn_commit picks from; not with STORE off: gdn_recommit recomputes the accepted prefix), the live
+    # state is never written.
     vh = tl.program_id(0)
     jb = tl.program_id(1)
     kh = vh // (HV // HK)
@@ -107,7 +110,8 @@ def gdn_verify_kernel(buf_ptr, state_ptr, rec_ptr, out_ptr, a_log_ptr, dt_bias_p
     for j in range(M):
         s, o = _delta_token(s, buf_ptr + j * stride_buf, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM,
                             OFF_B, OFF_A, q_scale, DK, DV)
-        tl.store(rec_ptr + j * stride_rec + so, s)
+        if STORE:
+            tl.store(rec_ptr + j * stride_rec + so, s)
         tl.store(out_ptr + j * stride_out + vh * DV + offs_v, _bf16(o).to(out_ptr.dtype.element_ty))
 
 
@@ -157,7 +161,7 @@ def gdn_verify_step(buf, state, rec_after, out, a_log, dt_bias, *, m, num_k_head
     gdn_verify_kernel[(num_v_heads, head_v_dim // block_v)](
         buf, state, rec_after, out, a_log, dt_bias, key_dim, value_dim, off_b, off_b + num_v_heads,
         float(head_k_dim) ** 0.5, sb, rec_after.stride(0), so, M=m, HV=num_v_heads, HK=num_k_heads, DK=head_k_dim,
-        DV=head_v_dim, BLOCK_V=block_v, PRE=bool(prefetch), **LAUNCH, num_warps=num_warps)
+        DV=head_v_dim, BLOCK_V=block_v, PRE=bool(prefetch), STORE=True, **LAUNCH, num_warps=num_warps)
 
 
 def gdn_commit(conv_state, rec_state, window, rec_after, a, *, block=4096, block_c=256, num_warps=4, live=None):
@@ -177,6 +181,69 @@ def gdn_commit(conv_state, rec_state, window, rec_after, a, *, block=4096, block
                             one(conv_state).stride(0), one(window).stride(0), one(rec_after).stride(0), st(conv_state),
                             st(rec_state), st(window), st(rec_after), KM1=km1, KM1P=triton.next_power_of_2(km1),
                             BLOCK=block, BLOCK_C=block_c, HAS_LIVE=slots, **LAUNCH, num_warps=num_warps)
+
+
+@triton.jit
+def gdn_recommit_kernel(buf_ptr, rec_ptr, conv_ptr, window_ptr, a_ptr, live_ptr, a_log_ptr, dt_bias_ptr, KEY_DIM,
+                        OFF_B, OFF_A, q_scale, stride_buf, CONV_DIM, stride_conv, stride_win, slot_buf, slot_rec,
+                        slot_conv, slot_win, HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                        BLOCK_V: tl.constexpr, KM1: tl.constexpr, KM1P: tl.constexpr, BLOCK_C: tl.constexpr,
+                        HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+    # `gdn_commit` without the states after each position: the first HV * DV / BLOCK_V programs run the
+    # verified tokens 0..a again over their [DK, BLOCK_V] slice of the live state (the verify's rows of
+    # [q|k|v|z|b|a] at buf_ptr, the verify's ops: the same state bits as its token a) and write it back;
+    # the rest copy the conv window's columns a+1 .. a+KM1 onto the conv state. Grid axis 1: the slot.
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    a = tl.load(a_ptr + b)
+    on = a >= 0
+    if HAS_LIVE:
+        on = on & (tl.load(live_ptr + b) != 0)
+    if on:
+        NVB: tl.constexpr = DV // BLOCK_V
+        if pid < HV * NVB:
+            vh = pid // NVB
+            kh = vh // (HV // HK)
+            offs_k = tl.arange(0, DK)
+            offs_v = (pid % NVB) * BLOCK_V + tl.arange(0, BLOCK_V)
+            sp = rec_ptr + b * slot_rec + vh * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+            st = tl.load(sp)
+            for j in range(0, a + 1):
+                st, o = _delta_token(st, buf_ptr + b * slot_buf + j * stride_buf, a_log_ptr, dt_bias_ptr, vh, kh,
+                                     offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, q_scale, DK, DV)
+            tl.store(sp, st)
+        else:
+            c = (pid - HV * NVB) * BLOCK_C + tl.arange(0, BLOCK_C)
+            t = tl.arange(0, KM1P)
+            cm = (c < CONV_DIM)[:, None] & (t < KM1)[None, :]
+            x = tl.load(window_ptr + b * slot_win + c[:, None] * stride_win + (a + 1 + t)[None, :], mask=cm)
+            tl.store(conv_ptr + b * slot_conv + c[:, None] * stride_conv + t[None, :], x, mask=cm)
+
+
+def gdn_recommit(buf, conv_state, rec_state, window, a, a_log, dt_bias, *, m, num_k_heads, num_v_heads, head_k_dim,
+                 head_v_dim, block_v=32, num_warps=4, block_c=256, live=None):
+    """`gdn_commit` for a verify that kept no state per position (`gdn_verify_step` / `batch_round.gdn_verify_rows`
+    with store off): rec_state = the live state after tokens 0..a of the verify's rows `buf` ([m, width], row
+    stride; with B slots `live` [B]: [B * m, width], slot b's rows b*m..), recomputed with the verify's ops
+    (`block_v` / `num_warps` must be the verify's: the same sums in the same order); the conv state from the
+    window as `gdn_commit`. Writes the live state once instead of the m states the verify would store."""
+    slots = live is not None
+    one = (lambda t: t[0]) if slots else (lambda t: t)  # noqa: E731 - one slot's tensor
+    conv_dim, km1 = one(conv_state).shape
+    key_dim = num_k_heads * head_k_dim
+    off_b = 2 * key_dim + 2 * num_v_heads * head_v_dim
+    block_v = min(block_v, head_v_dim)
+    assert one(rec_state).is_contiguous() and buf.stride(-1) == 1 and window.stride(-1) == 1
+    assert conv_state.stride(-1) == 1 and buf.shape[0] >= (live.numel() if slots else 1) * m
+    st = (lambda t: t.stride(0)) if slots else (lambda t: 0)  # noqa: E731 - the slot stride
+    grid = (num_v_heads * (head_v_dim // block_v) + triton.cdiv(conv_dim, block_c), live.numel() if slots else 1)
+    gdn_recommit_kernel[grid](
+        buf, rec_state, conv_state, window, a, live if slots else a, a_log, dt_bias, key_dim, off_b,
+        off_b + num_v_heads, float(head_k_dim) ** 0.5, buf.stride(0), conv_dim, one(conv_state).stride(0),
+        one(window).stride(0), m * buf.stride(0) if slots else 0, st(rec_state), st(conv_state), st(window),
+        HV=num_v_heads, HK=num_k_heads, DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, KM1=km1,
+        KM1P=triton.next_power_of_2(km1), BLOCK_C=block_c, HAS_LIVE=slots, **LAUNCH, num_warps=num_warps)
 
 
 @triton.jit
