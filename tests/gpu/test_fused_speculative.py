@@ -137,7 +137,9 @@ def test_four_drafts(ckpt_factory):
     """M = 5 verify positions (4 drafts, InferenceX's other golden draft count): the round graph's tokens
     equal the one-token loop's and its rounds the eager speculative loop's. The GDN out_proj's norm in a
     launch of its own (`Tuning.gated_norm_rows` <= M), the batch decoders' path for many rows; the verify's
-    GEMVs with K split over two programs (`RowsShape.splits`: the K = 256 ones; K = 128 is one block)."""
+    GEMVs with K split over two programs (`RowsShape.splits`: the K = 256 ones; K = 128 is one block); the GDN
+    commit running the accepted tokens again instead of the verify keeping a state per position
+    (`Tuning.gdn_recommit`)."""
     path = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
     plain = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
     eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
@@ -148,9 +150,9 @@ def test_four_drafts(ckpt_factory):
     eng.prefill(prompt)
     assert list(eng.stream(first, sp)) == want
     eager_rounds, eng.speculative.rounds = eng.speculative.rounds, [0] * 6
-    runner = on_graph_path(eng, tuning=dataclasses.replace(CPU_TUNING, gated_norm_rows=5,
+    runner = on_graph_path(eng, tuning=dataclasses.replace(CPU_TUNING, gated_norm_rows=5, gdn_recommit=True,
                                                            gemv_rows=((1 << 62, 64, 128, 4, 2, 2),)))
-    assert runner.M == 5
+    assert runner.M == 5 and runner.d.recommit
     gdn_layers = len(eng.model.config.gdn_layers)
     plan = [s.group for s in runner.d.plan()]
     assert plan.count("verify_gdn_out_norm") == plan.count("verify_gdn_out_proj") == gdn_layers  # norm, then GEMV

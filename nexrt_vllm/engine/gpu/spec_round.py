@@ -103,6 +103,10 @@ class SpecDecoder:
         # verify activations, one row per position
         self.res, self.buf = z(M, H), z(M, f.buf.numel())
         self.rec_after = self.scratch.rec_after  # GDN layers: the state after each position (the eager scratch's)
+        # Tuning.gdn_recommit: the verify keeps no state per position and each GDN layer its own verify rows,
+        # which the commit runs again up to the accepted token (kernels/gdn.py gdn_recommit)
+        self.recommit = f.t.gdn_recommit
+        self.gdn_buf = {i: z(M, f.buf.numel()) for i in c.gdn_layers} if self.recommit else {}
         self.o, self.q = z(M, f.o.numel()), z(M, f.q.numel())
         self.attn_scratch = self._attn_scratch(M)
         if c.num_experts:
@@ -160,8 +164,16 @@ class SpecDecoder:
             self.pmax, self.pidx, self.n_part, self.tokens, self.y, f.state.position, self.base, self.acc, f.step,
             self.round, f.ring, self.rounds, RING, self.forced)))
         for i in c.gdn_layers:
-            steps.append(Launch("commit", i, lambda i=i: f.k_gdn.gdn_commit(
-                f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M), self.rec_after[i], self.acc)))
+            if self.recommit:
+                m = f.layers[i].mixer
+                steps.append(Launch("commit", i, lambda i=i, m=m: f.k_gdn.gdn_recommit(
+                    self.gdn_buf[i], f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M), self.acc,
+                    m.a_log, m.dt_bias, m=M, num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+                    head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=f.t.gdn_block_v,
+                    num_warps=f.t.gdn_warps)))
+            else:
+                steps.append(Launch("commit", i, lambda i=i: f.k_gdn.gdn_commit(
+                    f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M), self.rec_after[i], self.acc)))
         steps += self._draft()
         return steps
 
@@ -171,21 +183,22 @@ class SpecDecoder:
 
     def _gdn(self, i: int, L: FusedLayer):
         c, g, t, m, eps, M, f = self.cfg, self.f.k_gemv, self.f.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.f
+        buf = self.gdn_buf.get(i, self.buf)  # Tuning.gdn_recommit: the layer's own rows, read again at the commit
         split = M >= t.gated_norm_rows  # the out_proj's norm in a launch of its own (batch_decoder.gated_out_proj)
         out_shape = f.gemv_shape(m.w_out, c.hidden_size, rows=True) if split else \
             self._rows_rule(m.w_out, t.gemv_gated_rows)
         return [
             ("gdn_in_proj+conv", lambda: g.gemv(
-                self.res, m.w_in, self.buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
+                self.res, m.w_in, buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
                 aux0=m.state.conv, aux1=m.conv_w, window=self.scratch.window(i, M), eps=eps, conv_n=c.conv_dim,
                 kc=c.conv_kernel, m=M,
                 **f.gemv_shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv, rows=True))),
             ("gdn_step", lambda: f.k_gdn.gdn_verify_step(
-                self.buf, m.state.rec, self.rec_after[i], self.o, m.a_log, m.dt_bias, m=M,
+                buf, m.state.rec, None if self.recommit else self.rec_after[i], self.o, m.a_log, m.dt_bias, m=M,
                 num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
                 head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
                 num_warps=t.gdn_warps, prefetch=t.prefetch > 0)),
-            *gated_out_proj(g, f.k_gdn, self.o, self.buf[:, c.conv_dim:c.conv_dim + c.value_dim], m, self.res, M,
+            *gated_out_proj(g, f.k_gdn, self.o, buf[:, c.conv_dim:c.conv_dim + c.value_dim], m, self.res, M,
                             c.linear_value_head_dim, eps, split, out_shape)]
 
     def _attention(self, L: FusedLayer, x, pos, start, m: int, cos, sin):

@@ -150,18 +150,20 @@ def gdn_verify_step(buf, state, rec_after, out, a_log, dt_bias, *, m, num_k_head
                     head_v_dim, block_v=32, num_warps=4, prefetch=False):
     """The recurrent part of a verify pass over m tokens. `buf` [m, width] (row stride; rows [q|k|v|z|b|a]
     as the conv epilogue leaves them), `state` the live [HV, dk, dv] fp32 state (read only),
-    `rec_after` [>= m, HV, dk, dv] fp32 receives the state after each token, `out` [m, value_dim]
-    (row stride). `prefetch` as gdn_step."""
+    `rec_after` [>= m, HV, dk, dv] fp32 receives the state after each token (None: no state is kept,
+    `gdn_recommit` recomputes the accepted one), `out` [m, value_dim] (row stride). `prefetch` as gdn_step."""
     key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     off_b = 2 * key_dim + 2 * value_dim
     block_v = min(block_v, head_v_dim)
-    assert rec_after.shape[0] >= m and rec_after[0].is_contiguous() and state.is_contiguous()
+    store = rec_after is not None
+    assert state.is_contiguous() and (not store or (rec_after.shape[0] >= m and rec_after[0].is_contiguous()))
     sb = buf.stride(0) if buf.dim() > 1 else 0
     so = out.stride(0) if out.dim() > 1 else 0
     gdn_verify_kernel[(num_v_heads, head_v_dim // block_v)](
-        buf, state, rec_after, out, a_log, dt_bias, key_dim, value_dim, off_b, off_b + num_v_heads,
-        float(head_k_dim) ** 0.5, sb, rec_after.stride(0), so, M=m, HV=num_v_heads, HK=num_k_heads, DK=head_k_dim,
-        DV=head_v_dim, BLOCK_V=block_v, PRE=bool(prefetch), STORE=True, **LAUNCH, num_warps=num_warps)
+        buf, state, rec_after if store else state, out, a_log, dt_bias, key_dim, value_dim, off_b,
+        off_b + num_v_heads, float(head_k_dim) ** 0.5, sb, rec_after.stride(0) if store else 0, so, M=m,
+        HV=num_v_heads, HK=num_k_heads, DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, PRE=bool(prefetch),
+        STORE=store, **LAUNCH, num_warps=num_warps)
 
 
 def gdn_commit(conv_state, rec_state, window, rec_after, a, *, block=4096, block_c=256, num_warps=4, live=None):
