@@ -108,43 +108,64 @@ def test_gdn_commit_selects_position(m):
 
 
 @pytest.mark.parametrize("warps", [1, 4])
-def test_gdn_recommit_equals_the_verify_state_of_the_accepted_token(warps):
-    """`gdn_recommit` (Tuning.gdn_recommit): the verify keeps no states; the commit runs tokens 0..a of the
-    verify's rows again over the live state. Byte for byte the state `gdn_verify_step` kept for token a and
-    the conv columns `gdn_commit` copies, for every a, one request and three slots (one not live, one whose
-    round emitted nothing: a = -1; both left as they are)."""
+def test_recommit_equals_the_verify_state_of_the_accepted_token(warps):
+    """`Recommit` (Tuning.gdn_recommit): the verify keeps no states; the commit runs tokens 0..a of each layer's
+    verify rows again over its live state, every layer in one launch. Byte for byte the state
+    `gdn_verify_step` kept for token a and the conv columns `gdn_commit` copies: two layers of one request for
+    every a, and two layers of three slots (one not live, one whose round emitted nothing: a = -1; both left
+    as they are)."""
     from nexrt_vllm.engine.kernels import batch_round as kbr
 
     hk, hv, dk, dv, m, conv_dim, kc = 2, 4, 32, 16, 4, 40, 4
     kw = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, block_v=8, num_warps=warps)
     g = torch.Generator().manual_seed(41)
-    window = torch.randn(3, conv_dim, kc - 1 + m, generator=g).to(BF)
-    bufs, states = [], []
-    for b in range(3):
-        buf, S, a_log, dt_bias = _gdn_inputs(m, hk, hv, dk, dv, seed=50 + b, pad=0)
-        bufs.append(buf)
-        states.append(S)
-    buf3, S3 = torch.cat(bufs), torch.stack(states)
-    rec_after = nan_like(torch.empty(3, m, hv, dk, dv))
-    out = nan_like(torch.empty(3 * m, hv * dv, dtype=BF))
-    all_live = torch.ones(3, dtype=torch.int32)
-    call(kbr.gdn_verify_rows, buf3, S3, rec_after, out, a_log, dt_bias, all_live, m=m, **kw)
-    out_nostore = nan_like(out)
-    call(kbr.gdn_verify_rows, buf3, S3, None, out_nostore, a_log, dt_bias, all_live, m=m, **kw)
-    assert torch.equal(out_nostore, out)  # the same outputs without the states
-    for a in range(m):  # one request
-        acc = torch.tensor([a])
-        conv, rec = nan_like(torch.empty(conv_dim, kc - 1, dtype=BF)), S3[1].clone()
-        conv_ref, rec_ref = conv.clone(), rec.clone()
-        call(gdn.gdn_commit, conv_ref, rec_ref, window[1], rec_after[1], acc, block=256, block_c=16)
-        call(gdn.gdn_recommit, bufs[1], conv, rec, window[1], acc, a_log, dt_bias, m=m, block_c=16, **kw)
-        assert torch.equal(rec, rec_ref) and torch.equal(conv, conv_ref), a
-    acc, live = torch.tensor([2, 3, -1]), torch.tensor([1, 0, 1], dtype=torch.int32)
-    conv, rec = torch.randn(3, conv_dim, kc - 1, generator=g).to(BF), S3.clone()
-    conv0, rec0 = conv.clone(), rec.clone()
-    call(gdn.gdn_recommit, buf3, conv, rec, window, acc, a_log, dt_bias, m=m, block_c=16, live=live, **kw)
-    assert torch.equal(rec[0], rec_after[0, 2]) and torch.equal(conv[0], window[0, :, 3:3 + kc - 1])
-    assert torch.equal(rec[1:], rec0[1:]) and torch.equal(conv[1:], conv0[1:])
+    layers = []
+    for layer in range(2):
+        bufs, states = [], []
+        for b in range(3):
+            buf, S, a_log, dt_bias = _gdn_inputs(m, hk, hv, dk, dv, seed=50 + 3 * layer + b, pad=0)
+            bufs.append(buf)
+            states.append(S)
+        buf3, S3 = torch.cat(bufs), torch.stack(states)
+        window = torch.randn(3, conv_dim, kc - 1 + m, generator=g).to(BF)
+        rec_after = nan_like(torch.empty(3, m, hv, dk, dv))
+        out = nan_like(torch.empty(3 * m, hv * dv, dtype=BF))
+        all_live = torch.ones(3, dtype=torch.int32)
+        call(kbr.gdn_verify_rows, buf3, S3, rec_after, out, a_log, dt_bias, all_live, m=m, **kw)
+        out_nostore = nan_like(out)
+        call(kbr.gdn_verify_rows, buf3, S3, None, out_nostore, a_log, dt_bias, all_live, m=m, **kw)
+        assert torch.equal(out_nostore, out)  # the same outputs without the states
+        conv = torch.randn(3, conv_dim, kc - 1, generator=g).to(BF)
+        layers.append(dict(buf=buf3, S=S3, window=window, rec_after=rec_after, a_log=a_log, dt_bias=dt_bias,
+                           conv=conv))
+    dev = lambda t: t.to(DEV)  # noqa: E731 - the table holds device addresses: the tensors live there
+    for a in range(m):  # one request (slot 1's rows and state of each layer)
+        one = [dict(buf=dev(L["buf"][m:2 * m]), conv=dev(L["conv"][1].clone()), rec=dev(L["S"][1].clone()),
+                    window=dev(L["window"][1]), a_log=dev(L["a_log"]), dt_bias=dev(L["dt_bias"])) for L in layers]
+        commit = gdn.Recommit([(x["buf"], x["conv"], x["rec"], x["window"], x["a_log"], x["dt_bias"]) for x in one],
+                              m=m, block_c=16, **kw)
+        commit(torch.tensor([a], device=DEV))
+        for L, x in zip(layers, one):
+            conv_ref, rec_ref = L["conv"][1].clone(), L["S"][1].clone()
+            call(gdn.gdn_commit, conv_ref, rec_ref, L["window"][1], L["rec_after"][1], torch.tensor([a]), block=256,
+                 block_c=16)
+            assert torch.equal(x["rec"].cpu(), rec_ref) and torch.equal(x["conv"].cpu(), conv_ref), a
+    acc, live = torch.tensor([2, 3, -1], device=DEV), torch.tensor([1, 0, 1], dtype=torch.int32, device=DEV)
+    slots = [dict(buf=dev(L["buf"]), conv=dev(L["conv"].clone()), rec=dev(L["S"].clone()), window=dev(L["window"]),
+                  a_log=dev(L["a_log"]), dt_bias=dev(L["dt_bias"])) for L in layers]
+    commit = gdn.Recommit([(x["buf"], x["conv"], x["rec"], x["window"], x["a_log"], x["dt_bias"]) for x in slots],
+                          m=m, block_c=16, slots=True, **kw)
+    commit(acc, live)
+    for L, x in zip(layers, slots):
+        rec, conv = x["rec"].cpu(), x["conv"].cpu()
+        assert torch.equal(rec[0], L["rec_after"][0, 2]) and torch.equal(conv[0], L["window"][0, :, 3:3 + kc - 1])
+        assert torch.equal(rec[1:], L["S"][1:]) and torch.equal(conv[1:], L["conv"][1:])
+    with pytest.raises(ValueError, match="`live` goes with slots"):
+        commit(acc)
+    with pytest.raises(ValueError, match="layer 0's shapes"):
+        gdn.Recommit([(x["buf"], x["conv"], x["rec"], x["window"], x["a_log"], x["dt_bias"]) for x in slots[:1]]
+                     + [(one[0]["buf"], one[0]["conv"], one[0]["rec"], one[0]["window"], one[0]["a_log"],
+                         one[0]["dt_bias"])], m=m, slots=True, **kw)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 SCRIPT = r'''
 import json, sys
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nexrt_vllm.engine.kernels import attention, batch, batch_round, gdn, gemv, moe, sampling, spec
@@ -241,8 +242,8 @@ ROUND_VARIANTS = [
     ("round_gdn_verify_nostore", batch_round.gdn_verify_rows_kernel,
      dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, STORE=False), 1, dict(BT, rec_ptr="*fp32"), ()),
     ("round_gdn_recommit", gdn.gdn_recommit_kernel,
-     dict(HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, KM1=3, KM1P=4, BLOCK_C=256, HAS_LIVE=True), 1,
-     dict(BT, rec_ptr="*fp32", a_ptr="*i64", live_ptr="*i32"), ()),
+     dict(DT=tl.bfloat16, A_DT=tl.bfloat16, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, KM1=3, KM1P=4, BLOCK_C=256,
+          HAS_LIVE=True), 1, dict(BT, table_ptr="*i64", a_ptr="*i64", live_ptr="*i32"), ()),
     ("round_qk_rope", batch_round.qk_rope_rows_kernel, dict(M=4, H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
      BT, ()),
     ("round_attn_scores", batch_round.attn_verify_scores_rows_kernel, AV, 4, dict(BT, start_ptr="*i64"), ()),

@@ -84,12 +84,19 @@ class BatchRoundDecoder:
         self.o, self.q = z(R, batch.o.shape[1]), z(R, batch.q.shape[1])
         self.window = {i: z(n, c.conv_dim, c.conv_kernel - 1 + M) for i in c.gdn_layers}
         # the GDN states after each position (gdn_commit picks the accepted one), or with Tuning.gdn_recommit
-        # none and each GDN layer's own verify rows (gdn_recommit runs the accepted ones again)
+        # none and each GDN layer's own verify rows (gdn.Recommit runs the accepted ones again, all layers in
+        # one launch)
         self.recommit = self.t.gdn_recommit
         self.rec_after = None if self.recommit else {
             i: z(n, M, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, d=torch.float32)
             for i in c.gdn_layers}
         self.gdn_buf = {i: z(R, batch.buf.shape[1]) for i in c.gdn_layers} if self.recommit else {}
+        self.commit_all = self.k_gdn.Recommit(
+            [(self.gdn_buf[i], self.states.gdn(i).conv, self.states.gdn(i).rec, self.window[i],
+              batch.layers[i].mixer.a_log, batch.layers[i].mixer.dt_bias) for i in c.gdn_layers], m=M,
+            num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+            head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=self.t.gdn_block_v,
+            num_warps=self.t.gdn_warps, slots=True) if self.recommit and c.gdn_layers else None
         rows = L + M  # the head's cache (and the target's, read up to M rows past its end)
         self.attn_scratch = {k: z(*s, d=torch.float32) for k, s in batch_round.verify_rows_scratch(
             n, M, c.num_heads, self.t.slot_attn_splits, rows, c.head_dim).items()}
@@ -160,17 +167,12 @@ class BatchRoundDecoder:
             self.pmax[:R], self.pidx[:R], self.n_part, self.tok[:k], self.y[:k], self.pos[:k], self.base[:k],
             self.acc[:k], self.step[:k], self.round[:k], self.ring, self.rounds, RING,
             None if self.forced is None else self.forced[:k], live=live, max_len=self.states.max_seq_len)))
-        for i in c.gdn_layers:
-            st, m = self.states.gdn(i), self.b.layers[i].mixer
-            if self.recommit:
-                steps.append(Launch("commit", i, lambda i=i, st=st, m=m: self.k_gdn.gdn_recommit(
-                    self.gdn_buf[i][:R], st.conv, st.rec, self.window[i][:k], self.acc[:k], m.a_log, m.dt_bias,
-                    m=self.M, num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-                    head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim,
-                    block_v=self.t.gdn_block_v, num_warps=self.t.gdn_warps, live=live)))
-            else:
-                steps.append(Launch("commit", i, lambda i=i, st=st: self.k_gdn.gdn_commit(
-                    st.conv, st.rec, self.window[i][:k], self.rec_after[i][:k], self.acc[:k], live=live)))
+        if self.commit_all is not None:  # every GDN layer's commit in one launch
+            steps.append(Launch("commit", None, lambda: self.commit_all(self.acc[:k], live)))
+        for i in c.gdn_layers if self.commit_all is None else ():
+            st = self.states.gdn(i)
+            steps.append(Launch("commit", i, lambda i=i, st=st: self.k_gdn.gdn_commit(
+                st.conv, st.rec, self.window[i][:k], self.rec_after[i][:k], self.acc[:k], live=live)))
         return steps + self._draft(k)
 
     def _gdn(self, i: int, L: FusedLayer, k: int):

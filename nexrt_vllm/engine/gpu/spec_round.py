@@ -104,9 +104,15 @@ class SpecDecoder:
         self.res, self.buf = z(M, H), z(M, f.buf.numel())
         self.rec_after = self.scratch.rec_after  # GDN layers: the state after each position (the eager scratch's)
         # Tuning.gdn_recommit: the verify keeps no state per position and each GDN layer its own verify rows,
-        # which the commit runs again up to the accepted token (kernels/gdn.py gdn_recommit)
+        # which the commit runs again up to the accepted token (kernels/gdn.py Recommit: all layers, one launch)
         self.recommit = f.t.gdn_recommit
         self.gdn_buf = {i: z(M, f.buf.numel()) for i in c.gdn_layers} if self.recommit else {}
+        self.commit_all = f.k_gdn.Recommit(
+            [(self.gdn_buf[i], f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M),
+              f.layers[i].mixer.a_log, f.layers[i].mixer.dt_bias) for i in c.gdn_layers], m=M,
+            num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+            head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=f.t.gdn_block_v,
+            num_warps=f.t.gdn_warps) if self.recommit and c.gdn_layers else None
         self.o, self.q = z(M, f.o.numel()), z(M, f.q.numel())
         self.attn_scratch = self._attn_scratch(M)
         if c.num_experts:
@@ -163,17 +169,11 @@ class SpecDecoder:
         steps.append(Launch("accept", None, lambda: self.k_spec.accept(
             self.pmax, self.pidx, self.n_part, self.tokens, self.y, f.state.position, self.base, self.acc, f.step,
             self.round, f.ring, self.rounds, RING, self.forced)))
-        for i in c.gdn_layers:
-            if self.recommit:
-                m = f.layers[i].mixer
-                steps.append(Launch("commit", i, lambda i=i, m=m: f.k_gdn.gdn_recommit(
-                    self.gdn_buf[i], f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M), self.acc,
-                    m.a_log, m.dt_bias, m=M, num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-                    head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=f.t.gdn_block_v,
-                    num_warps=f.t.gdn_warps)))
-            else:
-                steps.append(Launch("commit", i, lambda i=i: f.k_gdn.gdn_commit(
-                    f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M), self.rec_after[i], self.acc)))
+        if self.commit_all is not None:  # every GDN layer's commit in one launch
+            steps.append(Launch("commit", None, lambda: self.commit_all(self.acc)))
+        for i in c.gdn_layers if self.commit_all is None else ():
+            steps.append(Launch("commit", i, lambda i=i: f.k_gdn.gdn_commit(
+                f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M), self.rec_after[i], self.acc)))
         steps += self._draft()
         return steps
 

@@ -100,10 +100,11 @@ class Tuning:
     # batch_round_sweep_2b_h100.json): with norm_rows 16 it took the B = 8 round 3,778 -> 3,770 µs.
     conv_all_slots: bool = True
     # The speculative rounds' GDN verify (the one-request round's and the batched round's) keeps no state
-    # per position; the commit runs the accepted tokens again over the live state (kernels/gdn.py
-    # `gdn_recommit`; each GDN layer then keeps its own verify rows of [q|k|v|z|b|a] until the commit).
-    # The verify's B x M state writes (4 MiB a slot and layer at 2B; 576 MiB a round at B = 8) become B
-    # state writes at the commit. Off until a device run has timed it.
+    # per position; the commit runs the accepted tokens again over the live state, every GDN layer in one
+    # launch (kernels/gdn.py `Recommit`; each GDN layer then keeps its own verify rows of [q|k|v|z|b|a]
+    # until the commit). The verify's B x M state writes (4 MiB a slot and layer at 2B; 576 MiB a round at
+    # B = 8) become B state writes at the commit, and 18 commit launches one. Off until a device run has
+    # timed it.
     gdn_recommit: bool = False
     # The batched round's RMSNorm GEMVs (GDN in_proj + conv, attention qkv, dense gate/up, lm_head; the
     # verify's and the MTP head's pass over B x M rows) at this many rows or more: the norm once per row

@@ -227,7 +227,7 @@ def gdn_verify_rows(buf, state, rec_after, out, a_log, dt_bias, live, *, m, num_
                     head_v_dim, block_v=32, num_warps=4):
     """`gdn.gdn_verify_step` per live slot: buf [B*m, width] and out [B*m, value_dim] rows (slot-major), state
     [B, HV, dk, dv] fp32 (read only), rec_after [B, >= m, HV, dk, dv] fp32 (the state after each position;
-    None: not kept, `gdn.gdn_recommit` then recomputes the accepted one)."""
+    None: not kept, `gdn.Recommit` then recomputes the accepted one)."""
     key_dim = num_k_heads * head_k_dim
     off_b = 2 * key_dim + 2 * num_v_heads * head_v_dim
     block_v = min(block_v, head_v_dim)

@@ -11,9 +11,10 @@ of the GEMV, which costs more than the weight stream once the rows are many.
 Verify pass (speculative decoding): `gdn_verify_step` runs M tokens in order from the live state with
 the slice in registers (read once, the live state never written) and stores the state after each
 token; `gdn_commit` then makes the accepted token's state (recurrent and conv window) live. Or the
-verify stores none and `gdn_recommit` runs the accepted tokens again over the live state (one state
+verify stores none and `Recommit` runs the accepted tokens again over the live state (one state
 written per round instead of M; Tuning.gdn_recommit).
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -93,7 +94,7 @@ def gdn_verify_kernel(buf_ptr, state_ptr, rec_ptr, out_ptr, a_log_ptr, dt_bias_p
                       BLOCK_V: tl.constexpr, PRE: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     # The verify pass's M tokens in order, grid (value head, value block) as gdn_step: the live state
     # slice is read once and carried in registers; the slice after token j goes to rec_after[j] (what
-    # gdn_commit picks from; not with STORE off: gdn_recommit recomputes the accepted prefix), the live
+    # gdn_commit picks from; not with STORE off: `Recommit` recomputes the accepted prefix), the live
     # state is never written.
     vh = tl.program_id(0)
     jb = tl.program_id(1)
@@ -151,7 +152,7 @@ def gdn_verify_step(buf, state, rec_after, out, a_log, dt_bias, *, m, num_k_head
     """The recurrent part of a verify pass over m tokens. `buf` [m, width] (row stride; rows [q|k|v|z|b|a]
     as the conv epilogue leaves them), `state` the live [HV, dk, dv] fp32 state (read only),
     `rec_after` [>= m, HV, dk, dv] fp32 receives the state after each token (None: no state is kept,
-    `gdn_recommit` recomputes the accepted one), `out` [m, value_dim] (row stride). `prefetch` as gdn_step."""
+    `Recommit` recomputes the accepted one), `out` [m, value_dim] (row stride). `prefetch` as gdn_step."""
     key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     off_b = 2 * key_dim + 2 * value_dim
     block_v = min(block_v, head_v_dim)
@@ -186,18 +187,21 @@ def gdn_commit(conv_state, rec_state, window, rec_after, a, *, block=4096, block
 
 
 @triton.jit
-def gdn_recommit_kernel(buf_ptr, rec_ptr, conv_ptr, window_ptr, a_ptr, live_ptr, a_log_ptr, dt_bias_ptr, KEY_DIM,
-                        OFF_B, OFF_A, q_scale, stride_buf, CONV_DIM, stride_conv, stride_win, slot_buf, slot_rec,
-                        slot_conv, slot_win, HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+def gdn_recommit_kernel(table_ptr, a_ptr, live_ptr, KEY_DIM, OFF_B, OFF_A, q_scale, stride_buf, CONV_DIM,
+                        stride_conv, stride_win, slot_buf, slot_rec, slot_conv, slot_win, DT: tl.constexpr,
+                        A_DT: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BLOCK_V: tl.constexpr, KM1: tl.constexpr, KM1P: tl.constexpr, BLOCK_C: tl.constexpr,
                         HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
-    # `gdn_commit` without the states after each position: the first HV * DV / BLOCK_V programs run the
-    # verified tokens 0..a again over their [DK, BLOCK_V] slice of the live state (the verify's rows of
-    # [q|k|v|z|b|a] at buf_ptr, the verify's ops: the same state bits as its token a) and write it back;
-    # the rest copy the conv window's columns a+1 .. a+KM1 onto the conv state. Grid axis 1: the slot.
+    # `gdn_commit` without the states after each position, every GDN layer in one launch (grid axis 2: the
+    # layer, its tensors' addresses a row of table_ptr: verify rows, conv state, recurrent state, window,
+    # A_log, dt_bias). The first HV * DV / BLOCK_V programs run the verified tokens 0..a again over their
+    # [DK, BLOCK_V] slice of the live state (the verify's rows of [q|k|v|z|b|a], the verify's ops: the same
+    # state bits as its token a) and write it back; the rest copy the conv window's columns a+1 .. a+KM1
+    # onto the conv state. Grid axis 1: the slot.
     pdl_begin(PDL)
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    row = table_ptr + tl.program_id(2) * 6
     a = tl.load(a_ptr + b)
     on = a >= 0
     if HAS_LIVE:
@@ -205,6 +209,10 @@ def gdn_recommit_kernel(buf_ptr, rec_ptr, conv_ptr, window_ptr, a_ptr, live_ptr,
     if on:
         NVB: tl.constexpr = DV // BLOCK_V
         if pid < HV * NVB:
+            buf_ptr = tl.load(row).to(tl.pointer_type(DT))
+            rec_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+            a_log_ptr = tl.load(row + 4).to(tl.pointer_type(A_DT))
+            dt_bias_ptr = tl.load(row + 5).to(tl.pointer_type(A_DT))
             vh = pid // NVB
             kh = vh // (HV // HK)
             offs_k = tl.arange(0, DK)
@@ -216,6 +224,8 @@ def gdn_recommit_kernel(buf_ptr, rec_ptr, conv_ptr, window_ptr, a_ptr, live_ptr,
                                      offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, q_scale, DK, DV)
             tl.store(sp, st)
         else:
+            conv_ptr = tl.load(row + 1).to(tl.pointer_type(DT))
+            window_ptr = tl.load(row + 3).to(tl.pointer_type(DT))
             c = (pid - HV * NVB) * BLOCK_C + tl.arange(0, BLOCK_C)
             t = tl.arange(0, KM1P)
             cm = (c < CONV_DIM)[:, None] & (t < KM1)[None, :]
@@ -223,29 +233,53 @@ def gdn_recommit_kernel(buf_ptr, rec_ptr, conv_ptr, window_ptr, a_ptr, live_ptr,
             tl.store(conv_ptr + b * slot_conv + c[:, None] * stride_conv + t[None, :], x, mask=cm)
 
 
-def gdn_recommit(buf, conv_state, rec_state, window, a, a_log, dt_bias, *, m, num_k_heads, num_v_heads, head_k_dim,
-                 head_v_dim, block_v=32, num_warps=4, block_c=256, live=None):
-    """`gdn_commit` for a verify that kept no state per position (`gdn_verify_step` / `batch_round.gdn_verify_rows`
-    with store off): rec_state = the live state after tokens 0..a of the verify's rows `buf` ([m, width], row
-    stride; with B slots `live` [B]: [B * m, width], slot b's rows b*m..), recomputed with the verify's ops
-    (`block_v` / `num_warps` must be the verify's: the same sums in the same order); the conv state from the
-    window as `gdn_commit`. Writes the live state once instead of the m states the verify would store."""
-    slots = live is not None
-    one = (lambda t: t[0]) if slots else (lambda t: t)  # noqa: E731 - one slot's tensor
-    conv_dim, km1 = one(conv_state).shape
-    key_dim = num_k_heads * head_k_dim
-    off_b = 2 * key_dim + 2 * num_v_heads * head_v_dim
-    block_v = min(block_v, head_v_dim)
-    assert one(rec_state).is_contiguous() and buf.stride(-1) == 1 and window.stride(-1) == 1
-    assert conv_state.stride(-1) == 1 and buf.shape[0] >= (live.numel() if slots else 1) * m
-    st = (lambda t: t.stride(0)) if slots else (lambda t: 0)  # noqa: E731 - the slot stride
-    grid = (num_v_heads * (head_v_dim // block_v) + triton.cdiv(conv_dim, block_c), live.numel() if slots else 1)
-    gdn_recommit_kernel[grid](
-        buf, rec_state, conv_state, window, a, live if slots else a, a_log, dt_bias, key_dim, off_b,
-        off_b + num_v_heads, float(head_k_dim) ** 0.5, buf.stride(0), conv_dim, one(conv_state).stride(0),
-        one(window).stride(0), m * buf.stride(0) if slots else 0, st(rec_state), st(conv_state), st(window),
-        HV=num_v_heads, HK=num_k_heads, DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, KM1=km1,
-        KM1P=triton.next_power_of_2(km1), BLOCK_C=block_c, HAS_LIVE=slots, **LAUNCH, num_warps=num_warps)
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+class Recommit:
+    """`gdn_commit` for verifies that kept no state per position (`gdn_verify_step` / `batch_round.gdn_verify_rows`
+    with rec_after None), every GDN layer in one launch: per layer (verify rows `buf` [m, width] with row stride,
+    with B slots [B * m, width], slot b's rows b*m..; conv state; recurrent state; window; A_log; dt_bias) as
+    `gdn_commit` / `gdn_verify_step` take them, their addresses in a device table built here (outside any graph
+    capture). A call makes rec_state = the live state after tokens 0..a of the layer's rows, recomputed with
+    the verify's ops (`block_v` / `num_warps` must be the verify's: the same sums in the same order), and the
+    conv state from the window as `gdn_commit`: one state written per layer instead of the m the verify would
+    store. `slots`: the tensors have a leading slot dimension and a call takes `live`."""
+
+    def __init__(self, layers, *, m, num_k_heads, num_v_heads, head_k_dim, head_v_dim, block_v=32, num_warps=4,
+                 block_c=256, slots=False):
+        buf, conv, rec, win, a_log, _ = layers[0]
+        one = (lambda t: t[0]) if slots else (lambda t: t)  # noqa: E731 - one slot's tensor
+        for row in layers:  # one set of strides and dtypes for every layer
+            for t, t0 in zip(row, layers[0]):
+                if t.shape != t0.shape or t.stride() != t0.stride() or t.dtype != t0.dtype or t.device != t0.device:
+                    raise ValueError("Recommit: every layer's tensors must have layer 0's shapes, strides and dtypes")
+        if not (one(rec).is_contiguous() and rec.dtype == torch.float32 and buf.stride(-1) == 1
+                and win.stride(-1) == 1 and conv.stride(-1) == 1 and buf.dtype == conv.dtype == win.dtype):
+            raise ValueError("Recommit: contiguous fp32 recurrent state; unit column strides; one activation dtype")
+        self.table = torch.tensor([[t.data_ptr() for t in row] for row in layers], dtype=torch.int64,
+                                  device=buf.device)
+        self.m, self.n, self.slots, self.num_warps = m, len(layers), slots, num_warps
+        conv_dim, km1 = one(conv).shape
+        key_dim = num_k_heads * head_k_dim
+        off_b = 2 * key_dim + 2 * num_v_heads * head_v_dim
+        block_v = min(block_v, head_v_dim)
+        self.programs = num_v_heads * (head_v_dim // block_v) + triton.cdiv(conv_dim, block_c)
+        st = (lambda t: t.stride(0)) if slots else (lambda t: 0)  # noqa: E731 - the slot stride
+        self.args = (key_dim, off_b, off_b + num_v_heads, float(head_k_dim) ** 0.5, buf.stride(0), conv_dim,
+                     one(conv).stride(0), one(win).stride(0), m * buf.stride(0) if slots else 0, st(rec), st(conv),
+                     st(win))
+        self.consts = dict(DT=_TL[buf.dtype], A_DT=_TL[a_log.dtype], HV=num_v_heads, HK=num_k_heads, DK=head_k_dim,
+                           DV=head_v_dim, BLOCK_V=block_v, KM1=km1, KM1P=triton.next_power_of_2(km1),
+                           BLOCK_C=block_c, HAS_LIVE=slots)
+
+    def __call__(self, a, live=None) -> None:
+        """Commit every layer: a (int64 [1], or [B] with slots: the accepted token per slot, < 0: nothing);
+        live (int32 [B], slots): the slots to commit, B <= the tensors' slots."""
+        if self.slots != (live is not None):
+            raise ValueError("Recommit: `live` goes with slots, and only with them")
+        gdn_recommit_kernel[(self.programs, live.numel() if self.slots else 1, self.n)](
+            self.table, a, live if self.slots else a, *self.args, **self.consts, **LAUNCH, num_warps=self.num_warps)
 
 
 @triton.jit
