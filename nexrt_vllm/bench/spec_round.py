@@ -4,8 +4,9 @@ greedy parity of the round graph against the plain step graph and the eager engi
 
 Bytes per round count what the round must move once: every weight of the verify (the MoE experts:
 the distinct experts the M rows select, measured per layer on this run's tokens), K/V rows 0..n+M-1
-read and M rows written, each GDN layer's state read once and written after each of the M positions,
-the commit (one state read and written), the head's M-row pass and chained steps (its fc, layer,
+read and M rows written, each GDN layer's state read once and written after each of the M positions
+(with Tuning.gdn_recommit: not written), the commit (one state read and written), the head's M-row pass
+and chained steps (its fc, layer,
 experts and the lm_head rows it reads: `draft_vocab`). An expert two rows choose is counted once
 (the experts launch runs all rows at once, their programs reading such an expert's tiles together:
 the bytes are what the round needs, its time what the kernels take). Effective tok/s = acceptance length / round
@@ -65,7 +66,8 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
         mx, ff = L.mixer, L.ffn
         return {
             "gdn_in_proj+conv": lambda: nb(mx.w_in) + nb(mx.conv_w) + nb(mx.state.conv) * (2 + rows),
-            "gdn_step": lambda: (1 + rows) * nb(mx.state.rec),
+            # the live state read, and the state after each position written (none with Tuning.gdn_recommit)
+            "gdn_step": lambda: (1 + (0 if sd.recommit else rows)) * nb(mx.state.rec),
             "gdn_out_proj": lambda: nb(mx.w_out),
             "gdn_out_norm": lambda: 0,  # activation rows (batch_step.batch_bytes)
             "attn_qkv_proj": lambda: nb(mx.w_qkv),
@@ -89,9 +91,9 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
                 b = nb(sd.f.lm_head)
             else:
                 b = layer_bytes(group, sd.f.layers[s.layer], M, n, distinct.get(s.layer, k))
-        elif s.group == "commit":
-            st = sd.f.state.gdn(s.layer)
-            b = 2 * (nb(st.rec) + nb(st.conv))
+        elif s.group == "commit":  # one layer's, or every GDN layer's in one launch (Tuning.gdn_recommit)
+            b = sum(2 * (nb(sd.f.state.gdn(i).rec) + nb(sd.f.state.gdn(i).conv))
+                    for i in (c.gdn_layers if s.layer is None else [s.layer]))
         elif stage in ("draft", "chain"):
             rows = M if stage == "draft" else 1
             if group == "fc":
