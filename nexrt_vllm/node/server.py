@@ -138,6 +138,8 @@ class Endpoints:
                          "logprobs_mode": "raw_logprobs", "penalties": False},
             "structured_output": self._structured_caps(),
             "device": self.args.device, "graph": self.args.graph, "load_format": self.args.load_format,
+            # the --tuning overrides the graph path runs with (none off it)
+            "tuning": self.args.tuning_overrides if self.args.graph != "off" else {},
             "dtype": str(self.node.engine.dtype).removeprefix("torch."),
             "weight_format": self.node.engine.weight_format,
             "layout_versions": list(LAYOUT_VERSIONS), "handoff_parts": True, "tp": self._tp(),
@@ -460,6 +462,9 @@ async def serve(args) -> None:
         if args.synthetic is not None:
             log.warning("synthetic acceptance (benchmark mode): %s - output is not the model's own",
                         args.synthetic.describe())
+    if args.tuning and args.graph == "off":
+        log.warning("--tuning %s: launch shapes of the CUDA graph path; this node runs --graph off: not used",
+                    args.tuning)
     if args.graph != "off":
         from nexrt_vllm.engine import EngineError
         log.info("compiling kernels and capturing the %s decode graph (greedy + sampling; the first start "

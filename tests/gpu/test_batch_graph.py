@@ -155,7 +155,7 @@ def test_node_batch_graph_requests_equal_them_alone(ckpt_factory, speculative):
     side = PrefillSide(ckpt, "mooncake", max_seq_len=512)
     try:
         caps = node.call("GET", "/capabilities")[1]
-        assert caps["max_batch"] == 3 and caps["graph"] == "fused"
+        assert caps["max_batch"] == 3 and caps["graph"] == "fused" and caps["tuning"] == {}
         greedy, seeded = dict(ignore_eos=True), dict(ignore_eos=True, temperature=0.8, seed=99)
         reqs = [("g-a", periodic_prompt(33, seed=71), greedy), ("g-b", periodic_prompt(12, seed=72), greedy),
                 ("s-c", periodic_prompt(21, seed=73), seeded)]

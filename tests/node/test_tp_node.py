@@ -30,7 +30,7 @@ def node(ckpt):
 
 def test_capabilities_report_the_group(node):
     status, caps = node.call("GET", "/capabilities")
-    assert status == 200 and caps["graph"] == "off" and caps["handoff_parts"] is True
+    assert status == 200 and caps["graph"] == "off" and caps["handoff_parts"] is True and caps["tuning"] == {}
     tp = caps["tp"]
     assert tp["size"] == 2 and tp["backend"] == "gloo"
     assert [r["shard"]["kv_heads"] for r in tp["ranks"]] == [[0, 1], [1, 2]]
