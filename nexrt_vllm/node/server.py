@@ -324,9 +324,10 @@ def _positive(ap, args) -> None:
             ap.error("--max-batch > 1 with --tp > 1 is not built")
     from nexrt_vllm.engine.gpu.tuning import tuning_overrides
     try:
-        args.tuning_overrides = tuning_overrides(args.tuning)[1]
+        tuning, args.tuning_overrides = tuning_overrides(args.tuning)
     except ValueError as e:
         ap.error(f"--tuning: {e}")
+    args.launch_tuning = tuning if args.tuning else None  # what the graph path is built with (None: defaults)
     for name in ("max_seq_len", "recv_buffers", "tp"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -471,14 +472,12 @@ async def serve(args) -> None:
                  "on a machine compiles the Triton kernels, about a minute)", args.graph)
         t0 = time.monotonic()
         try:
-            from nexrt_vllm.engine.gpu.tuning import tuning_overrides
-            tuning = tuning_overrides(args.tuning)[0] if args.tuning else None
-            if tuning is not None:
+            if args.launch_tuning is not None:
                 log.info("launch shapes: the defaults with %s", args.tuning_overrides)
             if args.max_batch > 1:
-                engine.use_batch_graph(args.max_batch, tuning)
+                engine.use_batch_graph(args.max_batch, args.launch_tuning)
             else:
-                engine.use_graph(args.graph, tuning)
+                engine.use_graph(args.graph, args.launch_tuning)
         except EngineError as e:
             raise ValueError(f"--graph {args.graph}: {e}") from None
         graph = engine.batch_graph or engine.graph
