@@ -125,13 +125,7 @@ def gdn_commit_kernel(conv_ptr, rec_ptr, window_ptr, rec_after_ptr, a_ptr, live_
     # the conv window's columns a+1 .. a+KM1 onto the conv state (BLOCK_C channels each). Grid axis 1:
     # the request slot (the batched round; slot_* its strides), a slot not live or with a < 0 (its
     # round emitted nothing) left as it is.
-    pdl_begin(PDL)
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    a = tl.load(a_ptr + b)
-    on = a >= 0
-    if HAS_LIVE:
-        on = on & (tl.load(live_ptr + b) != 0)
+    pid, b, a, on = _commit_slot(a_ptr, live_ptr, HAS_LIVE, PDL)
     if on:
         nrec = tl.cdiv(N_REC, BLOCK)
         if pid < nrec:
@@ -140,11 +134,32 @@ def gdn_commit_kernel(conv_ptr, rec_ptr, window_ptr, rec_after_ptr, a_ptr, live_
             tl.store(rec_ptr + b * slot_rec + o, tl.load(rec_after_ptr + b * slot_after + a * stride_rec + o, mask=om),
                      mask=om)
         else:
-            c = (pid - nrec) * BLOCK_C + tl.arange(0, BLOCK_C)
-            t = tl.arange(0, KM1P)
-            cm = (c < CONV_DIM)[:, None] & (t < KM1)[None, :]
-            x = tl.load(window_ptr + b * slot_win + c[:, None] * stride_win + (a + 1 + t)[None, :], mask=cm)
-            tl.store(conv_ptr + b * slot_conv + c[:, None] * stride_conv + t[None, :], x, mask=cm)
+            _commit_conv(conv_ptr, window_ptr, b, a, pid - nrec, CONV_DIM, stride_conv, stride_win, slot_conv,
+                         slot_win, KM1, KM1P, BLOCK_C)
+
+
+@triton.jit
+def _commit_slot(a_ptr, live_ptr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+    """A commit program's (pid, slot b, accepted token a, whether slot b commits): not when it is not live or
+    its round emitted nothing (a < 0)."""
+    pdl_begin(PDL)
+    b = tl.program_id(1).to(tl.int64)
+    a = tl.load(a_ptr + b)
+    on = a >= 0
+    if HAS_LIVE:
+        on = on & (tl.load(live_ptr + b) != 0)
+    return tl.program_id(0), b, a, on
+
+
+@triton.jit
+def _commit_conv(conv_ptr, window_ptr, b, a, q, CONV_DIM, stride_conv, stride_win, slot_conv, slot_win,
+                 KM1: tl.constexpr, KM1P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Conv program q of a commit: slot b's window columns a+1 .. a+KM1 onto its conv state, BLOCK_C channels."""
+    c = q * BLOCK_C + tl.arange(0, BLOCK_C)
+    t = tl.arange(0, KM1P)
+    cm = (c < CONV_DIM)[:, None] & (t < KM1)[None, :]
+    x = tl.load(window_ptr + b * slot_win + c[:, None] * stride_win + (a + 1 + t)[None, :], mask=cm)
+    tl.store(conv_ptr + b * slot_conv + c[:, None] * stride_conv + t[None, :], x, mask=cm)
 
 
 def gdn_verify_step(buf, state, rec_after, out, a_log, dt_bias, *, m, num_k_heads, num_v_heads, head_k_dim,
@@ -198,14 +213,8 @@ def gdn_recommit_kernel(table_ptr, a_ptr, live_ptr, KEY_DIM, OFF_B, OFF_A, q_sca
     # [DK, BLOCK_V] slice of the live state (the verify's rows of [q|k|v|z|b|a], the verify's ops: the same
     # state bits as its token a) and write it back; the rest copy the conv window's columns a+1 .. a+KM1
     # onto the conv state. Grid axis 1: the slot.
-    pdl_begin(PDL)
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    pid, b, a, on = _commit_slot(a_ptr, live_ptr, HAS_LIVE, PDL)
     row = table_ptr + tl.program_id(2) * 6
-    a = tl.load(a_ptr + b)
-    on = a >= 0
-    if HAS_LIVE:
-        on = on & (tl.load(live_ptr + b) != 0)
     if on:
         NVB: tl.constexpr = DV // BLOCK_V
         if pid < HV * NVB:
@@ -224,13 +233,8 @@ def gdn_recommit_kernel(table_ptr, a_ptr, live_ptr, KEY_DIM, OFF_B, OFF_A, q_sca
                                      offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, q_scale, DK, DV)
             tl.store(sp, st)
         else:
-            conv_ptr = tl.load(row + 1).to(tl.pointer_type(DT))
-            window_ptr = tl.load(row + 3).to(tl.pointer_type(DT))
-            c = (pid - HV * NVB) * BLOCK_C + tl.arange(0, BLOCK_C)
-            t = tl.arange(0, KM1P)
-            cm = (c < CONV_DIM)[:, None] & (t < KM1)[None, :]
-            x = tl.load(window_ptr + b * slot_win + c[:, None] * stride_win + (a + 1 + t)[None, :], mask=cm)
-            tl.store(conv_ptr + b * slot_conv + c[:, None] * stride_conv + t[None, :], x, mask=cm)
+            _commit_conv(tl.load(row + 1).to(tl.pointer_type(DT)), tl.load(row + 3).to(tl.pointer_type(DT)), b, a,
+                         pid - HV * NVB, CONV_DIM, stride_conv, stride_win, slot_conv, slot_win, KM1, KM1P, BLOCK_C)
 
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -259,7 +263,7 @@ class Recommit:
             raise ValueError("Recommit: contiguous fp32 recurrent state; unit column strides; one activation dtype")
         self.table = torch.tensor([[t.data_ptr() for t in row] for row in layers], dtype=torch.int64,
                                   device=buf.device)
-        self.m, self.n, self.slots, self.num_warps = m, len(layers), slots, num_warps
+        self.n, self.slots, self.num_warps = len(layers), slots, num_warps
         conv_dim, km1 = one(conv).shape
         key_dim = num_k_heads * head_k_dim
         off_b = 2 * key_dim + 2 * num_v_heads * head_v_dim

@@ -229,7 +229,7 @@ def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
                               BLOCK_K=min(block_k, triton.next_power_of_2(k)), **LAUNCH, num_warps=num_warps)
 
 
-__all__ = ["gemv", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel",
-           "rmsnorm_rows", "rmsnorm_rows_kernel",
+__all__ = ["gemv", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel",
+           "gemv_rows_dot_kernel", "rmsnorm_rows", "rmsnorm_rows_kernel",
            "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
            "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]
