@@ -24,7 +24,7 @@ import torch
 from nexrt_vllm.engine.errors import EngineError, NotBuiltError
 from nexrt_vllm.engine.fp8 import FP8Weight
 from nexrt_vllm.engine.gpu.control import ControlMemory
-from nexrt_vllm.engine.gpu.decoder import Launch, _require_gpu_dtype
+from nexrt_vllm.engine.gpu.decoder import Launch, _require_gpu_dtype, gdn_kw
 from nexrt_vllm.engine.gpu.fusion import FusedLayer, GDNMixer, MoEFFN, fuse_ffn, fuse_mixer
 from nexrt_vllm.engine.gpu.tuning import Tuning, gemv_kwargs, pdl_enabled
 from nexrt_vllm.engine.state import StackedStates
@@ -152,10 +152,8 @@ class BatchDecoder:
                 conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh.block_n, block_k=sh.block_k, num_warps=sh.num_warps,
                 dot=sh.stages, prefetch=t.prefetch_conv)),
             ("gdn_step", lambda: kb.gdn_step_rows(
-                self.buf[:k], m.state.rec, self.o[:k], m.a_log, m.dt_bias, self.live[:k],
-                num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
-                num_warps=t.gdn_warps, prefetch=t.prefetch > 0)),
+                self.buf[:k], m.state.rec, self.o[:k], m.a_log, m.dt_bias, self.live[:k], **gdn_kw(c, t),
+                prefetch=t.prefetch > 0)),
             *gated_out_proj(g, self.k_gdn, self.o[:k], self.buf[:k, c.conv_dim:c.conv_dim + c.value_dim], m,
                             self.res[:k], k, c.linear_value_head_dim, eps, split,
                             self.rows_shape(m.w_out, c.hidden_size) if split else

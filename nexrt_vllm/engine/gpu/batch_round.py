@@ -35,7 +35,7 @@ from nexrt_vllm.engine.errors import EngineError, NotBuiltError
 from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder, gated_out_proj
 from nexrt_vllm.engine.gpu.batch_runner import SlotEvent, SlotRunner
 from nexrt_vllm.engine.gpu.control import RING, wait_record
-from nexrt_vllm.engine.gpu.decoder import Launch
+from nexrt_vllm.engine.gpu.decoder import Launch, gdn_kw
 from nexrt_vllm.engine.gpu.fusion import FusedLayer, GDNMixer, MoEFFN
 from nexrt_vllm.engine.gpu.spec_round import SYNTHETIC_ROUNDS, draft_rows, fuse_head
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
@@ -94,9 +94,7 @@ class BatchRoundDecoder:
         self.commit_all = self.k_gdn.Recommit(
             [(self.gdn_buf[i], self.states.gdn(i).conv, self.states.gdn(i).rec, self.window[i],
               batch.layers[i].mixer.a_log, batch.layers[i].mixer.dt_bias) for i in c.gdn_layers], m=M,
-            num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-            head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=self.t.gdn_block_v,
-            num_warps=self.t.gdn_warps, slots=True) if self.recommit and c.gdn_layers else None
+            slots=True, **gdn_kw(c, self.t)) if self.recommit and c.gdn_layers else None
         rows = L + M  # the head's cache (and the target's, read up to M rows past its end)
         self.attn_scratch = {k: z(*s, d=torch.float32) for k, s in batch_round.verify_rows_scratch(
             n, M, c.num_heads, self.t.slot_attn_splits, rows, c.head_dim).items()}
@@ -193,10 +191,7 @@ class BatchRoundDecoder:
                 normed=self.norm_once)),
             ("gdn_step", lambda: kr.gdn_verify_rows(
                 buf[:R], st.rec, None if self.recommit else self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias,
-                live, m=M,
-                num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
-                num_warps=t.gdn_warps)),
+                live, m=M, **gdn_kw(c, t))),
             *gated_out_proj(g, self.k_gdn, self.o[:R], buf[:R, c.conv_dim:c.conv_dim + c.value_dim], m,
                             self.res[:R], R, c.linear_value_head_dim, eps, split, gated)]
 

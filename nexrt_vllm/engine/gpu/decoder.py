@@ -32,6 +32,14 @@ def _require_gpu_dtype(cfg: ModelConfig, dtype: torch.dtype) -> None:
         raise EngineError(f"conv kernel {cfg.conv_kernel} < 2 is not supported by the GPU path")
 
 
+def gdn_kw(cfg: ModelConfig, t: Tuning) -> dict:
+    """The keywords every GDN recurrence launch takes (kernels/gdn.py, kernels/batch*.py): the layer's head
+    counts and sizes, and the value block and warps of `Tuning` (the verify and the recommit must share them)."""
+    return dict(num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
+                head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim, block_v=t.gdn_block_v,
+                num_warps=t.gdn_warps)
+
+
 @dataclass(frozen=True, eq=False)
 class Launch:
     """One kernel launch of the fused step: its group (the benchmark times and counts bytes per group),
@@ -173,10 +181,7 @@ class FusedDecoder:
                 aux0=m.state.conv, aux1=m.conv_w, eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, **l2,
                 **self.gemv_shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv)), (m.w_in, False)),
             ("gdn_step", lambda: self.k_gdn.gdn_step(
-                self.buf, m.state.rec, self.o, m.a_log, m.dt_bias, num_k_heads=c.linear_num_key_heads,
-                num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
-                head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v, num_warps=t.gdn_warps,
-                prefetch=t.prefetch > 0), None),
+                self.buf, m.state.rec, self.o, m.a_log, m.dt_bias, **gdn_kw(c, t), prefetch=t.prefetch > 0), None),
             ("gdn_out_proj", lambda **l2: g.gemv(
                 self.o, m.w_out, self.block_out, pro=g.PRO_GATED, epi=self.block_epi, norm_w=m.norm,
                 z=self.buf[c.conv_dim:c.conv_dim + c.value_dim], eps=eps, group=c.linear_value_head_dim, **l2,

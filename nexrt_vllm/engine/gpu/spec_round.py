@@ -39,7 +39,7 @@ from nexrt_vllm.engine.errors import EngineError, NotBuiltError
 from nexrt_vllm.engine.fp8 import FP8Weight
 from nexrt_vllm.engine.gpu.batch_decoder import gated_out_proj
 from nexrt_vllm.engine.gpu.control import RING, wait_record
-from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch, gdn_kw
 from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
 from nexrt_vllm.engine.gpu.runner import GraphRunner, capture_graph
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
@@ -110,9 +110,7 @@ class SpecDecoder:
         self.commit_all = f.k_gdn.Recommit(
             [(self.gdn_buf[i], f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M),
               f.layers[i].mixer.a_log, f.layers[i].mixer.dt_bias) for i in c.gdn_layers], m=M,
-            num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-            head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=f.t.gdn_block_v,
-            num_warps=f.t.gdn_warps) if self.recommit and c.gdn_layers else None
+            **gdn_kw(c, f.t)) if self.recommit and c.gdn_layers else None
         self.o, self.q = z(M, f.o.numel()), z(M, f.q.numel())
         self.attn_scratch = self._attn_scratch(M)
         if c.num_experts:
@@ -195,9 +193,7 @@ class SpecDecoder:
                 **f.gemv_shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv, rows=True))),
             ("gdn_step", lambda: f.k_gdn.gdn_verify_step(
                 buf, m.state.rec, None if self.recommit else self.rec_after[i], self.o, m.a_log, m.dt_bias, m=M,
-                num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-                head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim, block_v=t.gdn_block_v,
-                num_warps=t.gdn_warps, prefetch=t.prefetch > 0)),
+                **gdn_kw(c, t), prefetch=t.prefetch > 0)),
             *gated_out_proj(g, f.k_gdn, self.o, buf[:, c.conv_dim:c.conv_dim + c.value_dim], m, self.res, M,
                             c.linear_value_head_dim, eps, split, out_shape)]
 
