@@ -30,7 +30,7 @@ K, MAX_LEN = 2, 48  # drafts per round (M = 3)
 CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128, 4, 2),), gemv_gated=(64, 128, 4),
                     gemv_gated_rows=(64, 128, 4, 0), gemv_router=(64, 128, 4), prefetch=0, lm=(128, 256, 4),
                     lm_rows=(128, 128, 4, 2), attn_splits=2, attn_block=32, gdn_block_v=64, moe=(64, 128, 1),
-                    moe_down=(64, 64, 1))
+                    moe_down=(64, 64, 1), gemv_rows_wide=())
 
 
 def alone(ref: Engine, prompt: list[int], n: int) -> tuple[int, list[int]]:
@@ -62,7 +62,8 @@ def run(runner, got: dict, ends: dict, n_steps: int | None = None) -> None:
 
 
 # knobs: the in_proj's conv epilogue over every slot's rows at once (Tuning.conv_all_slots), the RMSNorm
-# GEMVs' norm in launches of their own (Tuning.norm_rows; qwen3_5's dense FFN, the head's pass too), the
+# GEMVs' norm in launches of their own (Tuning.norm_rows: the buckets of 2 and 3 slots, not one slot's 3 rows;
+# qwen3_5's dense FFN, the head's pass too), the
 # attention's K/V in other splits than the one-request round's (Tuning.batch_attn_splits) and the GEMVs' own
 # shapes past 8 rows (Tuning.gemv_rows_wide: the round's 9 rows), there with K split over two programs
 # (RowsShape.splits; the K = 128 GEMVs have one K block of 128: one split), and the GDN commit that runs the
@@ -75,12 +76,13 @@ def test_batched_round_equals_each_request_alone(ckpt_factory, arch, knobs):
     steps = [4, 9, MAX_LEN - 30 - 1]  # slot 2 runs to its context's end
     refs = [alone(ref, p, n) for p, n in zip(prompts, steps)]
 
-    tuning = dataclasses.replace(CPU_TUNING, conv_all_slots=True, norm_rows=2, batch_attn_splits=4, gdn_recommit=True,
+    tuning = dataclasses.replace(CPU_TUNING, conv_all_slots=True, norm_rows=4, batch_attn_splits=4, gdn_recommit=True,
                                  gemv_rows_wide=((1 << 62, 32, 128, 4, 2, 2),)) if knobs else \
-        dataclasses.replace(CPU_TUNING, conv_all_slots=False, batch_attn_splits=0)  # the knobs' other sides
+        dataclasses.replace(CPU_TUNING, conv_all_slots=False, batch_attn_splits=0, gdn_recommit=False)  # other sides
     eng, runner, engines = batch_engine(path, 3, tuning)
     d = runner.d
-    assert d.norm_once == knobs and d.recommit == knobs and (d.rec_after is None) == knobs
+    assert [d._norm_once(k * d.M, k) for k in (1, 2, 3)] == [False, knobs, knobs]
+    assert d.recommit == knobs and (d.rec_after is None) == knobs
     assert [e.state for e in engines] == d.states.states and all(e.batch_graph is runner for e in engines)
     assert all(e.speculative is s for e, s in zip(engines, runner.speculators))
     engines[0].prefill(prompts[0])  # the eager prefill: the slot's state and its head's prompt context
@@ -110,14 +112,17 @@ def test_stop_cancel_and_refusals(ckpt_factory):
     """A stop id inside an accepted round ends that request with it (the round's later tokens dropped); a
     request cancelled mid-stream (`leave`) and its rounds in flight leave the other's tokens as they
     are alone, and its slot takes the next request with exact tokens; sampled / logprob requests are
-    refused by the round graph. The replays cover the fewest slots holding every live one (buckets)."""
+    refused by the round graph. The replays cover the fewest slots holding every live one (buckets), each
+    with its own launch choices (here the two-slot bucket's 6 rows normalize in launches of their own, the
+    one-slot bucket's 3 rows in the GEMVs' prologue), and a request's tokens stay exact across them."""
     arch = "qwen3_5"
     path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
     ref = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
     pa, pb = periodic_prompt(17, seed=41), periodic_prompt(12, seed=42)
     fa, want_a = alone(ref, pa, 12)
     fb, want_b = alone(ref, pb, 12)
-    eng, runner, (a, b) = batch_engine(path, 2)
+    eng, runner, (a, b) = batch_engine(path, 2, dataclasses.replace(CPU_TUNING, norm_rows=4))
+    assert not runner.d._norm_once(3, 1) and runner.d._norm_once(6, 2)
     a.prefill(pa)
     b.prefill(pb)
     with pytest.raises(EngineError, match="greedy"):
@@ -140,3 +145,23 @@ def test_stop_cancel_and_refusals(ckpt_factory):
     assert list(runner.generate(0, fa, SamplingParams(max_tokens=13, ignore_eos=True))) == want_a
     # slot 0 alone replayed the one-slot bucket (M rows), both slots the two-slot one
     assert runner.buckets == [1, 2] and runner.bucket_replays[1] > 0 and runner.bucket_replays[2] > 0
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_each_bucket_makes_its_own_launch_choices(ckpt_factory, invariant):
+    """The launch choices follow the replay's rows (one slot: the one-request round's), or with
+    `Tuning.batch_invariant` the node's capacity in every bucket: here the RMSNorm of the M-row GEMVs in
+    launches of their own (`Tuning.norm_rows` 6: the two-slot bucket's 6 rows), seen in the plan as two
+    launches of the group where the prologue makes one."""
+    path = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
+    _, runner, _ = batch_engine(path, 2, dataclasses.replace(CPU_TUNING, norm_rows=6, batch_invariant=invariant))
+    d = runner.d
+    layers = len(d.cfg.attention_layers)
+
+    def launches(k: int, group: str) -> int:
+        return [s.group for s in d.plan(k)].count(group)
+
+    assert launches(2, "verify_attn_qkv_proj") == 2 * layers and launches(2, "draft_attn_qkv_proj") == 2
+    want = 2 if invariant else 1  # one slot's 3 rows: the prologue, unless the choices follow the capacity
+    assert launches(1, "verify_attn_qkv_proj") == want * layers and launches(1, "draft_attn_qkv_proj") == want
+    assert launches(1, "verify_lm_head+argmax") == want

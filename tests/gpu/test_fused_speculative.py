@@ -138,8 +138,8 @@ def test_four_drafts(ckpt_factory):
     equal the one-token loop's and its rounds the eager speculative loop's. The GDN out_proj's norm in a
     launch of its own (`Tuning.gated_norm_rows` <= M), the batch decoders' path for many rows; the verify's
     GEMVs with K split over two programs (`RowsShape.splits`: the K = 256 ones; K = 128 is one block); the GDN
-    commit running the accepted tokens again instead of the verify keeping a state per position
-    (`Tuning.gdn_recommit`)."""
+    verify keeping a state per position for the commit to pick (`Tuning.gdn_recommit` off; the other tests run
+    the default, the commit running the accepted tokens again)."""
     path = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
     plain = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
     eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
@@ -150,9 +150,9 @@ def test_four_drafts(ckpt_factory):
     eng.prefill(prompt)
     assert list(eng.stream(first, sp)) == want
     eager_rounds, eng.speculative.rounds = eng.speculative.rounds, [0] * 6
-    runner = on_graph_path(eng, tuning=dataclasses.replace(CPU_TUNING, gated_norm_rows=5, gdn_recommit=True,
+    runner = on_graph_path(eng, tuning=dataclasses.replace(CPU_TUNING, gated_norm_rows=5, gdn_recommit=False,
                                                            gemv_rows=((1 << 62, 64, 128, 4, 2, 2),)))
-    assert runner.M == 5 and runner.d.recommit
+    assert runner.M == 5 and not runner.d.recommit and runner.d.commit_all is None
     gdn_layers = len(eng.model.config.gdn_layers)
     plan = [s.group for s in runner.d.plan()]
     assert plan.count("verify_gdn_out_norm") == plan.count("verify_gdn_out_proj") == gdn_layers  # norm, then GEMV

@@ -61,8 +61,12 @@ def test_wide_rows_take_their_own_rules():
     rules), else `gemv_rows`, as every GEMV of at most 8 rows does; fp8 weights keep their own rules."""
     from nexrt_vllm.engine.gpu.tuning import RowsShape, Tuning
 
-    t = Tuning()
-    assert t.gemv_rows_wide == () and t.shape(6144, rows=True, wide=True) == t.shape(6144, rows=True)
+    t = Tuning(gemv_rows_wide=())
+    assert t.shape(6144, rows=True, wide=True) == t.shape(6144, rows=True)
+    # the default: gemv_rows with K over two programs for N <= 4096 (the H200 sweep's)
+    d = Tuning()
+    assert d.shape(2048, rows=True, wide=True) == d.shape(2048, rows=True)._replace(splits=2)
+    assert d.shape(6144, rows=True, wide=True) == d.shape(6144, rows=True)
     w = Tuning(gemv_rows_wide=((4096, 16, 256, 4, 3), (1 << 62, 64, 256, 4, 3)))
     assert w.shape(2048, rows=True, wide=True) == RowsShape(16, 256, 4, 3)
     assert w.shape(6144, rows=True, wide=True) == RowsShape(64, 256, 4, 3)

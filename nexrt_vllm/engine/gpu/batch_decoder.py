@@ -144,8 +144,9 @@ class BatchDecoder:
     def _gdn(self, L: FusedLayer, k: int) -> list[tuple]:
         c, g, t, m, eps, kb = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.k_batch
         sh = self.t.shape(m.w_in.shape[0], rows=True)
-        # the out_proj: fewer slots than Tuning.gated_norm_rows take the gated shape (`gemv_gated_rows`)
-        split = self.n >= t.gated_norm_rows
+        # the out_proj: fewer slots than Tuning.gated_norm_rows take the gated shape (`gemv_gated_rows`); the
+        # replay's slots, or with Tuning.batch_invariant the node's (batch_round.py `_choice_rows`)
+        split = (self.n if t.batch_invariant else k) >= t.gated_norm_rows
         return [
             ("gdn_in_proj+conv", lambda: kb.gemv_rows_conv(
                 self.res[:k], m.w_in, self.buf[:k], L.input_norm, m.state.conv, m.conv_w, self.live[:k], eps=eps,

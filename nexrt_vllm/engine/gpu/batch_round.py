@@ -78,9 +78,9 @@ class BatchRoundDecoder:
         self.rounds_host, self.rounds = self.mem.host["slot_rounds"], self.mem.device["slot_rounds"]
         # verify activations, R rows (the head's layer has the shapes of the target's attention layers)
         self.res, self.buf = z(R, H), z(R, batch.buf.shape[1])
-        # Tuning.norm_rows: the RMSNorm of the M-row passes' GEMVs once per row into xr, then plain GEMVs
-        self.norm_once = R >= self.t.norm_rows
-        self.xr = z(R, H) if self.norm_once else None
+        # Tuning.norm_rows: the RMSNorm of the M-row passes' GEMVs once per row into xr, then plain GEMVs (in
+        # the buckets of that many rows; Tuning.batch_invariant: in every bucket when the whole batch has them)
+        self.xr = z(R, H) if self._norm_once(R, n) else None
         self.o, self.q = z(R, batch.o.shape[1]), z(R, batch.q.shape[1])
         self.window = {i: z(n, c.conv_dim, c.conv_kernel - 1 + M) for i in c.gdn_layers}
         # the GDN states after each position (gdn_commit picks the accepted one), or with Tuning.gdn_recommit
@@ -106,8 +106,7 @@ class BatchRoundDecoder:
         if c.intermediate_size:
             self.act_dense = z(R, c.intermediate_size)
         self.logits = z(R, V, d=torch.float32)
-        self.lm_kw = self._rows_kw(batch.lm_head, V, self.t.lm_rows)
-        self.n_part = -(-V // self.lm_kw["block_n"])
+        self.n_part = self._partials(batch.lm_head, V, M)
         self.pmax, self.pidx = z(R, self.n_part, d=torch.float32), z(R, self.n_part, d=torch.int32)
         self.hn = z(R, H)  # final-normed hidden rows (the head's input)
         # the head: its layer fused like the target's, over a K/V cache per slot
@@ -121,9 +120,8 @@ class BatchRoundDecoder:
         self.fc_in, self.u = z(R, 2 * H), z(R, H)
         self.u1, self.g1 = z(n, H), z(n, H)
         self.sel, self.row0 = z(n, d=i64), torch.arange(n, device=dev, dtype=i64) * M
-        self.dlm_kw = self._rows_kw(self.draft_lm, self.draft_vocab, self.t.lm_rows)
         self.dlogits = z(n, self.draft_vocab, d=torch.float32)
-        self.n_dpart = -(-self.draft_vocab // self.dlm_kw["block_n"])
+        self.n_dpart = self._partials(self.draft_lm, self.draft_vocab, 1)
         self.dpmax, self.dpidx = z(n, self.n_dpart, d=torch.float32), z(n, self.n_dpart, d=torch.int32)
         # pinned acceptance (benchmarks): each slot's accepted-draft counts per round, written at join
         self.forced = z(n, SYNTHETIC_ROUNDS, d=i64) if synthetic else None
@@ -132,13 +130,32 @@ class BatchRoundDecoder:
         """(k, v, start) of `slot`'s head cache: what its eager Drafter is built over (spec/mtp.py)."""
         return self.draft_k[slot], self.draft_v[slot], self.draft_start[slot:slot + 1]
 
-    def _rows_kw(self, w, n_out: int, shape: RowsShape | None = None, dot: bool = False) -> dict:
-        """An M-row GEMV's keywords: `shape` (else the `gemv_rows` rule for n_out outputs, `gemv_rows_wide`'s
-        when the round has more than 8 rows), on the tensor-core kernel when the round has more than 8 rows
-        (the fold keeps at most 8 rows in registers) or `dot`: every slot count runs the same kernels, so a
-        request's arithmetic does not depend on how many slots the replay covers."""
-        s = shape or self.t.shape(n_out, rows=True, wide=self.R > 8)
-        if (dot or self.R > 8) and s.stages == 0:
+    def _partials(self, w, n_out: int, per_slot: int) -> int:
+        """The argmax partials per row of an lm_head over `per_slot` rows a slot (`Tuning.lm_rows`), the same in
+        every bucket: what the accept / pick launches read."""
+        blocks = {self._rows_kw(w, n_out, k * per_slot, k, self.t.lm_rows)["block_n"] for k in (1, self.n)}
+        if len(blocks) > 1:
+            raise EngineError(f"Tuning.lm_rows {tuple(self.t.lm_rows)}: the batched round's lm_heads need one "
+                              f"block_n at every slot count (block_n >= 16, or stages > 0), got {sorted(blocks)}")
+        return -(-n_out // blocks.pop())
+
+    def _choice_rows(self, rows: int, k: int) -> int:
+        """The row count that the choices of a launch over `rows` rows of slots 0..k-1 follow (shapes, kernels,
+        the norm in a launch of its own): its own rows, so that a replay of few slots runs what a round of that
+        many rows runs best (one slot: the one-request round's choices); with Tuning.batch_invariant the rows
+        of all n slots, so that a request's arithmetic does not depend on how many slots the replay covers."""
+        return rows * self.n // k if self.t.batch_invariant else rows
+
+    def _norm_once(self, rows: int, k: int) -> bool:
+        return self._choice_rows(rows, k) >= self.t.norm_rows
+
+    def _rows_kw(self, w, n_out: int, rows: int, k: int, shape: RowsShape | None = None, dot: bool = False) -> dict:
+        """The keywords of an M-row GEMV over `rows` rows of slots 0..k-1: `shape` (else the `gemv_rows` rule for
+        n_out outputs, `gemv_rows_wide`'s past 8 rows), on the tensor-core kernel past 8 rows (the fold keeps at
+        most 8 rows in registers) or with `dot`; rows as `_choice_rows` counts them."""
+        wide = self._choice_rows(rows, k) > 8
+        s = shape or self.t.shape(n_out, rows=True, wide=wide)
+        if (dot or wide) and s.stages == 0:
             s = RowsShape(max(16, s.block_n), max(16, s.block_k), s.num_warps, 2)
         return gemv_kwargs(self.t, w, s)
 
@@ -149,18 +166,19 @@ class BatchRoundDecoder:
         b, c, g, k = self.b, self.cfg, self.b.k_gemv, k or self.n
         if not 1 <= k <= self.n:
             raise EngineError(f"a batched round runs 1..{self.n} slots, got {k}")
-        R, live = k * self.M, self.live[:k]
+        R, live, once = k * self.M, self.live[:k], self._norm_once(k * self.M, k)
         steps = [Launch("verify_embed", None, lambda: torch.index_select(b.embed, 0, self.tok[:k].view(-1),
                                                                          out=self.res[:R]))]
         for i, L in enumerate(b.layers):
             mixer = self._gdn(i, L, k) if isinstance(L.mixer, GDNMixer) else self._attention(
-                L, self.res[:R], self.pos[:k], None, self.M, k, b.model.rope_cos, b.model.rope_sin, self.norm_once)
-            ffn = self._ffn(L, self.res[:R], self.row_live[:R], self.norm_once)
+                L, self.res[:R], self.pos[:k], None, self.M, k, b.model.rope_cos, b.model.rope_sin, once)
+            ffn = self._ffn(L, self.res[:R], self.row_live[:R], k, once)
             steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + ffn]
         # the final-normed rows left in hn: the head's input
         steps += [Launch("verify_" + grp, None, fn) for grp, fn in self._rmsnorm_gemv(
-            "lm_head+argmax", self.res[:R], b.final_norm, b.lm_head, self.logits[:R], R, self.norm_once,
-            xn=self.hn[:R], epi=g.EPI_ARGMAX, aux0=self.pmax[:R], aux1=self.pidx[:R], **self.lm_kw)]
+            "lm_head+argmax", self.res[:R], b.final_norm, b.lm_head, self.logits[:R], R, once,
+            xn=self.hn[:R], epi=g.EPI_ARGMAX, aux0=self.pmax[:R], aux1=self.pidx[:R],
+            **self._rows_kw(b.lm_head, self.cfg.vocab_size, R, k, self.t.lm_rows))]
         steps.append(Launch("accept", None, lambda: self.k_spec.accept(
             self.pmax[:R], self.pidx[:R], self.n_part, self.tok[:k], self.y[:k], self.pos[:k], self.base[:k],
             self.acc[:k], self.step[:k], self.round[:k], self.ring, self.rounds, RING,
@@ -177,18 +195,19 @@ class BatchRoundDecoder:
         c, t, m, eps, M, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.kr, self.b.k_gemv
         R, live, st = k * M, self.live[:k], self.states.gdn(i)
         buf = self.gdn_buf.get(i, self.buf)  # Tuning.gdn_recommit: the layer's own rows, read again at the commit
-        sh = self._rows_kw(m.w_in, m.w_in.shape[0], dot=True)  # the per-slot conv follows the tensor-core loop
-        split = self.R >= t.gated_norm_rows
-        gated = self._rows_kw(m.w_out, c.hidden_size, None if split else t.gemv_gated_rows)
-        x = self.xr[:R] if self.norm_once else self.res[:R]
+        once = self._norm_once(R, k)
+        sh = self._rows_kw(m.w_in, m.w_in.shape[0], R, k, dot=True)  # the per-slot conv follows the tensor-core loop
+        split = self._choice_rows(R, k) >= t.gated_norm_rows
+        gated = self._rows_kw(m.w_out, c.hidden_size, R, k, None if split else t.gemv_gated_rows)
+        x = self.xr[:R] if once else self.res[:R]
         norm = [("gdn_in_proj+conv", lambda: g.rmsnorm_rows(self.res[:R], L.input_norm, x, m=R, eps=eps))] \
-            if self.norm_once else []
+            if once else []
         return norm + [
             ("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
                 x, m.w_in, buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
                 eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
                 num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots,
-                normed=self.norm_once)),
+                normed=once)),
             ("gdn_step", lambda: kr.gdn_verify_rows(
                 buf[:R], st.rec, None if self.recommit else self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias,
                 live, m=M, **gdn_kw(c, t))),
@@ -215,8 +234,8 @@ class BatchRoundDecoder:
         rows, live = k * m, self.live[:k]
         buf, q, o = self.buf[:rows], self.q[:rows], self.o[:rows]
         scratch = {name: t_[:k] for name, t_ in self.attn_scratch.items()}
-        qkv_kw = self._rows_kw(a.w_qkv, a.w_qkv.shape[0])
-        o_kw = self._rows_kw(a.w_o, c.hidden_size)
+        qkv_kw = self._rows_kw(a.w_qkv, a.w_qkv.shape[0], rows, k)
+        o_kw = self._rows_kw(a.w_o, c.hidden_size, rows, k)
         return self._rmsnorm_gemv("attn_qkv_proj", x, L.input_norm, a.w_qkv, buf, rows, norm_once, **qkv_kw) + [
             ("attn_qknorm_rope_kvwrite", lambda: kr.qk_rope_rows(
                 buf, q, a.state.k, a.state.v, a.q_norm, a.k_norm, cos, sin, pos, live, m=m,
@@ -228,12 +247,12 @@ class BatchRoundDecoder:
                 block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(o, a.w_o, x, epi=g.EPI_RESIDUAL, m=rows, **o_kw))]
 
-    def _ffn(self, L: FusedLayer, x, live, norm_once: bool = False):
-        """The FFN over the rows of x (`live`, one word per row: which rows' experts run); `norm_once`: a dense
+    def _ffn(self, L: FusedLayer, x, live, k: int, norm_once: bool = False):
+        """The FFN over the rows of x, slots 0..k-1 (`live`, one word per row: which rows' experts run); `norm_once`: a dense
         FFN's post-attention norm in a launch of its own (Tuning.norm_rows; the MoE router stores it anyway)."""
         c, t, ff, eps, g, m = self.cfg, self.t, L.ffn, self.cfg.rms_norm_eps, self.b.k_gemv, x.shape[0]
         if isinstance(ff, MoEFFN):
-            router_kw = self._rows_kw(ff.w_router, ff.w_router.shape[0])
+            router_kw = self._rows_kw(ff.w_router, ff.w_router.shape[0], m, k)
             return [("moe_router", lambda: g.gemv(
                         x, ff.w_router, self.router_logits[:m], pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
                         xn_out=self.xn[:m], m=m, **router_kw)),
@@ -243,8 +262,8 @@ class BatchRoundDecoder:
                         block_n=t.moe.block_n, block_k=t.moe.block_k, down_block_n=t.moe_down.block_n,
                         down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps,
                         down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))]
-        up_kw = self._rows_kw(ff.w_gate_up, ff.w_gate_up.shape[0] // 2)
-        down_kw = self._rows_kw(ff.w_down, c.hidden_size)
+        up_kw = self._rows_kw(ff.w_gate_up, ff.w_gate_up.shape[0] // 2, m, k)
+        down_kw = self._rows_kw(ff.w_down, c.hidden_size, m, k)
         return self._rmsnorm_gemv("mlp_gate_up+swiglu", x, L.post_norm, ff.w_gate_up, self.act_dense[:m], m, norm_once,
                                   epi=g.EPI_SWIGLU, **up_kw) + [
             ("mlp_down", lambda: g.gemv(self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m, **down_kw))]
@@ -260,16 +279,16 @@ class BatchRoundDecoder:
                  self.acc[:k], self.dpos[:k])
 
         def head(x, fc_in, pos, m, live_rows, first, norm_once=False):
-            fc_kw = self._rows_kw(w.fc, c.hidden_size)
+            fc_kw = self._rows_kw(w.fc, c.hidden_size, x.shape[0], k)
             steps = [first, ("fc", lambda: g.gemv(fc_in, w.fc, x, m=x.shape[0], **fc_kw))]
             steps += self._attention(self.head, x, pos, start, m, k, self.draft_cos, self.draft_sin, norm_once)
-            return steps + self._ffn(self.head, x, live_rows, norm_once)
+            return steps + self._ffn(self.head, x, live_rows, k, norm_once)
 
         def lm_head():
             return ("lm_head+argmax", lambda: g.gemv(
                 u1, self.draft_lm, self.dlogits[:k], pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
                 aux0=self.dpmax[:k], aux1=self.dpidx[:k], xn_out=g1, eps=eps, m=k, n=self.draft_vocab,
-                **self.dlm_kw))
+                **self._rows_kw(self.draft_lm, self.draft_vocab, k, k, self.t.lm_rows)))
 
         def pick_input(j):  # each live slot's d_j, and the fc input of its chained step (g, d_j)
             return ("pick+input", lambda: ks.draft_pick_input(
@@ -284,7 +303,7 @@ class BatchRoundDecoder:
         # each slot's rows base..base+M-1 from (hidden_j, y_j); its row acc drafts d_1
         first = ("input", lambda: ks.mtp_input(self.y[:k].reshape(-1), w.embed, self.hn[:R],
                                                w.pre_fc_norm_embedding, w.pre_fc_norm_hidden, self.fc_in[:R], eps))
-        steps = head(u, self.fc_in[:R], self.base[:k], M, self.row_live[:R], first, self.norm_once)
+        steps = head(u, self.fc_in[:R], self.base[:k], M, self.row_live[:R], first, self._norm_once(R, k))
         steps.append(("select", select))
         out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + [lm_head()]]
         for j in range(1, M - 1):  # chained: (g, d_j) at row base + acc + j drafts d_{j+1}

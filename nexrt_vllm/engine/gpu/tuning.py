@@ -79,10 +79,13 @@ class Tuning:
     gemv_rows: tuple[RowsRule, ...] = (RowsRule(4096, 16, 256, 1, 5), RowsRule(10000, 32, 256, 2, 3),
                                        RowsRule(NO_LIMIT, 32, 256, 2, 3))
     # The batched round's GEMVs over more than 8 rows (B slots x M positions, up to 32); empty: `gemv_rows`.
-    # At 32 rows the `gemv_rows` shapes (tuned at 4 rows: 1-2 warps) spill registers in the RMSNorm-prologue
-    # launches (sm_90 ptxas: 255 registers and 260-370 bytes of spill stores for qkv, gate/up, in_proj +
-    # conv); 4-warp programs of 16 weight rows do not. Empty until a device sweep has timed the candidates.
-    gemv_rows_wide: tuple[RowsRule, ...] = ()
+    # `gemv_rows` with K split over two programs for N <= 4096 (the N = 2048 MLP down, GDN out_proj, o_proj,
+    # head fc: 128 programs of one warp, fewer than the GPU's SMs): the H200 sweep's best of five
+    # (benchmarks/results/gpu/round_knobs_2b_h200.json; with gdn_recommit, B = 8 round 2,927 -> 2,794 µs,
+    # B = 4 2,339 -> 2,261; decode_bench B = 8 2.934 -> 2.808 ms, B = 4 2.344 -> 2.265). At 4 rows (the
+    # one-request round) the same split lost (1,959 -> 2,004 µs), so `gemv_rows` keeps one split.
+    gemv_rows_wide: tuple[RowsRule, ...] = (RowsRule(4096, 16, 256, 1, 5, 2), RowsRule(10000, 32, 256, 2, 3),
+                                            RowsRule(NO_LIMIT, 32, 256, 2, 3))
     gemv_gated_rows: RowsShape = RowsShape(8, 1024, 8, 0)
     lm_rows: RowsShape = RowsShape(64, 256, 4, 3)
     gemv_gated: GemvShape = GemvShape(8, 1024, 8)  # GDN out_proj (gated-norm prologue)
@@ -103,9 +106,16 @@ class Tuning:
     # per position; the commit runs the accepted tokens again over the live state, every GDN layer in one
     # launch (kernels/gdn.py `Recommit`; each GDN layer then keeps its own verify rows of [q|k|v|z|b|a]
     # until the commit). The verify's B x M state writes (4 MiB a slot and layer at 2B; 576 MiB a round at
-    # B = 8) become B state writes at the commit, and 18 commit launches one. Off until a device run has
-    # timed it.
-    gdn_recommit: bool = False
+    # B = 8) become B state writes at the commit, and 18 commit launches one. H200, decode_bench at 8K
+    # (round_knobs_2b_h200.json): 2B round 1.916 -> 1.864 ms, B = 8 3.154 -> 2.934; 35B-A3B 5.362 -> 5.218.
+    gdn_recommit: bool = True
+    # The batched round's launch choices (GEMV shapes and kernels, the norm in a launch of its own) follow
+    # the rows of the replay's bucket, so one live slot runs the one-request round's choices (with the
+    # choices of its 8 slots' 32 rows, an 8-slot node at concurrency 1 served a round every 2.62 ms where
+    # the one-request round takes 2.30; H100, 2B, 8K, docs/BENCHMARKS.md). True:
+    # they follow the node's capacity in every bucket, so a request's arithmetic (not only its greedy
+    # tokens) does not depend on how many requests share the node, at that cost.
+    batch_invariant: bool = False
     # The batched round's RMSNorm GEMVs (GDN in_proj + conv, attention qkv, dense gate/up, lm_head; the
     # verify's and the MTP head's pass over B x M rows) at this many rows or more: the norm once per row
     # in a launch of its own (kernels/gemv.py `rmsnorm_rows`), then plain GEMVs. In the fused prologue
