@@ -26,6 +26,7 @@ setup(
         "tqdm",
         "tokenizers",
         "prometheus-client",
+        "orjson>=3.8",  # the router's JSON (router/fastjson.py; it falls back to the standard library)
     ],
     extras_require={
         "engine": ["torch>=2.4", "safetensors", "tqdm"],

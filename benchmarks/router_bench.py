@@ -11,6 +11,9 @@ router runs as the real `nexrt-router` process; the client is this process. Meas
   emit and receive times compare across processes).
 
     python -m benchmarks.router_bench --requests 50 --tokens 64 --out benchmarks/results/router_bench.json
+
+`--prompt-tokens N` sends each prompt as N token ids (an agent's long context: the router reads them, writes
+them into the vLLM leg's body and reads them back from vLLM's answer) instead of a short text.
 """
 from __future__ import annotations
 
@@ -27,15 +30,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def serve_fakes(tokenizer_dir: str, token_interval: float) -> None:
+def serve_fakes(tokenizer_dir: str, token_interval: float, max_len: int) -> None:
     """Child mode: fake vLLM + fake node; prints their URLs as one JSON line, serves until EOF."""
     from aiohttp import web
     from nexrt_vllm.testing.router_fakes import FakeNode, FakeVLLM, Loop, Model
 
     loop = Loop()
     model = Model(tokenizer_dir)
-    vllm = FakeVLLM(model, tokenizer_dir)
-    node = FakeNode(model, vllm)
+    vllm = FakeVLLM(model, tokenizer_dir, max_model_len=max_len)
+    node = FakeNode(model, vllm, max_seq_len=max_len)
     node.token_delay = token_interval
 
     async def emits(request):
@@ -55,7 +58,7 @@ def pct(xs: list[float]) -> dict:
     return {"p50": q(50), "p90": q(90), "p99": q(99), "mean": statistics.fmean(xs), "n": len(xs)}
 
 
-async def measure(urls: dict, router: str, n_req: int, n_tok: int) -> dict:
+async def measure(urls: dict, router: str, n_req: int, n_tok: int, prompt_tokens: int = 0) -> dict:
     import aiohttp
 
     from nexrt_vllm.handoff.contracts import AdmitReply, AdmitRequest, Claim, GenerateRequest, Sampling
@@ -68,7 +71,8 @@ async def measure(urls: dict, router: str, n_req: int, n_tok: int) -> dict:
                 return await r.json()
 
         for i in range(n_req):
-            prompt = f"benchmark request number {i}"
+            prompt = f"benchmark request number {i}" if not prompt_tokens else \
+                [(7 * j + i) % 1000 + 10 for j in range(prompt_tokens)]
             # Direct prefill leg (what the router's TTFT is built on).
             t0 = time.monotonic()
             async with s.post(urls["vllm"] + "/v1/completions", json={
@@ -124,14 +128,16 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="completion tokens per request")
     ap.add_argument("--token-interval-ms", type=float, default=2.0,
                     help="the fake node's pace (keeps tokens from queueing)")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="prompts of this many token ids (0: a short text prompt)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "router_bench.json"))
     ap.add_argument("--serve-fakes", metavar="TOKENIZER_DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_fakes:
-        serve_fakes(args.serve_fakes, args.token_interval_ms / 1e3)
+        serve_fakes(args.serve_fakes, args.token_interval_ms / 1e3, args.prompt_tokens + args.tokens + 4096)
         return 0
-    if args.requests < 1 or args.tokens < 2:
-        ap.error("--requests >= 1 and --tokens >= 2")
+    if args.requests < 1 or args.tokens < 2 or args.prompt_tokens < 0:
+        ap.error("--requests >= 1, --tokens >= 2 and --prompt-tokens >= 0")
 
     from nexrt_vllm.testing import make_tokenizer
 
@@ -140,7 +146,8 @@ def main(argv=None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE),
                                                          os.environ.get("PYTHONPATH", "")])}
     fakes = subprocess.Popen([sys.executable, "-m", "benchmarks.router_bench", "--serve-fakes",
-                              tmp, "--token-interval-ms", str(args.token_interval_ms)],
+                              tmp, "--token-interval-ms", str(args.token_interval_ms),
+                              "--prompt-tokens", str(args.prompt_tokens), "--tokens", str(args.tokens)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                              cwd=os.path.dirname(HERE))
     router = None
@@ -155,14 +162,20 @@ def main(argv=None) -> int:
                                    "--log-level", "WARNING"])
         url = f"http://127.0.0.1:{port}"
         asyncio.run(_wait(url))
-        res = asyncio.run(measure(urls, url, args.requests, args.tokens))
+        res = asyncio.run(measure(urls, url, args.requests, args.tokens, args.prompt_tokens))
     finally:
         if router is not None:
             router.terminate()
             router.wait(10)
         fakes.stdin.close()
         fakes.wait(10)
-    res["config"] = {"requests": args.requests, "tokens": args.tokens,
+    try:
+        import orjson  # noqa: F401 - what router/fastjson.py reads and writes with
+        json_lib = "orjson"
+    except ImportError:
+        json_lib = "json (standard library)"
+    res["config"] = {"requests": args.requests, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
+                     "router_json": json_lib,
                      "token_interval_ms": args.token_interval_ms, "host_cpus": os.cpu_count(),
                      "note": "loopback, fake upstreams (router overhead only)"}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

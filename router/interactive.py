@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import time
 import logging
 import uuid
@@ -20,6 +19,7 @@ from aiohttp import web
 
 from nexrt_vllm.handoff.contracts import AdmitReply, Claim, GenerateRequest
 
+from . import fastjson
 from . import params as P
 from .affinity import Affinity, session_key
 from .errors import APIError
@@ -100,7 +100,7 @@ class InteractivePath:
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         raw = await request.read()
         try:
-            body = json.loads(raw)
+            body = fastjson.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"request body is not valid JSON: {e}") from None
         model, info = await self.models.resolve(

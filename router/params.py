@@ -262,7 +262,8 @@ def parse(body, kind: str, max_model_len: int | None, auto_tools: bool = False,
                 raise Unsupported(Reason.BATCHED_PROMPT, 501, "batched prompts are not supported on the "
                                   "interactive tier; send one prompt per request", param="prompt")
             p = p[0]
-        ids_ok = isinstance(p, list) and all(_is_int(t) for t in p)
+        # token ids: ints, not bools (the type itself: one C-level pass over an agent's 64K ids, not 64K calls)
+        ids_ok = isinstance(p, list) and set(map(type, p)) <= {int}
         if not p or not (isinstance(p, str) or ids_ok):
             raise _bad("'prompt' must be a non-empty string or list of token ids", "prompt")
     model = body.get("model")

@@ -16,6 +16,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
+from . import fastjson
 from .errors import APIError
 from .health import NodeHealth
 from .interactive import InteractivePath
@@ -56,7 +57,8 @@ class Router:
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, app: web.Application) -> None:
         conn = aiohttp.TCPConnector(limit=0)
-        self.session = aiohttp.ClientSession(connector=conn)
+        # the upstream bodies (the vLLM leg's carries the client's prompt) written by orjson where installed
+        self.session = aiohttp.ClientSession(connector=conn, json_serialize=fastjson.dumps)
         # Standard-class traffic passes through byte for byte (no decompression).
         self.proxy_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                                    auto_decompress=False)

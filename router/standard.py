@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from . import fastjson
 from . import params as P
 from .errors import APIError
 from .fallback import DEGRADED_HEADER, Fallback
@@ -70,7 +71,7 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict, connect_t
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     raise StandardError(502, "the standard path's stream ended without a finish")
-                obj = json.loads(data)
+                obj = fastjson.loads(data)  # the first chunk carries the prompt's ids
                 if "error" in obj:
                     err = obj["error"]
                     raise StandardError(502, f"vLLM: {err.get('message') if isinstance(err, dict) else err}")

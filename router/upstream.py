@@ -11,6 +11,7 @@ import aiohttp
 from nexrt_vllm.handoff.contracts import (AdmitReply, AdmitRequest, CancelRequest, ContractError, GenerateRequest,
                                           HandoffReport, Refusal)
 
+from . import fastjson
 from .errors import APIError
 
 
@@ -146,7 +147,7 @@ async def vllm_prefill(session: aiohttp.ClientSession, url: str, body: dict,
     """The one-token vLLM leg. Upstream 4xx are passed through with vLLM's own message."""
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            data = await r.json(content_type=None)
+            data = await r.json(content_type=None, loads=fastjson.loads)
     except asyncio.TimeoutError:
         raise APIError(504, f"vLLM prefill timed out after {timeout:g}s") from None
     except (aiohttp.ClientError, json.JSONDecodeError) as e:

@@ -47,7 +47,7 @@ fi
 # Everything the tests, benchmarks and the demo import beyond vLLM's own requirements is named here,
 # even where vLLM brings it today: a fresh machine must not depend on what a dependency happens to pull.
 run $PY -m pip install -q "pyzmq>=27" "msgpack>=1.2" aiohttp requests openai tokenizers transformers safetensors \
-  tqdm numpy "scipy>=1.11" jinja2 jsonschema matplotlib pytest pytest-timeout prometheus-client
+  tqdm numpy "scipy>=1.11" jinja2 jsonschema matplotlib pytest pytest-timeout prometheus-client "orjson>=3.8"
 run $PY -m pip install -q --no-build-isolation --no-deps -e .
 if [ "$stack" = cpu ]; then
   run $PY -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
