@@ -429,6 +429,9 @@ def main(argv=None) -> int:
                     "random bf16 weights only: not with --graft, --dtype fp8 or --speculative)")
     ap.add_argument("--batch", default="", help="batch sizes, e.g. 1,2,4,8: the captured batch step (B requests "
                     "per step, nexrt_vllm/bench/batch_step.py) against the one-request step (1), bf16")
+    ap.add_argument("--batch-slots", type=int, default=0,
+                    help="with --batch and --speculative mtp: every batch size as the bucket of a node of this many "
+                         "slots (what a --max-batch N node replays with B requests live; 1 too); 0: B slots each")
     ap.add_argument("--batch-parity-steps", type=int, default=64,
                     help="with --batch: greedy tokens per slot checked against the request alone (0: none)")
     args = ap.parse_args(argv)
@@ -491,12 +494,14 @@ def main(argv=None) -> int:
             ap.error(f"--batch: sizes in [1, 8], got {args.batch!r}")
         if dtypes != ["bf16"] or args.tp > 1 or (args.speculative != "off" and args.graft):
             ap.error("--batch runs bf16 weights at --tp 1 (with --speculative: random weights, not --graft)")
+        if args.batch_slots and (args.speculative != "mtp" or not batches[-1] <= args.batch_slots <= 8):
+            ap.error(f"--batch-slots: with --speculative mtp, from the largest batch size to 8, got {args.batch_slots}")
         for key in args.shapes.split(","):
             try:
                 if args.speculative == "mtp":
                     results["shapes"].append(batch_round.run_batch_round_shape(
                         key, contexts, batches, args.steps, tuning, args.num_speculative_tokens, args.draft_vocab,
-                        args.breakdown_ctx))
+                        args.breakdown_ctx, args.batch_slots))
                     save()
                     continue
                 results["shapes"].append(batch_step.run_batch_shape(

@@ -8,6 +8,10 @@ graph, every slot live, each at the same context) and the plain batch step (gpu/
 Random weights and a random head: timing only (the tokens and acceptance of the batched round are
 checked on trained checkpoints, tests/gpu/test_batch_graph.py). Per-request tok/s at an acceptance
 length L = L / round time (InferenceX's golden 3.39 for 3 drafts); total = B times that.
+
+With `slots` N (`--batch-slots`), every batch size B (1 too) is the bucket a node of N slots replays with
+B requests live: the graph over its first B slots of an N-slot decoder, whose launch choices follow the
+bucket's rows (or N's with Tuning.batch_invariant); the rows' "step_ms" is then the one-request step.
 """
 from __future__ import annotations
 
@@ -23,38 +27,42 @@ from nexrt_vllm.bench.shapes import NAMES, SHAPES
 GOLDEN = {3: 3.39, 4: 3.97}  # InferenceX's pinned acceptance length by drafts per round (Qwen3.5 MTP)
 
 
-def _groups(rd, reps: int = 20) -> dict:
-    """Device time of each launch group of the batched round (its launches back to back in one graph)."""
-    times = S.group_times(rd.plan(), lambda: rd.b.k_common.launch_options(rd.b.pdl),
+def _groups(rd, k: int | None = None, reps: int = 20) -> dict:
+    """Device time of each launch group of the batched round over slots 0..k-1 (default: all; its launches
+    back to back in one graph)."""
+    times = S.group_times(rd.plan(k), lambda: rd.b.k_common.launch_options(rd.b.pdl),
                           (rd.pos, rd.tok, rd.step, rd.round, rd.acc, rd.base), reps)
     return {name: {"launches": n, "us_per_round": sec * 1e6} for name, (n, sec) in times.items()}
 
 
-def build(eng, layers, tuning, B: int, max_len: int, num_spec: int, draft_vocab, gen: torch.Generator):
+def build(eng, layers, tuning, B: int, max_len: int, num_spec: int, draft_vocab, gen: torch.Generator,
+          slots: int = 0):
     """The plain batch step and the batched round over B slots (every slot live, random tokens) sharing
     `layers` (a FusedDecoder's weights) under `tuning`: (states, batch decoder, round decoder, step graph,
-    round graph)."""
+    round graph). `slots` N >= B: the decoders hold N slots and the graphs are their bucket of the first B
+    (no step graph for B = 1: a batch step has 2 slots or more)."""
     from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
     from nexrt_vllm.engine.gpu.batch_round import BatchRoundDecoder
     from nexrt_vllm.engine.gpu.runner import capture_graph
     from nexrt_vllm.engine.state import StackedStates
 
-    M = num_spec + 1
-    states = StackedStates(eng.model.config, B, max_len, eng.dtype, eng.device, pad_rows=M)
+    M, n = num_spec + 1, max(slots, B)
+    states = StackedStates(eng.model.config, n, max_len, eng.dtype, eng.device, pad_rows=M)
     bd = BatchDecoder(eng.model, states, tuning, layers=layers)
     rd = BatchRoundDecoder(bd, eng.speculative.drafter.w, num_spec, draft_vocab)
     bd.live.zero_()
-    g_step = capture_graph(bd.launch, (bd.step, bd.tok, bd.pos), (bd.ring, bd.ring_host))
-    g_round = capture_graph(rd.launch, (rd.step, rd.round, rd.tok, rd.pos), ())
-    bd.live.fill_(1)
-    rd.row_live.fill_(1)
-    rd.tok.copy_(torch.randint(3, bd.cfg.vocab_size, (B, M), generator=gen, device=gen.device))
+    g_step = capture_graph(lambda: bd.launch(B), (bd.step, bd.tok, bd.pos), (bd.ring, bd.ring_host)) \
+        if B >= 2 else None
+    g_round = capture_graph(lambda: rd.launch(B), (rd.step, rd.round, rd.tok, rd.pos), ())
+    bd.live[:B].fill_(1)
+    rd.row_live[:B * M].fill_(1)
+    rd.tok.copy_(torch.randint(3, bd.cfg.vocab_size, (n, M), generator=gen, device=gen.device))
     bd.tok.copy_(rd.tok[:, 0])
     return states, bd, rd, g_step, g_round
 
 
 def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], steps: int, tuning=None,
-                          num_spec: int = 3, draft_vocab=None, breakdown_ctx: int = 8192) -> dict:
+                          num_spec: int = 3, draft_vocab=None, breakdown_ctx: int = 8192, slots: int = 0) -> dict:
     t0 = time.time()
     M = num_spec + 1
     max_len = max(contexts, default=0) + (steps + 8) * M + 64
@@ -65,7 +73,7 @@ def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], ste
     L = GOLDEN.get(num_spec)
     res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "random", "dtype": "bf16", "pdl": fused.pdl,
            "batches": batches, "num_speculative_tokens": num_spec, "acceptance_length": L,
-           "draft_vocab": spec1.d.draft_vocab, "rows": []}
+           "draft_vocab": spec1.d.draft_vocab, "slots": slots or None, "rows": []}
     gen = torch.Generator(device=eng.device).manual_seed(1234)
     base: dict[int, float] = {}
 
@@ -79,26 +87,28 @@ def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], ste
             r["tok_s_total_at_acceptance"] = B * L / t_round
         return r
 
-    if 1 in batches:
+    one_step: dict[int, float] = {}
+    if 1 in batches or slots:
         for ctx in contexts:
             S.fill_context(eng, ctx, gen)
             t_step, t_round = spec_round.time_step_and_round(eng, fused, g1, spec1, ctx, steps)
-            base[ctx] = t_round
-            res["rows"].append(row(1, ctx, t_round, t_step))
+            base[ctx], one_step[ctx] = t_round, t_step
+            res["rows"].append(dict(row(1, ctx, t_round, t_step), one_request=True))
             S.log(f"[{key}/batch-round] B 1 ctx {ctx}: round {t_round * 1e3:.3f} ms = {t_round / t_step:.2f}x step")
-    for B in [b for b in batches if b > 1]:
+    for B in [b for b in batches if b > 1 or slots]:
         t1 = time.time()
-        states, bd, rd, g_step, g_round = build(eng, fused.layers, tuning, B, max_len, num_spec, draft_vocab, gen)
+        states, bd, rd, g_step, g_round = build(eng, fused.layers, tuning, B, max_len, num_spec, draft_vocab, gen,
+                                                slots)
         S.log(f"[{key}/batch-round] B {B}: captured in {time.time() - t1:.1f}s, {len(rd.plan())} launches, GPU mem "
               f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
         for ctx in contexts:
             fill_slots(states, ctx, gen)
-            t_step = S.time_from(g_step, bd.pos, ctx, steps)
+            t_step = S.time_from(g_step, bd.pos, ctx, steps) if g_step is not None else one_step[ctx]
             t_round = S.time_from(g_round, rd.pos, ctx, steps)
             r = row(B, ctx, t_round, t_step)
             if ctx == breakdown_ctx:
                 rd.pos.fill_(ctx)
-                r["groups"] = _groups(rd)
+                r["groups"] = _groups(rd, B)
             res["rows"].append(r)
             S.log(f"[{key}/batch-round] B {B} ctx {ctx}: round {t_round * 1e3:.3f} ms = {r['round_over_step']:.2f}x "
                   f"its step" + (f", {r['round_over_b1_round']:.2f}x the B 1 round" if ctx in base else "")
