@@ -152,7 +152,12 @@ class BatchRoundDecoder:
     def _rows_kw(self, w, n_out: int, rows: int, k: int, shape: RowsShape | None = None, dot: bool = False) -> dict:
         """The keywords of an M-row GEMV over `rows` rows of slots 0..k-1: `shape` (else the `gemv_rows` rule for
         n_out outputs, `gemv_rows_wide`'s past 8 rows), on the tensor-core kernel past 8 rows (the fold keeps at
-        most 8 rows in registers) or with `dot`; rows as `_choice_rows` counts them."""
+        most 8 rows in registers) or with `dot`; rows as `_choice_rows` counts them. One row (the head's chained
+        steps of one slot) without a fixed shape: the one-row GEMV's own rule, as the one-request round's chain
+        runs it (the M-row rules' 16-row, one-warp shapes on the one-row kernel took the H100's chained gate/up
+        121 µs a round against 42)."""
+        if shape is None and not dot and self._choice_rows(rows, k) == 1:
+            return gemv_kwargs(self.t, w, self.t.shape(n_out))
         wide = self._choice_rows(rows, k) > 8
         s = shape or self.t.shape(n_out, rows=True, wide=wide)
         if (dot or wide) and s.stages == 0:
@@ -202,12 +207,21 @@ class BatchRoundDecoder:
         x = self.xr[:R] if once else self.res[:R]
         norm = [("gdn_in_proj+conv", lambda: g.rmsnorm_rows(self.res[:R], L.input_norm, x, m=R, eps=eps))] \
             if once else []
-        return norm + [
-            ("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
+        if self._choice_rows(R, k) == M:
+            # one slot: the one-request round's launch over slot 0's conv state (read only) and window; the
+            # per-slot kernel, which stores the rows and reads them back for the conv, took the H100's
+            # one-slot round 417 µs here against the one-request round's 286
+            conv = ("gdn_in_proj+conv", lambda: g.gemv(
+                x, m.w_in, buf[:R], pro=g.PRO_NONE if once else g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
+                aux0=st.conv[0], aux1=m.conv_w, window=self.window[i][0], eps=eps, conv_n=c.conv_dim,
+                kc=c.conv_kernel, m=M, **gemv_kwargs(t, m.w_in, t.shape(m.w_in.shape[0], rows=True), t.prefetch_conv)))
+        else:
+            conv = ("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
                 x, m.w_in, buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
                 eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
-                num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots,
-                normed=once)),
+                num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots, normed=once))
+        return norm + [
+            conv,
             ("gdn_step", lambda: kr.gdn_verify_rows(
                 buf[:R], st.rec, None if self.recommit else self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias,
                 live, m=M, **gdn_kw(c, t))),

@@ -110,9 +110,10 @@ class Tuning:
     # (round_knobs_2b_h200.json): 2B round 1.916 -> 1.864 ms, B = 8 3.154 -> 2.934; 35B-A3B 5.362 -> 5.218.
     gdn_recommit: bool = True
     # The batched round's launch choices (GEMV shapes and kernels, the norm in a launch of its own) follow
-    # the rows of the replay's bucket, so one live slot runs the one-request round's choices (with the
-    # choices of its 8 slots' 32 rows, an 8-slot node at concurrency 1 served a round every 2.62 ms where
-    # the one-request round takes 2.30; H100, 2B, 8K, docs/BENCHMARKS.md). True:
+    # the rows of the replay's bucket, so one live slot runs the one-request round's choices (its in_proj +
+    # conv launch, one-row GEMVs in the head's chained steps). With the choices of its 8 slots' 32 rows an
+    # 8-slot node's one-slot round took 2.574 ms where the one-request round takes 2.245 (H100, 2B, 8K,
+    # decode_bench --batch-slots 8; the bucket's own GEMV shapes alone: 2.506). True:
     # they follow the node's capacity in every bucket, so a request's arithmetic (not only its greedy
     # tokens) does not depend on how many requests share the node, at that cost.
     batch_invariant: bool = False
