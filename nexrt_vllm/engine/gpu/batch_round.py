@@ -21,7 +21,10 @@ the end are junk no token comes from (the K/V caches carry M rows of slack, Stac
 Greedy requests without logprobs or grammar (the others decode on their slot engine's eager round).
 `BatchRoundRunner` is the host side: `join`, `step`, `leave` as gpu/batch_runner.py's, a step being
 one round (each request gets 1..M tokens from it); as there, one graph per bucket of slots (1, 2, 4,
-... B: the first k slots, k * M rows), the smallest holding every live slot replayed.
+... B: the first k slots, k * M rows), the smallest holding every live slot replayed. Each bucket makes
+the launch choices of its own rows, and the one-slot bucket runs the one-request round's in_proj + conv
+launch and one-row GEMVs, so a batch node serving one request rounds as fast as a one-request node
+(Tuning.batch_invariant: every bucket makes the node's choices instead).
 """
 from __future__ import annotations
 
