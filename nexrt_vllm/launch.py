@@ -64,8 +64,10 @@ class Procs:
     def check(self) -> None:
         for name, p, log in self.procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {p.returncode}; last lines of {log}:\n"
-                                   + tail_log(log))
+                first = error_lines(log)
+                raise RuntimeError(f"{name} exited with code {p.returncode}; "
+                                   + (f"its first error lines:\n{first}" if first else "")
+                                   + f"last lines of {log}:\n" + tail_log(log))
 
     def stop(self, timeout: float = 20.0) -> None:
         for _, p, _ in reversed(self.procs):
@@ -92,6 +94,25 @@ def tail_log(path: str, n: int = 30) -> str:
             return "".join(f.readlines()[-n:])
     except OSError:
         return "(no log)"
+
+
+def error_lines(path: str, n: int = 8) -> str:
+    """The first n distinct lines of a log that name an error or exception (or are logged at ERROR), not
+    traceback frames: a server whose child process failed (vLLM's engine core) logs the cause there, far
+    above the parent's closing traceback that the last lines show."""
+    out: list[str] = []
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                s = line.strip()
+                named = "Error" in s or "Exception" in s or " ERROR " in s
+                if named and not s.startswith(("File ", "raise ", "^")) and s not in out:
+                    out.append(s)
+                    if len(out) == n:
+                        break
+    except OSError:
+        return ""
+    return "".join(x + "\n" for x in out)
 
 
 def kv_transfer_config(transport: str) -> dict:
