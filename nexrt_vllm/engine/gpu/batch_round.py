@@ -210,21 +210,27 @@ class BatchRoundDecoder:
         x = self.xr[:R] if once else self.res[:R]
         norm = [("gdn_in_proj+conv", lambda: g.rmsnorm_rows(self.res[:R], L.input_norm, x, m=R, eps=eps))] \
             if once else []
+        pro = g.PRO_NONE if once else g.PRO_RMSNORM
         if self._choice_rows(R, k) == M:
             # one slot: the one-request round's launch over slot 0's conv state (read only) and window; the
             # per-slot kernel, which stores the rows and reads them back for the conv, took the H100's
             # one-slot round 417 µs here against the one-request round's 286
-            conv = ("gdn_in_proj+conv", lambda: g.gemv(
-                x, m.w_in, buf[:R], pro=g.PRO_NONE if once else g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
-                aux0=st.conv[0], aux1=m.conv_w, window=self.window[i][0], eps=eps, conv_n=c.conv_dim,
-                kc=c.conv_kernel, m=M, **gemv_kwargs(t, m.w_in, t.shape(m.w_in.shape[0], rows=True), t.prefetch_conv)))
+            conv = [("gdn_in_proj+conv", lambda: g.gemv(
+                x, m.w_in, buf[:R], pro=pro, epi=g.EPI_CONV, norm_w=L.input_norm, aux0=st.conv[0], aux1=m.conv_w,
+                window=self.window[i][0], eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, m=M,
+                **gemv_kwargs(t, m.w_in, t.shape(m.w_in.shape[0], rows=True), t.prefetch_conv)))]
+        elif t.conv_split:  # the projection as a plain M-row GEMV, then the conv in a launch of its own
+            conv = [("gdn_in_proj+conv", lambda: g.gemv(x, m.w_in, buf[:R], pro=pro, norm_w=L.input_norm, eps=eps, m=R,
+                                                        **self._rows_kw(m.w_in, m.w_in.shape[0], R, k))),
+                    ("gdn_in_proj+conv", lambda: kr.conv_slots(
+                        buf[:R], st.conv, m.conv_w, self.window[i][:k], live, m=M, conv_n=c.conv_dim,
+                        kc=c.conv_kernel, all_slots=t.conv_all_slots))]
         else:
-            conv = ("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
+            conv = [("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
                 x, m.w_in, buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
                 eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
-                num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots, normed=once))
-        return norm + [
-            conv,
+                num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots, normed=once))]
+        return norm + conv + [
             ("gdn_step", lambda: kr.gdn_verify_rows(
                 buf[:R], st.rec, None if self.recommit else self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias,
                 live, m=M, **gdn_kw(c, t))),

@@ -102,6 +102,12 @@ class Tuning:
     # loads, barriers and stores per program. On since the H100 sweep (benchmarks/results/gpu/
     # batch_round_sweep_2b_h100.json): with norm_rows 16 it took the B = 8 round 3,778 -> 3,770 µs.
     conv_all_slots: bool = True
+    # The batched round's GDN in_proj + conv in buckets of more than one slot as a plain M-row GEMV (the
+    # round's other projections' kernel and shapes) and then the conv alone (kernels/batch_round.py
+    # `conv_slots`), instead of the fused per-slot kernel, which stores its rows and reads them back for the
+    # conv: on an H100 that launch took 500 µs at B = 8 and 375 at B = 4 for 609 MB of weights, where the
+    # dense gate/up reads twice the bytes in 535 / 517 (gpu/batch_slots_2b_h100.json). Off until timed.
+    conv_split: bool = False
     # The speculative rounds' GDN verify (the one-request round's and the batched round's) keeps no state
     # per position; the commit runs the accepted tokens again over the live state, every GDN layer in one
     # launch (kernels/gdn.py `Recommit`; each GDN layer then keeps its own verify rows of [q|k|v|z|b|a]
