@@ -203,22 +203,22 @@ class BatchRoundDecoder:
         c, t, m, eps, M, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.kr, self.b.k_gemv
         R, live, st = k * M, self.live[:k], self.states.gdn(i)
         buf = self.gdn_buf.get(i, self.buf)  # Tuning.gdn_recommit: the layer's own rows, read again at the commit
-        once = self._norm_once(R, k)
+        once, rows = self._norm_once(R, k), self._choice_rows(R, k)
         sh = self._rows_kw(m.w_in, m.w_in.shape[0], R, k, dot=True)  # the per-slot conv follows the tensor-core loop
-        split = self._choice_rows(R, k) >= t.gated_norm_rows
+        split = rows >= t.gated_norm_rows
         gated = self._rows_kw(m.w_out, c.hidden_size, R, k, None if split else t.gemv_gated_rows)
         x = self.xr[:R] if once else self.res[:R]
         norm = [("gdn_in_proj+conv", lambda: g.rmsnorm_rows(self.res[:R], L.input_norm, x, m=R, eps=eps))] \
             if once else []
         pro = g.PRO_NONE if once else g.PRO_RMSNORM
-        if self._choice_rows(R, k) == M:
+        if rows == M:
             # one slot: the one-request round's launch over slot 0's conv state (read only) and window; the
             # per-slot kernel, which stores the rows and reads them back for the conv, took the H100's
             # one-slot round 417 µs here against the one-request round's 286
             conv = [("gdn_in_proj+conv", lambda: g.gemv(
                 x, m.w_in, buf[:R], pro=pro, epi=g.EPI_CONV, norm_w=L.input_norm, aux0=st.conv[0], aux1=m.conv_w,
                 window=self.window[i][0], eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, m=M,
-                **gemv_kwargs(t, m.w_in, t.shape(m.w_in.shape[0], rows=True), t.prefetch_conv)))]
+                **self.b.rows_shape(m.w_in, m.w_in.shape[0], t.prefetch_conv)))]
         elif t.conv_split:  # the projection as a plain M-row GEMV, then the conv in a launch of its own
             conv = [("gdn_in_proj+conv", lambda: g.gemv(x, m.w_in, buf[:R], pro=pro, norm_w=L.input_norm, eps=eps, m=R,
                                                         **self._rows_kw(m.w_in, m.w_in.shape[0], R, k))),

@@ -58,12 +58,8 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
              mask=(jr < R)[:, None] & rmask[None, :])
     if pid * BLOCK_N < CONV_N:  # programs past the conv channels are done
         tl.debug_barrier()  # the rows this program stored, read back below by other threads of it
-        if ALL_SLOTS:
-            _conv_all_slots(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win,
-                            jr, R, rows, rmask, CONV_N, M, MP, KC, KCP)
-        else:
-            _conv_each_slot(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win,
-                            rows, rmask, pid, CONV_N, B, M, MP, KC, KCP)
+        _conv(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, jr, R, rows, rmask,
+              pid, CONV_N, B, M, MP, KC, KCP, ALL_SLOTS)
 
 
 @triton.jit
@@ -78,6 +74,16 @@ def conv_slots_kernel(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stri
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < CONV_N
     jr = tl.arange(0, RP)
+    _conv(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, jr, R, rows, rmask,
+          pid, CONV_N, B, M, MP, KC, KCP, ALL_SLOTS)
+
+
+@triton.jit
+def _conv(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, jr, R, rows, rmask,
+          pid, CONV_N, B, M: tl.constexpr, MP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
+          ALL_SLOTS: tl.constexpr):
+    """The verify's conv over this program's channels `rows` of the R projected rows of y: every row at once
+    (ALL_SLOTS, `_conv_all_slots`) or slot after slot (`_conv_each_slot`)."""
     if ALL_SLOTS:
         _conv_all_slots(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, jr, R,
                         rows, rmask, CONV_N, M, MP, KC, KCP)
@@ -217,6 +223,17 @@ def attn_verify_combine_rows_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_pt
 
 # ---- launchers ------------------------------------------------------------------------------------
 
+def _check_slots(fn: str, r: int, nb: int, m: int, conv, window, conv_n: int, kc: int, y=None) -> None:
+    """The conv launchers' layout checks: r = nb x m rows (at most MAX_ROWS), conv [B, conv_n, kc-1] and window
+    [B, conv_n, >= kc-1+m] per slot with unit column strides (and y's, when the launch reads y back)."""
+    if r != nb * m or not 1 <= r <= MAX_ROWS:
+        raise ValueError(f"{fn}: {nb} slots x {m} rows = {r} rows, at most {MAX_ROWS}")
+    if conv.dim() != 3 or conv[0].stride() != (kc - 1, 1) or window.dim() != 3 or window.shape[2] < kc - 1 + m \
+            or window.stride(2) != 1 or (y is not None and y.stride(1) != 1):
+        raise ValueError(f"{fn}: conv [B, {conv_n}, {kc - 1}] and window [B, {conv_n}, >= {kc - 1 + m}] per slot, "
+                         f"unit column stride{'s' if y is not None else ''}")
+
+
 def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv_n, kc, block_n, block_k, num_warps,
                     stages=2, all_slots=False, normed=False):
     """y [B*m, N] = the GDN in_proj of RMSNorm(x [B*m, K]) (w [N, K] bf16), then per live slot b the verify's
@@ -225,12 +242,7 @@ def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv
     `all_slots`: every slot's rows in one pass (Tuning.conv_all_slots); `normed`: x is RMSNorm(x) already
     (gemv.rmsnorm_rows; norm_w unused)."""
     r, k, n, nb = x.shape[0], w.shape[1], w.shape[0], live.numel()
-    if r != nb * m or not 1 <= r <= MAX_ROWS:
-        raise ValueError(f"gemv_conv_slots: {nb} slots x {m} rows = {r} rows, at most {MAX_ROWS}")
-    if conv.dim() != 3 or conv[0].stride() != (kc - 1, 1) or window.dim() != 3 or window.shape[2] < kc - 1 + m \
-            or window.stride(2) != 1:
-        raise ValueError(f"gemv_conv_slots: conv [B, {conv_n}, {kc - 1}] and window [B, {conv_n}, >= {kc - 1 + m}] "
-                         f"per slot, unit column stride")
+    _check_slots("gemv_conv_slots", r, nb, m, conv, window, conv_n, kc)
     block_k = min(block_k, triton.next_power_of_2(k))
     if block_n < 16 or block_k < 16:
         raise ValueError(f"gemv_conv_slots: the tensor-core loop needs block_n and block_k >= 16 (got {block_n}, "
@@ -249,12 +261,7 @@ def conv_slots(y, conv, conv_w, window, live, *, m, conv_n, kc, block_n=32, all_
     rows' first conv_n columns of y [B*m, >= conv_n] (the in_proj's output, bf16) from its conv state conv[b]
     ([B, conv_n, kc-1], read only), in place, and its window window[b] ([B, conv_n, kc-1+m])."""
     r, nb = y.shape[0], live.numel()
-    if r != nb * m or not 1 <= r <= MAX_ROWS:
-        raise ValueError(f"conv_slots: {nb} slots x {m} rows = {r} rows, at most {MAX_ROWS}")
-    if conv.dim() != 3 or conv[0].stride() != (kc - 1, 1) or window.dim() != 3 or window.shape[2] < kc - 1 + m \
-            or window.stride(2) != 1 or y.stride(1) != 1:
-        raise ValueError(f"conv_slots: conv [B, {conv_n}, {kc - 1}] and window [B, {conv_n}, >= {kc - 1 + m}] "
-                         f"per slot, unit column strides")
+    _check_slots("conv_slots", r, nb, m, conv, window, conv_n, kc, y)
     conv_slots_kernel[(triton.cdiv(conv_n, block_n),)](
         y, conv, conv_w, window, live, y.stride(0), conv.stride(0), window.stride(0), window.stride(1), conv_n, nb,
         R=r, RP=triton.next_power_of_2(r), M=m, MP=triton.next_power_of_2(m), KC=kc,
