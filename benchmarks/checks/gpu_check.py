@@ -20,6 +20,7 @@ status is 1 if any failed (nexrt_vllm.bench.checks), the benchmark's own failure
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -264,7 +265,7 @@ def engine_graph(steps: int) -> dict:
     return out
 
 
-def spec_parity(steps: int, arch: str, checkpoints: str) -> dict:
+def spec_parity(steps: int, arch: str, checkpoints: str, tuning=None) -> dict:
     """Greedy tokens of the captured MTP round (`Engine.use_graph("fused")` with `enable_speculative`) ==
     the eager one-token loop for `steps` tokens, from the full prompt context (prefill) and after a
     hand-off (no head context); the acceptance length of the trained head; a stop id and a context
@@ -281,7 +282,7 @@ def spec_parity(steps: int, arch: str, checkpoints: str) -> dict:
     eng = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_seq_len=max_len, progress=False)
     eng.enable_speculative("mtp", 3)
     t0 = time.time()
-    eng.use_graph("fused")
+    eng.use_graph("fused", tuning=tuning)
     out = {"capture_s": time.time() - t0, "launches_per_round": len(eng.spec_graph.d.plan())}
     prompt = step.periodic_prompt(380, period=11)[0]  # what the tiny checkpoints were trained to continue
     sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
@@ -438,6 +439,8 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative", action="store_true", help="the captured MTP round (Engine.use_graph with "
                     "speculative decoding) against the eager one-token loop on trained tiny checkpoints with a "
                     "trained MTP head (--checkpoints: <arch>/ made with connector_harness.TRAINED_MTP)")
+    ap.add_argument("--spec-tuning", default="", help="Tuning fields of the --speculative round graph "
+                    "(decode_bench --tuning's form, e.g. commit_overlap=1)")
     ap.add_argument("--bench-args", default="", help="then run benchmarks/decode_bench.py with these arguments")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -465,7 +468,11 @@ def main(argv=None) -> int:
                 traceback.print_exc()
                 report[name] = {"error": f"{type(e).__name__}: {e}"}
             save()
-    for on, key, fn in ((args.fp8, "fp8_parity", fp8_parity), (args.speculative, "spec_parity", spec_parity)):
+    spec_tuning = step.tuning_from(args.spec_tuning)[0] if args.spec_tuning else None
+    if spec_tuning is not None:
+        report["spec_tuning"] = args.spec_tuning
+    for on, key, fn in ((args.fp8, "fp8_parity", fp8_parity),
+                        (args.speculative, "spec_parity", functools.partial(spec_parity, tuning=spec_tuning))):
         for arch in filter(None, args.arches.split(",")) if on else ():
             try:
                 report.setdefault(key, {})[arch] = fn(args.tiny_steps, arch, args.checkpoints)

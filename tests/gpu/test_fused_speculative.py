@@ -139,7 +139,8 @@ def test_four_drafts(ckpt_factory):
     launch of its own (`Tuning.gated_norm_rows` <= M), the batch decoders' path for many rows; the verify's
     GEMVs with K split over two programs (`RowsShape.splits`: the K = 256 ones; K = 128 is one block); the GDN
     verify keeping a state per position for the commit to pick (`Tuning.gdn_recommit` off; the other tests run
-    the default, the commit running the accepted tokens again)."""
+    the default, the commit running the accepted tokens again); the round's attention in other K/V splits
+    than the step's (`Tuning.round_attn_splits`)."""
     path = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
     plain = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
     eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
@@ -151,8 +152,10 @@ def test_four_drafts(ckpt_factory):
     assert list(eng.stream(first, sp)) == want
     eager_rounds, eng.speculative.rounds = eng.speculative.rounds, [0] * 6
     runner = on_graph_path(eng, tuning=dataclasses.replace(CPU_TUNING, gated_norm_rows=5, gdn_recommit=False,
-                                                           gemv_rows=((1 << 62, 64, 128, 4, 2, 2),)))
+                                                           gemv_rows=((1 << 62, 64, 128, 4, 2, 2),),
+                                                           round_attn_splits=4))
     assert runner.M == 5 and not runner.d.recommit and runner.d.commit_all is None
+    assert runner.d.attn_scratch["m_buf"].numel() == 5 * eng.model.config.num_heads * 4  # the round's 4 splits
     gdn_layers = len(eng.model.config.gdn_layers)
     plan = [s.group for s in runner.d.plan()]
     assert plan.count("verify_gdn_out_norm") == plan.count("verify_gdn_out_proj") == gdn_layers  # norm, then GEMV

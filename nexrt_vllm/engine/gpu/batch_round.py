@@ -38,7 +38,7 @@ from nexrt_vllm.engine.errors import EngineError, NotBuiltError
 from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder, gated_out_proj
 from nexrt_vllm.engine.gpu.batch_runner import SlotEvent, SlotRunner
 from nexrt_vllm.engine.gpu.control import RING, wait_record
-from nexrt_vllm.engine.gpu.decoder import Launch, gdn_kw
+from nexrt_vllm.engine.gpu.decoder import Launch, gdn_kw, run_plan
 from nexrt_vllm.engine.gpu.fusion import FusedLayer, GDNMixer, MoEFFN
 from nexrt_vllm.engine.gpu.spec_round import SYNTHETIC_ROUNDS, draft_rows, fuse_head
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
@@ -98,6 +98,8 @@ class BatchRoundDecoder:
             [(self.gdn_buf[i], self.states.gdn(i).conv, self.states.gdn(i).rec, self.window[i],
               batch.layers[i].mixer.a_log, batch.layers[i].mixer.dt_bias) for i in c.gdn_layers], m=M,
             slots=True, **gdn_kw(c, self.t)) if self.recommit and c.gdn_layers else None
+        # Tuning.commit_overlap: the GDN commit's stream (gpu/decoder.py run_plan)
+        self.side = torch.cuda.Stream(dev) if self.t.commit_overlap and dev.type == "cuda" else None
         rows = L + M  # the head's cache (and the target's, read up to M rows past its end)
         self.attn_scratch = {k: z(*s, d=torch.float32) for k, s in batch_round.verify_rows_scratch(
             n, M, c.num_heads, self.t.slot_attn_splits, rows, c.head_dim).items()}
@@ -339,8 +341,7 @@ class BatchRoundDecoder:
     def launch(self, k: int | None = None) -> None:
         """Enqueue one round over slots 0..k-1 (default: all)."""
         with self.b.k_common.launch_options(self.b.pdl):
-            for s in self.plan(k):
-                s.run()
+            run_plan(self.plan(k), self.side)
         if self.b.control == "pinned-copy":  # the rings reach the host by copy nodes (gpu/control.py)
             self.ring_host.copy_(self.ring, non_blocking=True)
             self.rounds_host.copy_(self.rounds, non_blocking=True)

@@ -39,7 +39,7 @@ from nexrt_vllm.engine.errors import EngineError, NotBuiltError
 from nexrt_vllm.engine.fp8 import FP8Weight
 from nexrt_vllm.engine.gpu.batch_decoder import gated_out_proj
 from nexrt_vllm.engine.gpu.control import RING, wait_record
-from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch, gdn_kw
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch, gdn_kw, run_plan
 from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
 from nexrt_vllm.engine.gpu.runner import GraphRunner, capture_graph
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
@@ -135,6 +135,8 @@ class SpecDecoder:
         self.rounds_host, self.rounds = f.mem.host["rounds"], f.mem.device["rounds"]
         # pinned acceptance (benchmarks): accepted-draft counts per round, refilled by the host per stream
         self.forced = z(SYNTHETIC_ROUNDS, d=i64) if spec.synthetic is not None else None
+        # Tuning.commit_overlap: the GDN commit's stream (run_plan)
+        self.side = torch.cuda.Stream(dev) if f.t.commit_overlap and dev.type == "cuda" else None
 
     def _weights(self):
         for L in self.f.layers:
@@ -147,8 +149,8 @@ class SpecDecoder:
 
     def _attn_scratch(self, m: int) -> dict:
         c, t, dev = self.cfg, self.f.t, self.f.state.device
-        sizes = self.f.k_attn.verify_scratch_sizes(m, c.num_heads, t.attn_splits, self.f.state.max_seq_len + self.M,
-                                                   c.head_dim)
+        sizes = self.f.k_attn.verify_scratch_sizes(m, c.num_heads, t.spec_attn_splits,
+                                                   self.f.state.max_seq_len + self.M, c.head_dim)
         return {k: torch.zeros(n, dtype=torch.float32, device=dev) for k, n in sizes.items()}
 
     # ---- the round ---------------------------------------------------------------------------------
@@ -211,7 +213,7 @@ class SpecDecoder:
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim, eps=eps, m=m)),
             ("attn_splitk+combine", lambda: f.k_attn.attention_verify(
                 q, a.state.k, a.state.v, pos, buf, o, **self.attn_scratch, m=m, num_heads=c.num_heads,
-                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.attn_splits,
+                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.spec_attn_splits,
                 block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(
                 o, a.w_o, x, epi=g.EPI_RESIDUAL, m=m, **f.gemv_shape(a.w_o, c.hidden_size, rows=m > 1)))]
@@ -279,8 +281,7 @@ class SpecDecoder:
 
     def launch(self) -> None:
         with self.f.launch_options():
-            for s in self.plan():
-                s.run()
+            run_plan(self.plan(), self.side)
         if self.f.control == "pinned-copy":  # the rings reach the host by copy nodes (gpu/control.py)
             self.f.ring_host.copy_(self.f.ring, non_blocking=True)
             self.rounds_host.copy_(self.rounds, non_blocking=True)

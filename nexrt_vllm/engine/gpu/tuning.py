@@ -115,6 +115,11 @@ class Tuning:
     # B = 8) become B state writes at the commit, and 18 commit launches one. H200, decode_bench at 8K
     # (round_knobs_2b_h200.json): 2B round 1.916 -> 1.864 ms, B = 8 3.154 -> 2.934; 35B-A3B 5.362 -> 5.218.
     gdn_recommit: bool = True
+    # The speculative rounds' GDN commit on a second stream, beside the MTP head's draft launches that follow
+    # it (gpu/decoder.py `run_plan`): the draft reads none of the GDN state and the commit none of the head's
+    # buffers, and the draft's small, launch-bound kernels leave the GPU room. The next round's verify waits
+    # for both (the join is in the graph). Off until timed on a GPU.
+    commit_overlap: bool = False
     # The batched round's launch choices (GEMV shapes and kernels, the norm in a launch of its own) follow
     # the rows of the replay's bucket, so one live slot runs the one-request round's choices (its in_proj +
     # conv launch, one-row GEMVs in the head's chained steps). With the choices of its 8 slots' 32 rows an
@@ -138,6 +143,10 @@ class Tuning:
     # batched round at B = 8 spent 535 µs in attention over ~130 µs of K/V bytes). 64: the H100 sweep's
     # best with the two knobs above (B = 8 round 3,657 µs, B = 4 2,896; 32 was close, 256 lost).
     batch_attn_splits: int = 64
+    # The K/V splits of the one-request speculative round's attention (its verify's M rows, the MTP head's
+    # passes; 0: attn_splits, which the plain step keeps). The H200 sweep put 64 20-30 µs a round ahead of
+    # 128 at 2B, 8K (round_knobs_2b_h200.json, one process); 0 until a process-separated A/B.
+    round_attn_splits: int = 0
     attn_block: int = 64
     attn_min_per: int = 64
     attn_warps: int = 4
@@ -208,6 +217,11 @@ class Tuning:
                 s = rule.shape
                 return RowsShape(*s, 0) if rows and isinstance(s, GemvShape) else s
         raise AssertionError("unreachable: the last gemv rule has no row limit")
+
+    @property
+    def spec_attn_splits(self) -> int:
+        """The K/V splits of the one-request speculative round (`round_attn_splits`, else `attn_splits`)."""
+        return self.round_attn_splits or self.attn_splits
 
     @property
     def slot_attn_splits(self) -> int:
