@@ -440,7 +440,7 @@ def main(argv=None) -> int:
                     "speculative decoding) against the eager one-token loop on trained tiny checkpoints with a "
                     "trained MTP head (--checkpoints: <arch>/ made with connector_harness.TRAINED_MTP)")
     ap.add_argument("--spec-tuning", default="", help="Tuning fields of the --speculative round graph "
-                    "(decode_bench --tuning's form, e.g. commit_overlap=1)")
+                    "(decode_bench --tuning's form, e.g. round_attn_splits=64)")
     ap.add_argument("--bench-args", default="", help="then run benchmarks/decode_bench.py with these arguments")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -1,6 +1,5 @@
 """The batched round's GDN in_proj + conv (kernels/batch_round.py `gemv_conv_slots`): B slots x M positions,
-the conv epilogue slot by slot or over every slot's rows at once (`Tuning.conv_all_slots`), or after a plain
-M-row GEMV in a launch of its own (`conv_slots`, `Tuning.conv_split`: the fused kernel's rows and windows).
+the conv epilogue slot by slot or over every slot's rows at once (`Tuning.conv_all_slots`).
 
 Both forms give the same rows and windows (byte for byte in the interpreter; on a device within the fp32
 summation order of a reduction's layout), leave the live conv states and a dead slot's window untouched,
@@ -62,33 +61,6 @@ def test_conv_all_slots_equals_slot_by_slot(slots, m):
              aux1=cw, conv_n=conv_n, kc=kc, block_n=16, block_k=32, m=m, window=wa, dot=2)
         assert rel(y1[rows], ya) < SAME, b
         assert rel(w1[b], wa) < SAME, b
-
-
-@pytest.mark.parametrize("all_slots", [False, True])
-def test_conv_alone_after_the_projection_equals_the_fused_kernel(all_slots):
-    slots, m, conv_n, extra, kc = 4, 4, CONV_N, EXTRA, KC
-    r = slots * m
-    x, nw, w, cw, conv = conv_inputs(43, slots, m)
-    conv0 = conv.clone()
-    live = torch.tensor([1, 0, 1, 1], dtype=torch.int32)
-    out = {}
-    for split in (False, True):
-        y = torch.full((r, conv_n + extra + 8), float("nan"), dtype=BF)[:, :conv_n + extra]  # a strided buffer
-        window = torch.full((slots, conv_n, kc - 1 + m + 2), float("nan"), dtype=BF)
-        if split:
-            call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, eps=1e-6, block_n=16, block_k=32, m=r, dot=2)
-            call(batch_round.conv_slots, y, conv, cw, window, live, m=m, conv_n=conv_n, kc=kc, block_n=16,
-                 all_slots=all_slots)
-        else:
-            call(batch_round.gemv_conv_slots, x, w, y, nw, conv, cw, window, live, m=m, eps=1e-6, conv_n=conv_n,
-                 kc=kc, block_n=16, block_k=32, num_warps=2, all_slots=all_slots)
-        assert torch.equal(conv, conv0)  # the live states: read only
-        assert window[1].isnan().all() and window[:, :, kc - 1 + m:].isnan().all()  # a dead slot's window
-        out[split] = y, window[:, :, :kc - 1 + m]
-    (y0, w0), (y1, w1) = out[False], out[True]
-    assert not y1.isnan().any()
-    assert rel(y1, y0) < SAME and rel(w1[live.bool()], w0[live.bool()]) < SAME
-    if DEV == "cpu":
-        assert torch.equal(y1, y0) and torch.equal(w1[live.bool()], w0[live.bool()])
-    with pytest.raises(ValueError, match="slots x"):
-        batch_round.conv_slots(y[:r - 1], conv, cw, window, live, m=m, conv_n=conv_n, kc=kc)
+    with pytest.raises(ValueError, match="slots x"):  # rows that are not slots x m
+        batch_round.gemv_conv_slots(x[:r - 1], w, y1[:r - 1], nw, conv, cw, w1, live, m=m, eps=1e-6, conv_n=conv_n,
+                                    kc=kc, block_n=16, block_k=32, num_warps=2)

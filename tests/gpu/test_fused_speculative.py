@@ -29,8 +29,8 @@ K = 3  # drafts per round: M = 4
 # The verify's GEMVs on the tensor-core kernel (2 stages), its GDN out_proj on the fold kernel, as on the H200.
 CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128, 4, 2),), gemv_gated=(64, 128, 4),
                     gemv_gated_rows=(64, 128, 4, 0), gemv_router=(64, 128, 4), prefetch=0, lm=(128, 256, 4),
-                    lm_rows=(128, 128, 4, 2), attn_splits=2, attn_block=32, gdn_block_v=64, moe=(64, 128, 1),
-                    moe_down=(64, 64, 1))
+                    lm_rows=(128, 128, 4, 2), attn_splits=2, round_attn_splits=0, attn_block=32, gdn_block_v=64,
+                    moe=(64, 128, 1), moe_down=(64, 64, 1))
 
 
 def engines(ckpt_factory, arch):

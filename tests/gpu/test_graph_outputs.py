@@ -173,8 +173,8 @@ def test_fused_step_variants_choose_from_the_masked_logits(setup, sample):
 
     eng, grammars, logits, (n0, snap) = setup
     eng.import_state(n0, snap)
-    tuning = Tuning(gemv=((1 << 62, 64, 128, 4),), lm=(128, 256, 4), attn_splits=4, attn_block=32, gdn_block_v=64,
-                    tail_chunk=128)
+    tuning = Tuning(gemv=((1 << 62, 64, 128, 4),), lm=(128, 256, 4), attn_splits=4, round_attn_splits=0, attn_block=32,
+                    gdn_block_v=64, tail_chunk=128)
     d = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
     c = _constraint(grammars, eng, StructuredSpec("regex", "[a-z]{2,8}"))
     tok = int(apply_mask(logits, c.fill()).argmax())

@@ -23,8 +23,8 @@ kernels.load(interpret=True)
 torch.set_num_threads(1)
 SLOTS, MAX_LEN = 3, 64
 CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128, 4, 2),), prefetch=0,
-                    lm=(128, 256, 4), lm_rows=(128, 128, 4, 2), attn_splits=2, attn_block=32, gdn_block_v=64,
-                    moe=(64, 128, 1), moe_down=(64, 64, 1))
+                    lm=(128, 256, 4), lm_rows=(128, 128, 4, 2), attn_splits=2, round_attn_splits=0, attn_block=32,
+                    gdn_block_v=64, moe=(64, 128, 1), moe_down=(64, 64, 1))
 
 
 def test_greedy_jobs_on_the_batch_step_the_others_eager(ckpt_factory):

@@ -38,7 +38,7 @@ from nexrt_vllm.engine.errors import EngineError, NotBuiltError
 from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder, gated_out_proj
 from nexrt_vllm.engine.gpu.batch_runner import SlotEvent, SlotRunner
 from nexrt_vllm.engine.gpu.control import RING, wait_record
-from nexrt_vllm.engine.gpu.decoder import Launch, gdn_kw, run_plan
+from nexrt_vllm.engine.gpu.decoder import Launch, gdn_kw
 from nexrt_vllm.engine.gpu.fusion import FusedLayer, GDNMixer, MoEFFN
 from nexrt_vllm.engine.gpu.spec_round import SYNTHETIC_ROUNDS, draft_rows, fuse_head
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
@@ -98,8 +98,6 @@ class BatchRoundDecoder:
             [(self.gdn_buf[i], self.states.gdn(i).conv, self.states.gdn(i).rec, self.window[i],
               batch.layers[i].mixer.a_log, batch.layers[i].mixer.dt_bias) for i in c.gdn_layers], m=M,
             slots=True, **gdn_kw(c, self.t)) if self.recommit and c.gdn_layers else None
-        # Tuning.commit_overlap: the GDN commit's stream (gpu/decoder.py run_plan)
-        self.side = torch.cuda.Stream(dev) if self.t.commit_overlap and dev.type == "cuda" else None
         rows = L + M  # the head's cache (and the target's, read up to M rows past its end)
         self.attn_scratch = {k: z(*s, d=torch.float32) for k, s in batch_round.verify_rows_scratch(
             n, M, c.num_heads, self.t.slot_attn_splits, rows, c.head_dim).items()}
@@ -221,12 +219,6 @@ class BatchRoundDecoder:
                 x, m.w_in, buf[:R], pro=pro, epi=g.EPI_CONV, norm_w=L.input_norm, aux0=st.conv[0], aux1=m.conv_w,
                 window=self.window[i][0], eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, m=M,
                 **self.b.rows_shape(m.w_in, m.w_in.shape[0], t.prefetch_conv)))]
-        elif t.conv_split:  # the projection as a plain M-row GEMV, then the conv in a launch of its own
-            conv = [("gdn_in_proj+conv", lambda: g.gemv(x, m.w_in, buf[:R], pro=pro, norm_w=L.input_norm, eps=eps, m=R,
-                                                        **self._rows_kw(m.w_in, m.w_in.shape[0], R, k))),
-                    ("gdn_in_proj+conv", lambda: kr.conv_slots(
-                        buf[:R], st.conv, m.conv_w, self.window[i][:k], live, m=M, conv_n=c.conv_dim,
-                        kc=c.conv_kernel, all_slots=t.conv_all_slots))]
         else:
             conv = [("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
                 x, m.w_in, buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
@@ -341,7 +333,8 @@ class BatchRoundDecoder:
     def launch(self, k: int | None = None) -> None:
         """Enqueue one round over slots 0..k-1 (default: all)."""
         with self.b.k_common.launch_options(self.b.pdl):
-            run_plan(self.plan(k), self.side)
+            for s in self.plan(k):
+                s.run()
         if self.b.control == "pinned-copy":  # the rings reach the host by copy nodes (gpu/control.py)
             self.ring_host.copy_(self.ring, non_blocking=True)
             self.rounds_host.copy_(self.rounds, non_blocking=True)

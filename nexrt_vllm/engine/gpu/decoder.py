@@ -40,30 +40,6 @@ def gdn_kw(cfg: ModelConfig, t: Tuning) -> dict:
                 num_warps=t.gdn_warps)
 
 
-def run_plan(steps, side: torch.cuda.Stream | None = None, side_groups: tuple[str, ...] = ("commit",)) -> None:
-    """Enqueue `steps` in order; with a `side` stream (CUDA only), the launches of `side_groups` go to it,
-    forked after everything enqueued before the first of them and joined after the last launch, so they
-    overlap the launches that follow them on the current stream (a captured graph keeps the fork and join as
-    edges). The caller vouches that nothing after them reads what they write, nor writes what they read,
-    before the join (Tuning.commit_overlap: the GDN commit beside the MTP head's draft)."""
-    if side is None:
-        for s in steps:
-            s.run()
-        return
-    main, forked = torch.cuda.current_stream(), False
-    for s in steps:
-        if s.group in side_groups:
-            if not forked:
-                side.wait_stream(main)
-                forked = True
-            with torch.cuda.stream(side):
-                s.run()
-        else:
-            s.run()
-    if forked:
-        main.wait_stream(side)
-
-
 @dataclass(frozen=True, eq=False)
 class Launch:
     """One kernel launch of the fused step: its group (the benchmark times and counts bytes per group),

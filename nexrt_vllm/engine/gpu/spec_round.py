@@ -39,7 +39,7 @@ from nexrt_vllm.engine.errors import EngineError, NotBuiltError
 from nexrt_vllm.engine.fp8 import FP8Weight
 from nexrt_vllm.engine.gpu.batch_decoder import gated_out_proj
 from nexrt_vllm.engine.gpu.control import RING, wait_record
-from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch, gdn_kw, run_plan
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch, gdn_kw
 from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
 from nexrt_vllm.engine.gpu.runner import GraphRunner, capture_graph
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
@@ -135,8 +135,6 @@ class SpecDecoder:
         self.rounds_host, self.rounds = f.mem.host["rounds"], f.mem.device["rounds"]
         # pinned acceptance (benchmarks): accepted-draft counts per round, refilled by the host per stream
         self.forced = z(SYNTHETIC_ROUNDS, d=i64) if spec.synthetic is not None else None
-        # Tuning.commit_overlap: the GDN commit's stream (run_plan)
-        self.side = torch.cuda.Stream(dev) if f.t.commit_overlap and dev.type == "cuda" else None
 
     def _weights(self):
         for L in self.f.layers:
@@ -281,7 +279,8 @@ class SpecDecoder:
 
     def launch(self) -> None:
         with self.f.launch_options():
-            run_plan(self.plan(), self.side)
+            for s in self.plan():
+                s.run()
         if self.f.control == "pinned-copy":  # the rings reach the host by copy nodes (gpu/control.py)
             self.f.ring_host.copy_(self.f.ring, non_blocking=True)
             self.rounds_host.copy_(self.rounds, non_blocking=True)

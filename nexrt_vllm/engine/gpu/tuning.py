@@ -102,12 +102,6 @@ class Tuning:
     # loads, barriers and stores per program. On since the H100 sweep (benchmarks/results/gpu/
     # batch_round_sweep_2b_h100.json): with norm_rows 16 it took the B = 8 round 3,778 -> 3,770 µs.
     conv_all_slots: bool = True
-    # The batched round's GDN in_proj + conv in buckets of more than one slot as a plain M-row GEMV (the
-    # round's other projections' kernel and shapes) and then the conv alone (kernels/batch_round.py
-    # `conv_slots`), instead of the fused per-slot kernel, which stores its rows and reads them back for the
-    # conv: on an H100 that launch took 500 µs at B = 8 and 375 at B = 4 for 609 MB of weights, where the
-    # dense gate/up reads twice the bytes in 535 / 517 (gpu/batch_slots_2b_h100.json). Off until timed.
-    conv_split: bool = False
     # The speculative rounds' GDN verify (the one-request round's and the batched round's) keeps no state
     # per position; the commit runs the accepted tokens again over the live state, every GDN layer in one
     # launch (kernels/gdn.py `Recommit`; each GDN layer then keeps its own verify rows of [q|k|v|z|b|a]
@@ -115,11 +109,6 @@ class Tuning:
     # B = 8) become B state writes at the commit, and 18 commit launches one. H200, decode_bench at 8K
     # (round_knobs_2b_h200.json): 2B round 1.916 -> 1.864 ms, B = 8 3.154 -> 2.934; 35B-A3B 5.362 -> 5.218.
     gdn_recommit: bool = True
-    # The speculative rounds' GDN commit on a second stream, beside the MTP head's draft launches that follow
-    # it (gpu/decoder.py `run_plan`): the draft reads none of the GDN state and the commit none of the head's
-    # buffers, and the draft's small, launch-bound kernels leave the GPU room. The next round's verify waits
-    # for both (the join is in the graph). Off until timed on a GPU.
-    commit_overlap: bool = False
     # The batched round's launch choices (GEMV shapes and kernels, the norm in a launch of its own) follow
     # the rows of the replay's bucket, so one live slot runs the one-request round's choices (its in_proj +
     # conv launch, one-row GEMVs in the head's chained steps). With the choices of its 8 slots' 32 rows an
@@ -144,9 +133,10 @@ class Tuning:
     # best with the two knobs above (B = 8 round 3,657 µs, B = 4 2,896; 32 was close, 256 lost).
     batch_attn_splits: int = 64
     # The K/V splits of the one-request speculative round's attention (its verify's M rows, the MTP head's
-    # passes; 0: attn_splits, which the plain step keeps). The H200 sweep put 64 20-30 µs a round ahead of
-    # 128 at 2B, 8K (round_knobs_2b_h200.json, one process); 0 until a process-separated A/B.
-    round_attn_splits: int = 0
+    # passes; 0: attn_splits, which the plain step keeps). 64: the H200 sweep put it 20-30 µs a round ahead
+    # of 128 at 2B, 8K (round_knobs_2b_h200.json), and the H100's process-separated A/B 20 µs (2.206 ->
+    # 2.186 ms; 32 no gain; round_knobs_ab_h100.json).
+    round_attn_splits: int = 64
     attn_block: int = 64
     attn_min_per: int = 64
     attn_warps: int = 4

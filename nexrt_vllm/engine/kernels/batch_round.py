@@ -17,7 +17,6 @@ cache plus M (`verify_rows_scratch`).
 - `gemv_conv_slots_kernel`: the GDN in_proj of all rows (RMSNorm prologue), then per live slot the
   verify's causal conv over its M rows from its conv state into its window (gemv_verify
   `_epilogue_rows` EPI 3, the rows read back after the projection stored them);
-- `conv_slots_kernel`: that conv alone, over rows a plain M-row GEMV projected (Tuning.conv_split);
 - `gdn_verify_rows_kernel`: kernels/gdn.py `gdn_verify_kernel` per slot;
 - `qk_rope_rows_kernel`, `attn_verify_{scores,pv,combine}_rows_kernel`: kernels/attention.py's
   verify kernels per slot (its cache, position, first valid row, scratch rows).
@@ -60,22 +59,6 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
         tl.debug_barrier()  # the rows this program stored, read back below by other threads of it
         _conv(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, jr, R, rows, rmask,
               pid, CONV_N, B, M, MP, KC, KCP, ALL_SLOTS)
-
-
-@triton.jit
-def conv_slots_kernel(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, CONV_N, B,
-                      R: tl.constexpr, RP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, KC: tl.constexpr,
-                      KCP: tl.constexpr, BLOCK_N: tl.constexpr, ALL_SLOTS: tl.constexpr, PDL: tl.constexpr):
-    """`gemv_conv_slots_kernel`'s conv epilogue in a launch of its own: BLOCK_N conv channels a program, over
-    the R rows y [R, >= CONV_N] that the projection (a plain M-row GEMV) left, rounded to bf16 as the fused
-    kernel stores them before it reads them back, so the rows, windows and states are the fused kernel's."""
-    pdl_begin(PDL)
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < CONV_N
-    jr = tl.arange(0, RP)
-    _conv(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, jr, R, rows, rmask,
-          pid, CONV_N, B, M, MP, KC, KCP, ALL_SLOTS)
 
 
 @triton.jit
@@ -223,15 +206,15 @@ def attn_verify_combine_rows_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_pt
 
 # ---- launchers ------------------------------------------------------------------------------------
 
-def _check_slots(fn: str, r: int, nb: int, m: int, conv, window, conv_n: int, kc: int, y=None) -> None:
-    """The conv launchers' layout checks: r = nb x m rows (at most MAX_ROWS), conv [B, conv_n, kc-1] and window
-    [B, conv_n, >= kc-1+m] per slot with unit column strides (and y's, when the launch reads y back)."""
+def _check_slots(fn: str, r: int, nb: int, m: int, conv, window, conv_n: int, kc: int) -> None:
+    """The conv launcher's layout checks: r = nb x m rows (at most MAX_ROWS), conv [B, conv_n, kc-1] and window
+    [B, conv_n, >= kc-1+m] per slot with unit column strides."""
     if r != nb * m or not 1 <= r <= MAX_ROWS:
         raise ValueError(f"{fn}: {nb} slots x {m} rows = {r} rows, at most {MAX_ROWS}")
     if conv.dim() != 3 or conv[0].stride() != (kc - 1, 1) or window.dim() != 3 or window.shape[2] < kc - 1 + m \
-            or window.stride(2) != 1 or (y is not None and y.stride(1) != 1):
+            or window.stride(2) != 1:
         raise ValueError(f"{fn}: conv [B, {conv_n}, {kc - 1}] and window [B, {conv_n}, >= {kc - 1 + m}] per slot, "
-                         f"unit column stride{'s' if y is not None else ''}")
+                         f"unit column strides")
 
 
 def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv_n, kc, block_n, block_k, num_warps,
@@ -254,18 +237,6 @@ def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT=1 if ASM else 2, ALL_SLOTS=all_slots,
         PRO=0 if normed else 1, **LAUNCH,
         num_warps=num_warps, num_stages=stages)
-
-
-def conv_slots(y, conv, conv_w, window, live, *, m, conv_n, kc, block_n=32, all_slots=True):
-    """The verify's causal conv + SiLU of `gemv_conv_slots` alone (Tuning.conv_split): per live slot b, its m
-    rows' first conv_n columns of y [B*m, >= conv_n] (the in_proj's output, bf16) from its conv state conv[b]
-    ([B, conv_n, kc-1], read only), in place, and its window window[b] ([B, conv_n, kc-1+m])."""
-    r, nb = y.shape[0], live.numel()
-    _check_slots("conv_slots", r, nb, m, conv, window, conv_n, kc, y)
-    conv_slots_kernel[(triton.cdiv(conv_n, block_n),)](
-        y, conv, conv_w, window, live, y.stride(0), conv.stride(0), window.stride(0), window.stride(1), conv_n, nb,
-        R=r, RP=triton.next_power_of_2(r), M=m, MP=triton.next_power_of_2(m), KC=kc,
-        KCP=triton.next_power_of_2(max(kc - 1, 1)), BLOCK_N=block_n, ALL_SLOTS=all_slots, **LAUNCH, num_warps=4)
 
 
 def gdn_verify_rows(buf, state, rec_after, out, a_log, dt_bias, live, *, m, num_k_heads, num_v_heads, head_k_dim,
