@@ -9,7 +9,11 @@ agree token for token, and a wrong state shows); a missing one is made there (co
 trained fixtures when they hold the recipe). `--speculative mtp`: the node serves MTP rounds
 (`--num-speculative-tokens`), the checkpoints carry a trained MTP head (connector_harness.TRAINED_MTP),
 and a run is ok only if the node also ran verify rounds (its acceptance histogram, recorded with the
-mean tokens per round). Per family and transport: one vLLM with NexRTConnector
+mean tokens per round). `--turns T`: the node keeps finished requests' context (`--context-cache-gib 1`) and an
+agent's conversation of T turns follows the single requests (each turn's prompt: the last one, its answer
+and 300 new tokens; one `user`); every turn's tokens must equal vLLM-only's, and every turn after the first
+must find its leading tokens held by the node (`nexrt_context_cache_held_tokens_total` grows, so its
+hand-off shipped only the rest; the bytes each turn received are recorded). Per family and transport: one vLLM with NexRTConnector
 (no layout keys: the connector detects them), one GPU decode node (fused graph path), one router. Prompts of
 three lengths, the longest over vLLM's --max-num-batched-tokens (chunked prefill); each goes
 (a) through the router's interactive path (prefill on vLLM, hand-off, decode on the node), completions
@@ -67,6 +71,40 @@ def checkpoint(root: str, family: str, speculative: bool) -> str:
     return d
 
 
+def node_metric(url: str, name: str) -> float:
+    """Sum of a node metric's samples (0 when it has none yet)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith(name) and ln[len(name):len(name) + 1] in (" ", "{"))
+
+
+def conversation(router, plain, model: str, node_url: str, turns: int, n_tokens: int, family: str) -> list[dict]:
+    """An agent's turns through the router against vLLM-only; per turn the tokens, the leading tokens the
+    node held (not shipped) and the hand-off bytes it received."""
+    prompt, out = periodic_prompt(300, seed=200), []
+    for t in range(turns):
+        held0 = node_metric(node_url, "nexrt_context_cache_held_tokens_total")
+        bytes0 = node_metric(node_url, "nexrt_transfer_bytes_total")
+        kw = dict(model=model, prompt=prompt, max_tokens=n_tokens, temperature=0,
+                  extra_body={"return_token_ids": True})
+        ref_ids = list(plain.completions.create(**kw).choices[0].token_ids)
+        got = router.completions.create(**kw, user="parity-agent")
+        ids = list(getattr(got.choices[0], "token_ids", None) or [])
+        div = first_divergence(ids, ref_ids)
+        held = node_metric(node_url, "nexrt_context_cache_held_tokens_total") - held0
+        case = {"turn": t, "prompt_len": len(prompt), "api": "completions-turn", "tokens": ids,
+                "vllm_only": ref_ids, "first_divergence": div, "held_tokens": held,
+                "handoff_bytes": node_metric(node_url, "nexrt_transfer_bytes_total") - bytes0,
+                "equal": div is None and len(ids) == n_tokens and (held > 0) == (t > 0)}
+        out.append(case)
+        log(family, f"turn {t}: {len(prompt)} tokens, held {held:.0f}, {case['handoff_bytes'] / 2**20:.2f} MiB,",
+            "equal" if case["equal"] else f"NOT ok (divergence {div}, held {held:.0f})")
+        prompt = prompt + ids + periodic_prompt(300, seed=201 + t)
+    return out
+
+
 def node_rounds(url: str) -> tuple[float, float | None]:
     """(verify rounds, mean tokens per round) from the node's acceptance histogram."""
     import urllib.request
@@ -79,7 +117,7 @@ def node_rounds(url: str) -> tuple[float, float | None]:
 
 
 def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int, work: str,
-             spec_tokens: int = 0) -> dict:
+             spec_tokens: int = 0, turns: int = 0) -> dict:
     import openai
 
     procs = Procs(work)
@@ -88,6 +126,7 @@ def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int,
     try:
         ready = os.path.join(work, "node.ready")
         spec = ["--speculative", "mtp", "--num-speculative-tokens", str(spec_tokens)] if spec_tokens else []
+        spec += ["--context-cache-gib", "1"] if turns else []
         procs.start("node", [sys.executable, "-m", "nexrt_vllm.node.server", "--model", ckpt, "--device", device,
                              "--port", "0", "--transport", transport, "--max-seq-len", str(max_len),
                              "--ready-file", ready, *spec])
@@ -140,6 +179,8 @@ def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int,
             out["cases"].append({"prompt_len": n, "api": "completions-stream", "text": text,
                                  "vllm_only_text": ref.choices[0].text, "equal": ok})
             log(family, transport, n, "stream equal" if ok else "stream DIFFERS")
+        if turns:
+            out["cases"] += conversation(router, plain, model, node["url"], turns, n_tokens, family)
         out["ok"] = all(c["equal"] for c in out["cases"])
         if spec_tokens:
             out["mtp_rounds"], out["tokens_per_round"] = node_rounds(node["url"])
@@ -166,12 +207,14 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative", choices=("off", "mtp"), default="off",
                     help="mtp: the node serves MTP rounds (checkpoints with a trained MTP head)")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=0, help="then an agent's conversation of this many turns "
+                    "through the node's context cache (0: none)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     spec_tokens = a.num_speculative_tokens if a.speculative == "mtp" else 0
     res = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": a.device,
            "prompt_lengths": LENGTHS, "max_num_batched_tokens": CHUNK, "tokens": a.tokens,
-           "speculative": a.speculative, "num_speculative_tokens": spec_tokens or None, "runs": []}
+           "speculative": a.speculative, "num_speculative_tokens": spec_tokens or None, "turns": a.turns, "runs": []}
     if a.device == "cuda":
         import torch
         res["hw"] = torch.cuda.get_device_name()
@@ -179,7 +222,7 @@ def main(argv=None) -> int:
         for tr in a.transports:
             with tempfile.TemporaryDirectory(prefix=f"parity-{fam}-{tr}-") as work:
                 run = run_case(fam, checkpoint(a.checkpoints, fam, bool(spec_tokens)), tr, a.device, a.tokens, work,
-                               spec_tokens)
+                               spec_tokens, a.turns)
             res["runs"].append(run)
             record(res, f"{fam}/{tr}", run["ok"])
             write(res, a.json)

@@ -115,11 +115,14 @@ def test_decode_bench_batch(out):
 
 @needs_vllm
 def test_gpu_parity(out, tmp_path, ckpt_factory):
-    """vLLM-GPU prefill + the GPU decode node through the router == vLLM-only greedy, both transports."""
+    """vLLM-GPU prefill + the GPU decode node through the router == vLLM-only greedy, both transports; then an
+    agent's three turns, the later ones shipping only what the node's context cache lacks."""
     ck = checkpoints(tmp_path, qwen3_next=ckpt_factory("qwen3_next", "bfloat16", **TRAINED))
     path = os.path.join(out, "gpu_parity.json")
-    assert_passed(run_check("benchmarks.checks.gpu_parity", "--checkpoints", ck, "--families", "qwen3_next",
-                            "--json", path, timeout=2400), path)
+    report = assert_passed(run_check("benchmarks.checks.gpu_parity", "--checkpoints", ck, "--families", "qwen3_next",
+                                     "--turns", "3", "--json", path, timeout=2400), path)
+    turns = [c for r in report["runs"] for c in r["cases"] if c["api"] == "completions-turn"]
+    assert len(turns) == 3 * len(report["runs"]) and all(c["held_tokens"] > 0 for c in turns if c["turn"])
 
 
 @needs_vllm
