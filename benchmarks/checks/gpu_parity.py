@@ -9,16 +9,16 @@ agree token for token, and a wrong state shows); a missing one is made there (co
 trained fixtures when they hold the recipe). `--speculative mtp`: the node serves MTP rounds
 (`--num-speculative-tokens`), the checkpoints carry a trained MTP head (connector_harness.TRAINED_MTP),
 and a run is ok only if the node also ran verify rounds (its acceptance histogram, recorded with the
-mean tokens per round). `--turns T`: the node keeps finished requests' context (`--context-cache-gib 1`) and an
-agent's conversation of T turns follows the single requests (each turn's prompt: the last one, its answer
-and 300 new tokens; one `user`); every turn's tokens must equal vLLM-only's, and every turn after the first
-must find its leading tokens held by the node (`nexrt_context_cache_held_tokens_total` grows, so its
-hand-off shipped only the rest; the bytes each turn received are recorded). Per family and transport: one vLLM with NexRTConnector
-(no layout keys: the connector detects them), one GPU decode node (fused graph path), one router. Prompts of
-three lengths, the longest over vLLM's --max-num-batched-tokens (chunked prefill); each goes
-(a) through the router's interactive path (prefill on vLLM, hand-off, decode on the node), completions
-and chat, and (b) to the same vLLM as an ordinary request (vLLM-only greedy). Tokens must be equal for
---tokens tokens. The JSON has per case both token lists, the first divergence, the hand-off status, the
+mean tokens per round). `--turns T`: the node keeps finished requests' context (`--context-cache-gib 1`)
+and an agent's conversation of T turns follows the single requests (each turn's prompt: the last one, its
+answer and 300 new tokens; one `user`); every turn's tokens must equal vLLM-only's, and every turn after the
+first must find its leading tokens held by the node (`nexrt_context_cache_held_tokens_total` grows, so its
+hand-off shipped only the rest; the bytes each turn received are recorded). Per family and transport: one
+vLLM with NexRTConnector (no layout keys: the connector detects them), one GPU decode node (fused graph
+path), one router. Prompts of three lengths, the longest over vLLM's --max-num-batched-tokens (chunked
+prefill); each goes (a) through the router's interactive path (prefill on vLLM, hand-off, decode on the
+node), completions and chat, and (b) to the same vLLM as an ordinary request (vLLM-only greedy). Tokens must
+be equal for --tokens tokens. The JSON has per case both token lists, the first divergence, the hand-off status, the
 layout line the connector logged, and "ok"; the exit status is 1 unless every run is ok
 (nexrt_vllm.bench.checks).
 """

@@ -214,7 +214,7 @@ def _check_slots(fn: str, r: int, nb: int, m: int, conv, window, conv_n: int, kc
     if conv.dim() != 3 or conv[0].stride() != (kc - 1, 1) or window.dim() != 3 or window.shape[2] < kc - 1 + m \
             or window.stride(2) != 1:
         raise ValueError(f"{fn}: conv [B, {conv_n}, {kc - 1}] and window [B, {conv_n}, >= {kc - 1 + m}] per slot, "
-                         f"unit column strides")
+                         "unit column strides")
 
 
 def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv_n, kc, block_n, block_k, num_warps,
