@@ -13,8 +13,8 @@ real Qwen3.5 `tokenizer.json` (docs/BENCHMARKS.md says how to make it offline), 
 detokenization cost what they do in production. `--layers N` cuts the shape to N layers (labelled in
 the output) where two copies of the model do not fit beside each other.
 
-`--concurrent-baseline` starts plain vLLM beside the NexRT stack (both vLLMs at once, each with a fixed
-KV cache) and adds `ttft_breakdown`: per context, plain vLLM, the connector's vLLM unclaimed (streamed,
+`--concurrent-baseline` starts plain vLLM beside the NexRT stack (one vLLM after the other, each with a
+fixed KV cache, all up together) and adds `ttft_breakdown`: per context, plain vLLM, the connector's vLLM unclaimed (streamed,
 and as the router's one-token leg) and the router path, interleaved prompt by prompt, with the router's
 own split of its TTFT (queue incl. admission, vLLM leg).
 
@@ -25,8 +25,8 @@ the same pinned acceptance length (`--acceptance-length`, default InferenceX's g
 The summary's ratios are then against vLLM + MTP (`ratios_vs_plain_vllm` keeps the others).
 
 `--conc 1 2 4 8` sweeps the client's concurrency (each path measured at each, one path after the other;
-with `--concurrent-baseline` every vLLM starts at once, and each path is measured while the others idle —
-one start-up wait instead of one per path;
+with `--concurrent-baseline` every vLLM stays up, and each path is measured while the others idle —
+one start-up instead of one per path;
 `--max-batch B` gives the node B slots, `--vllm-mtp` adds vLLM + MTP at the golden acceptance as a
 baseline while the node decodes plainly): `concurrency` holds every result, `pareto` the points
 (median tok/s/user, output tok/s per GPU: the prefill vLLM and the node share the one GPU, so a path
@@ -666,15 +666,17 @@ def main(argv=None) -> int:
             node = asyncio.run(wait_file(ready, stack.procs, a.start_timeout, "decode node"))
             summary["node_start_s"] = time.monotonic() - t0
             if a.concurrent_baseline and "vllm" in a.paths:
-                # Both vLLMs start at once, each with a fixed KV cache (no profiling to falsify).
+                # Each with a fixed KV cache, one after the other: vLLM checks the GPU's free memory as it
+                # starts, which a neighbour starting at the same time moves (a third vLLM, + MTP, started with
+                # the other two did not come up on an H200; the cause was not in the log kept then).
                 kv = None if a.device == "cpu" else a.kv_cache_gib << 30
                 vurl = stack.vllm("vllm", model, max_len, a.transport, share, kv)
+                asyncio.run(_up(stack, [(vurl, "vLLM + connector")], a.start_timeout))
                 purl = stack.vllm("vllm_plain", model, max_len, None, share, kv)
-                ups = [(vurl, "vLLM + connector"), (purl, "vLLM plain")]
+                asyncio.run(_up(stack, [(purl, "vLLM plain")], a.start_timeout))
                 if "vllm_mtp" in a.paths:
                     murl = stack.vllm("vllm_mtp", model, max_len, None, share, kv, speculative=vspec)
-                    ups.append((murl, "vLLM + MTP"))
-                asyncio.run(_up(stack, ups, a.start_timeout))
+                    asyncio.run(_up(stack, [(murl, "vLLM + MTP")], a.start_timeout))
             else:
                 vurl = stack.vllm("vllm", model, max_len, a.transport, share)
                 asyncio.run(_up(stack, [(vurl, "vLLM + connector")], a.start_timeout))
