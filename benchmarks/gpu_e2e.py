@@ -14,9 +14,9 @@ detokenization cost what they do in production. `--layers N` cuts the shape to N
 the output) where two copies of the model do not fit beside each other.
 
 `--concurrent-baseline` starts plain vLLM beside the NexRT stack (one vLLM after the other, each with a
-fixed KV cache, all up together) and adds `ttft_breakdown`: per context, plain vLLM, the connector's vLLM unclaimed (streamed,
-and as the router's one-token leg) and the router path, interleaved prompt by prompt, with the router's
-own split of its TTFT (queue incl. admission, vLLM leg).
+fixed KV cache, all up together) and adds `ttft_breakdown`: per context, plain vLLM, the connector's vLLM
+unclaimed (streamed, and as the router's one-token leg) and the router path, interleaved prompt by prompt,
+with the router's own split of its TTFT (queue incl. admission, vLLM leg).
 
 `--speculative mtp` measures the speculative tier the InferenceX way: the node serves MTP rounds
 (`--num-speculative-tokens K`) and the baseline is vLLM serving MTP with the same draft count, both at

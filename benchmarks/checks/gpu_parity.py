@@ -18,8 +18,8 @@ vLLM with NexRTConnector (no layout keys: the connector detects them), one GPU d
 path), one router. Prompts of three lengths, the longest over vLLM's --max-num-batched-tokens (chunked
 prefill); each goes (a) through the router's interactive path (prefill on vLLM, hand-off, decode on the
 node), completions and chat, and (b) to the same vLLM as an ordinary request (vLLM-only greedy). Tokens must
-be equal for --tokens tokens. The JSON has per case both token lists, the first divergence, the hand-off status, the
-layout line the connector logged, and "ok"; the exit status is 1 unless every run is ok
+be equal for --tokens tokens. The JSON has per case both token lists, the first divergence, the hand-off
+status, the layout line the connector logged, and "ok"; the exit status is 1 unless every run is ok
 (nexrt_vllm.bench.checks).
 """
 from __future__ import annotations
@@ -71,13 +71,16 @@ def checkpoint(root: str, family: str, speculative: bool) -> str:
     return d
 
 
-def node_metric(url: str, name: str) -> float:
-    """Sum of a node metric's samples (0 when it has none yet)."""
+def node_metrics(url: str, *names: str) -> list[float]:
+    """Each named node metric's samples summed (0 where it has none yet), from one read of /metrics."""
     import urllib.request
 
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-               if ln.startswith(name) and ln[len(name):len(name) + 1] in (" ", "{"))
+    lines = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode().splitlines()
+    return [sum(float(ln.rsplit(" ", 1)[1]) for ln in lines
+                if ln.startswith(n) and ln[len(n):len(n) + 1] in (" ", "{")) for n in names]
+
+
+CACHE_METRICS = ("nexrt_context_cache_held_tokens_total", "nexrt_transfer_bytes_total")
 
 
 def conversation(router, plain, model: str, node_url: str, turns: int, n_tokens: int, family: str) -> list[dict]:
@@ -85,18 +88,17 @@ def conversation(router, plain, model: str, node_url: str, turns: int, n_tokens:
     node held (not shipped) and the hand-off bytes it received."""
     prompt, out = periodic_prompt(300, seed=200), []
     for t in range(turns):
-        held0 = node_metric(node_url, "nexrt_context_cache_held_tokens_total")
-        bytes0 = node_metric(node_url, "nexrt_transfer_bytes_total")
+        held0, bytes0 = node_metrics(node_url, *CACHE_METRICS)
         kw = dict(model=model, prompt=prompt, max_tokens=n_tokens, temperature=0,
                   extra_body={"return_token_ids": True})
         ref_ids = list(plain.completions.create(**kw).choices[0].token_ids)
         got = router.completions.create(**kw, user="parity-agent")
         ids = list(getattr(got.choices[0], "token_ids", None) or [])
         div = first_divergence(ids, ref_ids)
-        held = node_metric(node_url, "nexrt_context_cache_held_tokens_total") - held0
+        held, nbytes = node_metrics(node_url, *CACHE_METRICS)
+        held -= held0
         case = {"turn": t, "prompt_len": len(prompt), "api": "completions-turn", "tokens": ids,
-                "vllm_only": ref_ids, "first_divergence": div, "held_tokens": held,
-                "handoff_bytes": node_metric(node_url, "nexrt_transfer_bytes_total") - bytes0,
+                "vllm_only": ref_ids, "first_divergence": div, "held_tokens": held, "handoff_bytes": nbytes - bytes0,
                 "equal": div is None and len(ids) == n_tokens and (held > 0) == (t > 0)}
         out.append(case)
         log(family, f"turn {t}: {len(prompt)} tokens, held {held:.0f}, {case['handoff_bytes'] / 2**20:.2f} MiB,",
@@ -107,13 +109,8 @@ def conversation(router, plain, model: str, node_url: str, turns: int, n_tokens:
 
 def node_rounds(url: str) -> tuple[float, float | None]:
     """(verify rounds, mean tokens per round) from the node's acceptance histogram."""
-    import urllib.request
-
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    val = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
-           if ln.startswith("nexrt_spec_acceptance_length_")}
-    n = val.get("nexrt_spec_acceptance_length_count", 0.0)
-    return n, (val["nexrt_spec_acceptance_length_sum"] / n if n else None)
+    n, total = node_metrics(url, "nexrt_spec_acceptance_length_count", "nexrt_spec_acceptance_length_sum")
+    return n, (total / n if n else None)
 
 
 def run_case(family: str, ckpt: str, transport: str, device: str, n_tokens: int, work: str,

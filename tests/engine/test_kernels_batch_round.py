@@ -18,24 +18,18 @@ from nexrt_vllm.engine.kernels import batch_round, gemv  # noqa: E402 - after lo
 torch.set_num_threads(1)
 BF = torch.bfloat16
 SAME = 2e-3  # fp32 summation order only (tests/engine/test_kernels_verify_gemv.py)
-CONV_N, EXTRA, KC, K = 48, 20, 4, 64  # conv channels, the in_proj's other outputs, conv taps, hidden size
-
-
-def conv_inputs(seed: int, slots: int, m: int):
-    """(x [slots*m, K], norm weight, in_proj weight, conv weight, conv states [slots, CONV_N, KC-1]), bf16."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(slots * m, K, generator=g).to(BF)
-    nw = (torch.randn(K, generator=g) * 0.1).to(BF)
-    w = (torch.randn(CONV_N + EXTRA, K, generator=g) * 0.2).to(BF)
-    cw = (torch.randn(CONV_N, KC, generator=g) * 0.5).to(BF)
-    conv = torch.randn(slots, CONV_N, KC - 1, generator=g).to(BF)
-    return x, nw, w, cw, conv
 
 
 @pytest.mark.parametrize("slots,m", [(3, 4), (4, 3)])
 def test_conv_all_slots_equals_slot_by_slot(slots, m):
-    conv_n, extra, kc, r = CONV_N, EXTRA, KC, slots * m
-    x, nw, w, cw, conv = conv_inputs(41, slots, m)
+    g = torch.Generator().manual_seed(41)
+    conv_n, extra, kc, k = 48, 20, 4, 64
+    r = slots * m
+    x = torch.randn(r, k, generator=g).to(BF)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    w = (torch.randn(conv_n + extra, k, generator=g) * 0.2).to(BF)
+    cw = (torch.randn(conv_n, kc, generator=g) * 0.5).to(BF)
+    conv = torch.randn(slots, conv_n, kc - 1, generator=g).to(BF)
     conv0 = conv.clone()
     live = torch.ones(slots, dtype=torch.int32)
     live[1] = 0  # a dead slot between live ones

@@ -27,7 +27,7 @@ import triton.language as tl
 from nexrt_vllm.engine.kernels.attention import (_INTERPRETED, _qk_rope_head, attn_verify_combine_kernel,
                                                  attn_verify_pv_kernel, attn_verify_scores_kernel)
 from nexrt_vllm.engine.kernels.batch import _slot
-from nexrt_vllm.engine.kernels.common import ASM, LAUNCH, pdl_begin
+from nexrt_vllm.engine.kernels.common import ASM, LAUNCH
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gdn import gdn_verify_kernel
@@ -57,22 +57,12 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
              mask=(jr < R)[:, None] & rmask[None, :])
     if pid * BLOCK_N < CONV_N:  # programs past the conv channels are done
         tl.debug_barrier()  # the rows this program stored, read back below by other threads of it
-        _conv(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, jr, R, rows, rmask,
-              pid, CONV_N, B, M, MP, KC, KCP, ALL_SLOTS)
-
-
-@triton.jit
-def _conv(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, jr, R, rows, rmask,
-          pid, CONV_N, B, M: tl.constexpr, MP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
-          ALL_SLOTS: tl.constexpr):
-    """The verify's conv over this program's channels `rows` of the R projected rows of y: every row at once
-    (ALL_SLOTS, `_conv_all_slots`) or slot after slot (`_conv_each_slot`)."""
-    if ALL_SLOTS:
-        _conv_all_slots(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, jr, R,
-                        rows, rmask, CONV_N, M, MP, KC, KCP)
-    else:
-        _conv_each_slot(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win, rows,
-                        rmask, pid, CONV_N, B, M, MP, KC, KCP)
+        if ALL_SLOTS:
+            _conv_all_slots(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win,
+                            jr, R, rows, rmask, CONV_N, M, MP, KC, KCP)
+        else:
+            _conv_each_slot(y_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, stride_y, stride_cs, stride_ws, stride_win,
+                            rows, rmask, pid, CONV_N, B, M, MP, KC, KCP)
 
 
 @triton.jit
@@ -206,17 +196,6 @@ def attn_verify_combine_rows_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_pt
 
 # ---- launchers ------------------------------------------------------------------------------------
 
-def _check_slots(fn: str, r: int, nb: int, m: int, conv, window, conv_n: int, kc: int) -> None:
-    """The conv launcher's layout checks: r = nb x m rows (at most MAX_ROWS), conv [B, conv_n, kc-1] and window
-    [B, conv_n, >= kc-1+m] per slot with unit column strides."""
-    if r != nb * m or not 1 <= r <= MAX_ROWS:
-        raise ValueError(f"{fn}: {nb} slots x {m} rows = {r} rows, at most {MAX_ROWS}")
-    if conv.dim() != 3 or conv[0].stride() != (kc - 1, 1) or window.dim() != 3 or window.shape[2] < kc - 1 + m \
-            or window.stride(2) != 1:
-        raise ValueError(f"{fn}: conv [B, {conv_n}, {kc - 1}] and window [B, {conv_n}, >= {kc - 1 + m}] per slot, "
-                         "unit column strides")
-
-
 def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv_n, kc, block_n, block_k, num_warps,
                     stages=2, all_slots=False, normed=False):
     """y [B*m, N] = the GDN in_proj of RMSNorm(x [B*m, K]) (w [N, K] bf16), then per live slot b the verify's
@@ -225,7 +204,12 @@ def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv
     `all_slots`: every slot's rows in one pass (Tuning.conv_all_slots); `normed`: x is RMSNorm(x) already
     (gemv.rmsnorm_rows; norm_w unused)."""
     r, k, n, nb = x.shape[0], w.shape[1], w.shape[0], live.numel()
-    _check_slots("gemv_conv_slots", r, nb, m, conv, window, conv_n, kc)
+    if r != nb * m or not 1 <= r <= MAX_ROWS:
+        raise ValueError(f"gemv_conv_slots: {nb} slots x {m} rows = {r} rows, at most {MAX_ROWS}")
+    if conv.dim() != 3 or conv[0].stride() != (kc - 1, 1) or window.dim() != 3 or window.shape[2] < kc - 1 + m \
+            or window.stride(2) != 1:
+        raise ValueError(f"gemv_conv_slots: conv [B, {conv_n}, {kc - 1}] and window [B, {conv_n}, >= {kc - 1 + m}] "
+                         "per slot, unit column stride")
     block_k = min(block_k, triton.next_power_of_2(k))
     if block_n < 16 or block_k < 16:
         raise ValueError(f"gemv_conv_slots: the tensor-core loop needs block_n and block_k >= 16 (got {block_n}, "
