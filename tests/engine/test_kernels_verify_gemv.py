@@ -425,26 +425,3 @@ def test_split_k_equals_one_split(m, splits, epi):
         gemv.gemv(x, w[:n], nan_rows(m, n), m=m, dot=2, block_n=16, block_k=32, splits=0)
     with pytest.raises(ValueError, match="splits needs the tensor-core"):
         gemv.gemv(x[:2], w[:n], nan_rows(2, n), m=2, dot=0, block_n=16, block_k=32, splits=2)
-
-
-@pytest.mark.parametrize("splits", [1, 2])
-@pytest.mark.parametrize("epi", ["swiglu", "residual"])
-def test_rows_prefetch_leaves_the_outputs_unchanged(splits, epi):
-    """`l2_head` (Tuning.rows_prefetch): the programs ask L2 for the head of their weight rows (each split from
-    its own first K block; a SwiGLU's up rows too) before the wait; a hint, so the outputs are the bytes of
-    the launch without it, with a head longer than a split's K and over ragged rows (N not a multiple of the
-    tile)."""
-    g = torch.Generator().manual_seed(23)
-    m, k, n = 4, 160, 40
-    x = rows(torch.randn(m, k, generator=g).to(BF), m)
-    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
-    w = (torch.randn(2 * n if epi == "swiglu" else n, k, generator=g) * 0.1).to(BF)
-    res0 = rows(torch.randn(m, n, generator=g).to(BF), m)
-    out = {}
-    for head in (0, 1, 8):
-        y = res0.clone() if epi == "residual" else nan_rows(m, n, BF)
-        call(gemv.gemv, x, w, y, pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32, m=m, dot=2, splits=splits,
-             epi=gemv.EPI_RESIDUAL if epi == "residual" else gemv.EPI_SWIGLU, l2_head=head)
-        out[head] = y
-    assert not out[0].isnan().any()
-    assert torch.equal(out[1], out[0]) and torch.equal(out[8], out[0])

@@ -157,10 +157,6 @@ class Tuning:
     # load nothing early: it did not make their step faster.
     prefetch: int = 2
     prefetch_conv: int = 0  # the same for the GDN in_proj + conv launches, tuned on its own
-    # With PDL: K blocks of each weight row the tensor-core M-row GEMVs (the verify's, the batch step's and
-    # the batched round's) ask L2 for before they wait (kernels/gemv_verify.py `PF_HEAD`); their pipelined
-    # loads start only after the wait and the x prologue. 0: none.
-    rows_prefetch: int = 0
     # Columns each GEMV / MoE thread sums in registers before accumulating (kernels/gemv_step.py `_fold`):
     # 0 the elements of one 16-byte load (8 bf16, 16 e4m3), 1 elementwise accumulators. `vec` for
     # bf16 weights (the fold was no faster there), `vec_fp8` for fp8 ones (their fp32 accumulators
@@ -261,8 +257,6 @@ def gemv_kwargs(t: Tuning, w, shape: GemvShape | RowsShape, prefetch: int | None
         kw["dot"] = shape.stages
         if shape.splits != 1:
             kw["splits"] = shape.splits
-        if shape.stages and t.rows_prefetch:
-            kw["l2_head"] = t.rows_prefetch
     if isinstance(w, FP8Weight):
         kw.update(vec=t.vec_fp8, round_w=t.fp8_round_weights)
         if w.tail is not None:

@@ -107,17 +107,6 @@ def l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF: tl.constexpr):
 
 
 @triton.jit
-def l2_prefetch_each(ptrs, n):
-    """Ask L2 for n[i] bytes (multiples of 16) at each 16-byte aligned pointer ptrs[i] (a tensor): one bulk
-    prefetch per element by the threads that hold it (an element a layout replicates is asked for twice, and
-    L2 fetches it once). A hint: no result, nothing to order; compiled kernels only."""
-    if _ASM:
-        tl.inline_asm_elementwise(
-            "{ cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs.to(tl.int64), n.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _bulk_prefetch(p, n):
     tl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "

@@ -44,7 +44,7 @@ def fold_vec(vec: int, elem_bytes: int, block_k: int) -> int:
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
          conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False,
-         prefetch=0, vec=0, m=1, window=None, dot=0, l2=None, splits=1, l2_head=0):
+         prefetch=0, vec=0, m=1, window=None, dot=0, l2=None, splits=1):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
     optionally a bf16 tail; `round_w`: see gemv_step `_acc`'s ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
     N = rows of y); `prefetch`: K blocks of a bf16 W each program loads before it waits on the
@@ -63,8 +63,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     `splits` > 1 (with `dot`): K split over that many programs per output tile (at most one per K block),
     summed in split order by the tile's last program (scratch: `splitk_workspace`).
     `l2` (m = 1, bf16 W): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for
-    when done. `l2_head` (with `dot`): K blocks of its weight rows each program asks L2 for before its wait
-    (ignored where a row's start is not 16-byte aligned)."""
+    when done."""
     fp8 = hasattr(w, "scale")
     if fp8 and (prefetch or l2 is not None):
         raise ValueError("gemv: prefetch and l2 are for bf16 weights (got an FP8Weight)")
@@ -74,7 +73,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         return _gemv_rows(x, w, y, fp8, pro=pro, epi=epi, norm_w=norm_w, z=z, aux0=aux0, aux1=aux1, eps=eps,
                           conv_n=conv_n, group=group, kc=kc, xn_out=xn_out, block_n=block_n, block_k=block_k,
                           num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window, dot=dot,
-                          splits=splits, l2_head=l2_head)
+                          splits=splits)
     if splits != 1:
         raise ValueError(f"gemv: splits is for the tensor-core M-row kernel (m > 1, dot > 0), got {splits}")
     k = w.shape[-1]
@@ -135,7 +134,7 @@ def l2_target(w, nbytes: int, halves: bool = False):
 
 
 def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, group, kc, xn_out, block_n,
-               block_k, num_warps, n, prefetch, vec, m, window, dot, splits, l2_head=0):
+               block_k, num_warps, n, prefetch, vec, m, window, dot, splits):
     """`gemv` with m > 1: `gemv_rows_kernel`, or `gemv_rows_dot_kernel` with `dot` pipeline stages (and K
     split over `splits` programs per output tile)."""
     if fp8:
@@ -185,10 +184,8 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
         part, cnt = y, y
         if splits > 1:
             part, cnt = splitk_workspace(y.device, 2 * splits * grid * block_n * common["MP"], grid)
-        aligned = w.stride(0) * w.element_size() % 16 == 0 and w.data_ptr() % 16 == 0
         gemv_rows_dot_kernel[(grid, splits)](*args, DOT=1 if ASM else 2, SPLITS=splits, part_ptr=part, cnt_ptr=cnt,
-                                             PF_HEAD=l2_head if aligned else 0, num_stages=dot,
-                                             **common)
+                                             num_stages=dot, **common)
         return grid
     if splits != 1:
         raise ValueError(f"gemv: splits needs the tensor-core M-row kernel (dot > 0), got {splits}")

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
-from nexrt_vllm.engine.kernels.common import l2_prefetch_each, pdl_begin
+from nexrt_vllm.engine.kernels.common import pdl_begin
 from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gemv_step import _conv_state, _load_x, _rstd, _store_out
 
@@ -300,13 +300,11 @@ def _dot_t(w, xt, acc, DOT: tl.constexpr):
 def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w, eps,
                PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
-               PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr = 1,
-               PF_HEAD: tl.constexpr = 0):
+               PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr = 1):
     """y, y_up [MP, BLOCK_N]: this program's BLOCK_N outputs for the M rows of x after the prologue (y_up: EPI 2's
     up half), PDL's wait included. DOT 0: `gemv_rows_kernel`'s fold (PRE K blocks of W loaded before the
     wait, VEC-column FMA runs); DOT 1 / 2: `gemv_rows_dot_kernel`'s tensor-core loop (`_dot_t`), over the
-    K blocks of split program_id(1) of SPLITS (the split's partial sums), its first PF_HEAD K blocks of each
-    weight row asked of L2 before the wait (the rows' strides 16-byte aligned)."""
+    K blocks of split program_id(1) of SPLITS (the split's partial sums)."""
     MP: tl.constexpr = jrow.shape[0]
     if DOT == 0:
         w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
@@ -316,23 +314,17 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
                             stride_w, eps, rstd, w0, w1, w2, w3, u0, u1, u2, u3, PRO, EPI, GROUP, STORE_XN, BLOCK_N,
                             BLOCK_K, EVEN_K, PRE, VEC)
     else:
+        pdl_begin(PDL)
+        rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
+        acc_u = acc
+        offs_k = tl.arange(0, BLOCK_K)
         k_lo = 0
         k_hi = K
         if SPLITS > 1:  # whole K blocks per split, the last split's range cut at K
             per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
             k_lo = tl.program_id(1) * per
             k_hi = tl.minimum(K, k_lo + per)
-        if PF_HEAD > 0:  # the weight does not depend on the previous kernel: its first bytes stream meanwhile
-            n_pf = (tl.minimum(k_hi - k_lo, PF_HEAD * BLOCK_K) * 2 + 15) // 16 * 16 + tl.zeros_like(rows)
-            at = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_w + k_lo
-            l2_prefetch_each(at, n_pf)
-            if EPI == 2:
-                l2_prefetch_each(at + N * stride_w, n_pf)
-        pdl_begin(PDL)
-        rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
-        acc_u = acc
-        offs_k = tl.arange(0, BLOCK_K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             cols = k0 + offs_k
             cmask = cols < K
@@ -389,8 +381,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                          M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr,
                          GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr,
                          KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                         DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr,
-                         PF_HEAD: tl.constexpr = 0):
+                         DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr):
     """`gemv_rows_kernel` through the tensor cores with the weight as the left operand: acc [BLOCK_N, MP] =
     W[rows] @ x^T (the compiler pads the MP columns to the instruction's). Each weight tile goes from the load
     straight into the product, so the compiler streams it through shared memory in pipeline stages
@@ -399,17 +390,14 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     SPLITS > 1 (grid [tiles, SPLITS]): each program sums its share of K (`_split_sum`); the last of a tile's
     programs to finish adds the tile's partials in split order and runs the epilogue, so a launch over few
     output rows streams its weight from SPLITS times the programs and the sums do not depend on which
-    program finishes last.
-
-    PF_HEAD > 0 (PDL): before its wait each program asks L2 for the first PF_HEAD K blocks of its weight rows
-    (`l2_prefetch_each`), which the loop otherwise starts to load only after the wait and the x prologue."""
+    program finishes last."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     jrow = tl.arange(0, MP)
     jm = jrow < M
     y, y_up = _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
-                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL, SPLITS, PF_HEAD)
+                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL, SPLITS)
     if SPLITS > 1:
         y, y_up, last = _split_sum(y, y_up, part_ptr, cnt_ptr, pid, tl.num_programs(0), EPI, SPLITS)
         rmask = rows < N * last  # the epilogue's stores: the last program's only
