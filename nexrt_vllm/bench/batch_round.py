@@ -109,6 +109,9 @@ def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], ste
             if ctx == breakdown_ctx:
                 rd.pos.fill_(ctx)
                 r["groups"] = _groups(rd, B)
+                rd.pos.fill_(ctx)
+                r["marginals"] = S.group_marginals(rd.plan(B), lambda: rd.b.k_common.launch_options(rd.b.pdl),
+                                                   (rd.pos, rd.tok, rd.step, rd.round, rd.acc, rd.base))
             res["rows"].append(r)
             S.log(f"[{key}/batch-round] B {B} ctx {ctx}: round {t_round * 1e3:.3f} ms = {r['round_over_step']:.2f}x "
                   f"its step" + (f", {r['round_over_b1_round']:.2f}x the B 1 round" if ctx in base else "")

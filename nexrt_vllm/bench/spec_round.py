@@ -120,6 +120,12 @@ def round_groups(sd, nb: dict, reps: int = 20) -> dict:
                    "GBps": nb.get(name, 0) / sec / 1e9} for name, (n, sec) in times.items()}
 
 
+def round_marginals(sd, reps: int = 30) -> dict:
+    """What each launch group costs inside the round graph (`step.group_marginals`)."""
+    return S.group_marginals(sd.plan(), sd.f.launch_options, [sd.f.state.position, sd.f.step, sd.tokens, sd.round],
+                             reps)
+
+
 def capture(eng, tuning, draft_vocab):
     """The fused step graph and the round graph of a speculating engine under `tuning`: (fused, runner, spec)."""
     from nexrt_vllm.engine.gpu.decoder import FusedDecoder
@@ -237,9 +243,12 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
         if ctx == breakdown_ctx:
             eng.state.position.fill_(ctx)
             row["round_groups"] = round_groups(sd, nb_round)
+            eng.state.position.fill_(ctx)
+            marg = row["round_marginals"] = round_marginals(sd)
             for name, v in sorted(row["round_groups"].items(), key=lambda kv: -kv[1]["us_per_round"])[:14]:
                 S.log(f"[{key}/mtp]   {name:<34}{v['launches']:>4} launches {v['us_per_round']:>9.1f} us "
-                       f"{v['bytes_per_round'] / 1e6:>9.1f} MB {v['GBps']:>7.0f} GB/s")
+                       f"(in the graph {marg['groups_us'][name]:>7.1f}) {v['bytes_per_round'] / 1e6:>9.1f} MB "
+                       f"{v['GBps']:>7.0f} GB/s")
         res["contexts"].append(row)
         S.log(f"[{key}/mtp] ctx {ctx}: step {t_step * 1e3:.3f} ms (MBU {100 * row['mbu_step']:.1f}%), round "
                f"{t_round * 1e3:.3f} ms = {row['round_over_step']:.3f}x (MBU {100 * row['mbu_round']:.1f}%, "

@@ -172,6 +172,33 @@ def group_times(steps, options, saved, reps: int = 20) -> dict[str, tuple[int, f
     return out
 
 
+def group_marginals(steps, options, saved, reps: int = 30) -> dict:
+    """What each launch group of `steps` costs inside their graph: the median replay time of all of them minus
+    that of the graph captured without the group's launches (µs; the PDL overlap and launch gaps around the
+    group included, which `group_times` times apart from the rest). The tensors of `saved` are put back around
+    every capture and timing, so every variant replays from the same position."""
+    keep = [(t, t.clone()) for t in saved]
+
+    def restore() -> None:
+        for t, x in keep:
+            t.copy_(x)
+
+    def timed(fns) -> float:
+        gr = capture_launches(fns, options)
+        restore()
+        time_replays(gr, 5)
+        restore()
+        sec = statistics.median(time_replays(gr, reps))
+        restore()
+        del gr
+        return sec
+
+    full = timed([s.run for s in steps])
+    groups = list(dict.fromkeys(s.group for s in steps))
+    return {"all_us": full * 1e6,
+            "groups_us": {g: (full - timed([s.run for s in steps if s.group != g])) * 1e6 for g in groups}}
+
+
 def kernel_groups(d, reps: int = 20) -> dict:
     """Device time of each kernel group of the fused step: the group's launches for every layer back
     to back in one graph (weights stream from HBM as in a real step), with the bytes they move."""
