@@ -256,3 +256,33 @@ def test_attention_verify_m1_equals_attention_decode(min_per):
         out = nan_like(torch.empty(1, H * hd, dtype=BF))
         call(attention.attention_verify, q, kc, vc, posb, qkv, out, **_scratch(1, hd), m=1, start=st, **kw)
         assert torch.equal(out[0], out_d)
+
+
+@pytest.mark.parametrize("m,pos,start,min_per", [(1, 57, None, 16), (1, 15, None, 16), (1, 57, None, 128),
+                                                 (4, 61, None, 16), (4, 30, None, 16), (3, 33, 20, 16),
+                                                 (1, 40, 9, 16), (4, 88, 30, 32)])
+def test_attention_prefetch_is_byte_equal(m, pos, start, min_per):
+    """Tuning.attn_prefetch: each split's first block of the rows before pos comes from a load ahead of PDL's
+    wait and the rows from pos on (the new tokens', which the kernel before writes) from loads after it; the
+    merged tiles give the bytes of the plain launch, the step's and the verify's, whether pos falls inside a
+    split's first block, at a block's edge or past it, with a drafter's start and one or many live splits."""
+    hd = 32
+    g, hid, cfg, w, cos, sin, kc, vc = _attn_setup(hd, seed=70 + m + pos)
+    qkv = torch.randn(m, H * 2 * hd + 2 * KVH * hd, generator=g).to(BF)
+    q = torch.randn(m, H * hd, generator=g).to(BF)
+    posb = torch.tensor([pos])
+    st = None if start is None else torch.tensor([start])
+    kw = dict(num_heads=H, num_kv_heads=KVH, head_dim=hd, nsplit=NSPLIT, block=16, min_per=min_per)
+    outs = []
+    for pre in (False, True):
+        out = nan_like(torch.empty(m, H * hd, dtype=BF))
+        call(attention.attention_verify, q, kc, vc, posb, qkv, out, **_scratch(m, hd), m=m, start=st, prefetch=pre,
+             **kw)
+        outs.append(out)
+        if m == 1 and start is None:
+            sc = _scratch(1, hd)
+            one = nan_like(torch.empty(H * hd, dtype=BF))
+            call(attention.attention_decode, q[0], kc, vc, posb, qkv[0], one, sc["m_buf"], sc["l_buf"], sc["acc_buf"],
+                 sc["s_buf"], prefetch=pre, **kw)
+            assert torch.equal(one, out[0])
+    assert not outs[0].isnan().any() and torch.equal(outs[1], outs[0])
