@@ -286,3 +286,39 @@ def test_attention_prefetch_is_byte_equal(m, pos, start, min_per):
                  sc["s_buf"], prefetch=pre, **kw)
             assert torch.equal(one, out[0])
     assert not outs[0].isnan().any() and torch.equal(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("with_start", [False, True])
+def test_batched_round_attention_prefetch_is_byte_equal(with_start):
+    """The batched round's per-slot attention (`batch_round.attention_verify_rows`) with `prefetch`: each live
+    slot's output equals the one-request attention_verify's at its own position, with and without the
+    prefetch; a slot that is not live is left untouched."""
+    from nexrt_vllm.engine.kernels import batch_round as kbr
+
+    hd, m, B = 32, 4, 3
+    g = torch.Generator().manual_seed(90 + with_start)
+    kc = torch.randn(B, KVH, MAXLEN, hd, generator=g).to(BF)
+    vc = torch.randn(B, KVH, MAXLEN, hd, generator=g).to(BF)
+    q = torch.randn(B * m, H * hd, generator=g).to(BF)
+    qkv = torch.randn(B * m, H * 2 * hd + 2 * KVH * hd, generator=g).to(BF)
+    pos = torch.tensor([61, 7, 30])
+    start = torch.tensor([20, 0, 3]) if with_start else None
+    live = torch.tensor([1, 0, 1], dtype=torch.int32)
+    kw = dict(num_heads=H, num_kv_heads=KVH, head_dim=hd, nsplit=NSPLIT, block=16, min_per=16)
+    outs = []
+    for pre in (False, True):
+        sc = {k: nan_like(torch.empty(*shape)) for k, shape in
+              kbr.verify_rows_scratch(B, m, H, NSPLIT, MAXLEN, hd).items()}
+        out = nan_like(torch.empty(B * m, H * hd, dtype=BF))
+        call(kbr.attention_verify_rows, q, kc, vc, pos, live, qkv, out, **sc, m=m, start=start, prefetch=pre, **kw)
+        outs.append(out)
+    assert torch.equal(outs[1][~outs[1].isnan()], outs[0][~outs[0].isnan()])
+    for b in range(B):
+        rows = slice(b * m, (b + 1) * m)
+        if not live[b]:
+            assert outs[1][rows].isnan().all()
+            continue
+        one = nan_like(torch.empty(m, H * hd, dtype=BF))
+        call(attention.attention_verify, q[rows], kc[b], vc[b], pos[b:b + 1], qkv[rows], one, **_scratch(m, hd), m=m,
+             start=None if start is None else start[b:b + 1], **kw)
+        assert torch.equal(outs[1][rows], one), b

@@ -114,7 +114,6 @@ SPEC_T = {"forced_ptr": "*i64", "rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "s
 MU = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8, M=1)
 MD = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, VEC=8, M=1)
 AV = dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, H=8, G=4, RP=16, HD=256, BLOCK=64, DOT_F32=False, PRE=0)
-AVR = {k: v for k, v in AV.items() if k != "PRE"}  # the batched round's per-slot wrappers
 SPEC_VARIANTS = [
     ("rows_rmsnorm_store", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=0, PRE=0), 4, {}, ALIGN_R),
     ("rows_qkv_prefetch", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=0, BLOCK_N=8, PRE=2), 4, {}, ALIGN_R),
@@ -252,9 +251,13 @@ ROUND_VARIANTS = [
           HAS_LIVE=True), 1, dict(BT, table_ptr="*i64", a_ptr="*i64", live_ptr="*i32"), ()),
     ("round_qk_rope", batch_round.qk_rope_rows_kernel, dict(M=4, H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
      BT, ()),
-    ("round_attn_scores", batch_round.attn_verify_scores_rows_kernel, AVR, 4, dict(BT, start_ptr="*i64"), ()),
-    ("round_attn_pv_head_m1", batch_round.attn_verify_pv_rows_kernel, dict(AVR, M=1, HAS_START=True), 4,
+    ("round_attn_scores", batch_round.attn_verify_scores_rows_kernel, AV, 4, dict(BT, start_ptr="*i64"), ()),
+    ("round_attn_pv_head_m1", batch_round.attn_verify_pv_rows_kernel, dict(AV, M=1, HAS_START=True), 4,
      dict(BT, start_ptr="*i64"), ()),
+    ("round_attn_scores_prefetch", batch_round.attn_verify_scores_rows_kernel, dict(AV, PRE=1), 4,
+     dict(BT, start_ptr="*i64"), ()),
+    ("round_attn_pv_head_m1_prefetch", batch_round.attn_verify_pv_rows_kernel, dict(AV, M=1, HAS_START=True, PRE=1),
+     4, dict(BT, start_ptr="*i64"), ()),
     ("round_attn_combine", batch_round.attn_verify_combine_rows_kernel,
      dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, BLOCK=64, H=8, HD=256, BLOCK_D=64), 4,
      dict(BT, start_ptr="*i64"), ()),
@@ -318,7 +321,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 58 + 26 + 76 + 40 + 38 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 58 + 26 + 76 + 40 + 42 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
