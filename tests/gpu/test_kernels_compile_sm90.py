@@ -63,8 +63,7 @@ def compile_(fn, consts, num_warps=4, types=None, aligned=(), **options):
 
 
 G = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, PF=0)
-A = dict(NSPLIT=256, MIN_PER=32, G=8, GP=16, HD=256, BLOCK=32, DOT_F32=False, PRE=0)
-AR = {k: v for k, v in A.items() if k != "PRE"}  # the batch step's per-slot wrappers
+A = dict(NSPLIT=256, MIN_PER=32, G=8, GP=16, HD=256, BLOCK=32, DOT_F32=False)
 FIN = dict(BLOCK=1024, LP=False, CHECK=False, KMAX=sampling.KMAX, TB=128, CB=4096, ASM=True)
 TAIL = dict(CHUNK=2048, KMAX=sampling.KMAX, MASK=False, TOPK=False, WRITE=False, SPIN=1 << 21, ASM=True)
 # FP8 (fp8.FP8Weight): e4m3 weights, fp32 scales, int32 scale-row map; routed / shared expert weights.
@@ -113,7 +112,7 @@ SPEC_T = {"forced_ptr": "*i64", "rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "s
 # the MoE experts at the step's one-warp defaults (M = 1 token row; the verify: M = 4)
 MU = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8, M=1)
 MD = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, VEC=8, M=1)
-AV = dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, H=8, G=4, RP=16, HD=256, BLOCK=64, DOT_F32=False, PRE=0)
+AV = dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, H=8, G=4, RP=16, HD=256, BLOCK=64, DOT_F32=False)
 SPEC_VARIANTS = [
     ("rows_rmsnorm_store", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=0, PRE=0), 4, {}, ALIGN_R),
     ("rows_qkv_prefetch", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=0, BLOCK_N=8, PRE=2), 4, {}, ALIGN_R),
@@ -147,10 +146,6 @@ SPEC_VARIANTS = [
     ("attn_verify_scores", attention.attn_verify_scores_kernel, AV, 4, SPEC_T, ()),
     ("attn_verify_pv_35b", attention.attn_verify_pv_kernel, dict(AV, H=16, G=8, RP=32), 4, SPEC_T, ()),
     ("attn_verify_pv_start_m1", attention.attn_verify_pv_kernel, dict(AV, M=1, HAS_START=True), 4, SPEC_T, ()),
-    # Tuning.attn_prefetch: each split's first block of old rows loaded before the wait
-    ("attn_verify_scores_prefetch", attention.attn_verify_scores_kernel, dict(AV, PRE=1), 4, SPEC_T, ()),
-    ("attn_verify_pv_start_m1_prefetch", attention.attn_verify_pv_kernel, dict(AV, M=1, HAS_START=True, PRE=1), 4,
-     SPEC_T, ()),
     ("attn_verify_combine", attention.attn_verify_combine_kernel,
      dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, BLOCK=64, H=8, HD=256, BLOCK_D=64), 4, SPEC_T, ()),
     ("gdn_verify_1warp", gdn.gdn_verify_kernel, dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False,
@@ -208,8 +203,8 @@ BATCH_VARIANTS = [
      dict(M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, DOT=0, PRE=2, VEC=8), 4, BT, ALIGN_B),
     ("batch_embed", batch.embed_rows_kernel, dict(BLOCK=1024), 4, BT, ()),
     ("batch_qk_rope", batch.qk_rope_rows_kernel, dict(H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2, BT, ()),
-    ("batch_attn_scores", batch.attn_scores_rows_kernel, dict(AR, NSPLIT=128, MIN_PER=64, G=4, BLOCK=64), 4, BT, ()),
-    ("batch_attn_pv_35b", batch.attn_pv_rows_kernel, dict(AR, NSPLIT=128, MIN_PER=64, G=8, BLOCK=64), 4, BT, ()),
+    ("batch_attn_scores", batch.attn_scores_rows_kernel, dict(A, NSPLIT=128, MIN_PER=64, G=4, BLOCK=64), 4, BT, ()),
+    ("batch_attn_pv_35b", batch.attn_pv_rows_kernel, dict(A, NSPLIT=128, MIN_PER=64, G=8, BLOCK=64), 4, BT, ()),
     ("batch_attn_combine", batch.attn_combine_rows_kernel,
      dict(NSPLIT=128, MIN_PER=64, BLOCK=64, HD=256, BLOCK_D=64), 4, BT, ()),
     ("batch_gdn_step", batch.gdn_step_rows_kernel, dict(HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=False), 1,
@@ -254,10 +249,6 @@ ROUND_VARIANTS = [
     ("round_attn_scores", batch_round.attn_verify_scores_rows_kernel, AV, 4, dict(BT, start_ptr="*i64"), ()),
     ("round_attn_pv_head_m1", batch_round.attn_verify_pv_rows_kernel, dict(AV, M=1, HAS_START=True), 4,
      dict(BT, start_ptr="*i64"), ()),
-    ("round_attn_scores_prefetch", batch_round.attn_verify_scores_rows_kernel, dict(AV, PRE=1), 4,
-     dict(BT, start_ptr="*i64"), ()),
-    ("round_attn_pv_head_m1_prefetch", batch_round.attn_verify_pv_rows_kernel, dict(AV, M=1, HAS_START=True, PRE=1),
-     4, dict(BT, start_ptr="*i64"), ()),
     ("round_attn_combine", batch_round.attn_verify_combine_rows_kernel,
      dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, BLOCK=64, H=8, HD=256, BLOCK_D=64), 4,
      dict(BT, start_ptr="*i64"), ()),
@@ -294,8 +285,6 @@ for pdl in (False, True):
         ("qk_rope_cache", attention.qk_rope_cache_kernel, dict(H=16, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2),
         ("attn_scores", attention.attn_scores_kernel, A, 4),
         ("attn_pv", attention.attn_pv_kernel, A, 4),
-        ("attn_scores_prefetch", attention.attn_scores_kernel, dict(A, PRE=1), 4),
-        ("attn_pv_prefetch", attention.attn_pv_kernel, dict(A, PRE=1), 4),
         ("attn_combine", attention.attn_combine_kernel, dict(NSPLIT=256, MIN_PER=32, BLOCK=32, HD=256, BLOCK_D=64), 4),
         ("embed", sampling.embed_kernel, dict(BLOCK=1024), 4),
         ("finish", sampling.finish_kernel, FIN, 4),
@@ -321,7 +310,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 58 + 26 + 76 + 40 + 42 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 72 + 40 + 38 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):

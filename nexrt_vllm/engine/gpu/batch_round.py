@@ -261,7 +261,7 @@ class BatchRoundDecoder:
             ("attn_splitk+combine", lambda: kr.attention_verify_rows(
                 q, a.state.k, a.state.v, pos, live, buf, o, **scratch, m=m, num_heads=c.num_heads,
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.slot_attn_splits,
-                block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps, prefetch=t.attn_prefetch)),
+                block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(o, a.w_o, x, epi=g.EPI_RESIDUAL, m=rows, **o_kw))]
 
     def _ffn(self, L: FusedLayer, x, live, k: int, norm_once: bool = False):

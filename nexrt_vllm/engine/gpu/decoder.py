@@ -200,8 +200,7 @@ class FusedDecoder:
             ("attn_splitk+combine", lambda: self.k_attn.attention_decode(
                 self.q, m.state.k, m.state.v, pos, self.buf, self.o, self.m_buf, self.l_buf, self.acc_buf,
                 self.s_buf, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps,
-                prefetch=t.attn_prefetch), None),
+                nsplit=t.attn_splits, block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps), None),
             ("attn_o_proj", lambda **l2: g.gemv(
                 self.o, m.w_o, self.block_out, epi=self.block_epi, **l2, **self.gemv_shape(m.w_o, c.hidden_size)),
              (m.w_o, False))]

@@ -212,8 +212,7 @@ class SpecDecoder:
             ("attn_splitk+combine", lambda: f.k_attn.attention_verify(
                 q, a.state.k, a.state.v, pos, buf, o, **self.attn_scratch, m=m, num_heads=c.num_heads,
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.spec_attn_splits,
-                block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps,
-                prefetch=t.attn_prefetch)),
+                block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
             ("attn_o_proj", lambda: g.gemv(
                 o, a.w_o, x, epi=g.EPI_RESIDUAL, m=m, **f.gemv_shape(a.w_o, c.hidden_size, rows=m > 1)))]
 

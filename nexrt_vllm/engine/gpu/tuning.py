@@ -138,10 +138,6 @@ class Tuning:
     # 2.186 ms; 32 no gain; round_knobs_ab_h100.json).
     round_attn_splits: int = 64
     attn_block: int = 64
-    # With PDL: each attention split loads its first block of the cache rows before the new token's (K in the
-    # scores pass, V in the P.V pass) ahead of its wait: the one-request step's, the round's and the batched
-    # round's attention.
-    attn_prefetch: bool = False
     attn_min_per: int = 64
     attn_warps: int = 4
     gdn_block_v: int = 16

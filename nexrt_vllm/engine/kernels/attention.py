@@ -101,38 +101,13 @@ def _split_range(pos_ptr, sp, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _head_tile(base, lo, hi, old, stride_cs, d, BLOCK: tl.constexpr, PRE: tl.constexpr):
-    """Before PDL's wait (PRE): the cache rows of a split's first block below `old`, the first row the kernels
-    just before this one write (the new token's); rows the predecessors do not touch, so they stream while
-    those run. Zeros elsewhere (and without PRE)."""
-    n = lo + tl.arange(0, BLOCK)
-    if PRE:
-        t = tl.load(base + n[:, None] * stride_cs + d[None, :], mask=((n < hi) & (n < old))[:, None], other=0.0)
-    else:
-        t = tl.zeros([BLOCK, d.shape[0]], base.dtype.element_ty)
-    return t
-
-
-@triton.jit
-def _tile(base, n0, n, nm, lo, old, head, stride_cs, d, PRE: tl.constexpr):
-    """Cache rows n (nm: in the range) of one block: loaded here, or for the split's first block (PRE) the rows
-    `_head_tile` loaded before the wait and the new ones (>= old) loaded now."""
-    if PRE:
-        fresh = nm & (n >= tl.where(n0 == lo, old, 0))  # the first block's rows from old on, all of the others
-        t = tl.load(base + n[:, None] * stride_cs + d[None, :], mask=fresh[:, None], other=0.0)
-        t = tl.where(fresh[:, None], t, head)  # rows past the range take head's: finite, and masked after
-    else:
-        t = tl.load(base + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
-    return t
-
-
-@triton.jit
-def _scores_block(q, kt, n, nm, qm, lim, srow, s_ptr, max_len, scale, m, l, DOT_F32: tl.constexpr,
+def _scores_block(q, kb, n, nm, qm, lim, srow, s_ptr, max_len, scale, m, l, stride_cs, d, DOT_F32: tl.constexpr,
                   CAUSAL: tl.constexpr):
-    """Keys kt (rows n; nm: in the range) of one block against the query rows q (qm: live rows): the scores,
+    """Keys n (nm: in the range) of one block against the query rows q (qm: live rows): the scores,
     rounded to bf16 before and after the scale as the eager matmul + multiply leave them, stored at
     s_ptr rows `srow`; returns the rows' running max and sum of exp. CAUSAL (the verify's rows): a
     row sees keys up to its own position lim, and a row that has seen none yet keeps its sum 0."""
+    kt = tl.load(kb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
     if DOT_F32:
         kt = kt.to(tl.float32)
     s = _bf16(_bf16(tl.dot(q, tl.trans(kt))) * scale)
@@ -153,50 +128,38 @@ def _scores_block(q, kt, n, nm, qm, lim, srow, s_ptr, max_len, scale, m, l, DOT_
 
 
 @triton.jit
-def _scores_split(q, kb, lo, hi, qm, lim, srow, s_ptr, max_len, scale, stride_cs, d, old, head, ROWS: tl.constexpr,
-                  BLOCK: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, PRE: tl.constexpr):
-    """`_scores_block` over the keys [lo, hi) of one split: the ROWS query rows' max and sum of exp (`_tile`:
-    old, head, PRE)."""
+def _scores_split(q, kb, lo, hi, qm, lim, srow, s_ptr, max_len, scale, stride_cs, d, ROWS: tl.constexpr,
+                  BLOCK: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr):
+    """`_scores_block` over the keys [lo, hi) of one split: the ROWS query rows' max and sum of exp."""
     if DOT_F32:
         q = q.to(tl.float32)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     for n0 in range(lo, hi, BLOCK):
         n = n0 + tl.arange(0, BLOCK)
-        nm = n < hi
-        kt = _tile(kb, n0, n, nm, lo, old, head, stride_cs, d, PRE)
-        m, l = _scores_block(q, kt, n, nm, qm, lim, srow, s_ptr, max_len, scale, m, l, DOT_F32, CAUSAL)
+        m, l = _scores_block(q, kb, n, n < hi, qm, lim, srow, s_ptr, max_len, scale, m, l, stride_cs, d, DOT_F32,
+                             CAUSAL)
     return m, l
 
 
 @triton.jit
 def attn_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, scale, stride_ch, stride_cs, max_len,
                        NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                       HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                       PRE: tl.constexpr = 0):
+                       HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     # Pass 1, grid (kv head, split): the scores of the split's keys for all query heads of the group
-    # (K read once), stored fp32 in [H, max_len] scratch, plus the split's max and sum of exp. PRE: the
-    # split's first block of old keys (`_head_tile`) loaded before the wait; the position it reads there is
-    # written by kernels that completed before this one's predecessor could start.
+    # (K read once), stored fp32 in [H, max_len] scratch, plus the split's max and sum of exp.
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    d = tl.arange(0, HD)
-    kb = k_cache_ptr + kvh * stride_ch
-    if PRE:
-        start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
-        head = _head_tile(kb, start, end, length - 1, stride_cs, d, BLOCK, PRE)
-        pdl_begin(PDL)
-    else:
-        pdl_begin(PDL)
-        start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
-        head = _head_tile(kb, start, end, length - 1, stride_cs, d, BLOCK, PRE)
+    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
     if start < length:  # a split past the end (short contexts) exits at once
         g = tl.arange(0, GP)
+        d = tl.arange(0, HD)
         gm = g < G
         h = kvh * G + g
         q = tl.load(q_ptr + h[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
-        m, l = _scores_split(q, kb, start, end, gm, 0, h, s_ptr, max_len, scale, stride_cs, d, length - 1, head, GP,
-                             BLOCK, DOT_F32, False, PRE)
+        m, l = _scores_split(q, k_cache_ptr + kvh * stride_ch, start, end, gm, 0, h, s_ptr, max_len, scale,
+                             stride_cs, d, GP, BLOCK, DOT_F32, False)
         tl.store(m_ptr + h * NSPLIT + sp, m, mask=gm)
         tl.store(l_ptr + h * NSPLIT + sp, l, mask=gm)
 
@@ -218,37 +181,29 @@ def _global_stats(m_ptr, l_ptr, row, rm, per, length, NSPLIT: tl.constexpr):
 @triton.jit
 def attn_pv_kernel(v_cache_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
                    NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                   HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                   PRE: tl.constexpr = 0):
+                   HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     # Pass 2, grid (kv head, split): global max and sum from every live split, then the split's
     # probabilities normalised and rounded to bf16 exactly as the eager softmax(fp32).to(bf16)
-    # leaves them, times V (read once) with fp32 accumulation; partial sums per split. PRE: as the scores
-    # pass, the split's first block of old values before the wait.
+    # leaves them, times V (read once) with fp32 accumulation; partial sums per split.
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    d = tl.arange(0, HD)
-    vb = v_cache_ptr + kvh * stride_ch
-    if PRE:
-        start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
-        head = _head_tile(vb, start, end, length - 1, stride_cs, d, BLOCK, PRE)
-        pdl_begin(PDL)
-    else:
-        pdl_begin(PDL)
-        start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
-        head = _head_tile(vb, start, end, length - 1, stride_cs, d, BLOCK, PRE)
+    start, end, per, length = _split_range(pos_ptr, sp, NSPLIT, MIN_PER, BLOCK)
     if start < length:  # as in the scores pass
         g = tl.arange(0, GP)
+        d = tl.arange(0, HD)
         gm = g < G
         h = kvh * G + g
         mx, inv = _global_stats(m_ptr, l_ptr, h, gm, per, length, NSPLIT)
         acc = tl.zeros([GP, HD], tl.float32)
+        vb = v_cache_ptr + kvh * stride_ch
         for n0 in range(start, end, BLOCK):
             n = n0 + tl.arange(0, BLOCK)
             nm = n < end
             s = tl.load(s_ptr + h[:, None] * max_len + n[None, :], mask=gm[:, None] & nm[None, :],
                         other=float("-inf"))
             p = _bf16(tl.exp(s - mx[:, None]) * inv[:, None])
-            vt = _tile(vb, n0, n, nm, start, length - 1, head, stride_cs, d, PRE)
+            vt = tl.load(vb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
             if DOT_F32:
                 vt = vt.to(tl.float32)
             acc += tl.dot(p.to(vt.dtype), vt)  # p is bf16-exact: the cast loses nothing
@@ -299,31 +254,22 @@ def _verify_range(pos_ptr, start_ptr, sp, M: tl.constexpr, HAS_START: tl.constex
 def attn_verify_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, scale, stride_q, stride_ch,
                               stride_cs, max_len, M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr,
                               MIN_PER: tl.constexpr, H: tl.constexpr, G: tl.constexpr, RP: tl.constexpr,
-                              HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                              PRE: tl.constexpr = 0):
-    # attn_scores_kernel for M*G rows; scores past a row's own position are -inf (not stored). PRE: the split's
-    # first block of keys below pos (the M new rows are the rope kernel's) loaded before the wait.
+                              HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    # attn_scores_kernel for M*G rows; scores past a row's own position are -inf (not stored).
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    d = tl.arange(0, HD)
-    kb = k_cache_ptr + kvh * stride_ch
-    if PRE:
-        lo, hi, per, length, pos = _verify_range(pos_ptr, start_ptr, sp, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
-        head = _head_tile(kb, lo, hi, pos, stride_cs, d, BLOCK, PRE)
-        pdl_begin(PDL)
-    else:
-        pdl_begin(PDL)
-        lo, hi, per, length, pos = _verify_range(pos_ptr, start_ptr, sp, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
-        head = _head_tile(kb, lo, hi, pos, stride_cs, d, BLOCK, PRE)
+    lo, hi, per, length, pos = _verify_range(pos_ptr, start_ptr, sp, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
     r = tl.arange(0, RP)
+    d = tl.arange(0, HD)
     rm = r < M * G
     j = r // G
     h = kvh * G + r % G
     row = j * H + h
     lim = pos + j  # the row's last visible key
     q = tl.load(q_ptr + j[:, None] * stride_q + h[:, None] * HD + d[None, :], mask=rm[:, None], other=0.0)
-    m, l = _scores_split(q, kb, lo, hi, rm, lim, row, s_ptr, max_len, scale, stride_cs, d, pos, head, RP, BLOCK,
-                         DOT_F32, True, PRE)
+    m, l = _scores_split(q, k_cache_ptr + kvh * stride_ch, lo, hi, rm, lim, row, s_ptr, max_len, scale, stride_cs, d,
+                         RP, BLOCK, DOT_F32, True)
     live = rm & ((tl.zeros_like(r) + lo) < hi)
     tl.store(m_ptr + row * NSPLIT + sp, m, mask=live)
     tl.store(l_ptr + row * NSPLIT + sp, l, mask=live)
@@ -333,34 +279,28 @@ def attn_verify_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, start_ptr, s_ptr, m_p
 def attn_verify_pv_kernel(v_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
                           M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
                           H: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
-                          DOT_F32: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr = 0):
-    # attn_pv_kernel for M*G rows: V read once for all of them (PRE: as the scores pass).
+                          DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    # attn_pv_kernel for M*G rows: V read once for all of them.
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    d = tl.arange(0, HD)
-    vb = v_cache_ptr + kvh * stride_ch
-    if PRE:
-        lo, hi, per, length, pos = _verify_range(pos_ptr, start_ptr, sp, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
-        head = _head_tile(vb, lo, hi, pos, stride_cs, d, BLOCK, PRE)
-        pdl_begin(PDL)
-    else:
-        pdl_begin(PDL)
-        lo, hi, per, length, pos = _verify_range(pos_ptr, start_ptr, sp, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
-        head = _head_tile(vb, lo, hi, pos, stride_cs, d, BLOCK, PRE)
+    lo, hi, per, length, pos = _verify_range(pos_ptr, start_ptr, sp, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
     r = tl.arange(0, RP)
+    d = tl.arange(0, HD)
     rm = r < M * G
     j = r // G
     row = j * H + kvh * G + r % G
     lim = pos + j
     mx, inv = _global_stats(m_ptr, l_ptr, row, rm, per, length, NSPLIT)
     acc = tl.zeros([RP, HD], tl.float32)
+    vb = v_cache_ptr + kvh * stride_ch
     for n0 in range(lo, hi, BLOCK):
         n = n0 + tl.arange(0, BLOCK)
         nm = n < hi
         vis = rm[:, None] & nm[None, :] & (n[None, :] <= lim[:, None])
         s = tl.load(s_ptr + row[:, None] * max_len + n[None, :], mask=vis, other=float("-inf"))
         p = _bf16(tl.exp(s - mx[:, None]) * inv[:, None])
-        vt = _tile(vb, n0, n, nm, lo, pos, head, stride_cs, d, PRE)
+        vt = tl.load(vb + n[:, None] * stride_cs + d[None, :], mask=nm[:, None], other=0.0)
         if DOT_F32:
             vt = vt.to(tl.float32)
         acc += tl.dot(p.to(vt.dtype), vt)
@@ -413,10 +353,9 @@ def qk_rope_cache(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos, sin, po
 
 
 def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, s_buf, *, num_heads, num_kv_heads,
-                     head_dim, nsplit, block=32, min_per=128, num_warps=4, prefetch=False):
+                     head_dim, nsplit, block=32, min_per=128, num_warps=4):
     """softmax(q K[:pos+1]^T / sqrt(d)) V per head, times sigmoid(gate). Scratch: m_buf, l_buf
-    [H * nsplit], acc_buf [H * nsplit * d] fp32, s_buf [H * max_seq_len] fp32 (the scores). `prefetch`:
-    each split's first block of the rows before pos loaded ahead of PDL's wait (Tuning.attn_prefetch)."""
+    [H * nsplit], acc_buf [H * nsplit * d] fp32, s_buf [H * max_seq_len] fp32 (the scores)."""
     g = num_heads // num_kv_heads
     max_len = k_cache.shape[1]
     split = dict(NSPLIT=nsplit, MIN_PER=min_per)
@@ -424,10 +363,10 @@ def attention_decode(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, 
               **LAUNCH)
     attn_scores_kernel[(num_kv_heads, nsplit)](
         q, k_cache, pos, s_buf, m_buf, l_buf, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1), max_len,
-        **kw, PRE=int(prefetch), num_warps=num_warps)
+        **kw, num_warps=num_warps)
     attn_pv_kernel[(num_kv_heads, nsplit)](
         v_cache, pos, s_buf, m_buf, l_buf, acc_buf, v_cache.stride(0), v_cache.stride(1), max_len,
-        **kw, PRE=int(prefetch), num_warps=num_warps)
+        **kw, num_warps=num_warps)
     block_d = min(64, head_dim)
     attn_combine_kernel[(num_heads, head_dim // block_d)](acc_buf, qkv, out, pos, **split, BLOCK=block, HD=head_dim,
                                                           BLOCK_D=block_d, **LAUNCH, num_warps=4)
@@ -442,12 +381,12 @@ def verify_scratch_sizes(m, num_heads, nsplit, max_seq_len, head_dim):
 
 
 def attention_verify(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, s_buf, *, m, num_heads, num_kv_heads,
-                     head_dim, start=None, nsplit, block=32, min_per=128, num_warps=4, prefetch=False):
+                     head_dim, start=None, nsplit, block=32, min_per=128, num_warps=4):
     """attention_decode for m tokens at positions pos..pos+m-1 (their K/V rows written by
     qk_rope_cache): query row j (q [m, H*HD], row stride) attends cache rows [start, pos + j]
     (start: device int64 [1], default 0); out [m, H*HD] (row stride) = that times sigmoid(gate of qkv
     row j). Each K/V row is read once for all m*G query rows of its kv head; the grid does not depend
-    on pos. Scratch: `verify_scratch_sizes`. `prefetch`: as attention_decode's (the rows before pos)."""
+    on pos. Scratch: `verify_scratch_sizes`."""
     g = num_heads // num_kv_heads
     max_len = k_cache.shape[1]
     assert s_buf.numel() >= m * num_heads * max_len and m_buf.numel() >= m * num_heads * nsplit
@@ -461,10 +400,10 @@ def attention_verify(q, k_cache, v_cache, pos, qkv, out, m_buf, l_buf, acc_buf, 
               RP=max(16, triton.next_power_of_2(m * g)), HD=head_dim, BLOCK=block, DOT_F32=_INTERPRETED, **LAUNCH)
     attn_verify_scores_kernel[(num_kv_heads, nsplit)](
         q, k_cache, pos, start, s_buf, m_buf, l_buf, head_dim ** -0.5, sq, k_cache.stride(0), k_cache.stride(1),
-        max_len, **kw, PRE=int(prefetch), num_warps=num_warps)
+        max_len, **kw, num_warps=num_warps)
     attn_verify_pv_kernel[(num_kv_heads, nsplit)](
         v_cache, pos, start, s_buf, m_buf, l_buf, acc_buf, v_cache.stride(0), v_cache.stride(1), max_len,
-        **kw, PRE=int(prefetch), num_warps=num_warps)
+        **kw, num_warps=num_warps)
     block_d = min(64, head_dim)
     attn_verify_combine_kernel[(m * num_heads, head_dim // block_d)](
         acc_buf, qkv, out, pos, start, sqkv, so, M=m, HAS_START=has_start, NSPLIT=nsplit, MIN_PER=min_per,

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from nexrt_vllm.engine.kernels.attention import (_INTERPRETED, _qk_rope_head, attn_verify_combine_kernel,
                                                  attn_verify_pv_kernel, attn_verify_scores_kernel)
-from nexrt_vllm.engine.kernels.batch import _live, _slot
+from nexrt_vllm.engine.kernels.batch import _slot
 from nexrt_vllm.engine.kernels.common import ASM, LAUNCH
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import silu as _silu
@@ -157,23 +157,14 @@ def attn_verify_scores_rows_kernel(q_ptr, k_ptr, pos_ptr, start_ptr, live_ptr, s
                                    stride_ch, stride_cs, stride_kv, max_len, slot_s, slot_ml, M: tl.constexpr,
                                    HAS_START: tl.constexpr, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
                                    H: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr,
-                                   BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                                   PRE: tl.constexpr = 0):
-    """`attn_verify_scores_kernel` per slot: grid (KVH, NSPLIT, B). PRE: the slot's kernel body waits itself,
-    after its prefetch (`live` is the host's, written before the replay)."""
-    if PRE:
-        b = tl.program_id(2)
-        b64 = b.to(tl.int64)
-        live = _live(live_ptr, b)
-        wait = PDL
-    else:
-        b, b64, live = _slot(live_ptr, 2, PDL)
-        wait = False
+                                   BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    """`attn_verify_scores_kernel` per slot: grid (KVH, NSPLIT, B)."""
+    b, b64, live = _slot(live_ptr, 2, PDL)
     if live:
         attn_verify_scores_kernel(q_ptr + b * M * stride_q, k_ptr + b64 * stride_kv, pos_ptr + b, start_ptr + b,
                                   s_ptr + b64 * slot_s, m_ptr + b64 * slot_ml, l_ptr + b64 * slot_ml, scale, stride_q,
                                   stride_ch, stride_cs, max_len, M, HAS_START, NSPLIT, MIN_PER, H, G, RP, HD, BLOCK,
-                                  DOT_F32, wait, PRE)
+                                  DOT_F32, False)
 
 
 @triton.jit
@@ -181,21 +172,13 @@ def attn_verify_pv_rows_kernel(v_ptr, pos_ptr, start_ptr, live_ptr, s_ptr, m_ptr
                                stride_kv, max_len, slot_s, slot_ml, slot_acc, M: tl.constexpr, HAS_START: tl.constexpr,
                                NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
                                RP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr,
-                               PDL: tl.constexpr, PRE: tl.constexpr = 0):
-    """`attn_verify_pv_kernel` per slot: grid (KVH, NSPLIT, B); PRE as the scores pass's."""
-    if PRE:
-        b = tl.program_id(2)
-        b64 = b.to(tl.int64)
-        live = _live(live_ptr, b)
-        wait = PDL
-    else:
-        b, b64, live = _slot(live_ptr, 2, PDL)
-        wait = False
+                               PDL: tl.constexpr):
+    """`attn_verify_pv_kernel` per slot: grid (KVH, NSPLIT, B)."""
+    b, b64, live = _slot(live_ptr, 2, PDL)
     if live:
         attn_verify_pv_kernel(v_ptr + b64 * stride_kv, pos_ptr + b, start_ptr + b, s_ptr + b64 * slot_s,
                               m_ptr + b64 * slot_ml, l_ptr + b64 * slot_ml, acc_ptr + b64 * slot_acc, stride_ch,
-                              stride_cs, max_len, M, HAS_START, NSPLIT, MIN_PER, H, G, RP, HD, BLOCK, DOT_F32, wait,
-                              PRE)
+                              stride_cs, max_len, M, HAS_START, NSPLIT, MIN_PER, H, G, RP, HD, BLOCK, DOT_F32, False)
 
 
 @triton.jit
@@ -279,12 +262,10 @@ def verify_rows_scratch(slots, m, num_heads, nsplit, rows, head_dim):
 
 
 def attention_verify_rows(q, k_cache, v_cache, pos, live, qkv, out, m_buf, l_buf, acc_buf, s_buf, *, m, num_heads,
-                          num_kv_heads, head_dim, start=None, nsplit, block=32, min_per=128, num_warps=4,
-                          prefetch=False):
+                          num_kv_heads, head_dim, start=None, nsplit, block=32, min_per=128, num_warps=4):
     """`attention.attention_verify` per live slot: slot b's m query rows (q, qkv, out [B*m, .], slot-major)
     at positions pos[b] .. pos[b]+m-1 attend to its cache rows [start[b], pos[b] + j] (start: int64 [B],
-    default 0); k_cache / v_cache [B, KVH, rows, HD]; scratch `verify_rows_scratch` ([B, .] each); `prefetch`:
-    as attention_verify's."""
+    default 0); k_cache / v_cache [B, KVH, rows, HD]; scratch `verify_rows_scratch` ([B, .] each)."""
     g, rows = num_heads // num_kv_heads, k_cache.shape[2]
     max_len = s_buf.shape[1] // (m * num_heads)  # a score row's length (the scratch's, >= rows + m)
     assert max_len >= rows + m and m_buf.shape[1] >= m * num_heads * nsplit and m_buf.stride(0) == l_buf.stride(0)
@@ -296,12 +277,10 @@ def attention_verify_rows(q, k_cache, v_cache, pos, live, qkv, out, m_buf, l_buf
               RP=max(16, triton.next_power_of_2(m * g)), HD=head_dim, BLOCK=block, DOT_F32=_INTERPRETED, **LAUNCH)
     attn_verify_scores_rows_kernel[(num_kv_heads, nsplit, n)](
         q, k_cache, pos, start, live, s_buf, m_buf, l_buf, head_dim ** -0.5, q.stride(0), k_cache.stride(1),
-        k_cache.stride(2), k_cache.stride(0), max_len, s_buf.stride(0), m_buf.stride(0), **kw, PRE=int(prefetch),
-        num_warps=num_warps)
+        k_cache.stride(2), k_cache.stride(0), max_len, s_buf.stride(0), m_buf.stride(0), **kw, num_warps=num_warps)
     attn_verify_pv_rows_kernel[(num_kv_heads, nsplit, n)](
         v_cache, pos, start, live, s_buf, m_buf, l_buf, acc_buf, v_cache.stride(1), v_cache.stride(2),
-        v_cache.stride(0), max_len, s_buf.stride(0), m_buf.stride(0), acc_buf.stride(0), **kw, PRE=int(prefetch),
-        num_warps=num_warps)
+        v_cache.stride(0), max_len, s_buf.stride(0), m_buf.stride(0), acc_buf.stride(0), **kw, num_warps=num_warps)
     block_d = min(64, head_dim)
     attn_verify_combine_rows_kernel[(m * num_heads, head_dim // block_d, n)](
         acc_buf, qkv, out, pos, start, live, qkv.stride(0), out.stride(0), acc_buf.stride(0), M=m, HAS_START=has_start,
