@@ -23,31 +23,52 @@ from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 
 
 @triton.jit
-def _delta_token(s, buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, q_scale,
-                 DK: tl.constexpr, DV: tl.constexpr):
-    # One token of the gated delta rule on the [DK, BLOCK_V] state slice s (fp32, in registers); buf_ptr
-    # is the token's [q|k|v|z|b|a] row. Returns the new slice and the fp32 output columns.
-    q = tl.load(buf_ptr + kh * DK + offs_k).to(tl.float32)
-    k = tl.load(buf_ptr + KEY_DIM + kh * DK + offs_k).to(tl.float32)
-    v = tl.load(buf_ptr + 2 * KEY_DIM + vh * DV + offs_v).to(tl.float32)
+def _delta_load(buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, DK: tl.constexpr,
+                DV: tl.constexpr):
+    """One token's inputs of the gated delta rule from its [q|k|v|z|b|a] row at buf_ptr (and the layer's A_log
+    and dt_bias of value head vh), as loaded: what `_delta_apply` takes."""
+    q = tl.load(buf_ptr + kh * DK + offs_k)
+    k = tl.load(buf_ptr + KEY_DIM + kh * DK + offs_k)
+    v = tl.load(buf_ptr + 2 * KEY_DIM + vh * DV + offs_v)
+    b = tl.load(buf_ptr + OFF_B + vh)
+    a = tl.load(buf_ptr + OFF_A + vh)
+    return q, k, v, b, a, tl.load(dt_bias_ptr + vh), tl.load(a_log_ptr + vh)
+
+
+@triton.jit
+def _delta_apply(s, q, k, v, b, a, dt_bias, a_log, q_scale):
+    # One token of the gated delta rule on the [DK, BLOCK_V] state slice s (fp32, in registers) from its
+    # inputs as `_delta_load` leaves them. Returns the new slice and the fp32 output columns.
+    q = q.to(tl.float32)
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
     q = q / q_scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    b = tl.load(buf_ptr + OFF_B + vh).to(tl.float32)
+    b = b.to(tl.float32)
     beta = _bf16(1.0 / (1.0 + tl.exp(-b)))  # sigmoid in the model dtype, as eager
-    a = tl.load(buf_ptr + OFF_A + vh).to(tl.float32) + tl.load(dt_bias_ptr + vh).to(tl.float32)
+    a = a.to(tl.float32) + dt_bias.to(tl.float32)
     # softplus = log1p(exp(a)) as torch computes it (threshold 20). log(1 + y) loses y's low bits when
     # y is small (up to 2 % off for a < -10); log(u) * y / (u - 1) with u = 1 + y is within 1 ulp.
     y = tl.exp(tl.minimum(a, 20.0))
     u = 1.0 + y
     softplus = tl.where(a > 20.0, a, tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0))))
-    g = -tl.exp(tl.load(a_log_ptr + vh).to(tl.float32)) * softplus
+    g = -tl.exp(a_log.to(tl.float32)) * softplus
     s = s * tl.exp(g)
     kv = tl.sum(s * k[:, None], 0)
     delta = (v - kv) * beta
     s = s + k[:, None] * delta[None, :]
     o = tl.sum(s * q[:, None], 0)
     return s, o
+
+
+@triton.jit
+def _delta_token(s, buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, q_scale,
+                 DK: tl.constexpr, DV: tl.constexpr):
+    """`_delta_apply` of the token whose row is at buf_ptr."""
+    q, k, v, b, a, dtb, alog = _delta_load(buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B,
+                                           OFF_A, DK, DV)
+    return _delta_apply(s, q, k, v, b, a, dtb, alog, q_scale)
 
 
 @triton.jit
@@ -108,12 +129,20 @@ def gdn_verify_kernel(buf_ptr, state_ptr, rec_ptr, out_ptr, a_log_ptr, dt_bias_p
     pdl_begin(PDL)
     if not PRE:
         s = tl.load(state_ptr + so)
-    for j in range(M):
-        s, o = _delta_token(s, buf_ptr + j * stride_buf, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM,
-                            OFF_B, OFF_A, q_scale, DK, DV)
+    # token j + 1's inputs are loaded before token j's arithmetic (the loop unrolled): their latency hides
+    # behind it instead of adding up over the M tokens; the arithmetic is _delta_token's
+    q, k, v, b, a, dtb, alog = _delta_load(buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B,
+                                           OFF_A, DK, DV)
+    for j in tl.static_range(M):
+        if j + 1 < M:
+            q1, k1, v1, b1, a1, _, _ = _delta_load(buf_ptr + (j + 1) * stride_buf, a_log_ptr, dt_bias_ptr, vh, kh,
+                                                   offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, DK, DV)
+        s, o = _delta_apply(s, q, k, v, b, a, dtb, alog, q_scale)
         if STORE:
             tl.store(rec_ptr + j * stride_rec + so, s)
         tl.store(out_ptr + j * stride_out + vh * DV + offs_v, _bf16(o).to(out_ptr.dtype.element_ty))
+        if j + 1 < M:
+            q, k, v, b, a = q1, k1, v1, b1, a1
 
 
 @triton.jit
