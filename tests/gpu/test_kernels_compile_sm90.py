@@ -243,7 +243,7 @@ ROUND_VARIANTS = [
      dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, STORE=False), 1, dict(BT, rec_ptr="*fp32"), ()),
     ("round_gdn_recommit", gdn.gdn_recommit_kernel,
      dict(DT=tl.bfloat16, A_DT=tl.bfloat16, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, KM1=3, KM1P=4, BLOCK_C=256,
-          HAS_LIVE=True), 1, dict(BT, table_ptr="*i64", a_ptr="*i64", live_ptr="*i32"), ()),
+          HAS_LIVE=True, M=4), 1, dict(BT, table_ptr="*i64", a_ptr="*i64", live_ptr="*i32"), ()),
     ("round_qk_rope", batch_round.qk_rope_rows_kernel, dict(M=4, H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
      BT, ()),
     ("round_attn_scores", batch_round.attn_verify_scores_rows_kernel, AV, 4, dict(BT, start_ptr="*i64"), ()),

@@ -63,15 +63,6 @@ def _delta_apply(s, q, k, v, b, a, dt_bias, a_log, q_scale):
 
 
 @triton.jit
-def _delta_token(s, buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, q_scale,
-                 DK: tl.constexpr, DV: tl.constexpr):
-    """`_delta_apply` of the token whose row is at buf_ptr."""
-    q, k, v, b, a, dtb, alog = _delta_load(buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B,
-                                           OFF_A, DK, DV)
-    return _delta_apply(s, q, k, v, b, a, dtb, alog, q_scale)
-
-
-@triton.jit
 def gdn_step_kernel(buf_ptr, state_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
                     KEY_DIM, VALUE_DIM, OFF_B, OFF_A, q_scale,
                     HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -89,8 +80,9 @@ def gdn_step_kernel(buf_ptr, state_ptr, out_ptr, a_log_ptr, dt_bias_ptr,
     pdl_begin(PDL)
     if not PRE:
         s = tl.load(sp)
-    s, o = _delta_token(s, buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, q_scale,
-                        DK, DV)
+    q, k, v, b, a, dtb, alog = _delta_load(buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B,
+                                           OFF_A, DK, DV)
+    s, o = _delta_apply(s, q, k, v, b, a, dtb, alog, q_scale)
     tl.store(sp, s)
     tl.store(out_ptr + vh * DV + offs_v, _bf16(o).to(out_ptr.dtype.element_ty))
 
@@ -130,7 +122,7 @@ def gdn_verify_kernel(buf_ptr, state_ptr, rec_ptr, out_ptr, a_log_ptr, dt_bias_p
     if not PRE:
         s = tl.load(state_ptr + so)
     # token j + 1's inputs are loaded before token j's arithmetic (the loop unrolled): their latency hides
-    # behind it instead of adding up over the M tokens; the arithmetic is _delta_token's
+    # behind it instead of adding up over the M tokens; the arithmetic is the step's
     q, k, v, b, a, dtb, alog = _delta_load(buf_ptr, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM, OFF_B,
                                            OFF_A, DK, DV)
     for j in tl.static_range(M):
@@ -235,7 +227,7 @@ def gdn_recommit_kernel(table_ptr, a_ptr, live_ptr, KEY_DIM, OFF_B, OFF_A, q_sca
                         stride_conv, stride_win, slot_buf, slot_rec, slot_conv, slot_win, DT: tl.constexpr,
                         A_DT: tl.constexpr, HV: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BLOCK_V: tl.constexpr, KM1: tl.constexpr, KM1P: tl.constexpr, BLOCK_C: tl.constexpr,
-                        HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+                        HAS_LIVE: tl.constexpr, M: tl.constexpr, PDL: tl.constexpr):
     # `gdn_commit` without the states after each position, every GDN layer in one launch (grid axis 2: the
     # layer, its tensors' addresses a row of table_ptr: verify rows, conv state, recurrent state, window,
     # A_log, dt_bias). The first HV * DV / BLOCK_V programs run the verified tokens 0..a again over their
@@ -257,9 +249,18 @@ def gdn_recommit_kernel(table_ptr, a_ptr, live_ptr, KEY_DIM, OFF_B, OFF_A, q_sca
             offs_v = (pid % NVB) * BLOCK_V + tl.arange(0, BLOCK_V)
             sp = rec_ptr + b * slot_rec + vh * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
             st = tl.load(sp)
-            for j in range(0, a + 1):
-                st, o = _delta_token(st, buf_ptr + b * slot_buf + j * stride_buf, a_log_ptr, dt_bias_ptr, vh, kh,
-                                     offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, q_scale, DK, DV)
+            rows = buf_ptr + b * slot_buf
+            # as the verify: each token's inputs loaded one token ahead (rows past a are the verify's too)
+            q, k, v, gb, ga, dtb, alog = _delta_load(rows, a_log_ptr, dt_bias_ptr, vh, kh, offs_k, offs_v, KEY_DIM,
+                                                     OFF_B, OFF_A, DK, DV)
+            for j in tl.static_range(M):
+                if j + 1 < M:
+                    q1, k1, v1, gb1, ga1, _, _ = _delta_load(rows + (j + 1) * stride_buf, a_log_ptr, dt_bias_ptr, vh,
+                                                             kh, offs_k, offs_v, KEY_DIM, OFF_B, OFF_A, DK, DV)
+                if j <= a:
+                    st = _delta_apply(st, q, k, v, gb, ga, dtb, alog, q_scale)[0]
+                if j + 1 < M:
+                    q, k, v, gb, ga = q1, k1, v1, gb1, ga1
             tl.store(sp, st)
         else:
             _commit_conv(tl.load(row + 1).to(tl.pointer_type(DT)), tl.load(row + 3).to(tl.pointer_type(DT)), b, a,
@@ -304,7 +305,7 @@ class Recommit:
                      st(win))
         self.consts = dict(DT=_TL[buf.dtype], A_DT=_TL[a_log.dtype], HV=num_v_heads, HK=num_k_heads, DK=head_k_dim,
                            DV=head_v_dim, BLOCK_V=block_v, KM1=km1, KM1P=triton.next_power_of_2(km1),
-                           BLOCK_C=block_c, HAS_LIVE=slots)
+                           BLOCK_C=block_c, HAS_LIVE=slots, M=m)
 
     def __call__(self, a, live=None) -> None:
         """Commit every layer: a (int64 [1], or [B] with slots: the accepted token per slot, < 0: nothing);
