@@ -425,3 +425,40 @@ def test_split_k_equals_one_split(m, splits, epi):
         gemv.gemv(x, w[:n], nan_rows(m, n), m=m, dot=2, block_n=16, block_k=32, splits=0)
     with pytest.raises(ValueError, match="splits needs the tensor-core"):
         gemv.gemv(x[:2], w[:n], nan_rows(2, n), m=2, dot=0, block_n=16, block_k=32, splits=2)
+
+
+@pytest.mark.parametrize("m,splits", [(4, 1), (12, 2)])
+def test_norm_partials_stand_in_for_the_norm_pass(m, splits):
+    """Tuning.norm_fold: a residual GEMV with `ssq_out` leaves each row's sum of squares of the residual it
+    stored, one partial per program (split K: the tile's last program's); a PRO_RMSNORM_PARTS GEMV over that
+    residual with those partials equals the PRO_RMSNORM launch that sums the squares itself (to the fp32
+    order of the sum), store and SwiGLU epilogues alike. The producer's bytes are the plain residual launch's."""
+    g = torch.Generator().manual_seed(29)
+    k, n = 160, 48  # the producer writes n = 48 columns in 3 tiles of 16: 3 partials per row
+    act = rows(torch.randn(m, k, generator=g).to(BF), m)
+    w_prod = (torch.randn(n, k, generator=g) * 0.1).to(BF)
+    res0 = rows(torch.randn(m, n, generator=g).to(BF), m)
+    kw = dict(block_n=16, block_k=32, m=m, dot=2, splits=splits)
+    plain = res0.clone()
+    call(gemv.gemv, act, w_prod, plain, epi=gemv.EPI_RESIDUAL, **kw)
+    res = res0.clone()
+    parts = torch.full((m + 2, 5), float("nan"))
+    call(gemv.gemv, act, w_prod, res, epi=gemv.EPI_RESIDUAL, ssq_out=parts, **kw)
+    assert torch.equal(res, plain)
+    want = res.float().view(m, 3, 16).pow(2).sum(2)
+    assert rel(parts[:m, :3], want) < 1e-6 and parts[:m, 3:].isnan().all() and parts[m:].isnan().all()
+
+    nw = (torch.randn(n, generator=g) * 0.1).to(BF)
+    for epi, rows_out in ((gemv.EPI_STORE, 24), (gemv.EPI_SWIGLU, 24)):
+        w = (torch.randn(2 * rows_out if epi == gemv.EPI_SWIGLU else rows_out, n, generator=g) * 0.1).to(BF)
+        ref, got = nan_rows(m, rows_out), nan_rows(m, rows_out)
+        call(gemv.gemv, res, w, ref, pro=gemv.PRO_RMSNORM, norm_w=nw, epi=epi, **kw)
+        call(gemv.gemv, res, w, got, pro=gemv.PRO_RMSNORM_PARTS, norm_w=nw, epi=epi, ssq=(parts, 3), **kw)
+        assert not got.isnan().any() and rel(got, ref) < SAME, epi
+    with pytest.raises(ValueError, match="PRO_RMSNORM_PARTS goes with ssq"):
+        gemv.gemv(res, w_prod.T.contiguous(), nan_rows(m, k), pro=gemv.PRO_RMSNORM_PARTS, norm_w=nw, **kw)
+    with pytest.raises(ValueError, match="ssq_out must be fp32"):
+        gemv.gemv(act, w_prod, res0.clone(), epi=gemv.EPI_RESIDUAL, ssq_out=torch.zeros(m, 2), **kw)
+    with pytest.raises(ValueError, match="tensor-core"):
+        gemv.gemv(act[:2], w_prod, res0[:2].clone(), epi=gemv.EPI_RESIDUAL, ssq_out=parts, m=2, dot=0, block_n=16,
+                  block_k=32)
