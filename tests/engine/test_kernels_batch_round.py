@@ -20,16 +20,22 @@ BF = torch.bfloat16
 SAME = 2e-3  # fp32 summation order only (tests/engine/test_kernels_verify_gemv.py)
 
 
-@pytest.mark.parametrize("slots,m", [(3, 4), (4, 3)])
-def test_conv_all_slots_equals_slot_by_slot(slots, m):
-    g = torch.Generator().manual_seed(41)
-    conv_n, extra, kc, k = 48, 20, 4, 64
-    r = slots * m
-    x = torch.randn(r, k, generator=g).to(BF)
+def conv_inputs(seed: int, slots: int, m: int, conv_n: int, extra: int, kc: int, k: int):
+    """The batched in_proj + conv's inputs: rows x [slots * m, k], norm weight, in_proj w [conv_n + extra, k],
+    conv weight [conv_n, kc] and each slot's conv state [slots, conv_n, kc - 1] (bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(slots * m, k, generator=g).to(BF)
     nw = (torch.randn(k, generator=g) * 0.1).to(BF)
     w = (torch.randn(conv_n + extra, k, generator=g) * 0.2).to(BF)
     cw = (torch.randn(conv_n, kc, generator=g) * 0.5).to(BF)
-    conv = torch.randn(slots, conv_n, kc - 1, generator=g).to(BF)
+    return x, nw, w, cw, torch.randn(slots, conv_n, kc - 1, generator=g).to(BF)
+
+
+@pytest.mark.parametrize("slots,m", [(3, 4), (4, 3)])
+def test_conv_all_slots_equals_slot_by_slot(slots, m):
+    conv_n, extra, kc, k = 48, 20, 4, 64
+    r = slots * m
+    x, nw, w, cw, conv = conv_inputs(41, slots, m, conv_n, extra, kc, k)
     conv0 = conv.clone()
     live = torch.ones(slots, dtype=torch.int32)
     live[1] = 0  # a dead slot between live ones
@@ -63,14 +69,9 @@ def test_conv_all_slots_equals_slot_by_slot(slots, m):
 def test_conv_slots_norm_from_partials():
     """Tuning.norm_fold: the batched in_proj + conv with each row's norm from the producer's sum-of-squares
     partials (`ssq`) equals the launch that sums the squares itself, to the fp32 order of the sum."""
-    g = torch.Generator().manual_seed(43)
     slots, m, conv_n, extra, kc, k = 3, 4, 48, 20, 4, 64
     r = slots * m
-    x = torch.randn(r, k, generator=g).to(BF)
-    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
-    w = (torch.randn(conv_n + extra, k, generator=g) * 0.2).to(BF)
-    cw = (torch.randn(conv_n, kc, generator=g) * 0.5).to(BF)
-    conv = torch.randn(slots, conv_n, kc - 1, generator=g).to(BF)
+    x, nw, w, cw, conv = conv_inputs(43, slots, m, conv_n, extra, kc, k)
     live = torch.ones(slots, dtype=torch.int32)
     parts = torch.full((r, 6), float("nan"))
     parts[:, :4] = x.float().view(r, 4, k // 4).pow(2).sum(2)  # 4 producer programs of k / 4 columns

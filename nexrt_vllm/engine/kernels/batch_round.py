@@ -31,6 +31,7 @@ from nexrt_vllm.engine.kernels.common import ASM, LAUNCH
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gdn import gdn_verify_kernel
+from nexrt_vllm.engine.kernels.gemv import ssq_args
 from nexrt_vllm.engine.kernels.gemv_verify import _epilogue_rows, _gemv_rows
 
 MAX_ROWS = 32  # rows of one launch (B * M): the tensor-core M-row GEMV's column tile
@@ -222,9 +223,8 @@ def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv
         window.stride(0), window.stride(1), eps, conv_n, nb, R=r, RP=max(16, triton.next_power_of_2(r)), M=m,
         MP=triton.next_power_of_2(m), KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)), KP=triton.next_power_of_2(k),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT=1 if ASM else 2, ALL_SLOTS=all_slots,
-        PRO=0 if normed else 3 if ssq is not None else 1, ssq_ptr=ssq[0] if ssq is not None else y,
-        stride_ssq=ssq[0].stride(0) if ssq is not None else 0, n_ssq=ssq[1] if ssq is not None else 0,
-        NSSQ=triton.next_power_of_2(ssq[1]) if ssq is not None else 1, **LAUNCH, num_warps=num_warps, num_stages=stages)
+        PRO=0 if normed else 3 if ssq is not None else 1, **ssq_args(ssq, r, y), **LAUNCH, num_warps=num_warps,
+        num_stages=stages)
 
 
 def gdn_verify_rows(buf, state, rec_after, out, a_log, dt_bias, live, *, m, num_k_heads, num_v_heads, head_k_dim,

@@ -190,15 +190,7 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
                                 or ssq_out.stride(1) != 1):
         raise ValueError(f"gemv: ssq_out must be fp32 [>= {m}, >= {grid}] (unit column stride) after EPI_STORE or "
                          "EPI_RESIDUAL")
-    if ssq is not None:
-        parts, n_ssq = ssq
-        if parts.dtype != torch.float32 or parts.dim() != 2 or parts.shape[0] < m or parts.shape[1] < n_ssq \
-                or parts.stride(1) != 1 or n_ssq < 1:
-            raise ValueError(f"gemv: ssq partials must be fp32 [>= {m}, >= {n_ssq}] with unit column stride")
-    sq_t = ssq[0] if ssq is not None else ssq_out if ssq_out is not None else y
-    sq = dict(ssq_ptr=sq_t, stride_ssq=sq_t.stride(0) if sq_t.dim() == 2 else 0,
-              n_ssq=ssq[1] if ssq is not None else 0,
-              NSSQ=triton.next_power_of_2(ssq[1]) if ssq is not None else 1, SSQ=ssq_out is not None)
+    sq = dict(ssq_args(ssq, m, ssq_out if ssq_out is not None else y), SSQ=ssq_out is not None)
     if dot:
         if splits < 1:
             raise ValueError(f"gemv: splits must be >= 1, got {splits}")
@@ -213,6 +205,18 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
         raise ValueError(f"gemv: splits needs the tensor-core M-row kernel (dot > 0), got {splits}")
     gemv_rows_kernel[(grid,)](*args, PRE=head_blocks(min(prefetch, 4), k, block_k), VEC=min(8, block_k), **common)
     return grid
+
+
+def ssq_args(ssq, m: int, other) -> dict:
+    """The M-row kernels' ssq_ptr / stride_ssq / n_ssq / NSSQ arguments: from `ssq` = (fp32 partials [>= m, >= n],
+    n) for PRO_RMSNORM_PARTS (checked here), else pointing at `other` (`ssq_out`, or any tensor: unread)."""
+    if ssq is None:
+        return dict(ssq_ptr=other, stride_ssq=other.stride(0) if other.dim() == 2 else 0, n_ssq=0, NSSQ=1)
+    parts, n = ssq
+    if parts.dtype != torch.float32 or parts.dim() != 2 or parts.shape[0] < m or parts.shape[1] < n \
+            or parts.stride(1) != 1 or n < 1:
+        raise ValueError(f"gemv: ssq partials must be fp32 [>= {m}, >= {n}] with unit column stride")
+    return dict(ssq_ptr=parts, stride_ssq=parts.stride(0), n_ssq=n, NSSQ=triton.next_power_of_2(n))
 
 
 # (device, stream) -> (fp32 partials, int32 arrival counters, the buffers they replaced)
@@ -251,7 +255,7 @@ def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
                               BLOCK_K=min(block_k, triton.next_power_of_2(k)), **LAUNCH, num_warps=num_warps)
 
 
-__all__ = ["gemv", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel",
+__all__ = ["gemv", "l2_target", "splitk_workspace", "ssq_args", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel",
            "gemv_rows_dot_kernel", "rmsnorm_rows", "rmsnorm_rows_kernel",
-           "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
-           "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]
+           "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "PRO_RMSNORM_PARTS", "EPI_STORE",
+           "EPI_RESIDUAL", "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]
