@@ -16,8 +16,12 @@ the fused step of gpu/decoder.py with
   masks: the logit slices are all-gathered, rank 0 runs the one-device tail (its sampler, its control
   ring, its host's masks) and broadcasts the token.
 
-`Collectives` is the injected communication: torch.distributed over the engine's group, NCCL on CUDA
-(capturable in a CUDA graph), gloo on CPU (the interpreter tests).
+The communication is injected: `Collectives`, torch.distributed over the engine's group (NCCL on CUDA,
+capturable in a CUDA graph; gloo on CPU, the interpreter tests), or `PeerCollectives`, one-shot kernels
+over peer-mapped buffers (kernels/tp.py `peer_collective`: one launch per collective, no NCCL kernel;
+the step's messages are a few KB, so latency is their cost). Peer memory is `PeerMemory`: between the
+processes of a group, CUDA IPC on GPUs (peer access over NVLink) or named shared memory on CPU; within
+one process (`PeerMemory.local`), plain buffers of one device, which lets two ranks share one GPU.
 
 Lock step (`Lockstep`): rank 0's `TPRunner` is a `GraphRunner` whose replays are first announced in
 two 64-bit words of shared host memory; a follower's `Follower` replays its own graph of the same
@@ -30,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -63,6 +69,118 @@ class Collectives:
 
     def broadcast(self, t: torch.Tensor) -> None:
         dist.broadcast(t, src=0, group=self.group)
+
+    def check(self) -> None:
+        """(torch.distributed raises on its own timeouts.)"""
+
+
+class PeerMemory:
+    """One rank's view of its group's peer memory: every rank's buffer (two halves of `half_bytes`)
+    and signal array (int32 [programs * size]), as addresses this process can load and store, and the
+    rank's own call counts and status. `allocate` makes a rank's own part, `share` a handle another
+    process `open`s; `local` makes a whole group's views inside one process."""
+
+    def __init__(self, rank: int, bufs: list[torch.Tensor], sigs: list[torch.Tensor], half_bytes: int,
+                 programs: int):
+        dev = bufs[rank].device
+        self.rank, self.size, self.half_bytes, self.programs = rank, len(bufs), half_bytes, programs
+        self.tensors = list(bufs) + list(sigs)  # the mappings stay while this view lives
+        self.bufs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=dev)
+        self.sigs = torch.tensor([g.data_ptr() for g in sigs], dtype=torch.int64, device=dev)
+        self.epoch = torch.zeros(programs, dtype=torch.int32, device=dev)
+        self.status = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    @staticmethod
+    def capacity(max_elements: int) -> tuple[int, int]:
+        """(half_bytes, programs) for messages of up to `max_elements` of at most 8 bytes."""
+        from nexrt_vllm.engine.kernels.tp import PEER_BLOCK
+        return 8 * max_elements, max(1, math.ceil(max_elements / PEER_BLOCK))
+
+    @staticmethod
+    def allocate(size: int, half_bytes: int, programs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A rank's own (buffer, signal array), zeroed: device memory on CUDA; on CPU, named shared
+        memory other processes can map (`share`)."""
+        n_sig = programs * size
+        if torch.device(device).type != "cpu":
+            return (torch.zeros(2 * half_bytes, dtype=torch.uint8, device=device),
+                    torch.zeros(n_sig, dtype=torch.int32, device=device))
+        out = []
+        for nbytes, dt in ((2 * half_bytes, torch.uint8), (4 * n_sig, torch.int32)):
+            path = f"/dev/shm/nexrt-peer-{uuid.uuid4().hex}"
+            with open(path, "wb") as f:
+                f.truncate(nbytes)
+            t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(dt)
+            t.nexrt_path = path
+            out.append(t)
+        return out[0], out[1]
+
+    @staticmethod
+    def share(t: torch.Tensor):
+        """A picklable handle on a tensor of `allocate` that another process `open`s (and may pass on)."""
+        if t.device.type == "cpu":
+            return ("file", t.nexrt_path, t.numel() * t.element_size(), str(t.dtype))
+        from torch.multiprocessing.reductions import reduce_tensor
+        return ("cuda", reduce_tensor(t))
+
+    @staticmethod
+    def open(handle) -> torch.Tensor:
+        if handle[0] == "file":
+            _, path, nbytes, dt = handle
+            return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(getattr(torch, dt[6:]))
+        rebuild, args = handle[1]
+        return rebuild(*args)  # CUDA IPC: the peer GPU's memory, mapped with peer access
+
+    @staticmethod
+    def unlink(handle) -> None:
+        """Remove a CPU handle's name once every rank has mapped it (the mappings stay)."""
+        if handle[0] == "file":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(handle[1])
+
+    @classmethod
+    def local(cls, size: int, max_elements: int, device) -> list["PeerMemory"]:
+        """The views of all `size` ranks of a group inside one process (ranks as threads, one device)."""
+        half, programs = cls.capacity(max_elements)
+        parts = [cls.allocate(size, half, programs, device) for _ in range(size)]
+        return [cls(r, [b for b, _ in parts], [g for _, g in parts], half, programs) for r in range(size)]
+
+
+class PeerCollectives:
+    """`Collectives` as one-shot kernels over `PeerMemory` (kernels/tp.py `peer_collective`): capturable
+    (no host call), every wait bounded by `spin` flag reads; `check` raises if one ran out."""
+
+    def __init__(self, size: int, rank: int, mem: PeerMemory, spin: int = 1 << 22):
+        if (mem.size, mem.rank) != (size, rank):
+            raise EngineError(f"peer memory of rank {mem.rank} of {mem.size} given to rank {rank} of {size}")
+        from nexrt_vllm.engine.kernels import tp as k_tp
+        self.size, self.rank, self.mem, self.spin, self.k = size, rank, mem, spin, k_tp
+
+    def _run(self, x: torch.Tensor, out: torch.Tensor, op: int) -> None:
+        m, n = self.mem, x.numel()
+        if not x.is_contiguous() or n * x.element_size() > m.half_bytes or math.ceil(n / self.k.PEER_BLOCK) > m.programs:
+            raise EngineError(f"a peer collective of {n} x {x.dtype} exceeds this group's peer memory "
+                              f"({m.half_bytes} bytes, {m.programs} programs) or is not contiguous")
+        self.k.peer_collective(x, out, op, m.bufs, m.sigs, m.epoch, m.status, self.rank,
+                               m.half_bytes // x.element_size(), self.size, self.spin)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self._run(t, t, self.k.OP_SUM)
+
+    def max_reduce(self, t: torch.Tensor) -> None:
+        self._run(t, t, self.k.OP_MAX)
+
+    def all_gather(self, out: torch.Tensor, part: torch.Tensor) -> None:
+        self._run(part, out, self.k.OP_GATHER)
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        self._run(t, t, self.k.OP_BCAST)
+
+    def check(self) -> None:
+        """EngineError if a collective's wait ran out since the group started (the group is then out of
+        step: a peer died or hangs); reads the device."""
+        if int(self.mem.status.item()):
+            raise EngineError(f"TP rank {self.rank}: a peer rank did not reach a collective within {self.spin} "
+                              f"flag reads; the group is out of step")
 
 
 class TPDecoder(FusedDecoder):

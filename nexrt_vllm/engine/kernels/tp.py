@@ -10,11 +10,20 @@ one key, (the logit's bits made order-preserving) << 32 | (2^31 - 1 - global id)
 the ranks' keys is the largest logit and, among equal ones, the lowest id (torch.argmax's rule),
 so one 8-byte max all-reduce replaces a gather of every rank's partials; `key_argmax` turns the
 reduced key back into the (max, argmax) pair the finish launch reads.
+
+One-shot collectives over peer memory (`peer_collective`): every rank can load and store every other
+rank's buffer (GPUs of one host with peer access, or host memory shared between processes). A launch
+copies its input into its own buffer, tells each peer by a flag in the peer's signal array, waits for
+every peer's flag, then reads all ranks' inputs: the sum in rank order (every rank the same bits), the
+max, the concatenation, or rank 0's. One launch and no NCCL kernel per collective; the step's messages
+are a few KB, where the cost is latency. Each buffer holds two halves used alternately: a rank writes
+the half of call c + 2 only after every peer has arrived at call c + 1, which they reach after their
+reads of call c. Each program keeps its own call count (`epoch`) and flags, over its own chunk.
 """
 import triton
 import triton.language as tl
 
-from nexrt_vllm.engine.kernels.common import LAUNCH, pdl_begin
+from nexrt_vllm.engine.kernels.common import ASM, LAUNCH, fence_sys, pdl_begin
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.sampling import argmax_partials
 
@@ -70,3 +79,69 @@ def argmax_key(pmax, pidx, n_partials, logits, offset, key):
 def key_argmax(key, pmax, pidx):
     """pmax[0], pidx[0] <- the (logit, global id) of a max-reduced `argmax_key` key."""
     key_argmax_kernel[(1,)](key, pmax, pidx, **LAUNCH, num_warps=1)
+
+
+OP_SUM, OP_MAX, OP_GATHER, OP_BCAST = 0, 1, 2, 3
+PEER_BLOCK = 1024  # elements per program of a peer collective
+
+
+@triton.jit
+def _peer(table_ptr, p, ety: tl.constexpr):
+    return tl.load(table_ptr + p).to(tl.pointer_type(ety))
+
+
+@triton.jit
+def peer_collective_kernel(x_ptr, out_ptr, n, bufs_ptr, sigs_ptr, epoch_ptr, status_ptr, rank, half,
+                           SIZE: tl.constexpr, OP: tl.constexpr, BLOCK: tl.constexpr, SPIN: tl.constexpr,
+                           ASM: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    ety: tl.constexpr = x_ptr.dtype.element_ty
+    e = tl.load(epoch_ptr + pid) + 1  # this program's call count (int32: the flag compare wraps)
+    tl.store(epoch_ptr + pid, e)
+    at = (e & 1) * half + offs  # (not e % 2: negative past the wrap)
+    tl.store(_peer(bufs_ptr, rank, ety) + at, tl.load(x_ptr + offs, mask=m), mask=m)
+    tl.debug_barrier()  # every thread's store before thread 0's release
+    for p in tl.static_range(SIZE):
+        tl.atomic_xchg(_peer(sigs_ptr, p, tl.int32) + pid * SIZE + rank, e, sem="release", scope="sys")
+    mine = _peer(sigs_ptr, rank, tl.int32) + pid * SIZE
+    late = 0
+    for p in tl.static_range(SIZE):
+        f = tl.load(mine + p, volatile=True)
+        k = 0
+        while ((f - e) < 0) & (k < SPIN):  # bounded: a peer that never comes leaves status set
+            f = tl.load(mine + p, volatile=True)
+            k += 1
+        late = late | ((f - e) < 0).to(tl.int32)
+    fence_sys(ASM)  # the peers' inputs are read after their flags
+    tl.debug_barrier()
+    if OP == 0:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in tl.static_range(SIZE):
+            acc += tl.load(_peer(bufs_ptr, p, ety) + at, mask=m, other=0.0, cache_modifier=".cv").to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(ety), mask=m)
+    elif OP == 1:
+        acc = tl.load(_peer(bufs_ptr, 0, ety) + at, mask=m, cache_modifier=".cv")
+        for p in tl.static_range(1, SIZE):
+            acc = tl.maximum(acc, tl.load(_peer(bufs_ptr, p, ety) + at, mask=m, cache_modifier=".cv"))
+        tl.store(out_ptr + offs, acc, mask=m)
+    elif OP == 2:
+        for p in tl.static_range(SIZE):
+            tl.store(out_ptr + p * n + offs, tl.load(_peer(bufs_ptr, p, ety) + at, mask=m, cache_modifier=".cv"),
+                     mask=m)
+    else:
+        tl.store(out_ptr + offs, tl.load(_peer(bufs_ptr, 0, ety) + at, mask=m, cache_modifier=".cv"), mask=m)
+    tl.store(status_ptr + pid * 0, late, mask=late != 0)
+
+
+def peer_collective(x, out, op, bufs, sigs, epoch, status, rank, half, size, spin):
+    """One collective of `op` over x [n] (contiguous) of this rank and its peers': out [n] (OP_GATHER:
+    [size * n]) on every rank. bufs / sigs: int64 [size] addresses of every rank's buffer (2 * half
+    elements of x's dtype) and signal array (int32 [programs * size]); epoch: this rank's int32
+    [programs]; status [1] int32 set to 1 where a peer's flag did not come within `spin` reads."""
+    n = x.numel()
+    peer_collective_kernel[(triton.cdiv(n, PEER_BLOCK),)](
+        x, out, n, bufs, sigs, epoch, status, rank, half, SIZE=size, OP=op, BLOCK=PEER_BLOCK, SPIN=spin,
+        ASM=ASM, **LAUNCH, num_warps=4)
