@@ -36,6 +36,7 @@ replays lead the followers' (gpu/tp.py).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import multiprocessing as mp
@@ -315,10 +316,11 @@ class Group:
         for r in ranks:
             self.queues[r].put(cmd)
 
-    def collect(self, what: str, ranks, timeout: float | None = None) -> None:
-        """Wait for `what` from every rank in `ranks`; EngineError naming the rank on error/death/timeout."""
+    def collect(self, what: str, ranks, timeout: float | None = None) -> dict:
+        """Wait for `what` from every rank in `ranks`; EngineError naming the rank on error/death/timeout.
+        Returns each rank's answer."""
         timeout = self.timeout if timeout is None else timeout
-        waiting, deadline = set(ranks), time.monotonic() + timeout
+        waiting, deadline, got = set(ranks), time.monotonic() + timeout, {}
         while waiting:
             try:
                 kind, rank, info = self.replies.get(timeout=0.2)
@@ -333,6 +335,8 @@ class Group:
                 raise EngineError(f"TP rank {rank}: {info}")
             if kind == what:
                 waiting.discard(rank)
+                got[rank] = info
+        return got
 
     def engine(self, tp: int, *, path: str | None = None, config: dict | None = None, dtype=None,
                max_seq_len: int = 4096, load_format: str = "auto", seed: int = 0) -> "TPEngine":
@@ -404,25 +408,33 @@ class TPEngine(Engine):
         self.group.send(self._followers, "decode", token)
         return super().decode_step(token)
 
-    def use_graph(self, mode: str = "fused", tuning=None, interpret: bool = False) -> None:
+    def use_graph(self, mode: str = "fused", tuning=None, interpret: bool = False, collectives: str = "group") -> None:
         """`Engine.use_graph` at TP > 1 (gpu/tp.py): every rank builds its `TPDecoder` and captures the
         same step variants in the same order (their warm-up steps run the collectives); rank 0's
         `TPRunner` then serves `stream`, each replay announced to the followers. `interpret`: on CPU,
-        a replay runs the step's launches through the Triton interpreter instead (tests)."""
+        a replay runs the step's launches through the Triton interpreter instead (tests).
+        `collectives`: "group" (torch.distributed: NCCL on CUDA, gloo on CPU) or "peer" (one-shot
+        kernels over peer-mapped buffers, gpu/tp.py `PeerCollectives`)."""
         if self.device.type != "cuda" and not interpret:
             raise EngineError(f"the graph path needs a CUDA device (engine is on {self.device})")
-        from nexrt_vllm.engine.gpu.tp import Collectives, TPDecoder, TPRunner
+        if collectives not in ("group", "peer"):
+            raise ConfigError(f"TP collectives are 'group' or 'peer', not {collectives!r}")
+        from nexrt_vllm.engine.gpu.tp import PeerMemory, TPDecoder, TPRunner
         self.graph = None
-        self.group.send(self._followers, "graph", self.tp, mode, tuning, interpret)
+        peers = self._share_peers() if collectives == "peer" else None
         try:
-            d = TPDecoder(self.model, self.state, Collectives(self.tp, 0, self.model.group), mode, tuning)
-        except BaseException:
-            try:  # the followers fail alike; let them answer, so the group stays in step
-                self.group.collect("graphed", self._followers)
-            except EngineError:
-                pass
-            raise
-        self.group.collect("graphed", self._followers)
+            self.group.send(self._followers, "graph", self.tp, mode, tuning, interpret, peers)
+            try:
+                mine = None if peers is None else dict(peers, parts=[self.peer_own, *peers["parts"][1:]])
+                d = TPDecoder(self.model, self.state, _collectives(self.model, self.tp, 0, mine), mode, tuning)
+            except BaseException:
+                with contextlib.suppress(EngineError):  # the followers fail alike; let them answer, so the
+                    self.group.collect("graphed", self._followers)  # group stays in step
+                raise
+            self.group.collect("graphed", self._followers)
+        finally:
+            for h in (peers or {}).get("handles", ()):
+                PeerMemory.unlink(h)  # every rank has mapped the named buffers (CPU) by now, or failed
         runner = TPRunner(d, self.group.lockstep(), self._followers)
         variants = [v for v in runner.VARIANTS if runner.masks or not v[2]]
         self.group.send(self._followers, "capture", variants)
@@ -430,6 +442,19 @@ class TPEngine(Engine):
             runner.capture(*v)
         self.group.collect("captured", self._followers)
         self.graph = runner
+
+    def _share_peers(self) -> dict:
+        """Every rank's peer memory (gpu/tp.py `PeerMemory`): each allocates its own and answers a handle
+        on it; the handles, rank 0's included, go to every rank with the graph command."""
+        from nexrt_vllm.engine.gpu.tp import PeerMemory
+        cfg = self.config
+        half, programs = PeerMemory.capacity(max(cfg.hidden_size, math.ceil(cfg.vocab_size / self.tp)))
+        self.group.send(self._followers, "peer", half, programs)
+        self.peer_own = PeerMemory.allocate(self.tp, half, programs, self.device)
+        got = self.group.collect("peer", self._followers)
+        got[0] = tuple(PeerMemory.share(t) for t in self.peer_own)
+        return {"half": half, "programs": programs, "parts": [got[r] for r in range(self.tp)],
+                "handles": [h for r in range(self.tp) for h in got[r]]}
 
     def enable_speculative(self, method: str = "mtp", num_speculative_tokens: int = 3) -> None:
         raise NotBuiltError("speculative decoding (MTP) with tensor parallelism (--tp > 1) is not built")
@@ -521,7 +546,7 @@ def _follower_main(rank, world, port, backend, device, timeout, threads, command
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which fails its start with it
         replies.put(("error", rank, f"{type(e).__name__}: {e}"))
         return
-    engine = runner = None
+    engine = runner = peer_own = None
     while True:
         try:
             cmd = commands.get(timeout=1.0)
@@ -538,10 +563,16 @@ def _follower_main(rank, world, port, backend, device, timeout, threads, command
                 engine = runner = None
                 engine = _build(spec, tp, rank, subgroups[tp], dev)
                 replies.put(("loaded", rank, None))
+            elif op == "peer":
+                from nexrt_vllm.engine.gpu.tp import PeerMemory
+                peer_own = PeerMemory.allocate(engine.model.tp, cmd[1], cmd[2], dev)
+                replies.put(("peer", rank, tuple(PeerMemory.share(t) for t in peer_own)))
             elif op == "graph":
-                _, tp, mode, tuning, interpret = cmd
+                _, tp, mode, tuning, interpret, peers = cmd
                 runner = None
-                runner = _follower_graph(engine, tp, rank, subgroups[tp], mode, tuning, interpret)
+                if peers is not None:
+                    peers["parts"][rank] = peer_own  # (its own memory, not a mapping of it)
+                runner = _follower_graph(engine, tp, rank, subgroups[tp], mode, tuning, interpret, peers)
                 replies.put(("graphed", rank, None))
             elif op == "capture":
                 for v in cmd[1]:
@@ -572,10 +603,21 @@ def _follower_main(rank, world, port, backend, device, timeout, threads, command
             log.warning("rank %d: %s failed: %s", rank, op, traceback.format_exc(limit=3))
 
 
-def _follower_graph(engine, tp, rank, group, mode, tuning, interpret):
+def _follower_graph(engine, tp, rank, group, mode, tuning, interpret, peers):
     """A follower's `gpu.tp.Follower` over its engine's shard (the kernels interpreted on CPU if asked)."""
     if interpret:
         from nexrt_vllm.engine import kernels
         kernels.load(interpret=True)
-    from nexrt_vllm.engine.gpu.tp import Collectives, Follower, TPDecoder
-    return Follower(TPDecoder(engine.model, engine.state, Collectives(tp, rank, group), mode, tuning))
+    from nexrt_vllm.engine.gpu.tp import Follower, TPDecoder
+    return Follower(TPDecoder(engine.model, engine.state, _collectives(engine.model, tp, rank, peers), mode, tuning))
+
+
+def _collectives(model, tp: int, rank: int, peers):
+    """Rank `rank`'s collectives: the process group's, or over `peers` (`TPEngine._share_peers`; each part
+    a handle, or the rank's own (buffer, signals))."""
+    from nexrt_vllm.engine.gpu.tp import Collectives, PeerCollectives, PeerMemory
+    if peers is None:
+        return Collectives(tp, rank, model.group)
+    parts = [p if isinstance(p[0], torch.Tensor) else tuple(PeerMemory.open(h) for h in p) for p in peers["parts"]]
+    mem = PeerMemory(rank, [b for b, _ in parts], [g for _, g in parts], peers["half"], peers["programs"])
+    return PeerCollectives(tp, rank, mem)

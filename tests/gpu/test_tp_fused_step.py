@@ -5,9 +5,10 @@ announced replays); on the trained tiny checkpoints of the three families its gr
 TP = 1 fused step's token for token (and the trained period), and each rank's state is its shard of
 TP = 1's. Sampling with logprobs (the logit slices all-gathered, rank 0's choice broadcast) gives
 TP = 1's tokens; a request closed early, one ended by a stop id, and a later request leave both ranks
-in step. At TP = 1 with identity collectives the sharded step is the fused step, bit for bit.
+in step, over gloo and over the one-shot collectives on peer memory. At TP = 1 with identity collectives the sharded step is the fused step, bit for bit.
 What a CUDA graph adds (capture, NCCL inside it) is checked on GPUs (test_tp_graph_cuda.py).
 """
+import os
 import queue
 import threading
 import time
@@ -215,10 +216,16 @@ def test_tp2_greedy_equals_tp1_fused_step(group, tp1, arch):
     assert list(eng.stream(first, sp)) == want[1:]
 
 
-def test_tp2_sampling_early_close_and_stops_stay_in_step(group, tp1):
+@pytest.mark.parametrize("collectives", ["group", "peer"])
+def test_tp2_sampling_early_close_and_stops_stay_in_step(group, tp1, collectives):
+    """Over gloo and over the one-shot peer kernels (named shared memory between the two processes): the
+    greedy key's max, the residual sums, the logit gather and rank 0's token broadcast."""
     path, one = tp1("qwen3_5_moe")
     eng = group.engine(2, path=path, dtype=torch.bfloat16, max_seq_len=96)
-    eng.use_graph("fused", tuning=CPU_TUNING, interpret=True)
+    shm = set(os.listdir("/dev/shm"))
+    eng.use_graph("fused", tuning=CPU_TUNING, interpret=True, collectives=collectives)
+    assert type(eng.graph.d.coll).__name__ == {"group": "Collectives", "peer": "PeerCollectives"}[collectives]
+    assert set(os.listdir("/dev/shm")) <= shm  # the named buffers are unlinked once every rank mapped them
 
     sp = SamplingParams(max_tokens=N, ignore_eos=True, temperature=0.8, seed=3, logprobs=2)
     first = int(one.prefill(PROMPT).argmax())
@@ -247,3 +254,5 @@ def test_tp2_sampling_early_close_and_stops_stay_in_step(group, tp1):
     one.prefill(PROMPT)
     assert int(eng.prefill(PROMPT).argmax()) == first
     assert list(eng.stream(first, greedy)) == list(one.stream(first, greedy))
+    if collectives == "peer":
+        assert int(eng.graph.d.coll.mem.status) == 0

@@ -319,6 +319,7 @@ class TPRunner(GraphRunner):
                                      constraint=constraint, **kw)
         finally:
             self.lock.end()
+        self.d.coll.check()
 
     def _sync(self) -> None:
         if self.d.state.device.type == "cuda":
@@ -334,6 +335,7 @@ class TPRunner(GraphRunner):
         finally:
             self._sync()
             self.lock.end()
+        self.d.coll.check()
 
 
 class Follower(GraphRunner):
@@ -375,4 +377,5 @@ class Follower(GraphRunner):
             if st.device.type == "cuda":
                 self._sync()
             st.seq_len = seq_len + n - start
+        d.coll.check()
         return n - start
