@@ -5,7 +5,8 @@ announced replays); on the trained tiny checkpoints of the three families its gr
 TP = 1 fused step's token for token (and the trained period), and each rank's state is its shard of
 TP = 1's. Sampling with logprobs (the logit slices all-gathered, rank 0's choice broadcast) gives
 TP = 1's tokens; a request closed early, one ended by a stop id, and a later request leave both ranks
-in step, over gloo and over the one-shot collectives on peer memory. At TP = 1 with identity collectives the sharded step is the fused step, bit for bit.
+in step, over gloo and over the one-shot collectives on peer memory. At TP = 1 with identity collectives
+the sharded step is the fused step, bit for bit.
 What a CUDA graph adds (capture, NCCL inside it) is checked on GPUs (test_tp_graph_cuda.py).
 """
 import os

@@ -1,8 +1,8 @@
 """The tensor-parallel step's kernels compile for sm_90, with and without programmatic dependent launch:
-the residual add after the all-reduce, the greedy key and its inverse (kernels/tp.py), and the GEMVs'
-partial-sum epilogue (EPI_PARTIAL, bf16 and FP8 weights), at the 2B shape. CI has no GPU, so this is
-what shows the compiled path builds (Triton's bundled ptxas); test_kernels_compile_sm90.py does the
-same for the one-GPU step. Runs in a subprocess: the test process imports the kernels interpreted.
+the residual add after the all-reduce, the greedy key and its inverse, the one-shot peer collectives
+(kernels/tp.py), and the GEMVs' partial-sum epilogue (EPI_PARTIAL, bf16 and FP8 weights), at the 2B shape.
+CI has no GPU, so this is what shows the compiled path builds (Triton's bundled ptxas);
+test_kernels_compile_sm90.py does the same for the one-GPU step. Runs in a subprocess: the test process imports the kernels interpreted.
 """
 import pytest
 
@@ -29,6 +29,11 @@ VARIANTS = [
     ("argmax_key", tp.argmax_key_kernel, dict(BLOCK=16384), 8, KEY),
     ("key_argmax", tp.key_argmax_kernel, {}, 1, KEY),
 ]
+PEER = {"bufs_ptr": "*i64", "sigs_ptr": "*i64", "epoch_ptr": "*i32", "status_ptr": "*i32"}
+for op, dt in ((tp.OP_SUM, "fp32"), (tp.OP_MAX, "i64"), (tp.OP_GATHER, "fp32"), (tp.OP_BCAST, "i64")):
+    VARIANTS.append((f"peer_op{op}", tp.peer_collective_kernel,
+                     dict(SIZE=2, OP=op, BLOCK=tp.PEER_BLOCK, SPIN=1 << 22, ASM=True), 4,
+                     dict(PEER, x_ptr="*" + dt, out_ptr="*" + dt)))
 out = {}
 for pdl in (False, True):
     for name, fn, consts, nw, types in VARIANTS:
@@ -38,8 +43,12 @@ for pdl in (False, True):
                   "fp32" if n == "eps" else "i32") for n in names}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+        ptx = k.asm["ptx"]
         out[name + ("_pdl" if pdl else "")] = {"cubin_bytes": len(k.asm["cubin"]),
-                                                "griddep": k.asm["ptx"].count("griddepcontrol")}
+                                                "griddep": ptx.count("griddepcontrol"),
+                                                "release_sys": ptx.count("atom.global.sys.release"),
+                                                "fence_sys": ptx.count("fence.sc.sys"),
+                                                "volatile": ptx.count("ld.volatile")}
 json.dump(out, sys.stdout)
 '''
 
@@ -50,7 +59,17 @@ def compiled(compile_sm90):
 
 
 def test_tp_kernels_build_cubins_with_the_pdl_pair_only_with_pdl(compiled):
-    assert len(compiled) == 12
+    assert len(compiled) == 20
     for name, v in compiled.items():
         assert v["cubin_bytes"] > 0, name
         assert (v["griddep"] >= 2) if name.endswith("_pdl") else v["griddep"] == 0, (name, v)
+
+
+def test_peer_collectives_flag_with_system_scope_release_and_spin_on_volatile_reads(compiled):
+    """The one-shot collectives' ordering, as compiled: each peer's flag written by a system-scope release
+    atomic (after the CTA barrier that follows the input's store), the flags read volatile, and a
+    system-scope fence between the flags and the peers' inputs."""
+    peer = {n: v for n, v in compiled.items() if n.startswith("peer_op")}
+    assert len(peer) == 8
+    for name, v in peer.items():
+        assert v["release_sys"] == 2 and v["fence_sys"] >= 1 and v["volatile"] >= 2, (name, v)

@@ -157,7 +157,8 @@ class PeerCollectives:
 
     def _run(self, x: torch.Tensor, out: torch.Tensor, op: int) -> None:
         m, n = self.mem, x.numel()
-        if not x.is_contiguous() or n * x.element_size() > m.half_bytes or math.ceil(n / self.k.PEER_BLOCK) > m.programs:
+        programs = math.ceil(n / self.k.PEER_BLOCK)
+        if not x.is_contiguous() or n * x.element_size() > m.half_bytes or programs > m.programs:
             raise EngineError(f"a peer collective of {n} x {x.dtype} exceeds this group's peer memory "
                               f"({m.half_bytes} bytes, {m.programs} programs) or is not contiguous")
         self.k.peer_collective(x, out, op, m.bufs, m.sigs, m.epoch, m.status, self.rank,
