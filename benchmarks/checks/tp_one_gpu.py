@@ -9,7 +9,8 @@ tests/gpu/test_tp_graph_cuda.py).
 
     python benchmarks/checks/tp_one_gpu.py --checkpoints DIR --json OUT/tp_one_gpu.json [--tokens 256]
 
-DIR/<family>: trained tiny checkpoints, made if missing (gpu_parity.py `checkpoint`). Exit status 1 if any
+DIR/<family>: the trained tiny checkpoints with MTP heads (stored in the repository for all three families;
+the head is not used), copied if missing (gpu_parity.py `checkpoint`). Exit status 1 if any
 family's tokens differ or a collective's wait ran out (nexrt_vllm.bench.checks).
 """
 from __future__ import annotations
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
         return 2
     report = {"device": torch.cuda.get_device_name(), "tokens": a.tokens, "spin": SPIN, "results": {}}
     for fam in a.families:
-        path = checkpoint(a.checkpoints, fam, False)
+        path = checkpoint(a.checkpoints, fam, True)
         for pdl in (True, False):
             name = f"{fam}/pdl{int(pdl)}"
             try:
