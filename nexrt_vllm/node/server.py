@@ -176,7 +176,10 @@ class Endpoints:
         eng, group = self.node.engine, getattr(self.node.engine, "group", None)
         size = getattr(eng, "tp", 1)
         dev = self.args.device
+        graph = getattr(eng, "graph", None)
+        coll = getattr(getattr(graph, "d", None), "coll", None)
         return {"size": size, "backend": group.backend if group else None,
+                "collectives": None if coll is None else "peer" if hasattr(coll, "mem") else "group",
                 "ranks": [{"rank": r, "device": f"cuda:{r}" if dev.startswith("cuda") and size > 1 else dev,
                            "shard": sh.to_wire()} for r, sh in enumerate(node_shards(self.node.cfg, size))]}
 
@@ -219,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tensor-parallel ranks, one process each (rank r on cuda:r with --device cuda, which needs "
                          "N visible GPUs): rank 0 serves HTTP and the control endpoint, the others follow it; on "
                          "CUDA every rank captures its own graph step (docs/GPU.md)")
+    ap.add_argument("--tp-collectives", choices=("group", "peer"), default="group",
+                    help="the graph step's collectives at --tp > 1: group = torch.distributed (NCCL on CUDA), "
+                         "peer = one-shot kernels over peer-mapped buffers (one launch each; docs/GPU.md)")
     ap.add_argument("--graph", choices=("auto", "fused", "eager", "off"), default="auto",
                     help="GPU decode path (docs/GPU.md): one CUDA graph per token, captured at start-up; "
                          "fused = Triton kernels, eager = the eager ops in the graph, off = eager loop; "
@@ -359,6 +365,9 @@ def _positive(ap, args) -> None:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     if args.context_cache_gib < 0:
         ap.error("--context-cache-gib must be >= 0")
+    if args.tp_collectives != "group" and (args.tp == 1 or args.graph == "off" or args.device != "cuda"):
+        ap.error("--tp-collectives chooses the CUDA graph step's collectives at --tp > 1: it needs --tp > 1, "
+                 "--device cuda and the graph path")
     if args.context_cache_gib and args.tp > 1:
         ap.error("--context-cache-gib with --tp > 1 is not built (the cache keeps one device's rows)")
 
@@ -476,6 +485,8 @@ async def serve(args) -> None:
                 log.info("launch shapes: the defaults with %s", args.tuning_overrides)
             if args.max_batch > 1:
                 engine.use_batch_graph(args.max_batch, args.launch_tuning)
+            elif args.tp > 1:
+                engine.use_graph(args.graph, args.launch_tuning, collectives=args.tp_collectives)
             else:
                 engine.use_graph(args.graph, args.launch_tuning)
         except EngineError as e:

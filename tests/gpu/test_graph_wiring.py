@@ -111,6 +111,10 @@ def test_decode_cli_tp_graph_needs_a_gpu_per_rank(capsys):
     with pytest.raises(SystemExit):  # the graph modes still need CUDA, at any TP
         _positive(ap, ap.parse_args(["--model", "m", "--device", "cpu", "--tp", "2", "--graph", "fused"]))
     assert "needs --device cuda" in capsys.readouterr().err
+    for flags in (["--tp", "1", "--device", "cuda"], ["--tp", "2", "--device", "cpu", "--graph", "off"]):
+        with pytest.raises(SystemExit):  # the peer collectives are the CUDA graph step's, at TP > 1
+            _positive(ap, ap.parse_args(["--model", "m", "--tp-collectives", "peer", *flags]))
+        assert "--tp-collectives chooses the CUDA graph step's collectives" in capsys.readouterr().err
 
 
 def test_tp_group_refuses_missing_gpus_before_spawning():

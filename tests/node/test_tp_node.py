@@ -32,7 +32,7 @@ def test_capabilities_report_the_group(node):
     status, caps = node.call("GET", "/capabilities")
     assert status == 200 and caps["graph"] == "off" and caps["handoff_parts"] is True and caps["tuning"] == {}
     tp = caps["tp"]
-    assert tp["size"] == 2 and tp["backend"] == "gloo"
+    assert tp["size"] == 2 and tp["backend"] == "gloo" and tp["collectives"] is None  # (no graph step)
     assert [r["shard"]["kv_heads"] for r in tp["ranks"]] == [[0, 1], [1, 2]]
     assert [r["shard"]["k_heads"] for r in tp["ranks"]] == [[0, 2], [2, 4]]
     assert [r["shard"]["v_heads"] for r in tp["ranks"]] == [[0, 4], [4, 8]]
