@@ -27,6 +27,8 @@ trained weights is tests/gpu/test_tp_graph_cuda.py's).
 
     python benchmarks/decode_bench.py --tp 2 --shapes 2b,35b --contexts 1024,8192,32768 --json $OUT/decode_tp2.json
 
+`--tp-collectives group,peer` times each shape with NCCL and with the one-shot peer kernels in one run.
+
 `--batch 1,2,4,8` measures B requests decoding together instead (nexrt_vllm/bench/batch_step.py): per
 shape, rows with `batch`, `live`, `context`, `step_ms`, per-request and total tok/s, bytes per step
 (the distinct experts of the batch counted once) and the step over the one-request step; with
@@ -298,7 +300,7 @@ def run_shape(key: str, contexts: list[int], steps: int, parity_steps: int, eage
 
 
 def run_tp_shape(group, key: str, tp: int, contexts: list[int], steps: int, parity_steps: int, eager_steps: int,
-                 bw: float, tuning=None) -> dict:
+                 bw: float, tuning=None, collectives: str = "group") -> dict:
     """One shape at TP = tp on the graph path (random bf16 weights, seed 0, made whole on each rank and
     sharded): per context rank 0's replay time, the product loop's tok/s, one rank's bytes and MBU, the
     TP engine's eager step."""
@@ -306,12 +308,12 @@ def run_tp_shape(group, key: str, tp: int, contexts: list[int], steps: int, pari
     tag = f"{key}/tp{tp}"
     max_len = max(contexts, default=0) + max(steps, parity_steps) + 64
     eng = group.engine(tp, config=SHAPES[key], dtype=torch.bfloat16, max_seq_len=max_len)
-    eng.use_graph("fused", tuning)
+    eng.use_graph("fused", tuning, collectives=collectives)
     runner, d = eng.graph, eng.graph.d
     log(f"[{tag}] built + captured in {time.time() - t0:.1f}s; rank 0 GPU mem "
         f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     res = {"shape": NAMES[key], "config": SHAPES[key], "hf_transformers_tok_s": HF_TOKS[key], "tp": tp,
-           "pdl": d.pdl, "weights": "random", "dtype": "bf16", "weight_format": eng.weight_format, "contexts": []}
+           "collectives": collectives, "pdl": d.pdl, "weights": "random", "dtype": "bf16", "weight_format": eng.weight_format, "contexts": []}
     gen = torch.Generator(device="cuda").manual_seed(1234)
     if parity_steps:
         prompt = torch.randint(0, eng.config.vocab_size, (32,), generator=gen, device="cuda").tolist()
@@ -427,6 +429,8 @@ def main(argv=None) -> int:
                          "--draft-vocab")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks on the graph path (rank r on cuda:r; "
                     "random bf16 weights only: not with --graft, --dtype fp8 or --speculative)")
+    ap.add_argument("--tp-collectives", default="group", help="with --tp: the step's collectives, comma-separated "
+                    "to time each in the same run: group (NCCL) and/or peer (one-shot kernels over peer memory)")
     ap.add_argument("--batch", default="", help="batch sizes, e.g. 1,2,4,8: the captured batch step (B requests "
                     "per step, nexrt_vllm/bench/batch_step.py) against the one-request step (1), bf16")
     ap.add_argument("--batch-slots", type=int, default=0,
@@ -438,6 +442,8 @@ def main(argv=None) -> int:
     dtypes = [d for d in args.dtype.split(",") if d]
     if not dtypes or any(d not in ("bf16", "fp8") for d in dtypes):
         ap.error(f"--dtype: a comma-separated list of bf16 / fp8, got {args.dtype!r}")
+    if set(args.tp_collectives.split(",")) - {"group", "peer"}:
+        ap.error(f"--tp-collectives takes group and/or peer, not {args.tp_collectives!r}")
     if args.tp < 1:
         ap.error("--tp must be >= 1")
     if args.tp > 1 and (args.graft or dtypes != ["bf16"] or args.speculative != "off"):
@@ -533,14 +539,14 @@ def main(argv=None) -> int:
         results["tp"] = args.tp
         group = Group(args.tp, device="cuda", timeout=600)
         try:
-            for key in args.shapes.split(","):
+            for key, coll in ((k, c) for k in args.shapes.split(",") for c in args.tp_collectives.split(",")):
                 try:
                     results["shapes"].append(run_tp_shape(group, key, args.tp, contexts, args.steps, args.parity_steps,
-                                                          args.eager_steps, bw, tuning))
+                                                          args.eager_steps, bw, tuning, coll))
                 except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
                     import traceback
                     traceback.print_exc()
-                    results.setdefault("errors", {})[f"{key}/tp{args.tp}"] = f"{type(e).__name__}: {e}"
+                    results.setdefault("errors", {})[f"{key}/tp{args.tp}/{coll}"] = f"{type(e).__name__}: {e}"
                     torch.cuda.empty_cache()
                 save()
         finally:
