@@ -55,19 +55,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def checkpoint(root: str, family: str, speculative: bool) -> str:
     """DIR/<family>, made with the trained recipe (with its MTP head when speculating) if missing: copied
     from the repository's store when it holds the recipe (testing/stored.py), else trained (minutes)."""
-    import shutil
-
-    from nexrt_vllm.testing import make_checkpoint, stored
+    from nexrt_vllm.testing import stored
 
     d = os.path.join(root, family)
-    if not os.path.exists(os.path.join(d, "config.json")):
-        recipe = TRAINED_MTP[family] if speculative else TRAINED
-        kept = stored.lookup(family, "bfloat16", recipe)
-        log("copying" if kept else "training", d)
-        if kept:
-            shutil.copytree(kept, d, dirs_exist_ok=True)
-        else:
-            make_checkpoint(d, arch=family, dtype="bfloat16", **recipe)
+    if stored.place(d, family, "bfloat16", TRAINED_MTP[family] if speculative else TRAINED):
+        log("trained", d)
     return d
 
 

@@ -10,7 +10,7 @@ tests/gpu/test_tp_graph_cuda.py).
     python benchmarks/checks/tp_one_gpu.py --checkpoints DIR --json OUT/tp_one_gpu.json [--tokens 256]
 
 DIR/<family>: the trained tiny checkpoints with MTP heads (stored in the repository for all three families;
-the head is not used), copied if missing (gpu_parity.py `checkpoint`). Exit status 1 if any
+the head is not used), copied there if missing (testing/stored.py `place`). Exit status 1 if any
 family's tokens differ or a collective's wait ran out (nexrt_vllm.bench.checks).
 """
 from __future__ import annotations
@@ -23,10 +23,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from benchmarks.checks.gpu_parity import checkpoint  # noqa: E402
-from nexrt_vllm.bench.checks import finish, record  # noqa: E402
+from nexrt_vllm.bench.checks import finish, record
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 SPIN = 1 << 16  # flag reads per wait (~0.1 s): a wait that runs out is a failure, not a hang
@@ -109,6 +106,9 @@ def run_family(path: str, tokens: int, pdl: bool) -> dict:
 
 
 def main(argv=None) -> int:
+    from nexrt_vllm.testing import stored
+    from nexrt_vllm.testing.connector_harness import TRAINED_MTP
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoints", required=True)
     ap.add_argument("--families", nargs="+", default=list(FAMILIES))
@@ -120,7 +120,8 @@ def main(argv=None) -> int:
         return 2
     report = {"device": torch.cuda.get_device_name(), "tokens": a.tokens, "spin": SPIN, "results": {}}
     for fam in a.families:
-        path = checkpoint(a.checkpoints, fam, True)
+        path = os.path.join(a.checkpoints, fam)
+        stored.place(path, fam, "bfloat16", TRAINED_MTP[fam])
         for pdl in (True, False):
             name = f"{fam}/pdl{int(pdl)}"
             try:

@@ -49,6 +49,20 @@ def lookup(arch: str, dtype: str, overrides: dict) -> str | None:
     return path if os.path.isfile(os.path.join(path, "recipe.json")) else None
 
 
+def place(path: str, arch: str, dtype: str, overrides: dict) -> bool:
+    """Put this recipe's checkpoint at `path` unless one is there: copied from the store, else trained
+    (minutes). True if it was trained."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return False
+    kept = lookup(arch, dtype, overrides)
+    if kept:
+        shutil.copytree(kept, path, dirs_exist_ok=True)
+        return False
+    from . import make_checkpoint
+    make_checkpoint(path, arch=arch, dtype=dtype, **overrides)
+    return True
+
+
 def recipes() -> list[tuple[str, str, dict]]:
     """The trained checkpoints the suite asks for."""
     from .agents import AGENTS_TRAINED
