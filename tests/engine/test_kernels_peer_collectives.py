@@ -1,7 +1,7 @@
 """The one-shot collectives over peer memory (kernels/tp.py `peer_collective`, gpu/tp.py `PeerCollectives`)
 through the Triton interpreter: this process is rank 0, a second process rank 1, their buffers named shared
-memory (`PeerMemory` on CPU). Sums come out in rank order, the same bits on both ranks; max, gather and
-broadcast give every rank the same result; calls alternate the buffer halves (data of call c + 1 differs
+memory (`PeerMemory` on CPU). Sums come out in rank order, the same bits on both ranks, also added to a
+bf16 residual as `residual_add` rounds; max, gather and broadcast give every rank the same result; calls alternate the buffer halves (data of call c + 1 differs
 from call c's) across the int32 wrap of the call count; a peer that never comes sets the status, and
 `check` raises instead of hanging.
 """
@@ -43,20 +43,22 @@ torch.save(run(PeerCollectives(2, 1, mem, spin=spec["spin"])), sys.argv[2])
 def _inputs(rank: int, c: int):
     g = torch.Generator().manual_seed(1000 * c + rank)
     return (torch.randn(N, generator=g), torch.randint(-2**62, 2**62, (1,), generator=g),
-            torch.randn(M, generator=g), torch.tensor([10 * c + rank]))
+            torch.randn(M, generator=g), torch.tensor([10 * c + rank]), torch.randn(N, generator=g),
+            torch.randn(N, generator=torch.Generator().manual_seed(7 + c)).to(torch.bfloat16))
 
 
 def run(coll) -> dict:
-    """CALLS rounds of the four collectives on this rank's inputs."""
+    """CALLS rounds of the five collectives on this rank's inputs."""
     out = {}
     for c in range(CALLS):
-        x, key, part, tok = _inputs(coll.rank, c)
+        x, key, part, tok, p, res = _inputs(coll.rank, c)
         gathered = torch.full((2 * M,), float("nan"))
         coll.all_reduce(x)
         coll.max_reduce(key)
         coll.all_gather(gathered, part)
         coll.broadcast(tok)
-        out[c] = (x, key, gathered, tok)
+        coll.all_reduce_residual(p, res)
+        out[c] = (x, key, gathered, tok, p, res)
     out["status"] = int(coll.mem.status)
     return out
 
@@ -92,13 +94,16 @@ def test_two_ranks_agree_on_every_collective(tmp_path, epoch):
     theirs = torch.load(out1)
     assert mine["status"] == theirs["status"] == 0
     for c in range(CALLS):
-        (x0, k0, p0, t0), (x1, k1, p1, t1) = _inputs(0, c), _inputs(1, c)
+        (x0, k0, p0, t0, q0, res), (x1, k1, p1, t1, q1, _) = _inputs(0, c), _inputs(1, c)
         for got in (mine[c], theirs[c]):
             assert torch.equal(got[0], x0 + x1), c  # fp32, rank 0's plus rank 1's: the same bits on both
             assert torch.equal(got[1], torch.maximum(k0, k1)), c
             assert torch.equal(got[2], torch.cat([p0, p1])), c
             assert torch.equal(got[3], t0), c
-    assert int(mem.epoch[0]) == (epoch + 4 * CALLS + 2**31) % 2**32 - 2**31  # four collectives a round
+            assert not got[4].any(), c  # the partial zeroed for the next block
+            # the residual add of kernels/tp.py residual_add: bf16(res + bf16(sum)), round to nearest even
+            assert torch.equal(got[5], (res.float() + (q0 + q1).to(torch.bfloat16).float()).to(torch.bfloat16)), c
+    assert int(mem.epoch[0]) == (epoch + 5 * CALLS + 2**31) % 2**32 - 2**31  # five collectives a round
 
 
 def test_a_peer_that_never_comes_sets_the_status():

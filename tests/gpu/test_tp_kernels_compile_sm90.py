@@ -30,10 +30,11 @@ VARIANTS = [
     ("key_argmax", tp.key_argmax_kernel, {}, 1, KEY),
 ]
 PEER = {"bufs_ptr": "*i64", "sigs_ptr": "*i64", "epoch_ptr": "*i32", "status_ptr": "*i32"}
-for op, dt in ((tp.OP_SUM, "fp32"), (tp.OP_MAX, "i64"), (tp.OP_GATHER, "fp32"), (tp.OP_BCAST, "i64")):
+for op, dt, out in ((tp.OP_SUM, "fp32", "fp32"), (tp.OP_MAX, "i64", "i64"), (tp.OP_GATHER, "fp32", "fp32"),
+                    (tp.OP_BCAST, "i64", "i64"), (tp.OP_SUM_RESIDUAL, "fp32", "bf16")):
     VARIANTS.append((f"peer_op{op}", tp.peer_collective_kernel,
                      dict(SIZE=2, OP=op, BLOCK=tp.PEER_BLOCK, SPIN=1 << 22, ASM=True), 4,
-                     dict(PEER, x_ptr="*" + dt, out_ptr="*" + dt)))
+                     dict(PEER, x_ptr="*" + dt, out_ptr="*" + out)))
 out = {}
 for pdl in (False, True):
     for name, fn, consts, nw, types in VARIANTS:
@@ -59,7 +60,7 @@ def compiled(compile_sm90):
 
 
 def test_tp_kernels_build_cubins_with_the_pdl_pair_only_with_pdl(compiled):
-    assert len(compiled) == 20
+    assert len(compiled) == 22
     for name, v in compiled.items():
         assert v["cubin_bytes"] > 0, name
         assert (v["griddep"] >= 2) if name.endswith("_pdl") else v["griddep"] == 0, (name, v)
@@ -70,6 +71,6 @@ def test_peer_collectives_flag_with_system_scope_release_and_spin_on_volatile_re
     atomic (after the CTA barrier that follows the input's store), the flags read volatile, and a
     system-scope fence between the flags and the peers' inputs."""
     peer = {n: v for n, v in compiled.items() if n.startswith("peer_op")}
-    assert len(peer) == 8
+    assert len(peer) == 10
     for name, v in peer.items():
         assert v["release_sys"] == 2 and v["fence_sys"] >= 1 and v["volatile"] >= 2, (name, v)

@@ -167,6 +167,10 @@ class PeerCollectives:
     def all_reduce(self, t: torch.Tensor) -> None:
         self._run(t, t, self.k.OP_SUM)
 
+    def all_reduce_residual(self, part: torch.Tensor, res: torch.Tensor) -> None:
+        """res += bf16(the ranks' sum of part), rounded as `residual_add`; part = 0. One launch."""
+        self._run(part, res, self.k.OP_SUM_RESIDUAL)
+
     def max_reduce(self, t: torch.Tensor) -> None:
         self._run(t, t, self.k.OP_MAX)
 
@@ -212,8 +216,11 @@ class TPDecoder(FusedDecoder):
         return launches + [("tp_allreduce+residual", self._reduce, None)]
 
     def _reduce(self) -> None:
-        self.coll.all_reduce(self.part)
-        self.k_tp.residual_add(self.res, self.part)
+        if hasattr(self.coll, "all_reduce_residual"):
+            self.coll.all_reduce_residual(self.part, self.res)
+        else:
+            self.coll.all_reduce(self.part)
+            self.k_tp.residual_add(self.res, self.part)
 
     def _select(self, pos, n_part, sample, logprobs, mask) -> None:
         if not (sample or logprobs or mask):

@@ -15,7 +15,8 @@ One-shot collectives over peer memory (`peer_collective`): every rank can load a
 rank's buffer (GPUs of one host with peer access, or host memory shared between processes). A launch
 copies its input into its own buffer, tells each peer by a flag in the peer's signal array, waits for
 every peer's flag, then reads all ranks' inputs: the sum in rank order (every rank the same bits), the
-max, the concatenation, or rank 0's. One launch and no NCCL kernel per collective; the step's messages
+max, the concatenation, or rank 0's; the sum can also be added to the residual as `residual_add` does
+(and the rank's partial zeroed), so a block's reduction is one launch. One launch and no NCCL kernel per collective; the step's messages
 are a few KB, where the cost is latency. Each buffer holds two halves used alternately: a rank writes
 the half of call c + 2 only after every peer has arrived at call c + 1, which they reach after their
 reads of call c. Each program keeps its own call count (`epoch`) and flags, over its own chunk.
@@ -81,7 +82,7 @@ def key_argmax(key, pmax, pidx):
     key_argmax_kernel[(1,)](key, pmax, pidx, **LAUNCH, num_warps=1)
 
 
-OP_SUM, OP_MAX, OP_GATHER, OP_BCAST = 0, 1, 2, 3
+OP_SUM, OP_MAX, OP_GATHER, OP_BCAST, OP_SUM_RESIDUAL = 0, 1, 2, 3, 4
 PEER_BLOCK = 1024  # elements per program of a peer collective
 
 
@@ -117,11 +118,16 @@ def peer_collective_kernel(x_ptr, out_ptr, n, bufs_ptr, sigs_ptr, epoch_ptr, sta
         late = late | ((f - e) < 0).to(tl.int32)
     fence_sys(ASM)  # the peers' inputs are read after their flags
     tl.debug_barrier()
-    if OP == 0:
+    if OP == 0 or OP == 4:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for p in tl.static_range(SIZE):
             acc += tl.load(_peer(bufs_ptr, p, ety) + at, mask=m, other=0.0, cache_modifier=".cv").to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(ety), mask=m)
+        if OP == 0:
+            tl.store(out_ptr + offs, acc.to(ety), mask=m)
+        else:  # `residual_add` fused: out (the bf16 residual) += bf16(sum), the rank's partial x zeroed
+            r = tl.load(out_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(out_ptr + offs, _bf16(r + _bf16(acc)).to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(x_ptr + offs, tl.zeros_like(acc).to(ety), mask=m)
     elif OP == 1:
         acc = tl.load(_peer(bufs_ptr, 0, ety) + at, mask=m, cache_modifier=".cv")
         for p in tl.static_range(1, SIZE):
@@ -138,7 +144,8 @@ def peer_collective_kernel(x_ptr, out_ptr, n, bufs_ptr, sigs_ptr, epoch_ptr, sta
 
 def peer_collective(x, out, op, bufs, sigs, epoch, status, rank, half, size, spin):
     """One collective of `op` over x [n] (contiguous) of this rank and its peers': out [n] (OP_GATHER:
-    [size * n]) on every rank. bufs / sigs: int64 [size] addresses of every rank's buffer (2 * half
+    [size * n]; OP_SUM_RESIDUAL: the bf16 residual the sum is added to, as `residual_add`, x zeroed) on
+    every rank. bufs / sigs: int64 [size] addresses of every rank's buffer (2 * half
     elements of x's dtype) and signal array (int32 [programs * size]); epoch: this rank's int32
     [programs]; status [1] int32 set to 1 where a peer's flag did not come within `spin` reads."""
     n = x.numel()
