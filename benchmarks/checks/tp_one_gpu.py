@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from nexrt_vllm.bench.checks import finish, record
+from nexrt_vllm.bench.checks import finish, record, write
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 SPIN = 1 << 16  # flag reads per wait (~0.1 s): a wait that runs out is a failure, not a hang
@@ -31,6 +31,8 @@ SPIN = 1 << 16  # flag reads per wait (~0.1 s): a wait that runs out is a failur
 
 def run_family(path: str, tokens: int, pdl: bool) -> dict:
     from nexrt_vllm.engine import Engine, SamplingParams
+    from nexrt_vllm.engine.gpu.decoder import FusedDecoder
+    from nexrt_vllm.engine.gpu.runner import GraphRunner
     from nexrt_vllm.engine.gpu.tp import PeerCollectives, PeerMemory, TPDecoder
     from nexrt_vllm.engine.gpu.tuning import Tuning
     from nexrt_vllm.engine.tp import _build
@@ -41,7 +43,7 @@ def run_family(path: str, tokens: int, pdl: bool) -> dict:
     tuning = Tuning(pdl=pdl)
     max_len = len(prompt) + tokens + 8
     one = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=max_len, progress=False)
-    one.use_graph("fused", tuning)
+    one.graph = GraphRunner(FusedDecoder(one.model, one.state, "fused", tuning))  # captures greedy on first use
     first = int(one.prefill(prompt).argmax())
     n0, snap = one.export_state()
     want = list(one.stream(first, SamplingParams(max_tokens=tokens + 1, ignore_eos=True)))[:tokens]
@@ -119,10 +121,10 @@ def main(argv=None) -> int:
         print("tp_one_gpu needs a CUDA device", file=sys.stderr)
         return 2
     report = {"device": torch.cuda.get_device_name(), "tokens": a.tokens, "spin": SPIN, "results": {}}
-    for fam in a.families:
-        path = os.path.join(a.checkpoints, fam)
-        stored.place(path, fam, "bfloat16", TRAINED_MTP[fam])
-        for pdl in (True, False):
+    for pdl in (True, False):
+        for fam in a.families:
+            path = os.path.join(a.checkpoints, fam)
+            stored.place(path, fam, "bfloat16", TRAINED_MTP[fam])
             name = f"{fam}/pdl{int(pdl)}"
             try:
                 r = run_family(path, a.tokens, pdl)
@@ -131,6 +133,7 @@ def main(argv=None) -> int:
             report["results"][name] = r
             record(report, name, r.get("equal_tp1") and r.get("ranks_equal") and r.get("status") == [0, 0])
             print(name, {k: v for k, v in r.items() if k not in ("tp1", "rank0")}, flush=True)
+            write(report, a.json)  # what ran so far, should a later case not finish
     return finish(report, a.json)
 
 

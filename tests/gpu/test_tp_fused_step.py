@@ -97,12 +97,18 @@ def _rel(a, b):
 
 
 class _CountingStep:
-    """A follower's decoder as the lock step sees it: a CPU state, a token, its launches recorded."""
+    """A follower's decoder as the lock step sees it: a CPU state, a token, its launches recorded, and
+    collectives whose waits are counted (checked after each run)."""
 
     def __init__(self):
         self.state = SimpleNamespace(device=torch.device("cpu"), position=torch.zeros(1, dtype=torch.int64), seq_len=0)
         self.tok = torch.zeros(1, dtype=torch.int64)
         self.launches = []
+        self.checks = 0
+        self.coll = SimpleNamespace(check=self._check)
+
+    def _check(self):
+        self.checks += 1
 
     def launch(self, *key):
         self.launches.append((key, int(self.tok), int(self.state.position)))
@@ -137,7 +143,7 @@ def test_lockstep_follower_replays_exactly_what_rank_0_announced():
         done.append(f.follow(words, *cmd[1:], alive=lambda: True))
         assert step.state.seq_len == cmd[5] + done[-1]
     t.join(30)
-    assert done == [n for n, _ in runs if n]
+    assert done == [n for n, _ in runs if n] and step.checks == len(done)  # the collectives checked after each run
     # (the counting step leaves token and position as the run set them)
     assert step.launches == [(key, 100 + i, 10 * i) for i, (n, key) in enumerate(runs) for _ in range(n)]
 
