@@ -20,22 +20,16 @@ BF = torch.bfloat16
 SAME = 2e-3  # fp32 summation order only (tests/engine/test_kernels_verify_gemv.py)
 
 
-def conv_inputs(seed: int, slots: int, m: int, conv_n: int, extra: int, kc: int, k: int):
-    """The batched in_proj + conv's inputs: rows x [slots * m, k], norm weight, in_proj w [conv_n + extra, k],
-    conv weight [conv_n, kc] and each slot's conv state [slots, conv_n, kc - 1] (bf16)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(slots * m, k, generator=g).to(BF)
+@pytest.mark.parametrize("slots,m", [(3, 4), (4, 3)])
+def test_conv_all_slots_equals_slot_by_slot(slots, m):
+    g = torch.Generator().manual_seed(41)
+    conv_n, extra, kc, k = 48, 20, 4, 64
+    r = slots * m
+    x = torch.randn(r, k, generator=g).to(BF)
     nw = (torch.randn(k, generator=g) * 0.1).to(BF)
     w = (torch.randn(conv_n + extra, k, generator=g) * 0.2).to(BF)
     cw = (torch.randn(conv_n, kc, generator=g) * 0.5).to(BF)
-    return x, nw, w, cw, torch.randn(slots, conv_n, kc - 1, generator=g).to(BF)
-
-
-@pytest.mark.parametrize("slots,m", [(3, 4), (4, 3)])
-def test_conv_all_slots_equals_slot_by_slot(slots, m):
-    conv_n, extra, kc, k = 48, 20, 4, 64
-    r = slots * m
-    x, nw, w, cw, conv = conv_inputs(41, slots, m, conv_n, extra, kc, k)
+    conv = torch.randn(slots, conv_n, kc - 1, generator=g).to(BF)
     conv0 = conv.clone()
     live = torch.ones(slots, dtype=torch.int32)
     live[1] = 0  # a dead slot between live ones
@@ -64,23 +58,3 @@ def test_conv_all_slots_equals_slot_by_slot(slots, m):
     with pytest.raises(ValueError, match="slots x"):  # rows that are not slots x m
         batch_round.gemv_conv_slots(x[:r - 1], w, y1[:r - 1], nw, conv, cw, w1, live, m=m, eps=1e-6, conv_n=conv_n,
                                     kc=kc, block_n=16, block_k=32, num_warps=2)
-
-
-def test_conv_slots_norm_from_partials():
-    """Tuning.norm_fold: the batched in_proj + conv with each row's norm from the producer's sum-of-squares
-    partials (`ssq`) equals the launch that sums the squares itself, to the fp32 order of the sum."""
-    slots, m, conv_n, extra, kc, k = 3, 4, 48, 20, 4, 64
-    r = slots * m
-    x, nw, w, cw, conv = conv_inputs(43, slots, m, conv_n, extra, kc, k)
-    live = torch.ones(slots, dtype=torch.int32)
-    parts = torch.full((r, 6), float("nan"))
-    parts[:, :4] = x.float().view(r, 4, k // 4).pow(2).sum(2)  # 4 producer programs of k / 4 columns
-    out = []
-    for ssq in (None, (parts, 4)):
-        y = torch.full((r, conv_n + extra), float("nan"), dtype=BF)
-        window = torch.full((slots, conv_n, kc - 1 + m), float("nan"), dtype=BF)
-        call(batch_round.gemv_conv_slots, x, w, y, nw, conv, cw, window, live, m=m, eps=1e-6, conv_n=conv_n, kc=kc,
-             block_n=16, block_k=32, num_warps=2, all_slots=True, ssq=ssq)
-        out.append((y, window))
-    assert not out[1][0].isnan().any()
-    assert rel(out[1][0], out[0][0]) < SAME and rel(out[1][1], out[0][1]) < SAME

@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nexrt_vllm.engine.kernels import attention, batch, batch_round, gdn, gemv, moe, sampling, spec
 
-FP32_PTRS = {"part_ptr", "ssq_ptr", "state_ptr", "wts_ptr", "m_ptr", "l_ptr", "acc_ptr", "s_ptr", "pmax_ptr", "cum_ptr", "params_ptr",
+FP32_PTRS = {"part_ptr", "state_ptr", "wts_ptr", "m_ptr", "l_ptr", "acc_ptr", "s_ptr", "pmax_ptr", "cum_ptr", "params_ptr",
              "vals_ptr", "cos_ptr", "sin_ptr"}
 I32_PTRS = {"ids_ptr", "pidx_ptr", "idx_ptr", "cnt_ptr"}
 I64_PTRS = {"tok_ptr", "pos_ptr", "step_ptr", "ring_ptr", "seed_ptr"}
@@ -104,7 +104,7 @@ FP8_VARIANTS = [
 R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, M=4, MP=4)
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
 RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1,
-          SPLITS=1, NSSQ=1, SSQ=False)
+          SPLITS=1)
 ARGMAX = {"y_ptr": "*fp32", "aux0_ptr": "*fp32", "aux1_ptr": "*i32"}
 SPEC_T = {"forced_ptr": "*i64", "rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
           "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
@@ -141,11 +141,6 @@ SPEC_VARIANTS = [
     ("rows_dot_split2_residual", gemv.gemv_rows_dot_kernel, dict(RD, PRO=0, EPI=1, KP=8192, STAGES=5, SPLITS=2), 1, {},
      ALIGN_R),
     ("rows_dot_split2_swiglu", gemv.gemv_rows_dot_kernel, dict(RD, PRO=1, EPI=2, STAGES=3, SPLITS=2), 1, {}, ALIGN_R),
-    # Tuning.norm_fold: the residual GEMV leaving its rows' sums of squares; the next one's norm from them
-    ("rows_dot_split2_residual_ssq", gemv.gemv_rows_dot_kernel,
-     dict(RD, PRO=0, EPI=1, KP=8192, STAGES=5, SPLITS=2, SSQ=True), 1, {}, ALIGN_R),
-    ("rows_dot_swiglu_parts", gemv.gemv_rows_dot_kernel, dict(RD, PRO=3, EPI=2, BLOCK_N=32, STAGES=3, NSSQ=128), 2, {},
-     ALIGN_R),
     ("qk_rope_cache_m", attention.qk_rope_cache_m_kernel, dict(H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
      SPEC_T, ()),
     ("attn_verify_scores", attention.attn_verify_scores_kernel, AV, 4, SPEC_T, ()),
@@ -223,8 +218,7 @@ BATCH_VARIANTS = [
 # The batched round (engine/gpu/batch_round.py) over B = 8 slots x M = 4 positions (32 rows): its 32-row
 # tensor-core GEMVs, kernels/batch_round.py's per-slot verify kernels, the per-slot accept / commit / pick.
 R32 = dict(RD, M=32, MP=32)
-CS = dict(R=32, RP=32, M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, STAGES=3,
-          NSSQ=1)
+CS = dict(R=32, RP=32, M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, STAGES=3)
 ROUND_VARIANTS = [
     ("round_rows32_qkv", gemv.gemv_rows_dot_kernel, dict(R32, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
     ("round_rows32_gated_residual", gemv.gemv_rows_dot_kernel, dict(R32, PRO=2, EPI=1, GROUP=128, BLOCK_K=1024,
@@ -239,8 +233,6 @@ ROUND_VARIANTS = [
     # Tuning.conv_all_slots: the conv epilogue over the 32 rows at once; Tuning.norm_rows: the RMSNorm once per
     # row, then the in_proj over normed rows
     ("round_conv_all_slots", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=True, PRO=1), 2, BT, ALIGN_B),
-    ("round_conv_all_slots_parts", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=True, PRO=3, NSSQ=128), 2,
-     BT, ALIGN_B),
     ("round_conv_slots_normed", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=True, PRO=0), 2, BT,
      ALIGN_B),
     ("round_rmsnorm_rows", gemv.rmsnorm_rows_kernel, dict(KP=2048, BLOCK_K=1024), 4, {}, ()),
@@ -318,14 +310,14 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 76 + 40 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 72 + 40 + 38 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
     """The tensor-core M-row kernel: its weight tiles go global -> shared by asynchronous copies (the
     compiler's software pipeline) into tensor-core MMAs (warpgroup or warp)."""
     dots = {k: v for k, v in compiled.items() if k.startswith("rows_dot_")}
-    assert len(dots) == 18
+    assert len(dots) == 14
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
         # the split-K fixup: one arrival count per program (a gpu-scope acq_rel atomic), only when split
@@ -338,7 +330,7 @@ def test_batch_step_gemvs_run_on_the_tensor_cores(compiled):
     tiles through pipelined copies into tensor-core MMAs."""
     dots = {k: v for k, v in compiled.items() if k.startswith(("batch_rows", "round_rows", "round_conv"))
             and "fold" not in k}
-    assert len(dots) == 18 + 16
+    assert len(dots) == 18 + 14
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
 

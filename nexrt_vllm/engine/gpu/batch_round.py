@@ -84,9 +84,6 @@ class BatchRoundDecoder:
         # Tuning.norm_rows: the RMSNorm of the M-row passes' GEMVs once per row into xr, then plain GEMVs (in
         # the buckets of that many rows; Tuning.batch_invariant: in every bucket when the whole batch has them)
         self.xr = z(R, H) if self._norm_once(R, n) else None
-        # Tuning.norm_fold: each residual GEMV's per-row sums of squares, one column per program (16 output
-        # rows a program at least), read by the next RMSNorm GEMV for its norm
-        self.ssq = z(R, -(-H // 16), d=torch.float32) if self.xr is not None and self.t.norm_fold else None
         self.o, self.q = z(R, batch.o.shape[1]), z(R, batch.q.shape[1])
         self.window = {i: z(n, c.conv_dim, c.conv_kernel - 1 + M) for i in c.gdn_layers}
         # the GDN states after each position (gdn_commit picks the accepted one), or with Tuning.gdn_recommit
@@ -155,19 +152,6 @@ class BatchRoundDecoder:
     def _norm_once(self, rows: int, k: int) -> bool:
         return self._choice_rows(rows, k) >= self.t.norm_rows
 
-    def _fold(self, rows: int, k: int) -> bool:
-        """Tuning.norm_fold in this bucket: the target's RMSNorm GEMVs take their norm from the partial sums of
-        squares the residual GEMV before them left (no launch of their own); dense FFNs only (an MoE layer's
-        experts add to the residual in their own kernel)."""
-        return self.ssq is not None and self._norm_once(rows, k) and not self.cfg.num_experts
-
-    def _ssq_out(self, kw: dict, n_out: int, rows: int, fold: bool):
-        """A residual GEMV's (extra keywords, partials per row) under `fold`: ssq_out into self.ssq when it runs on
-        the tensor-core kernel (else ({}, None): the next norm takes a launch of its own)."""
-        if not fold or not kw.get("dot"):
-            return {}, None
-        return {"ssq_out": self.ssq[:rows]}, -(-n_out // kw["block_n"])
-
     def _rows_kw(self, w, n_out: int, rows: int, k: int, shape: RowsShape | None = None, dot: bool = False) -> dict:
         """The keywords of an M-row GEMV over `rows` rows of slots 0..k-1: `shape` (else the `gemv_rows` rule for
         n_out outputs, `gemv_rows_wide`'s past 8 rows), on the tensor-core kernel past 8 rows (the fold keeps at
@@ -191,22 +175,17 @@ class BatchRoundDecoder:
         if not 1 <= k <= self.n:
             raise EngineError(f"a batched round runs 1..{self.n} slots, got {k}")
         R, live, once = k * self.M, self.live[:k], self._norm_once(k * self.M, k)
-        fold = self._fold(R, k)
         steps = [Launch("verify_embed", None, lambda: torch.index_select(b.embed, 0, self.tok[:k].view(-1),
                                                                          out=self.res[:R]))]
-        parts = None  # Tuning.norm_fold: how many partial sums of squares of the residual rows self.ssq holds
         for i, L in enumerate(b.layers):
-            if isinstance(L.mixer, GDNMixer):
-                mixer, parts = self._gdn(i, L, k, parts, fold)
-            else:
-                mixer, parts = self._attention(L, self.res[:R], self.pos[:k], None, self.M, k, b.model.rope_cos,
-                                               b.model.rope_sin, once, parts, fold)
-            ffn, parts = self._ffn(L, self.res[:R], self.row_live[:R], k, once, parts, fold)
+            mixer = self._gdn(i, L, k) if isinstance(L.mixer, GDNMixer) else self._attention(
+                L, self.res[:R], self.pos[:k], None, self.M, k, b.model.rope_cos, b.model.rope_sin, once)
+            ffn = self._ffn(L, self.res[:R], self.row_live[:R], k, once)
             steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + ffn]
         # the final-normed rows left in hn: the head's input
         steps += [Launch("verify_" + grp, None, fn) for grp, fn in self._rmsnorm_gemv(
             "lm_head+argmax", self.res[:R], b.final_norm, b.lm_head, self.logits[:R], R, once,
-            xn=self.hn[:R], parts=parts, epi=g.EPI_ARGMAX, aux0=self.pmax[:R], aux1=self.pidx[:R],
+            xn=self.hn[:R], epi=g.EPI_ARGMAX, aux0=self.pmax[:R], aux1=self.pidx[:R],
             **self._rows_kw(b.lm_head, self.cfg.vocab_size, R, k, self.t.lm_rows))]
         steps.append(Launch("accept", None, lambda: self.k_spec.accept(
             self.pmax[:R], self.pidx[:R], self.n_part, self.tok[:k], self.y[:k], self.pos[:k], self.base[:k],
@@ -220,9 +199,7 @@ class BatchRoundDecoder:
                 st.conv, st.rec, self.window[i][:k], self.rec_after[i][:k], self.acc[:k], live=live)))
         return steps + self._draft(k)
 
-    def _gdn(self, i: int, L: FusedLayer, k: int, parts: int | None = None, fold: bool = False):
-        """A GDN mixer's launches over slots 0..k-1 and the partials its out_proj leaves (`_ssq_out`); `parts`:
-        those of the residual GEMV before it, which the in_proj's norm then reads."""
+    def _gdn(self, i: int, L: FusedLayer, k: int):
         c, t, m, eps, M, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.M, self.kr, self.b.k_gemv
         R, live, st = k * M, self.live[:k], self.states.gdn(i)
         buf = self.gdn_buf.get(i, self.buf)  # Tuning.gdn_recommit: the layer's own rows, read again at the commit
@@ -230,10 +207,6 @@ class BatchRoundDecoder:
         sh = self._rows_kw(m.w_in, m.w_in.shape[0], R, k, dot=True)  # the per-slot conv follows the tensor-core loop
         split = rows >= t.gated_norm_rows
         gated = self._rows_kw(m.w_out, c.hidden_size, R, k, None if split else t.gemv_gated_rows)
-        extra, parts_out = self._ssq_out(gated, c.hidden_size, R, fold)
-        gated = dict(gated, **extra)
-        ssq = (self.ssq[:R], parts) if parts and rows != M else None  # (the one-slot launch below: no norm_once)
-        once = once and ssq is None
         x = self.xr[:R] if once else self.res[:R]
         norm = [("gdn_in_proj+conv", lambda: g.rmsnorm_rows(self.res[:R], L.input_norm, x, m=R, eps=eps))] \
             if once else []
@@ -250,24 +223,19 @@ class BatchRoundDecoder:
             conv = [("gdn_in_proj+conv", lambda: kr.gemv_conv_slots(
                 x, m.w_in, buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
                 eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
-                num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots, normed=once, ssq=ssq))]
+                num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots, normed=once))]
         return norm + conv + [
             ("gdn_step", lambda: kr.gdn_verify_rows(
                 buf[:R], st.rec, None if self.recommit else self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias,
                 live, m=M, **gdn_kw(c, t))),
             *gated_out_proj(g, self.k_gdn, self.o[:R], buf[:R, c.conv_dim:c.conv_dim + c.value_dim], m,
-                            self.res[:R], R, c.linear_value_head_dim, eps, split, gated)], parts_out
+                            self.res[:R], R, c.linear_value_head_dim, eps, split, gated)]
 
-    def _rmsnorm_gemv(self, grp: str, x, norm_w, w, y, rows: int, norm_once: bool, xn=None, parts=None,
-                      **kw) -> list[tuple]:
+    def _rmsnorm_gemv(self, grp: str, x, norm_w, w, y, rows: int, norm_once: bool, xn=None, **kw) -> list[tuple]:
         """The (grp, launch) pairs of an M-row GEMV over RMSNorm(x[:rows]) into y: the norm in its prologue, or
-        with `norm_once` (Tuning.norm_rows) in a launch of its own into xr and then the plain GEMV, or with
-        `parts` (Tuning.norm_fold, a tensor-core GEMV) from the partial sums of squares in self.ssq. `xn`: where
+        with `norm_once` (Tuning.norm_rows) in a launch of its own into xr and then the plain GEMV. `xn`: where
         the normed rows are left too (the lm_head's, the MTP head's input); `kw`: the GEMV's epilogue and shape."""
         g, eps = self.b.k_gemv, self.cfg.rms_norm_eps
-        if parts and kw.get("dot"):
-            return [(grp, lambda: g.gemv(x, w, y, pro=g.PRO_RMSNORM_PARTS, norm_w=norm_w, eps=eps, xn_out=xn, m=rows,
-                                         ssq=(self.ssq[:rows], parts), **kw))]
         if not norm_once:
             return [(grp, lambda: g.gemv(x, w, y, pro=g.PRO_RMSNORM, norm_w=norm_w, eps=eps, xn_out=xn, m=rows,
                                          **kw))]
@@ -275,22 +243,17 @@ class BatchRoundDecoder:
         return [(grp, lambda: g.rmsnorm_rows(x, norm_w, xr, m=rows, eps=eps)),
                 (grp, lambda: g.gemv(xr, w, y, m=rows, **kw))]
 
-    def _attention(self, L: FusedLayer, x, pos, start, m: int, k: int, cos, sin, norm_once: bool = False,
-                   parts: int | None = None, fold: bool = False):
+    def _attention(self, L: FusedLayer, x, pos, start, m: int, k: int, cos, sin, norm_once: bool = False):
         """A full-attention mixer over each of slots 0..k-1's m rows of x at positions pos[b]..pos[b]+m-1 (the
         target's layers; the head's over its own caches, `start` their first valid rows); `norm_once`: its
-        input norm in a launch of its own (Tuning.norm_rows); `parts` / `fold`: as `_gdn`'s. Returns the
-        launches and the partials its o_proj leaves."""
+        input norm in a launch of its own (Tuning.norm_rows)."""
         c, t, a, eps, kr, g = self.cfg, self.t, L.mixer, self.cfg.rms_norm_eps, self.kr, self.b.k_gemv
         rows, live = k * m, self.live[:k]
         buf, q, o = self.buf[:rows], self.q[:rows], self.o[:rows]
         scratch = {name: t_[:k] for name, t_ in self.attn_scratch.items()}
         qkv_kw = self._rows_kw(a.w_qkv, a.w_qkv.shape[0], rows, k)
         o_kw = self._rows_kw(a.w_o, c.hidden_size, rows, k)
-        extra, parts_out = self._ssq_out(o_kw, c.hidden_size, rows, fold)
-        o_kw = dict(o_kw, **extra)
-        return self._rmsnorm_gemv("attn_qkv_proj", x, L.input_norm, a.w_qkv, buf, rows, norm_once, parts=parts,
-                                  **qkv_kw) + [
+        return self._rmsnorm_gemv("attn_qkv_proj", x, L.input_norm, a.w_qkv, buf, rows, norm_once, **qkv_kw) + [
             ("attn_qknorm_rope_kvwrite", lambda: kr.qk_rope_rows(
                 buf, q, a.state.k, a.state.v, a.q_norm, a.k_norm, cos, sin, pos, live, m=m,
                 num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
@@ -299,13 +262,11 @@ class BatchRoundDecoder:
                 q, a.state.k, a.state.v, pos, live, buf, o, **scratch, m=m, num_heads=c.num_heads,
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.slot_attn_splits,
                 block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
-            ("attn_o_proj", lambda: g.gemv(o, a.w_o, x, epi=g.EPI_RESIDUAL, m=rows, **o_kw))], parts_out
+            ("attn_o_proj", lambda: g.gemv(o, a.w_o, x, epi=g.EPI_RESIDUAL, m=rows, **o_kw))]
 
-    def _ffn(self, L: FusedLayer, x, live, k: int, norm_once: bool = False, parts: int | None = None,
-             fold: bool = False):
+    def _ffn(self, L: FusedLayer, x, live, k: int, norm_once: bool = False):
         """The FFN over the rows of x, slots 0..k-1 (`live`, one word per row: which rows' experts run); `norm_once`: a dense
-        FFN's post-attention norm in a launch of its own (Tuning.norm_rows; the MoE router stores it anyway);
-        `parts` / `fold`: as `_gdn`'s. Returns the launches and the partials its down projection leaves."""
+        FFN's post-attention norm in a launch of its own (Tuning.norm_rows; the MoE router stores it anyway)."""
         c, t, ff, eps, g, m = self.cfg, self.t, L.ffn, self.cfg.rms_norm_eps, self.b.k_gemv, x.shape[0]
         if isinstance(ff, MoEFFN):
             router_kw = self._rows_kw(ff.w_router, ff.w_router.shape[0], m, k)
@@ -317,14 +278,12 @@ class BatchRoundDecoder:
                         self.act[:m], self.ids[:m], self.wts[:m], live, top_k=c.num_experts_per_tok,
                         block_n=t.moe.block_n, block_k=t.moe.block_k, down_block_n=t.moe_down.block_n,
                         down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps,
-                        down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))], None
+                        down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))]
         up_kw = self._rows_kw(ff.w_gate_up, ff.w_gate_up.shape[0] // 2, m, k)
         down_kw = self._rows_kw(ff.w_down, c.hidden_size, m, k)
-        extra, parts_out = self._ssq_out(down_kw, c.hidden_size, m, fold)
-        down_kw = dict(down_kw, **extra)
         return self._rmsnorm_gemv("mlp_gate_up+swiglu", x, L.post_norm, ff.w_gate_up, self.act_dense[:m], m, norm_once,
-                                  parts=parts, epi=g.EPI_SWIGLU, **up_kw) + [
-            ("mlp_down", lambda: g.gemv(self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m, **down_kw))], parts_out
+                                  epi=g.EPI_SWIGLU, **up_kw) + [
+            ("mlp_down", lambda: g.gemv(self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m, **down_kw))]
 
     def _draft(self, k: int) -> list[Launch]:
         """The head's launches over slots 0..k-1: its pass over every slot's M rows, then the chained steps, one
@@ -339,8 +298,8 @@ class BatchRoundDecoder:
         def head(x, fc_in, pos, m, live_rows, first, norm_once=False):
             fc_kw = self._rows_kw(w.fc, c.hidden_size, x.shape[0], k)
             steps = [first, ("fc", lambda: g.gemv(fc_in, w.fc, x, m=x.shape[0], **fc_kw))]
-            steps += self._attention(self.head, x, pos, start, m, k, self.draft_cos, self.draft_sin, norm_once)[0]
-            return steps + self._ffn(self.head, x, live_rows, k, norm_once)[0]
+            steps += self._attention(self.head, x, pos, start, m, k, self.draft_cos, self.draft_sin, norm_once)
+            return steps + self._ffn(self.head, x, live_rows, k, norm_once)
 
         def lm_head():
             return ("lm_head+argmax", lambda: g.gemv(

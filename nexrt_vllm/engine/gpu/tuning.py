@@ -124,10 +124,6 @@ class Tuning:
     # rows a program, twice its weight bytes. 16 (B >= 4; the one-request round's 4 rows keep the fused
     # prologue): the H100 sweep's largest single gain, B = 8 round 4,326 -> 3,778 µs, B = 4 3,145 -> 2,968.
     norm_rows: int = 16
-    # With norm_rows: the target's RMSNorm GEMVs after the first (dense models) take each row's norm from the
-    # sums of squares the residual GEMV before them left per program (its epilogue, `gemv` ssq_out /
-    # PRO_RMSNORM_PARTS), instead of the norm launch: no launch and no pass over the rows for the norm.
-    norm_fold: bool = False
     gemv_router: GemvShape = GemvShape(4, 1024, 4)  # MoE router (E+1 rows)
     lm: GemvShape = GemvShape(16, 256, 4)  # lm_head + argmax partials
     attn_splits: int = 128

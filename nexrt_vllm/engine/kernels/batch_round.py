@@ -31,7 +31,6 @@ from nexrt_vllm.engine.kernels.common import ASM, LAUNCH
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gdn import gdn_verify_kernel
-from nexrt_vllm.engine.kernels.gemv import ssq_args
 from nexrt_vllm.engine.kernels.gemv_verify import _epilogue_rows, _gemv_rows
 
 MAX_ROWS = 32  # rows of one launch (B * M): the tensor-core M-row GEMV's column tile
@@ -42,10 +41,8 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
                            stride_y, stride_cs, stride_ws, stride_win, eps, CONV_N, B, R: tl.constexpr,
                            RP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
                            KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           DOT: tl.constexpr, ALL_SLOTS: tl.constexpr, PRO: tl.constexpr, PDL: tl.constexpr,
-                           ssq_ptr, stride_ssq, n_ssq, NSSQ: tl.constexpr):
-    """y [R, N] = W RMSNorm(x_r) (PRO 1; PRO 0: x already normed, gemv.rmsnorm_rows; PRO 3: the norm from the
-    producer's sum-of-squares partials, gemv PRO_RMSNORM_PARTS) for the R = B * M rows
+                           DOT: tl.constexpr, ALL_SLOTS: tl.constexpr, PRO: tl.constexpr, PDL: tl.constexpr):
+    """y [R, N] = W RMSNorm(x_r) (PRO 1; PRO 0: x already normed, gemv.rmsnorm_rows) for the R = B * M rows
     (tensor-core loop, DOT 1; 2: fp32 products, the interpreter); then for each live slot b the conv epilogue
     of its rows b*M .. b*M+M-1 over its conv state (conv_ptr + b * stride_cs, read only) and window
     (win_ptr + b * stride_ws, [CONV_N, KC-1+M]):
@@ -55,8 +52,7 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
     rmask = rows < N
     jr = tl.arange(0, RP)
     y, _ = _gemv_rows(x_ptr, w_ptr, nw_ptr, nw_ptr, stride_x, 0, jr, jr < R, rows, rmask, pid, N, K, stride_w, eps,
-                      PRO, 0, 1, False, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL, 1, ssq_ptr, stride_ssq, n_ssq,
-                      NSSQ)
+                      PRO, 0, 1, False, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL)
     tl.store(y_ptr + jr[:, None] * stride_y + rows[None, :], _bf16(y).to(y_ptr.dtype.element_ty),
              mask=(jr < R)[:, None] & rmask[None, :])
     if pid * BLOCK_N < CONV_N:  # programs past the conv channels are done
@@ -201,12 +197,12 @@ def attn_verify_combine_rows_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_pt
 # ---- launchers ------------------------------------------------------------------------------------
 
 def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv_n, kc, block_n, block_k, num_warps,
-                    stages=2, all_slots=False, normed=False, ssq=None):
+                    stages=2, all_slots=False, normed=False):
     """y [B*m, N] = the GDN in_proj of RMSNorm(x [B*m, K]) (w [N, K] bf16), then per live slot b the verify's
     causal conv + SiLU on its m rows' first conv_n outputs from its conv state conv[b] ([B, conv_n, kc-1],
     read only) into its window window[b] ([B, conv_n, kc-1+m]: the state, then the m new inputs);
     `all_slots`: every slot's rows in one pass (Tuning.conv_all_slots); `normed`: x is RMSNorm(x) already
-    (gemv.rmsnorm_rows; norm_w unused); `ssq`: (partials, count) for the norm (gemv's PRO_RMSNORM_PARTS)."""
+    (gemv.rmsnorm_rows; norm_w unused)."""
     r, k, n, nb = x.shape[0], w.shape[1], w.shape[0], live.numel()
     if r != nb * m or not 1 <= r <= MAX_ROWS:
         raise ValueError(f"gemv_conv_slots: {nb} slots x {m} rows = {r} rows, at most {MAX_ROWS}")
@@ -223,8 +219,8 @@ def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv
         window.stride(0), window.stride(1), eps, conv_n, nb, R=r, RP=max(16, triton.next_power_of_2(r)), M=m,
         MP=triton.next_power_of_2(m), KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)), KP=triton.next_power_of_2(k),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT=1 if ASM else 2, ALL_SLOTS=all_slots,
-        PRO=0 if normed else 3 if ssq is not None else 1, **ssq_args(ssq, r, y), **LAUNCH, num_warps=num_warps,
-        num_stages=stages)
+        PRO=0 if normed else 1, **LAUNCH,
+        num_warps=num_warps, num_stages=stages)
 
 
 def gdn_verify_rows(buf, state, rec_after, out, a_log, dt_bias, live, *, m, num_k_heads, num_v_heads, head_k_dim,

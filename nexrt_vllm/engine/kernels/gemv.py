@@ -27,7 +27,7 @@ from nexrt_vllm.engine.kernels.common import ASM, LAUNCH
 from nexrt_vllm.engine.kernels.gemv_step import gemv_fp8_kernel, gemv_kernel
 from nexrt_vllm.engine.kernels.gemv_verify import gemv_rows_dot_kernel, gemv_rows_kernel, rmsnorm_rows_kernel
 
-PRO_NONE, PRO_RMSNORM, PRO_GATED, PRO_RMSNORM_PARTS = 0, 1, 2, 3
+PRO_NONE, PRO_RMSNORM, PRO_GATED = 0, 1, 2
 EPI_STORE, EPI_RESIDUAL, EPI_SWIGLU, EPI_CONV, EPI_ARGMAX, EPI_PARTIAL = 0, 1, 2, 3, 4, 5
 
 
@@ -44,7 +44,7 @@ def fold_vec(vec: int, elem_bytes: int, block_k: int) -> int:
 
 def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None, aux1=None, eps=1e-6,
          conv_n=0, group=1, kc=4, xn_out=None, block_n=None, block_k=None, num_warps=4, n=None, round_w=False,
-         prefetch=0, vec=0, m=1, window=None, dot=0, l2=None, splits=1, ssq=None, ssq_out=None):
+         prefetch=0, vec=0, m=1, window=None, dot=0, l2=None, splits=1):
     """Launch `gemv_kernel`, or `gemv_fp8_kernel` when `w` is an fp8.FP8Weight (e4m3 + block scales,
     optionally a bf16 tail; `round_w`: see gemv_step `_acc`'s ROUND_W). `w` is [N, K] ([2N, K] for SwiGLU,
     N = rows of y); `prefetch`: K blocks of a bf16 W each program loads before it waits on the
@@ -63,9 +63,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     `splits` > 1 (with `dot`): K split over that many programs per output tile (at most one per K block),
     summed in split order by the tile's last program (scratch: `splitk_workspace`).
     `l2` (m = 1, bf16 W): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for
-    when done. With `dot` (m > 1): `ssq_out` (fp32 [>= m, >= the grid], EPI_STORE / EPI_RESIDUAL) receives each
-    row's sum of squares of the values stored, per program; PRO_RMSNORM_PARTS takes `ssq` = (those partials, the
-    producer's grid) for PRO_RMSNORM's rstd instead of a pass over x (Tuning.norm_fold)."""
+    when done."""
     fp8 = hasattr(w, "scale")
     if fp8 and (prefetch or l2 is not None):
         raise ValueError("gemv: prefetch and l2 are for bf16 weights (got an FP8Weight)")
@@ -75,11 +73,9 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         return _gemv_rows(x, w, y, fp8, pro=pro, epi=epi, norm_w=norm_w, z=z, aux0=aux0, aux1=aux1, eps=eps,
                           conv_n=conv_n, group=group, kc=kc, xn_out=xn_out, block_n=block_n, block_k=block_k,
                           num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window, dot=dot,
-                          splits=splits, ssq=ssq, ssq_out=ssq_out)
+                          splits=splits)
     if splits != 1:
         raise ValueError(f"gemv: splits is for the tensor-core M-row kernel (m > 1, dot > 0), got {splits}")
-    if ssq is not None or ssq_out is not None or pro == PRO_RMSNORM_PARTS:
-        raise ValueError("gemv: ssq / ssq_out / PRO_RMSNORM_PARTS are for the tensor-core M-row kernel (m > 1, dot > 0)")
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
     block_k = min(block_k or 512, triton.next_power_of_2(k))
@@ -138,7 +134,7 @@ def l2_target(w, nbytes: int, halves: bool = False):
 
 
 def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, group, kc, xn_out, block_n,
-               block_k, num_warps, n, prefetch, vec, m, window, dot, splits, ssq=None, ssq_out=None):
+               block_k, num_warps, n, prefetch, vec, m, window, dot, splits):
     """`gemv` with m > 1: `gemv_rows_kernel`, or `gemv_rows_dot_kernel` with `dot` pipeline stages (and K
     split over `splits` programs per output tile)."""
     if fp8:
@@ -181,16 +177,6 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
                   KCP=triton.next_power_of_2(max(kc - 1, 1)), STORE_XN=xn_out is not None,
                   KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
                   **LAUNCH, num_warps=num_warps)
-    if (pro == PRO_RMSNORM_PARTS) != (ssq is not None):
-        raise ValueError("gemv: PRO_RMSNORM_PARTS goes with ssq = (partials, count), and only with it")
-    if (ssq is not None or ssq_out is not None) and not dot:
-        raise ValueError("gemv: ssq / ssq_out / PRO_RMSNORM_PARTS need the tensor-core M-row kernel (dot > 0)")
-    if ssq_out is not None and (epi not in (EPI_STORE, EPI_RESIDUAL) or ssq_out.dtype != torch.float32
-                                or ssq_out.dim() != 2 or ssq_out.shape[0] < m or ssq_out.shape[1] < grid
-                                or ssq_out.stride(1) != 1):
-        raise ValueError(f"gemv: ssq_out must be fp32 [>= {m}, >= {grid}] (unit column stride) after EPI_STORE or "
-                         "EPI_RESIDUAL")
-    sq = dict(ssq_args(ssq, m, ssq_out if ssq_out is not None else y), SSQ=ssq_out is not None)
     if dot:
         if splits < 1:
             raise ValueError(f"gemv: splits must be >= 1, got {splits}")
@@ -199,24 +185,12 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
         if splits > 1:
             part, cnt = splitk_workspace(y.device, 2 * splits * grid * block_n * common["MP"], grid)
         gemv_rows_dot_kernel[(grid, splits)](*args, DOT=1 if ASM else 2, SPLITS=splits, part_ptr=part, cnt_ptr=cnt,
-                                             **sq, num_stages=dot, **common)
+                                             num_stages=dot, **common)
         return grid
     if splits != 1:
         raise ValueError(f"gemv: splits needs the tensor-core M-row kernel (dot > 0), got {splits}")
     gemv_rows_kernel[(grid,)](*args, PRE=head_blocks(min(prefetch, 4), k, block_k), VEC=min(8, block_k), **common)
     return grid
-
-
-def ssq_args(ssq, m: int, other) -> dict:
-    """The M-row kernels' ssq_ptr / stride_ssq / n_ssq / NSSQ arguments: from `ssq` = (fp32 partials [>= m, >= n],
-    n) for PRO_RMSNORM_PARTS (checked here), else pointing at `other` (`ssq_out`, or any tensor: unread)."""
-    if ssq is None:
-        return dict(ssq_ptr=other, stride_ssq=other.stride(0) if other.dim() == 2 else 0, n_ssq=0, NSSQ=1)
-    parts, n = ssq
-    if parts.dtype != torch.float32 or parts.dim() != 2 or parts.shape[0] < m or parts.shape[1] < n \
-            or parts.stride(1) != 1 or n < 1:
-        raise ValueError(f"gemv: ssq partials must be fp32 [>= {m}, >= {n}] with unit column stride")
-    return dict(ssq_ptr=parts, stride_ssq=parts.stride(0), n_ssq=n, NSSQ=triton.next_power_of_2(n))
 
 
 # (device, stream) -> (fp32 partials, int32 arrival counters, the buffers they replaced)
@@ -255,7 +229,7 @@ def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
                               BLOCK_K=min(block_k, triton.next_power_of_2(k)), **LAUNCH, num_warps=num_warps)
 
 
-__all__ = ["gemv", "l2_target", "splitk_workspace", "ssq_args", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel",
+__all__ = ["gemv", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel",
            "gemv_rows_dot_kernel", "rmsnorm_rows", "rmsnorm_rows_kernel",
-           "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "PRO_RMSNORM_PARTS", "EPI_STORE",
-           "EPI_RESIDUAL", "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]
+           "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
+           "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]

@@ -43,23 +43,13 @@ def _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO: tl.constexpr, KP: tl.cons
 
 
 @triton.jit
-def _rstd_parts(ssq_ptr, stride_ssq, n_ssq, jrow, jm, K, eps, NSSQ: tl.constexpr):
-    """PRO 3's rstd of each row of x [MP]: its sum of squares from the n_ssq partials the GEMV that wrote x left
-    at ssq_ptr (row j at j * stride_ssq; `_epilogue_rows` SSQ), summed in order: no pass over x."""
-    p = tl.arange(0, NSSQ)
-    part = tl.load(ssq_ptr + jrow[:, None] * stride_ssq + p[None, :], mask=jm[:, None] & (p < n_ssq)[None, :],
-                   other=0.0)
-    return tl.rsqrt(tl.sum(part, 1) / K + eps)
-
-
-@triton.jit
 def _load_x_rows(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, PRO: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_load_x` of each row: x [MP, BLOCK_K] after the prologue (rstd [MP]; PRO 2: z rows at stride_z)."""
     MP: tl.constexpr = jrow.shape[0]
     m2 = jm[:, None] & cmask[None, :]
     x = tl.load(x_ptr + jrow[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    if PRO == 1 or PRO == 3:
+    if PRO == 1:
         w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         x = _bf16((x * rstd[:, None]) * (1.0 + w[None, :]))
     elif PRO == 2:
@@ -230,24 +220,14 @@ def _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, r
 
 @triton.jit
 def _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows,
-                   rmask, pid, CONV_N, EPI: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, SSQ: tl.constexpr = 0,
-                   ssq_ptr=0, stride_ssq=0):
+                   rmask, pid, CONV_N, EPI: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
     """`_epilogue` of each row j (y [MP, BLOCK_N]) into y row j (stride_y). EPI 4: (max, argmax) of
     row j at aux0/aux1 [j * stride_a + pid]. EPI 3 (M consecutive tokens): the live conv state aux0 is
     only read; the window [CONV_N, KC-1+M] (win_ptr, row stride stride_win) receives the state and
-    bf16(y_j) at column KC-1+j, and token j's conv runs over window columns j..j+KC-1, in registers. SSQ (EPI 0
-    and 1): also each row's sum of squares of the values stored, at ssq_ptr + j * stride_ssq + pid, for the
-    next RMSNorm GEMV's PRO 3."""
+    bf16(y_j) at column KC-1+j, and token j's conv runs over window columns j..j+KC-1, in registers."""
     m2 = jm[:, None] & rmask[None, :]
     yp = y_ptr + jrow[:, None] * stride_y + rows[None, :]
-    if SSQ:
-        if EPI == 0:
-            v = _bf16(y)
-        else:  # EPI 1: _store_out's residual add
-            v = _bf16(tl.load(yp, mask=m2, other=0.0).to(tl.float32) + _bf16(y))
-        tl.store(yp, v.to(y_ptr.dtype.element_ty), mask=m2)
-        tl.store(ssq_ptr + jrow * stride_ssq + pid, tl.sum(tl.where(m2, v * v, 0.0), 1), mask=jm)
-    elif EPI < 3:
+    if EPI < 3:
         _store_out(yp, 0, y, y_up, m2, EPI)
     elif EPI == 3:
         yb = _bf16(y)
@@ -320,13 +300,11 @@ def _dot_t(w, xt, acc, DOT: tl.constexpr):
 def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w, eps,
                PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
-               PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr = 1, ssq_ptr=0,
-               stride_ssq=0, n_ssq=0, NSSQ: tl.constexpr = 1):
+               PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr = 1):
     """y, y_up [MP, BLOCK_N]: this program's BLOCK_N outputs for the M rows of x after the prologue (y_up: EPI 2's
     up half), PDL's wait included. DOT 0: `gemv_rows_kernel`'s fold (PRE K blocks of W loaded before the
     wait, VEC-column FMA runs); DOT 1 / 2: `gemv_rows_dot_kernel`'s tensor-core loop (`_dot_t`), over the
-    K blocks of split program_id(1) of SPLITS (the split's partial sums). PRO 3 (tensor-core loop only): PRO 1's
-    norm with each row's sum of squares from the producer's partials (`_rstd_parts`: ssq_ptr, n_ssq of NSSQ)."""
+    K blocks of split program_id(1) of SPLITS (the split's partial sums)."""
     MP: tl.constexpr = jrow.shape[0]
     if DOT == 0:
         w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
@@ -337,10 +315,7 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
                             BLOCK_K, EVEN_K, PRE, VEC)
     else:
         pdl_begin(PDL)
-        if PRO == 3:
-            rstd = _rstd_parts(ssq_ptr, stride_ssq, n_ssq, jrow, jm, K, eps, NSSQ)
-        else:
-            rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
+        rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
         acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
         acc_u = acc
         offs_k = tl.arange(0, BLOCK_K)
@@ -406,8 +381,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                          M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr,
                          GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr,
                          KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                         DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr,
-                         ssq_ptr, stride_ssq, n_ssq, NSSQ: tl.constexpr, SSQ: tl.constexpr):
+                         DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr):
     """`gemv_rows_kernel` through the tensor cores with the weight as the left operand: acc [BLOCK_N, MP] =
     W[rows] @ x^T (the compiler pads the MP columns to the instruction's). Each weight tile goes from the load
     straight into the product, so the compiler streams it through shared memory in pipeline stages
@@ -423,14 +397,13 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     jrow = tl.arange(0, MP)
     jm = jrow < M
     y, y_up = _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
-                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL, SPLITS, ssq_ptr,
-                         stride_ssq, n_ssq, NSSQ)
+                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL, SPLITS)
     if SPLITS > 1:
         y, y_up, last = _split_sum(y, y_up, part_ptr, cnt_ptr, pid, tl.num_programs(0), EPI, SPLITS)
         rmask = rows < N * last  # the epilogue's stores: the last program's only
         jm = jrow < M * last
     _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows, rmask,
-                   pid, CONV_N, EPI, KC, KCP, SSQ, ssq_ptr, stride_ssq)
+                   pid, CONV_N, EPI, KC, KCP)
 
 
 @triton.jit
