@@ -37,7 +37,7 @@ def run_family(path: str, tokens: int, pdl: bool) -> dict:
     from nexrt_vllm.engine.gpu.tuning import Tuning
     from nexrt_vllm.engine.tp import _build
     from nexrt_vllm.node.reshard import node_shards, split_state
-    from nexrt_vllm.testing.connector_harness import periodic_prompt
+    from nexrt_vllm.testing.recipes import periodic_prompt
 
     prompt = periodic_prompt(40, seed=1)
     tuning = Tuning(pdl=pdl)
@@ -109,7 +109,7 @@ def run_family(path: str, tokens: int, pdl: bool) -> dict:
 
 def main(argv=None) -> int:
     from nexrt_vllm.testing import stored
-    from nexrt_vllm.testing.connector_harness import TRAINED_MTP
+    from nexrt_vllm.testing.recipes import TRAINED_MTP
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoints", required=True)

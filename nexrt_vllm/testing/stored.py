@@ -66,7 +66,7 @@ def place(path: str, arch: str, dtype: str, overrides: dict) -> bool:
 def recipes() -> list[tuple[str, str, dict]]:
     """The trained checkpoints the suite asks for."""
     from .agents import AGENTS_TRAINED
-    from .connector_harness import TRAINED, TRAINED_MTP
+    from .recipes import TRAINED, TRAINED_MTP
     return ([("qwen3_next", "bfloat16", TRAINED)] + [(a, "bfloat16", o) for a, o in TRAINED_MTP.items()]
             + [("qwen3_next", "bfloat16", AGENTS_TRAINED)])
 
