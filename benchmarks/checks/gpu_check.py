@@ -274,9 +274,10 @@ def spec_parity(steps: int, arch: str, checkpoints: str, tuning=None) -> dict:
 
     path = os.path.join(checkpoints, arch) if checkpoints else None
     if not path or not os.path.isdir(path):
-        from nexrt_vllm.testing import make_checkpoint
-        from nexrt_vllm.testing.connector_harness import TRAINED_MTP  # needs pyzmq: make the checkpoints here
-        path = make_checkpoint(f"/tmp/nexrt_spec_{arch}", arch=arch, dtype="bfloat16", **TRAINED_MTP[arch])
+        from nexrt_vllm.testing import stored
+        from nexrt_vllm.testing.recipes import TRAINED_MTP
+        path = f"/tmp/nexrt_spec_{arch}"
+        stored.place(path, arch, "bfloat16", TRAINED_MTP[arch])  # from the repository's store when it holds it
     max_len = 40 + steps + 16
     ref = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_seq_len=max_len, progress=False)
     eng = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_seq_len=max_len, progress=False)
