@@ -313,7 +313,8 @@ def run_tp_shape(group, key: str, tp: int, contexts: list[int], steps: int, pari
     log(f"[{tag}] built + captured in {time.time() - t0:.1f}s; rank 0 GPU mem "
         f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     res = {"shape": NAMES[key], "config": SHAPES[key], "hf_transformers_tok_s": HF_TOKS[key], "tp": tp,
-           "collectives": collectives, "pdl": d.pdl, "weights": "random", "dtype": "bf16", "weight_format": eng.weight_format, "contexts": []}
+           "collectives": collectives, "pdl": d.pdl, "weights": "random", "dtype": "bf16",
+           "weight_format": eng.weight_format, "contexts": []}
     gen = torch.Generator(device="cuda").manual_seed(1234)
     if parity_steps:
         prompt = torch.randint(0, eng.config.vocab_size, (32,), generator=gen, device="cuda").tolist()

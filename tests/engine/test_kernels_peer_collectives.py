@@ -1,9 +1,9 @@
 """The one-shot collectives over peer memory (kernels/tp.py `peer_collective`, gpu/tp.py `PeerCollectives`)
 through the Triton interpreter: this process is rank 0, a second process rank 1, their buffers named shared
-memory (`PeerMemory` on CPU). Sums come out in rank order, the same bits on both ranks, also added to a
-bf16 residual as `residual_add` rounds; max, gather and broadcast give every rank the same result; calls alternate the buffer halves (data of call c + 1 differs
-from call c's) across the int32 wrap of the call count; a peer that never comes sets the status, and
-`check` raises instead of hanging.
+memory (`PeerMemory` on CPU). Sums come out in rank order, the same bits on both ranks, also added to a bf16
+residual as `residual_add` rounds; max, gather and broadcast give every rank the same result; calls
+alternate the buffer halves (data of call c + 1 differs from call c's) across the int32 wrap of the call
+count; a peer that never comes sets the status, and `check` raises instead of hanging.
 """
 import json
 import os

@@ -11,15 +11,15 @@ the ranks' keys is the largest logit and, among equal ones, the lowest id (torch
 so one 8-byte max all-reduce replaces a gather of every rank's partials; `key_argmax` turns the
 reduced key back into the (max, argmax) pair the finish launch reads.
 
-One-shot collectives over peer memory (`peer_collective`): every rank can load and store every other
-rank's buffer (GPUs of one host with peer access, or host memory shared between processes). A launch
-copies its input into its own buffer, tells each peer by a flag in the peer's signal array, waits for
-every peer's flag, then reads all ranks' inputs: the sum in rank order (every rank the same bits), the
-max, the concatenation, or rank 0's; the sum can also be added to the residual as `residual_add` does
-(and the rank's partial zeroed), so a block's reduction is one launch. One launch and no NCCL kernel per collective; the step's messages
-are a few KB, where the cost is latency. Each buffer holds two halves used alternately: a rank writes
-the half of call c + 2 only after every peer has arrived at call c + 1, which they reach after their
-reads of call c. Each program keeps its own call count (`epoch`) and flags, over its own chunk.
+One-shot collectives over peer memory (`peer_collective`): every rank can load and store every other rank's
+buffer (GPUs of one host with peer access, or host memory shared between processes). A launch copies its
+input into its own buffer, tells each peer by a flag in the peer's signal array, waits for every peer's
+flag, then reads all ranks' inputs: the sum in rank order (every rank the same bits), the max, the
+concatenation, or rank 0's; the sum can also be added to the residual as `residual_add` does (and the rank's
+partial zeroed), so a block's reduction is one launch. One launch and no NCCL kernel per collective; the
+step's messages are a few KB, where the cost is latency. Each buffer holds two halves used alternately: a
+rank writes the half of call c + 2 only after every peer has arrived at call c + 1, which they reach after
+their reads of call c. Each program keeps its own call count (`epoch`) and flags, over its own chunk.
 """
 import triton
 import triton.language as tl
