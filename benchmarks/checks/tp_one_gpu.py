@@ -76,8 +76,7 @@ def run_family(path: str, tokens: int, pdl: bool) -> dict:
     both(lambda r: decs[r].launch(*key))
     torch.cuda.synchronize()
     for m in mems:
-        for t in (m.epoch, m.status, *m.tensors[2:]):
-            t.zero_()
+        m.reset()
     reset()
     both(lambda r: decs[r].launch(*key))  # the warm-up the capture needs, now without compiles
     torch.cuda.synchronize()

@@ -176,10 +176,9 @@ class Endpoints:
         eng, group = self.node.engine, getattr(self.node.engine, "group", None)
         size = getattr(eng, "tp", 1)
         dev = self.args.device
-        graph = getattr(eng, "graph", None)
-        coll = getattr(getattr(graph, "d", None), "coll", None)
+        coll = getattr(getattr(getattr(eng, "graph", None), "d", None), "coll", None)
         return {"size": size, "backend": group.backend if group else None,
-                "collectives": None if coll is None else "peer" if hasattr(coll, "mem") else "group",
+                "collectives": getattr(coll, "kind", None),
                 "ranks": [{"rank": r, "device": f"cuda:{r}" if dev.startswith("cuda") and size > 1 else dev,
                            "shard": sh.to_wire()} for r, sh in enumerate(node_shards(self.node.cfg, size))]}
 

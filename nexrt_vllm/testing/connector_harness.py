@@ -214,8 +214,6 @@ def nexrt_kv_config(transport: str, **extra) -> dict:
             "kv_role": "kv_producer", "kv_connector_extra_config": {"transport": transport, **extra}}
 
 
-
-
 def vllm_greedy(vllm: "VLLMProc", prompt: list[int], n: int) -> list[int]:
     """vLLM-only greedy: the same prompt as an ordinary (unclaimed) request, n tokens."""
     (out,) = vllm.generate([{"prompt_token_ids": prompt, "max_tokens": n}])

@@ -21,7 +21,7 @@ import torch
 from nexrt_vllm.engine import Engine, SamplingParams, kernels
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder
 from nexrt_vllm.engine.gpu.runner import GraphRunner
-from nexrt_vllm.engine.gpu.tp import Follower, Lockstep, TPDecoder
+from nexrt_vllm.engine.gpu.tp import Collectives, Follower, Lockstep, TPDecoder
 from nexrt_vllm.engine.gpu.tuning import Tuning
 from nexrt_vllm.engine.tp import Group
 from nexrt_vllm.node import reshard as R
@@ -56,9 +56,11 @@ class _DirectRunner(GraphRunner):
         pass
 
 
-class _One:
+class _One(Collectives):
     """The collectives of a group of one rank."""
-    size, rank = 1, 0
+
+    def __init__(self):
+        super().__init__(1, 0)
 
     def all_reduce(self, t):
         pass

@@ -2,7 +2,8 @@
 the residual add after the all-reduce, the greedy key and its inverse, the one-shot peer collectives
 (kernels/tp.py), and the GEMVs' partial-sum epilogue (EPI_PARTIAL, bf16 and FP8 weights), at the 2B shape.
 CI has no GPU, so this is what shows the compiled path builds (Triton's bundled ptxas);
-test_kernels_compile_sm90.py does the same for the one-GPU step. Runs in a subprocess: the test process imports the kernels interpreted.
+test_kernels_compile_sm90.py does the same for the one-GPU step. Runs in a subprocess: the test process
+imports the kernels interpreted.
 """
 import pytest
 

@@ -53,12 +53,19 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class Collectives:
     """The step's collectives over a torch.distributed group of `size` ranks (None: the default
     group): NCCL on CUDA, capturable in a CUDA graph; gloo on CPU. Rank 0 is the group's rank 0."""
+    kind = "group"  # (/capabilities: --tp-collectives)
 
     def __init__(self, size: int, rank: int, group=None):
         self.size, self.rank, self.group = size, rank, group
 
     def all_reduce(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, group=self.group)
+
+    def all_reduce_residual(self, part: torch.Tensor, res: torch.Tensor) -> None:
+        """res += bf16(the ranks' sum of part) with the one-device epilogue's rounding; part = 0."""
+        from nexrt_vllm.engine.kernels.tp import residual_add
+        self.all_reduce(part)
+        residual_add(res, part)
 
     def max_reduce(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
@@ -137,6 +144,12 @@ class PeerMemory:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(handle[1])
 
+    def reset(self) -> None:
+        """This rank's call counts, status and signal array back to zero (every rank of the group at once:
+        a restart after waits that ran out, e.g. while the other rank's kernels were compiling)."""
+        for t in (self.epoch, self.status, self.tensors[self.size + self.rank]):
+            t.zero_()
+
     @classmethod
     def local(cls, size: int, max_elements: int, device) -> list["PeerMemory"]:
         """The views of all `size` ranks of a group inside one process (ranks as threads, one device)."""
@@ -148,6 +161,7 @@ class PeerMemory:
 class PeerCollectives:
     """`Collectives` as one-shot kernels over `PeerMemory` (kernels/tp.py `peer_collective`): capturable
     (no host call), every wait bounded by `spin` flag reads; `check` raises if one ran out."""
+    kind = "peer"
 
     def __init__(self, size: int, rank: int, mem: PeerMemory, spin: int = 1 << 22):
         if (mem.size, mem.rank) != (size, rank):
@@ -168,7 +182,7 @@ class PeerCollectives:
         self._run(t, t, self.k.OP_SUM)
 
     def all_reduce_residual(self, part: torch.Tensor, res: torch.Tensor) -> None:
-        """res += bf16(the ranks' sum of part), rounded as `residual_add`; part = 0. One launch."""
+        """`Collectives.all_reduce_residual` in one launch."""
         self._run(part, res, self.k.OP_SUM_RESIDUAL)
 
     def max_reduce(self, t: torch.Tensor) -> None:
@@ -216,11 +230,7 @@ class TPDecoder(FusedDecoder):
         return launches + [("tp_allreduce+residual", self._reduce, None)]
 
     def _reduce(self) -> None:
-        if hasattr(self.coll, "all_reduce_residual"):
-            self.coll.all_reduce_residual(self.part, self.res)
-        else:
-            self.coll.all_reduce(self.part)
-            self.k_tp.residual_add(self.res, self.part)
+        self.coll.all_reduce_residual(self.part, self.res)
 
     def _select(self, pos, n_part, sample, logprobs, mask) -> None:
         if not (sample or logprobs or mask):

@@ -30,13 +30,19 @@ from nexrt_vllm.engine.kernels.sampling import argmax_partials
 
 
 @triton.jit
+def _residual(r, y):
+    """The one-device residual epilogue's rounding of res + y (fp32 values): bf16(res + bf16(y))."""
+    return _bf16(r + _bf16(y))
+
+
+@triton.jit
 def residual_add_kernel(res_ptr, part_ptr, H, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     h = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = h < H
     r = tl.load(res_ptr + h, mask=m, other=0.0).to(tl.float32)
     p = tl.load(part_ptr + h, mask=m, other=0.0)
-    tl.store(res_ptr + h, _bf16(r + _bf16(p)).to(res_ptr.dtype.element_ty), mask=m)
+    tl.store(res_ptr + h, _residual(r, p).to(res_ptr.dtype.element_ty), mask=m)
     tl.store(part_ptr + h, tl.zeros_like(p), mask=m)
 
 
@@ -126,7 +132,7 @@ def peer_collective_kernel(x_ptr, out_ptr, n, bufs_ptr, sigs_ptr, epoch_ptr, sta
             tl.store(out_ptr + offs, acc.to(ety), mask=m)
         else:  # `residual_add` fused: out (the bf16 residual) += bf16(sum), the rank's partial x zeroed
             r = tl.load(out_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            tl.store(out_ptr + offs, _bf16(r + _bf16(acc)).to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(out_ptr + offs, _residual(r, acc).to(out_ptr.dtype.element_ty), mask=m)
             tl.store(x_ptr + offs, tl.zeros_like(acc).to(ety), mask=m)
     elif OP == 1:
         acc = tl.load(_peer(bufs_ptr, 0, ety) + at, mask=m, cache_modifier=".cv")
