@@ -13,6 +13,12 @@ carried into the real shape, nexrt_vllm/bench/graft.py) and times each kernel gr
     python benchmarks/decode_bench.py --shapes 35b,2b --contexts 1024,8192,32768,131072 --eager-steps 5 \\
         --graft .work/graft --json $OUT/decode_h200.json --png $OUT/decode_h200.png
 
+The graft checkpoints missing from `--graft DIR` are trained at the start of the run (a few minutes each
+on the CPU); `--train-graft` trains them on this machine and exits (no GPU needed), so that the GPU
+machine gets them with the working tree:
+
+    python benchmarks/decode_bench.py --shapes 2b,35b --graft .work/graft --train-graft
+
 `--dtype bf16,fp8` runs each shape with its weights as they are and quantized into the published FP8
 checkpoints' block format (e4m3 + 128 x 128 fp32 scales, read natively by the fp8 kernels); the
 byte count is then what the fp8 step reads (e4m3 values, scales, scale-row maps, the bf16 rest),
@@ -407,7 +413,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parity-steps", type=int, default=256)
     ap.add_argument("--eager-steps", type=int, default=10)
     ap.add_argument("--breakdown-ctx", type=int, default=8192)
-    ap.add_argument("--json", required=True)
+    ap.add_argument("--json", help="the result file (required unless --train-graft)")
     ap.add_argument("--png")
     ap.add_argument("--tuning", default="", help="Tuning fields for the fused path, e.g. pdl=1,moe=8/256/1")
     ap.add_argument("--layers", type=int, default=None,
@@ -415,6 +421,9 @@ def main(argv=None) -> int:
     ap.add_argument("--graft", default="", help="dir of trained tiny checkpoints (<family>/, trained there when "
                     "absent) to carry into the real shapes (nexrt_vllm/bench/graft.py) instead of random weights: "
                     "parity on confident tokens")
+    ap.add_argument("--train-graft", action="store_true",
+                    help="train the --graft checkpoints of --shapes that are missing (on the CPU, a few minutes each) "
+                         "and exit: they then travel to the GPU machine instead of being trained there")
     ap.add_argument("--dtype", default="bf16", help="weight formats to run, comma-separated: bf16 (the checkpoint "
                     "dtype), fp8 (the same weights quantized into 128x128 block-scaled e4m3 as the published FP8 "
                     "checkpoints, read natively by the fp8 kernels); both: each shape in each, compared in one JSON")
@@ -449,6 +458,19 @@ def main(argv=None) -> int:
         ap.error("--tp must be >= 1")
     if args.tp > 1 and (args.graft or dtypes != ["bf16"] or args.speculative != "off"):
         ap.error("--tp > 1 runs random bf16 weights: not with --graft, --dtype fp8 or --speculative")
+    if args.train_graft:
+        if not args.graft:
+            ap.error("--train-graft needs --graft DIR")
+        from nexrt_vllm.bench.graft import ensure_checkpoint
+        from nexrt_vllm.bench.shapes import GRAFT_ARCH
+        for key in args.shapes.split(","):
+            if key not in GRAFT_ARCH:
+                ap.error(f"--shapes: {key!r} has no graft family (one of {', '.join(sorted(GRAFT_ARCH))})")
+            arch = GRAFT_ARCH[key]
+            log(f"graft checkpoint for {key}: {ensure_checkpoint(os.path.join(args.graft, arch), arch, SHAPES[key])}")
+        return 0
+    if not args.json:
+        ap.error("--json is required")
     if not torch.cuda.is_available():
         print("decode_bench needs a CUDA GPU", file=sys.stderr)
         return 2

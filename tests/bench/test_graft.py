@@ -83,3 +83,24 @@ def test_graft_refuses_what_it_cannot_carry(tiny):
         bad = dict(MID[arch], num_experts=32)
         with pytest.raises(GraftError, match="MoE"):
             graft(tt, tcfg, ModelConfig.from_dict(bad), torch.float32)
+
+
+def test_decode_bench_train_graft_keeps_present_checkpoints_and_needs_a_dir(tmp_path, capsys):
+    """`decode_bench --train-graft` trains only the graft checkpoints DIR lacks, on this machine, and exits
+    before asking for a GPU; a checkpoint already there (its config.json) is left as it is."""
+    from benchmarks import decode_bench
+    from nexrt_vllm.bench.shapes import GRAFT_ARCH
+
+    for key in ("2b", "35b"):
+        d = tmp_path / GRAFT_ARCH[key]
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    assert decode_bench.main(["--shapes", "2b,35b", "--graft", str(tmp_path), "--train-graft"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+    for argv, why in ((["--shapes", "2b", "--train-graft"], "--train-graft needs --graft DIR"),
+                      (["--shapes", "7b", "--graft", str(tmp_path), "--train-graft"], "no graft family"),
+                      (["--shapes", "2b"], "--json is required")):
+        with pytest.raises(SystemExit) as e:
+            decode_bench.main(argv)
+        assert e.value.code == 2 and why in capsys.readouterr().err
