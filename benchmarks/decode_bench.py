@@ -14,8 +14,7 @@ carried into the real shape, nexrt_vllm/bench/graft.py) and times each kernel gr
         --graft .work/graft --json $OUT/decode_h200.json --png $OUT/decode_h200.png
 
 The graft checkpoints missing from `--graft DIR` are trained at the start of the run (a few minutes each
-on the CPU); `--train-graft` trains them on this machine and exits (no GPU needed), so that the GPU
-machine gets them with the working tree:
+on the CPU); `--train-graft` trains them and exits without a GPU, so a GPU run finds them in DIR:
 
     python benchmarks/decode_bench.py --shapes 2b,35b --graft .work/graft --train-graft
 
@@ -65,8 +64,8 @@ import torch
 from nexrt_vllm.bench import batch_round, batch_step, spec_round
 from nexrt_vllm.bench.checks import finish, record, write
 from nexrt_vllm.bench.shapes import HF_TOKS, NAMES, SHAPES
-from nexrt_vllm.bench.step import (GROUPS, bytes_per_step, copy_bandwidth, fill_context, graft_engine, kernel_groups,
-                                   log, periodic_prompt, random_engine, time_replays, tuning_from)
+from nexrt_vllm.bench.step import (GROUPS, bytes_per_step, copy_bandwidth, fill_context, graft_checkpoint, graft_engine,
+                                   kernel_groups, log, periodic_prompt, random_engine, time_replays, tuning_from)
 from nexrt_vllm.engine.state import GDNState
 
 
@@ -423,7 +422,7 @@ def main(argv=None) -> int:
                     "parity on confident tokens")
     ap.add_argument("--train-graft", action="store_true",
                     help="train the --graft checkpoints of --shapes that are missing (on the CPU, a few minutes each) "
-                         "and exit: they then travel to the GPU machine instead of being trained there")
+                         "and exit (no GPU needed): a later run with the same --graft DIR finds them")
     ap.add_argument("--dtype", default="bf16", help="weight formats to run, comma-separated: bf16 (the checkpoint "
                     "dtype), fp8 (the same weights quantized into 128x128 block-scaled e4m3 as the published FP8 "
                     "checkpoints, read natively by the fp8 kernels); both: each shape in each, compared in one JSON")
@@ -461,13 +460,11 @@ def main(argv=None) -> int:
     if args.train_graft:
         if not args.graft:
             ap.error("--train-graft needs --graft DIR")
-        from nexrt_vllm.bench.graft import ensure_checkpoint
         from nexrt_vllm.bench.shapes import GRAFT_ARCH
         for key in args.shapes.split(","):
             if key not in GRAFT_ARCH:
                 ap.error(f"--shapes: {key!r} has no graft family (one of {', '.join(sorted(GRAFT_ARCH))})")
-            arch = GRAFT_ARCH[key]
-            log(f"graft checkpoint for {key}: {ensure_checkpoint(os.path.join(args.graft, arch), arch, SHAPES[key])}")
+            log(f"graft checkpoint for {key}: {graft_checkpoint(key, args.graft)}")
         return 0
     if not args.json:
         ap.error("--json is required")

@@ -232,6 +232,13 @@ def fp8_weights(tensors: dict, cfg) -> dict:
     return out
 
 
+def graft_checkpoint(key: str, ckpt_dir: str) -> str:
+    """`ckpt_dir`/<family>: the trained tiny checkpoint that shape `key` carries (graft.py), trained
+    there first when absent (on the CPU)."""
+    from nexrt_vllm.bench.graft import ensure_checkpoint
+    return ensure_checkpoint(os.path.join(ckpt_dir, GRAFT_ARCH[key]), GRAFT_ARCH[key], SHAPES[key])
+
+
 def graft_engine(key: str, ckpt_dir: str, max_len: int, device: str = "cuda", dtype: str = "bf16"):
     """The real shape `key` carrying the trained tiny checkpoint `ckpt_dir`/<family> (graft.py;
     trained there first when absent); `dtype` "fp8": then quantized into the block format."""
@@ -240,7 +247,7 @@ def graft_engine(key: str, ckpt_dir: str, max_len: int, device: str = "cuda", dt
     from nexrt_vllm.engine.config import ModelConfig
     from nexrt_vllm.engine.model import Model
     from nexrt_vllm.engine.weights import load_checkpoint
-    path = G.ensure_checkpoint(os.path.join(ckpt_dir, GRAFT_ARCH[key]), GRAFT_ARCH[key], SHAPES[key])
+    path = graft_checkpoint(key, ckpt_dir)
     tcfg, rcfg = ModelConfig.from_pretrained(path), ModelConfig.from_dict(SHAPES[key])
     tiny = load_checkpoint(path, tcfg, torch.float32, device, progress=False)[0]
     tensors = G.graft(tiny, tcfg, rcfg, torch.bfloat16, device)
