@@ -425,3 +425,42 @@ def test_split_k_equals_one_split(m, splits, epi):
         gemv.gemv(x, w[:n], nan_rows(m, n), m=m, dot=2, block_n=16, block_k=32, splits=0)
     with pytest.raises(ValueError, match="splits needs the tensor-core"):
         gemv.gemv(x[:2], w[:n], nan_rows(2, n), m=2, dot=0, block_n=16, block_k=32, splits=2)
+
+
+@pytest.mark.parametrize("m", [4, 12])
+@pytest.mark.parametrize("splits", [1, 4])  # 4: K's 5 blocks split 2 + 2 + 1 + none
+@pytest.mark.parametrize("epi", ["swiglu", "residual", "conv", "argmax"])
+def test_dot_head_before_the_wait_gives_the_same_bytes(m, splits, epi):
+    """`prefetch` on the tensor-core kernel (Tuning.dot_prefetch): each program's first K block of W is loaded
+    before the PDL wait and its products come first, then the loop over the rest: the same sums in the same
+    order as without it, so the same bytes, for every epilogue the verify launches, a ragged K and a split
+    past K (which loads nothing)."""
+    g = torch.Generator().manual_seed(5)
+    k, n, conv_n = 150, 48, 32  # 5 K blocks of 32, the last one ragged; three tiles of 16 rows
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    w = (torch.randn(2 * n if epi == "swiglu" else n, k, generator=g) * 0.1).to(BF)
+    res0 = rows(torch.randn(m, n, generator=g).to(BF), m)
+    st, cw = torch.randn(conv_n, 3, generator=g).to(BF), (torch.randn(conv_n, 4, generator=g) * 0.5).to(BF)
+
+    def launch(prefetch):
+        kw = dict(pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32, m=m, dot=2, splits=splits,
+                  prefetch=prefetch)
+        out = {"y": nan_rows(m, n, torch.float32 if epi == "argmax" else BF)}
+        if epi == "swiglu":
+            kw["epi"] = gemv.EPI_SWIGLU
+        elif epi == "residual":
+            out["y"], kw["epi"], kw["pro"] = res0.clone(), gemv.EPI_RESIDUAL, gemv.PRO_NONE
+        elif epi == "argmax":
+            out["pmax"], out["pidx"] = torch.full((m, 3), float("nan")), torch.full((m, 3), -1, dtype=torch.int32)
+            kw.update(epi=gemv.EPI_ARGMAX, aux0=out["pmax"], aux1=out["pidx"])
+        else:
+            out["win"] = torch.full((conv_n, 3 + m), float("nan"), dtype=BF)
+            kw.update(epi=gemv.EPI_CONV, aux0=st, aux1=cw, conv_n=conv_n, kc=4, window=out["win"])
+        call(gemv.gemv, x, w, out["y"], **kw)
+        return out
+
+    plain, head = launch(0), launch(1)
+    for name in plain:
+        assert not head[name].isnan().any(), name
+        assert torch.equal(head[name], plain[name]), name

@@ -104,7 +104,7 @@ FP8_VARIANTS = [
 R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, M=4, MP=4)
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
 RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1,
-          SPLITS=1)
+          SPLITS=1, PRE=0)
 ARGMAX = {"y_ptr": "*fp32", "aux0_ptr": "*fp32", "aux1_ptr": "*i32"}
 SPEC_T = {"forced_ptr": "*i64", "rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
           "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
@@ -141,6 +141,11 @@ SPEC_VARIANTS = [
     ("rows_dot_split2_residual", gemv.gemv_rows_dot_kernel, dict(RD, PRO=0, EPI=1, KP=8192, STAGES=5, SPLITS=2), 1, {},
      ALIGN_R),
     ("rows_dot_split2_swiglu", gemv.gemv_rows_dot_kernel, dict(RD, PRO=1, EPI=2, STAGES=3, SPLITS=2), 1, {}, ALIGN_R),
+    # Tuning.dot_prefetch: each program's first weight tile loaded before the PDL wait
+    ("rows_dot_swiglu_prefetch", gemv.gemv_rows_dot_kernel, dict(RD, PRO=1, EPI=2, BLOCK_N=32, STAGES=3, PRE=1), 2, {},
+     ALIGN_R),
+    ("rows_dot_split2_residual_prefetch", gemv.gemv_rows_dot_kernel,
+     dict(RD, PRO=0, EPI=1, KP=8192, STAGES=5, SPLITS=2, PRE=1), 1, {}, ALIGN_R),
     ("qk_rope_cache_m", attention.qk_rope_cache_m_kernel, dict(H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
      SPEC_T, ()),
     ("attn_verify_scores", attention.attn_verify_scores_kernel, AV, 4, SPEC_T, ()),
@@ -310,14 +315,14 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 72 + 40 + 38 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 76 + 40 + 38 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
     """The tensor-core M-row kernel: its weight tiles go global -> shared by asynchronous copies (the
     compiler's software pipeline) into tensor-core MMAs (warpgroup or warp)."""
     dots = {k: v for k, v in compiled.items() if k.startswith("rows_dot_")}
-    assert len(dots) == 14
+    assert len(dots) == 18
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
         # the split-K fixup: one arrival count per program (a gpu-scope acq_rel atomic), only when split

@@ -304,7 +304,8 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
     """y, y_up [MP, BLOCK_N]: this program's BLOCK_N outputs for the M rows of x after the prologue (y_up: EPI 2's
     up half), PDL's wait included. DOT 0: `gemv_rows_kernel`'s fold (PRE K blocks of W loaded before the
     wait, VEC-column FMA runs); DOT 1 / 2: `gemv_rows_dot_kernel`'s tensor-core loop (`_dot_t`), over the
-    K blocks of split program_id(1) of SPLITS (the split's partial sums)."""
+    K blocks of split program_id(1) of SPLITS (the split's partial sums); PRE > 0: its first K block of W
+    loaded before the wait."""
     MP: tl.constexpr = jrow.shape[0]
     if DOT == 0:
         w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
@@ -314,8 +315,6 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
                             stride_w, eps, rstd, w0, w1, w2, w3, u0, u1, u2, u3, PRO, EPI, GROUP, STORE_XN, BLOCK_N,
                             BLOCK_K, EVEN_K, PRE, VEC)
     else:
-        pdl_begin(PDL)
-        rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
         acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
         acc_u = acc
         offs_k = tl.arange(0, BLOCK_K)
@@ -325,6 +324,26 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
             per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
             k_lo = tl.program_id(1) * per
             k_hi = tl.minimum(K, k_lo + per)
+        if PRE > 0:
+            # The split's first weight tile into registers before the wait (weights never depend on the
+            # previous kernel): its bytes stream while that kernel drains and the x prologue runs, where the
+            # pipelined copies of the loop below are issued only after both. A split past K loads nothing.
+            hcols = k_lo + offs_k
+            hmask = rmask[:, None] & (hcols < k_hi)[None, :]
+            hp = w_ptr + rows[:, None] * stride_w + hcols[None, :]
+            w_h = tl.load(hp, mask=hmask, other=0.0, eviction_policy="evict_first")
+            wu_h = w_h
+            if EPI == 2:
+                wu_h = tl.load(hp + N * stride_w, mask=hmask, other=0.0, eviction_policy="evict_first")
+        pdl_begin(PDL)
+        rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
+        if PRE > 0:  # the first block's products, in the loop's order: the same sums as without the head
+            xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, hcols, hcols < k_hi, nw_ptr, z_ptr, stride_z, rstd,
+                                   eps, pid, PRO, GROUP, STORE_XN, BLOCK_K))
+            acc = _dot_t(w_h, xt, acc, DOT)
+            if EPI == 2:
+                acc_u = _dot_t(wu_h, xt, acc_u, DOT)
+            k_lo += BLOCK_K
         for k0 in range(k_lo, k_hi, BLOCK_K):
             cols = k0 + offs_k
             cmask = cols < K
@@ -381,7 +400,8 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                          M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr,
                          GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr,
                          KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                         DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr):
+                         DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr,
+                         PRE: tl.constexpr = 0):
     """`gemv_rows_kernel` through the tensor cores with the weight as the left operand: acc [BLOCK_N, MP] =
     W[rows] @ x^T (the compiler pads the MP columns to the instruction's). Each weight tile goes from the load
     straight into the product, so the compiler streams it through shared memory in pipeline stages
@@ -390,14 +410,14 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     SPLITS > 1 (grid [tiles, SPLITS]): each program sums its share of K (`_split_sum`); the last of a tile's
     programs to finish adds the tile's partials in split order and runs the epilogue, so a launch over few
     output rows streams its weight from SPLITS times the programs and the sums do not depend on which
-    program finishes last."""
+    program finishes last. PRE > 0: each program's first weight tile is loaded before the PDL wait."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     jrow = tl.arange(0, MP)
     jm = jrow < M
     y, y_up = _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
-                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL, SPLITS)
+                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, PRE, 1, PDL, SPLITS)
     if SPLITS > 1:
         y, y_up, last = _split_sum(y, y_up, part_ptr, cnt_ptr, pid, tl.num_programs(0), EPI, SPLITS)
         rmask = rows < N * last  # the epilogue's stores: the last program's only
