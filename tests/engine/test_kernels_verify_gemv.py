@@ -365,25 +365,20 @@ def test_tensor_core_rows_past_eight(m):
         assert rel(y[j], y1) < SAME, j
 
 
-@pytest.mark.parametrize("m", [4, 12])
-@pytest.mark.parametrize("splits", [2, 3])  # 3: K's 5 blocks split 2 + 2 + 1
-@pytest.mark.parametrize("epi", ["swiglu", "residual", "argmax", "conv"])
-def test_split_k_equals_one_split(m, splits, epi):
-    """K over `splits` programs per output tile (`splits`, the tensor-core kernel): the tile's last program
-    sums the partials in split order and runs the epilogue. Outputs equal the one-split launch's to the
-    summation order (SwiGLU, residual add, lm_head partials, the conv window: every epilogue the verify
-    launches); a second launch over the same scratch gives the same bytes (the arrival counters were left
-    at 0); more splits than K blocks run one block a split."""
-    g = torch.Generator().manual_seed(21)
-    k, n, conv_n = 160, 48, 32  # 5 K blocks of 32; three tiles of 16 rows
+def epilogue_case(m: int, k: int, epi: str, seed: int):
+    """x [m, k] and W of n = 48 outputs (three tiles of 16 rows; 2n for SwiGLU), and `launch(**kw)`: one
+    tensor-core M-row launch (RMSNorm prologue, K blocks of 32) with the epilogue `epi` ("swiglu", "residual",
+    "argmax", "conv": every epilogue the verify launches) into poisoned outputs, returned by name."""
+    g = torch.Generator().manual_seed(seed)
+    n, conv_n = 48, 32
     x = rows(torch.randn(m, k, generator=g).to(BF), m)
     nw = (torch.randn(k, generator=g) * 0.1).to(BF)
     w = (torch.randn(2 * n if epi == "swiglu" else n, k, generator=g) * 0.1).to(BF)
     res0 = rows(torch.randn(m, n, generator=g).to(BF), m)
     st, cw = torch.randn(conv_n, 3, generator=g).to(BF), (torch.randn(conv_n, 4, generator=g) * 0.5).to(BF)
 
-    def launch(s):
-        kw = dict(pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32, m=m, dot=2, splits=s)
+    def launch(**extra):
+        kw = {"pro": gemv.PRO_RMSNORM, "norm_w": nw, "block_n": 16, "block_k": 32, "m": m, "dot": 2, **extra}
         out = {"y": nan_rows(m, n, torch.float32 if epi == "argmax" else BF)}
         if epi == "swiglu":
             kw["epi"] = gemv.EPI_SWIGLU
@@ -398,14 +393,28 @@ def test_split_k_equals_one_split(m, splits, epi):
         call(gemv.gemv, x, w, out["y"], **kw)
         return out
 
-    one, split = launch(1), launch(splits)
+    return x, w, n, launch
+
+
+@pytest.mark.parametrize("m", [4, 12])
+@pytest.mark.parametrize("splits", [2, 3])  # 3: K's 5 blocks split 2 + 2 + 1
+@pytest.mark.parametrize("epi", ["swiglu", "residual", "argmax", "conv"])
+def test_split_k_equals_one_split(m, splits, epi):
+    """K over `splits` programs per output tile (`splits`, the tensor-core kernel): the tile's last program
+    sums the partials in split order and runs the epilogue. Outputs equal the one-split launch's to the
+    summation order (SwiGLU, residual add, lm_head partials, the conv window: every epilogue the verify
+    launches); a second launch over the same scratch gives the same bytes (the arrival counters were left
+    at 0); more splits than K blocks run one block a split."""
+    k = 160  # 5 K blocks of 32
+    x, w, n, launch = epilogue_case(m, k, epi, seed=21)
+    one, split = launch(splits=1), launch(splits=splits)
     for name in one:
         assert not split[name].isnan().any(), name
         if name == "pidx":
             assert torch.equal(split[name], one[name])
         else:
             assert rel(split[name], one[name]) < SAME, name
-    again = launch(splits)
+    again = launch(splits=splits)
     for name in split:
         assert torch.equal(again[name], split[name]), name
     if DEV == "cpu":  # the scratch: counters back at 0; the logits are the partials' sums in split order
@@ -435,32 +444,10 @@ def test_dot_head_before_the_wait_gives_the_same_bytes(m, splits, epi):
     before the PDL wait and its products come first, then the loop over the rest: the same sums in the same
     order as without it, so the same bytes, for every epilogue the verify launches, a ragged K and a split
     past K (which loads nothing)."""
-    g = torch.Generator().manual_seed(5)
-    k, n, conv_n = 150, 48, 32  # 5 K blocks of 32, the last one ragged; three tiles of 16 rows
-    x = rows(torch.randn(m, k, generator=g).to(BF), m)
-    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
-    w = (torch.randn(2 * n if epi == "swiglu" else n, k, generator=g) * 0.1).to(BF)
-    res0 = rows(torch.randn(m, n, generator=g).to(BF), m)
-    st, cw = torch.randn(conv_n, 3, generator=g).to(BF), (torch.randn(conv_n, 4, generator=g) * 0.5).to(BF)
-
-    def launch(prefetch):
-        kw = dict(pro=gemv.PRO_RMSNORM, norm_w=nw, block_n=16, block_k=32, m=m, dot=2, splits=splits,
-                  prefetch=prefetch)
-        out = {"y": nan_rows(m, n, torch.float32 if epi == "argmax" else BF)}
-        if epi == "swiglu":
-            kw["epi"] = gemv.EPI_SWIGLU
-        elif epi == "residual":
-            out["y"], kw["epi"], kw["pro"] = res0.clone(), gemv.EPI_RESIDUAL, gemv.PRO_NONE
-        elif epi == "argmax":
-            out["pmax"], out["pidx"] = torch.full((m, 3), float("nan")), torch.full((m, 3), -1, dtype=torch.int32)
-            kw.update(epi=gemv.EPI_ARGMAX, aux0=out["pmax"], aux1=out["pidx"])
-        else:
-            out["win"] = torch.full((conv_n, 3 + m), float("nan"), dtype=BF)
-            kw.update(epi=gemv.EPI_CONV, aux0=st, aux1=cw, conv_n=conv_n, kc=4, window=out["win"])
-        call(gemv.gemv, x, w, out["y"], **kw)
-        return out
-
-    plain, head = launch(0), launch(1)
+    # K: 5 blocks of 32, the last one ragged; the residual add over un-normed rows covers the plain prologue
+    _, _, _, launch = epilogue_case(m, 150, epi, seed=5)
+    extra = {"splits": splits, "pro": gemv.PRO_NONE} if epi == "residual" else {"splits": splits}
+    plain, head = launch(prefetch=0, **extra), launch(prefetch=1, **extra)
     for name in plain:
         assert not head[name].isnan().any(), name
         assert torch.equal(head[name], plain[name]), name

@@ -329,7 +329,8 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
             # previous kernel): its bytes stream while that kernel drains and the x prologue runs, where the
             # pipelined copies of the loop below are issued only after both. A split past K loads nothing.
             hcols = k_lo + offs_k
-            hmask = rmask[:, None] & (hcols < k_hi)[None, :]
+            hcm = hcols < k_hi
+            hmask = rmask[:, None] & hcm[None, :]
             hp = w_ptr + rows[:, None] * stride_w + hcols[None, :]
             w_h = tl.load(hp, mask=hmask, other=0.0, eviction_policy="evict_first")
             wu_h = w_h
@@ -338,8 +339,8 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
         pdl_begin(PDL)
         rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
         if PRE > 0:  # the first block's products, in the loop's order: the same sums as without the head
-            xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, hcols, hcols < k_hi, nw_ptr, z_ptr, stride_z, rstd,
-                                   eps, pid, PRO, GROUP, STORE_XN, BLOCK_K))
+            xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, hcols, hcm, nw_ptr, z_ptr, stride_z, rstd, eps, pid,
+                                   PRO, GROUP, STORE_XN, BLOCK_K))
             acc = _dot_t(w_h, xt, acc, DOT)
             if EPI == 2:
                 acc_u = _dot_t(wu_h, xt, acc_u, DOT)
