@@ -21,7 +21,8 @@ on the CPU); `--train-graft` trains them and exits without a GPU, so a GPU run f
 `--dtype bf16,fp8` runs each shape with its weights as they are and quantized into the published FP8
 checkpoints' block format (e4m3 + 128 x 128 fp32 scales, read natively by the fp8 kernels); the
 byte count is then what the fp8 step reads (e4m3 values, scales, scale-row maps, the bf16 rest),
-and `fp8_vs_bf16` compares the two per context.
+and `fp8_vs_bf16` compares the two per context. With `--speculative mtp` the MTP round runs in each format (the
+FP8 verify's M-row GEMVs and experts read e4m3 + scales; the head stays bf16, as the loader dequantizes it).
 
 `--tp N` runs each shape tensor-parallel on the graph path (gpu/tp.py): N processes, rank r on cuda:r,
 each replaying its own captured step with NCCL inside; per context the step time of rank 0's replays
@@ -573,16 +574,18 @@ def main(argv=None) -> int:
             group.close()
     for key in args.shapes.split(",") if args.tp == 1 else ():
         if args.speculative == "mtp":
-            try:
-                results["shapes"].append(spec_round.run_spec_shape(
-                    key, contexts, args.steps, args.parity_steps, bw, tuning, args.graft, args.num_speculative_tokens,
-                    args.draft_vocab, args.breakdown_ctx))
-            except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
-                import traceback
-                traceback.print_exc()
-                results.setdefault("errors", {})[key + "/mtp"] = f"{type(e).__name__}: {e}"
-                torch.cuda.empty_cache()
-            save()
+            for dt in dtypes:
+                try:
+                    results["shapes"].append(spec_round.run_spec_shape(
+                        key, contexts, args.steps, args.parity_steps, bw, tuning, args.graft,
+                        args.num_speculative_tokens, args.draft_vocab, args.breakdown_ctx, dtype=dt))
+                except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
+                    import traceback
+                    traceback.print_exc()
+                    results.setdefault("errors", {})[key + ("/mtp" if dt == "bf16" else f"/{dt}/mtp")] = \
+                        f"{type(e).__name__}: {e}"
+                    torch.cuda.empty_cache()
+                save()
             continue
         for dt in dtypes:
             try:
@@ -640,7 +643,7 @@ def judge(results: dict) -> None:
                     record(results, f"{r['shape']}/batch{b}/tokens_equal_alone", pb["all_equal_eager"])
             continue
         if "round_graph_equals_eager" in p:  # the MTP round (spec_round.run_spec_shape)
-            tag = f"{r['shape']}/mtp"
+            tag = f"{r['shape']}/mtp" + ("" if r.get("dtype", "bf16") == "bf16" else f"/{r['dtype']}")
             if trained:
                 record(results, f"{tag}/round_graph_parity", p["round_graph_equals_eager"])
                 record(results, f"{tag}/plain_graph_parity", p["plain_graph_equals_eager"])

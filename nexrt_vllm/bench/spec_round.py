@@ -148,9 +148,10 @@ def time_step_and_round(eng, fused, g_plain, spec, ctx: int, reps: int) -> tuple
     return t_step, S.time_from(spec.graph, eng.state.position, ctx, reps)
 
 
-def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab=None):
-    """A random-weight engine of shape `key` with a random MTP head, speculating."""
-    eng = S.random_engine(key, max_len)
+def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab=None, dtype: str = "bf16"):
+    """A random-weight engine of shape `key` (`dtype` "fp8": quantized as the published FP8 checkpoints) with a
+    random bf16 MTP head (the loader dequantizes an FP8 checkpoint's head), speculating."""
+    eng = S.random_engine(key, max_len, dtype)
     random_mtp_head(eng)
     eng.enable_speculative("mtp", num_spec, draft_vocab)
     return eng
@@ -174,7 +175,7 @@ def measure_round(eng, tuning, ctx: int, draft_vocab=None, reps: int = 100) -> d
 
 def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int, bw: float, tuning=None,
                    graft_dir: str = "", num_spec: int = 3, draft_vocab=None,
-                   breakdown_ctx: int = 8192) -> dict:
+                   breakdown_ctx: int = 8192, dtype: str = "bf16") -> dict:
     from nexrt_vllm.engine.sampling import SamplingParams
 
     t0 = time.time()
@@ -182,17 +183,18 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
     max_len = max(contexts, default=0) + (steps + 8) * M + max(parity_steps, 64) + 64
     prompt = seg = None
     if graft_dir:
-        eng, tcfg = S.graft_engine(key, graft_dir, max_len)
+        eng, tcfg = S.graft_engine(key, graft_dir, max_len, dtype=dtype)
         prompt, seg = S.periodic_prompt(tcfg.vocab_size)
         random_mtp_head(eng)
         eng.enable_speculative("mtp", num_spec, draft_vocab)
     else:
-        eng = spec_engine(key, max_len, num_spec, draft_vocab)
+        eng = spec_engine(key, max_len, num_spec, draft_vocab, dtype)
     fused, runner, spec = capture(eng, tuning, draft_vocab)
+    tag = key if dtype == "bf16" else f"{key}/{dtype}"
     sd = spec.d
-    S.log(f"[{key}/mtp] built + captured in {time.time() - t0:.1f}s; GPU mem "
+    S.log(f"[{tag}/mtp] built + captured in {time.time() - t0:.1f}s; GPU mem "
            f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; {len(sd.plan())} launches per round")
-    res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "graft" if graft_dir else "random",
+    res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "graft" if graft_dir else "random", "dtype": dtype,
            "num_speculative_tokens": num_spec, "verify_width": M, "draft_vocab": sd.draft_vocab,
            "draft_vocab_kind": "first" if sd.draft_ids is None else "map",
            "launches_per_round": len(sd.plan()), "launches_per_step": len(fused.plan()), "contexts": []}
@@ -220,7 +222,7 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
                          "tokens_head": got[:24]}
         if seg:
             res["parity"]["continues_period"] = got[:21] == [seg[(len(prompt) + i) % len(seg)] for i in range(21)]
-        S.log(f"[{key}/mtp] parity: round graph == eager {got == eager} (plain graph == eager {plain == eager}, "
+        S.log(f"[{tag}/mtp] parity: round graph == eager {got == eager} (plain graph == eager {plain == eager}, "
                f"first divergence {div}), acceptance length {res['parity']['acceptance_length']:.2f} over "
                f"{sum(rounds)} rounds")
     g_plain = runner.capture(False)
@@ -246,11 +248,11 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
             eng.state.position.fill_(ctx)
             marg = row["round_marginals"] = round_marginals(sd)
             for name, v in sorted(row["round_groups"].items(), key=lambda kv: -kv[1]["us_per_round"])[:14]:
-                S.log(f"[{key}/mtp]   {name:<34}{v['launches']:>4} launches {v['us_per_round']:>9.1f} us "
+                S.log(f"[{tag}/mtp]   {name:<34}{v['launches']:>4} launches {v['us_per_round']:>9.1f} us "
                        f"(in the graph {marg['groups_us'][name]:>7.1f}) {v['bytes_per_round'] / 1e6:>9.1f} MB "
                        f"{v['GBps']:>7.0f} GB/s")
         res["contexts"].append(row)
-        S.log(f"[{key}/mtp] ctx {ctx}: step {t_step * 1e3:.3f} ms (MBU {100 * row['mbu_step']:.1f}%), round "
+        S.log(f"[{tag}/mtp] ctx {ctx}: step {t_step * 1e3:.3f} ms (MBU {100 * row['mbu_step']:.1f}%), round "
                f"{t_round * 1e3:.3f} ms = {row['round_over_step']:.3f}x (MBU {100 * row['mbu_round']:.1f}%, "
                f"{nb_round['total'] / 1e9:.2f} GB), at acceptance 2.0/2.5/3.0/3.5: "
                + "/".join(f"{a / t_round:.0f}" for a in ACCEPT) + " tok/s (computed)")

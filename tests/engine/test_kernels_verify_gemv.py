@@ -7,12 +7,17 @@ and without the prefetched head; x / y / z / the conv window are strided views a
 buffers are. Outputs are poisoned (NaN) before each launch. The M rows differ from M separate launches
 only in the order of the fp32 sums (one FMA chain per 16-byte run instead of a tree, or the tensor cores'
 order), so the bf16 outputs agree to a last-place flip: `SAME`.
+
+FP8 weights (fp8.FP8Weight): scale blocks that programs share or straddle, SwiGLU halves with grids of their
+own, a bf16 tail; each row against the one-row fp8 kernel with the same products (the tensor-core kernel's
+are bf16(e4m3 * scale) * x, the one-row kernel's with `round_w`) and against torch on the dequantized weight.
 """
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nexrt_vllm.engine import kernels
+from nexrt_vllm.engine.fp8 import cat_rows, quantize_weight
 from nexrt_vllm.testing.kernel_calls import DEV, call, rel, rms1p
 
 kernels.load(interpret=DEV == "cpu")
@@ -55,6 +60,7 @@ def kernel(request, monkeypatch):
         return orig(*a, **kw)
 
     monkeypatch.setattr(gemv, "gemv", call_m)
+    return request.param
 
 
 MS = pytest.mark.parametrize("m", [2, 4, 8])  # 8: the batch step's most slots
@@ -329,12 +335,14 @@ def test_router_store_xn(m, prefetch):
         assert rel(lg[j], lg1) < SAME, j
 
 
-def test_m_rows_rejects_fp8_and_bad_shapes():
-    from nexrt_vllm.engine.fp8 import FP8Weight, grid_rows
-    w8 = FP8Weight(torch.zeros(32, 64, dtype=torch.float8_e4m3fn), torch.ones(1, 1), grid_rows(32, 128), (128, 128))
-    x, y = torch.zeros(2, 64, dtype=BF), torch.zeros(2, 32, dtype=BF)
-    with pytest.raises(ValueError, match="m > 1 needs bf16 weights"):
-        gemv.gemv(x, w8, y, m=2)
+def test_m_rows_rejects_bad_shapes():
+    w8 = cat_rows([quantize_weight(torch.randn(40, 64), (8, 64)), torch.zeros(8, 64, dtype=BF)])
+    x, y = torch.zeros(2, 64, dtype=BF), torch.zeros(2, 48, dtype=BF)
+    with pytest.raises(ValueError, match="prefetch and l2 are for bf16 weights"):
+        gemv.gemv(x, w8, y, m=2, prefetch=2)
+    with pytest.raises(ValueError, match="40 fp8 rows before the bf16 tail are not a multiple of block_n 16"):
+        gemv.gemv(x, w8, y, m=2, block_n=16)
+    y = torch.zeros(2, 32, dtype=BF)
     w = torch.zeros(32, 64, dtype=BF)
     with pytest.raises(ValueError, match="m must be 1..8"):
         gemv.gemv(torch.zeros(9, 64, dtype=BF), w, torch.zeros(9, 32, dtype=BF), m=9, dot=0)
@@ -451,3 +459,84 @@ def test_dot_head_before_the_wait_gives_the_same_bytes(m, splits, epi):
     for name in plain:
         assert not head[name].isnan().any(), name
         assert torch.equal(head[name], plain[name]), name
+
+
+def fp8_weight(n: int, k: int, block, seed: int, halves: bool = False, tail: int = 0):
+    """An FP8Weight [n (+ tail), k]: one checkpoint tensor, or with `halves` a SwiGLU [gate; up] whose halves
+    keep grids of their own, and `tail` bf16 rows after the fp8 ones (the GDN in_proj's b / a)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n + tail, k, generator=g) * 0.2
+    q = quantize_weight(w[:n], block, (n // 2, n // 2) if halves else None)
+    return cat_rows([q, w[n:].to(BF)]) if tail else q
+
+
+FP8_BLOCKS = pytest.mark.parametrize("block", [(32, 32), (24, 40)], ids=["shared", "straddled"])
+
+
+@pytest.mark.parametrize("m", [3, 4])
+@FP8_BLOCKS
+@pytest.mark.parametrize("round_w", [False, True])
+@pytest.mark.parametrize("epi", ["store_xn", "swiglu", "residual"])
+def test_fp8_rows_equal_the_one_row_fp8_kernel(kernel, m, block, round_w, epi):
+    g = torch.Generator().manual_seed(21)
+    k, n = 96, 64
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    w = fp8_weight(2 * n if epi == "swiglu" else n, k, block, seed=22, halves=epi == "swiglu")
+    wd = w.dequant(BF)
+    kw = dict(block_n=16, block_k=32)
+    if epi == "store_xn":
+        kw.update(pro=gemv.PRO_RMSNORM, norm_w=nw)
+        y, xn = nan_rows(m, n), nan_rows(m, k)
+        call(gemv.gemv, x, w, y, xn_out=xn, round_w=round_w, m=m, **kw)
+        ref = lin(rms1p(x, nw), wd)
+        assert torch.equal(xn, rms1p(x, nw))
+    elif epi == "swiglu":
+        kw.update(pro=gemv.PRO_RMSNORM, epi=gemv.EPI_SWIGLU, norm_w=nw)
+        y = nan_rows(m, n)
+        call(gemv.gemv, x, w, y, round_w=round_w, m=m, **kw)
+        h = rms1p(x, nw)
+        ref = F.silu(lin(h, wd[:n])) * lin(h, wd[n:])
+    else:
+        kw.update(epi=gemv.EPI_RESIDUAL)
+        res0 = rows(torch.randn(m, n, generator=g).to(BF), m)
+        y = res0.clone()
+        call(gemv.gemv, x, w, y, round_w=round_w, m=m, **kw)
+        ref = res0 + lin(x, wd)
+    assert not y.isnan().any()
+    for j in range(m):
+        y1 = res0[j].clone() if epi == "residual" else nan_like(torch.empty(n, dtype=BF))
+        # the tensor-core kernel's products are the one-row kernel's with round_w
+        call(gemv.gemv, x[j], w, y1, round_w=round_w or kernel > 0, **kw)
+        assert rel(y[j], y1) < SAME, j
+        assert rel(y[j], ref[j]) < REF, j
+
+
+@pytest.mark.parametrize("m", [3, 4])
+@FP8_BLOCKS
+def test_fp8_conv_window_with_a_bf16_tail(kernel, m, block):
+    """The GDN in_proj of an FP8 checkpoint: fp8 rows (the conv channels and z), then bf16 tail rows (b / a),
+    each program reading one of the two; row j equals the one-row fp8 kernel run token by token."""
+    g = torch.Generator().manual_seed(23)
+    conv_n, z_n, tail, kc, k = 32, 16, 16, 4, 64
+    x = rows(torch.randn(m, k, generator=g).to(BF), m)
+    nw = (torch.randn(k, generator=g) * 0.1).to(BF)
+    w = fp8_weight(conv_n + z_n, k, block, seed=24, tail=tail)
+    cw = (torch.randn(conv_n, kc, generator=g) * 0.5).to(BF)
+    st0 = torch.randn(conv_n, kc - 1, generator=g).to(BF)
+    st = st0.clone()
+    window = torch.full((conv_n, kc - 1 + m), float("nan"), dtype=BF)
+    n = conv_n + z_n + tail
+    y = nan_rows(m, n)
+    kw = dict(pro=gemv.PRO_RMSNORM, epi=gemv.EPI_CONV, norm_w=nw, aux1=cw, conv_n=conv_n, kc=kc, block_n=16,
+              block_k=32)
+    call(gemv.gemv, x, w, y, aux0=st, m=m, window=window, **kw)
+    assert torch.equal(st, st0) and not y.isnan().any()
+    proj = lin(rms1p(x, nw), w.dequant(BF))
+    assert rel(y[:, conv_n:], proj[:, conv_n:]) < REF
+    st1 = st0.clone()
+    for j in range(m):
+        y1 = nan_like(torch.empty(n, dtype=BF))
+        call(gemv.gemv, x[j], w, y1, aux0=st1, round_w=kernel > 0, **kw)
+        assert rel(y[j], y1) < SAME, j
+        assert rel(window[:, j + 1:j + kc], st1) < SAME, j

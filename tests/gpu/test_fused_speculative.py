@@ -6,7 +6,8 @@ eager speculative loop accepts (the same histogram of tokens per round), also wi
 drafting through a draft token map that holds every id in a scrambled order; after a hand-off
 without that context, with the head drafting from half the vocabulary or from a token map that
 lacks the continuation's tokens (no round accepts a draft), and across a stop id the tokens stay
-exact; the committed K/V rows equal the plain loop's. The graph capture and the pipelined replays are
+exact; the committed K/V rows equal the plain loop's; on an FP8 checkpoint (weights kept e4m3 + block scales) the
+round's tokens equal the dequantized engine's one-token loop. The graph capture and the pipelined replays are
 GPU-only (benchmarks/checks/gpu_check.py --speculative); here each replay runs the round's launches in order.
 The interpreter takes ~10-20 s per round, hence the short streams (the H200 run checks 256 tokens)."""
 import dataclasses
@@ -15,10 +16,12 @@ import pytest
 import torch
 
 from nexrt_vllm.engine import Engine, SamplingParams, kernels
+from nexrt_vllm.engine.fp8 import PUBLISHED_NOT_CONVERT, FP8Weight
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder
 from nexrt_vllm.engine.gpu.runner import GraphRunner
 from nexrt_vllm.engine.gpu.tuning import Tuning
 from nexrt_vllm.engine.gpu.spec_round import SpecRunner
+from nexrt_vllm.testing import make_fp8_checkpoint
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
 
 kernels.load(interpret=True)
@@ -162,3 +165,31 @@ def test_four_drafts(ckpt_factory):
     eng.prefill(prompt)
     assert list(eng.stream(first, sp)) == want
     assert eng.speculative.rounds == eager_rounds and max(k for k, c in enumerate(eager_rounds) if c) >= 3, eager_rounds
+
+
+def test_fp8_checkpoint(ckpt_factory, tmp_path):
+    """The trained Qwen3-Next with its MTP head quantized as the published FP8 releases are (128 x 128 blocks; head,
+    router, shared-expert gate and the GDN's b / a in bf16): the round over the kept fp8 weights (the verify's M-row
+    GEMVs on the tensor-core kernel and the fold kernel, fp8 experts; the loader dequantizes the MTP head) gives the
+    tokens of the eager one-token loop on the dequantized checkpoint, and its drafts are accepted."""
+    path = make_fp8_checkpoint(ckpt_factory("qwen3_next", "bfloat16", **TRAINED_MTP["qwen3_next"]),
+                               str(tmp_path / "fp8"), block=128, not_convert=PUBLISHED_NOT_CONVERT)
+    deq = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False,
+                                 fp8_weights="dequantize")
+    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False,
+                                 fp8_weights="keep")
+    eng.enable_speculative("mtp", K)
+    prompt, sp = periodic_prompt(40, seed=11), SamplingParams(max_tokens=7, ignore_eos=True)
+    first = int(deq.prefill(prompt).argmax())
+    want = list(deq.stream(first, sp))
+    runner = on_graph_path(eng, tuning=dataclasses.replace(
+        CPU_TUNING, gemv_fp8=((1 << 62, 64, 128, 4),), gemv_rows_fp8=((1 << 62, 64, 128, 4, 2),),
+        gemv_gated_fp8=(64, 128, 4), lm_fp8=(128, 128, 4), moe_fp8=(64, 128, 4), moe_down_fp8=(64, 64, 4)))
+    L = runner.d.f.layers
+    attn = next(x.mixer for x in L if hasattr(x.mixer, "w_qkv"))
+    assert all(isinstance(w, FP8Weight) for w in (L[0].mixer.w_in, L[0].mixer.w_out, L[0].ffn.gate_up, attn.w_qkv))
+    assert int(eng.prefill(prompt).argmax()) == first
+    eng.speculative.rounds = [0] * (K + 2)
+    assert list(eng.stream(first, sp)) == want
+    rounds = eng.speculative.rounds
+    assert sum(k * c for k, c in enumerate(rounds)) > 1.5 * sum(rounds), rounds

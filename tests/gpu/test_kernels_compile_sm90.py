@@ -101,10 +101,14 @@ FP8_VARIANTS = [
     ("fp8_moe_down_round", moe.moe_down_fp8_kernel, dict(MDF, ROUND_W=True, UNI_E=False, BLOCK_N=2), 1, F8, ALIGN_M),
 ]
 # The speculative round (engine/gpu/spec_round.py) at M = 4 verify rows, the 2B / 35B-A3B shapes at the Tuning defaults.
-R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, M=4, MP=4)
+R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, M=4, MP=4,
+         FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False)
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
 RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1,
-          SPLITS=1, PRE=0)
+          SPLITS=1, PRE=0, FP8=False, BKS=1, UNIFORM=True, TAIL=False)
+# the M-row GEMVs over FP8 weights (the verify / batch step of an FP8 checkpoint): K blocks of whole scale blocks
+RDF = dict(RD, FP8=True, BKS=128, BLOCK_K=128)
+RF = dict(R, FP8=True, BKS=128, BLOCK_K=512, VEC=8)
 ARGMAX = {"y_ptr": "*fp32", "aux0_ptr": "*fp32", "aux1_ptr": "*i32"}
 SPEC_T = {"forced_ptr": "*i64", "rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
           "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
@@ -146,6 +150,21 @@ SPEC_VARIANTS = [
      ALIGN_R),
     ("rows_dot_split2_residual_prefetch", gemv.gemv_rows_dot_kernel,
      dict(RD, PRO=0, EPI=1, KP=8192, STAGES=5, SPLITS=2, PRE=1), 1, {}, ALIGN_R),
+    # FP8 weights (published layout: 128 x 128 blocks; the GDN in_proj's b / a rows a bf16 tail)
+    ("rows_fp8_dot_qkv", gemv.gemv_rows_dot_kernel, dict(RDF, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, F8, ALIGN_R),
+    ("rows_fp8_dot_in_proj_conv_tail", gemv.gemv_rows_dot_kernel,
+     dict(RDF, PRO=1, EPI=3, BLOCK_N=32, STAGES=3, TAIL=True), 2, F8, ALIGN_R),
+    ("rows_fp8_dot_swiglu", gemv.gemv_rows_dot_kernel, dict(RDF, PRO=1, EPI=2, BLOCK_N=32, STAGES=3), 2, F8, ALIGN_R),
+    ("rows_fp8_dot_residual_split2", gemv.gemv_rows_dot_kernel,
+     dict(RDF, PRO=0, EPI=1, KP=8192, STAGES=5, SPLITS=2), 1, F8, ALIGN_R),
+    ("rows_fp8_dot_per_row_scales", gemv.gemv_rows_dot_kernel,
+     dict(RDF, PRO=1, EPI=0, BLOCK_N=32, STAGES=3, UNIFORM=False), 2, F8, ALIGN_R),
+    ("rows_fp8_dot_lm_head_argmax", gemv.gemv_rows_dot_kernel,
+     dict(RDF, PRO=1, EPI=4, STORE_XN=True, BLOCK_N=64, STAGES=3), 4, F8_ARGMAX, ALIGN_R),
+    ("rows_fp8_fold_gated_residual", gemv.gemv_rows_kernel,
+     dict(RF, PRO=2, EPI=1, GROUP=128, KP=4096, BLOCK_N=8, BLOCK_K=1024, PRE=0), 8, F8, ALIGN_R),
+    ("rows_fp8_fold_router_xn", gemv.gemv_rows_kernel,
+     dict(RF, PRO=1, EPI=0, STORE_XN=True, BLOCK_N=4, PRE=0, UNIFORM=False, ROUND_W=True), 4, F8, ALIGN_R),
     ("qk_rope_cache_m", attention.qk_rope_cache_m_kernel, dict(H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2,
      SPEC_T, ()),
     ("attn_verify_scores", attention.attn_verify_scores_kernel, AV, 4, SPEC_T, ()),
@@ -315,7 +334,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 76 + 40 + 38 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 92 + 40 + 38 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
@@ -327,6 +346,18 @@ def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
         # the split-K fixup: one arrival count per program (a gpu-scope acq_rel atomic), only when split
         assert v["atomics"] == (1 if "_split" in name else 0), (name, v)
+
+
+def test_fp8_rows_convert_e4m3_in_the_kernel(compiled):
+    """The M-row GEMVs over FP8 weights convert e4m3 in the kernel (no bf16 copy of the weights); the tensor-core
+    ones still stream the tiles through pipelined copies into MMAs."""
+    fp8 = {k: v for k, v in compiled.items() if k.startswith("rows_fp8_")}
+    assert len(fp8) == 16
+    for name, v in fp8.items():
+        assert v["e4m3_cvt"] > 0, (name, v)
+        if "_dot_" in name:
+            assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
+            assert v["atomics"] == (1 if "_split" in name else 0), (name, v)
 
 
 def test_batch_step_gemvs_run_on_the_tensor_cores(compiled):

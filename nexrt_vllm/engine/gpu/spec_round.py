@@ -24,6 +24,9 @@ host value in it:
    copy, whose argmax index the pick maps back to the token id (cheaper drafts, exact output either
    way).
 
+Weights: bf16, or an FP8 checkpoint's kept e4m3 + block scales (fp8.FP8Weight): the verify's M-row GEMVs and the
+MoE experts read them as the step's fp8 kernels do (kernels/gemv_verify.py), the drafts run the step's kernels.
+
 Exactness does not depend on the drafts (each emitted token is the target's argmax at its
 position), so the first round of a stream may run with placeholder drafts. `SpecRunner` replays
 the round graph, enqueuing round r + 1 before it reads round r, and finishes a stream whose context
@@ -36,7 +39,7 @@ from collections.abc import Iterator
 import torch
 
 from nexrt_vllm.engine.errors import EngineError, NotBuiltError
-from nexrt_vllm.engine.fp8 import FP8Weight
+from nexrt_vllm.engine.fp8 import take_rows
 from nexrt_vllm.engine.gpu.batch_decoder import gated_out_proj
 from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch, gdn_kw
@@ -56,9 +59,8 @@ def draft_rows(lm_head: torch.Tensor, draft_vocab) -> tuple[int, torch.Tensor, t
     what the pick maps the argmax through; None without a map))."""
     V = lm_head.shape[0]
     dv = check_draft_vocab(draft_vocab, V)
-    if isinstance(dv, torch.Tensor):
-        return dv.numel(), lm_head.index_select(0, dv.to(lm_head.device)).contiguous(), \
-            dv.to(device=lm_head.device, dtype=torch.int32)
+    if isinstance(dv, torch.Tensor):  # an FP8 lm_head's rows keep their scales (fp8.take_rows)
+        return dv.numel(), take_rows(lm_head, dv.to(lm_head.device)), dv.to(device=lm_head.device, dtype=torch.int32)
     return V if dv is None else dv, lm_head, None
 
 
@@ -88,9 +90,6 @@ class SpecDecoder:
                                 f"(num_speculative_tokens <= 7), got {spec.num_speculative_tokens}")
         self.f, self.cfg, self.spec, self.M = f, c, spec, M
         self.drafter, self.scratch = spec.drafter, spec.scratch
-        if any(isinstance(w, FP8Weight) for w in self._weights()):
-            raise NotBuiltError("speculative decoding on the CUDA graph path reads bf16 weights only; this engine "
-                                "keeps FP8 weights (load with fp8_weights='dequantize' or decode without --speculative)")
         V = c.vocab_size
         dev, dt, H = f.state.device, f.state.dtype, c.hidden_size
         self.draft_vocab, self.draft_lm, self.draft_ids = draft_rows(f.lm_head, draft_vocab)
@@ -135,15 +134,6 @@ class SpecDecoder:
         self.rounds_host, self.rounds = f.mem.host["rounds"], f.mem.device["rounds"]
         # pinned acceptance (benchmarks): accepted-draft counts per round, refilled by the host per stream
         self.forced = z(SYNTHETIC_ROUNDS, d=i64) if spec.synthetic is not None else None
-
-    def _weights(self):
-        for L in self.f.layers:
-            m, ff = L.mixer, L.ffn
-            yield from ((m.w_in, m.w_out) if isinstance(m, GDNMixer) else (m.w_qkv, m.w_o))
-            yield from ((ff.w_router, ff.gate_up, ff.down, ff.s_gate_up, ff.s_down) if isinstance(ff, MoEFFN)
-                        else (ff.w_gate_up, ff.w_down))
-        yield self.f.lm_head
-        yield self.spec.drafter.w.fc
 
     def _attn_scratch(self, m: int) -> dict:
         c, t, dev = self.cfg, self.f.t, self.f.state.device
@@ -228,10 +218,7 @@ class SpecDecoder:
                         xn_out=self.xn[:m], m=m, **f.fixed_shape(ff.w_router, t.gemv_router, t.gemv_router_fp8))),
                     ("moe_experts", lambda: f.k_moe.moe_experts(
                         xs(self.xn), xs(x), xs(self.router_logits), ff.gate_up, ff.s_gate_up, ff.down, ff.s_down,
-                        xs(self.act), xs(self.ids), xs(self.wts), top_k=c.num_experts_per_tok,
-                        block_n=t.moe.block_n, block_k=t.moe.block_k, down_block_n=t.moe_down.block_n,
-                        down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps,
-                        down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))]
+                        xs(self.act), xs(self.ids), xs(self.wts), **f.moe_shape(ff)))]
         return [
             ("mlp_gate_up+swiglu", lambda: g.gemv(
                 x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,

@@ -60,6 +60,7 @@ NO_LIMIT = 1 << 62  # the last rule's max_rows
 
 # field name -> the named type of a shape field, or (the rule type,) for a field of rules
 _NAMED = {"gemv": (GemvRule,), "gemv_fp8": (GemvRule,), "gemv_rows": (RowsRule,), "gemv_rows_wide": (RowsRule,),
+          "gemv_rows_fp8": (RowsRule,),
           "gemv_gated": GemvShape, "gemv_router": GemvShape, "gemv_gated_fp8": GemvShape,
           "gemv_router_fp8": GemvShape, "lm": GemvShape, "lm_fp8": GemvShape, "moe": GemvShape,
           "moe_down": GemvShape, "moe_fp8": GemvShape, "moe_down_fp8": GemvShape,
@@ -180,6 +181,11 @@ class Tuning:
     moe_fp8: GemvShape = GemvShape(8, 512, 2)
     moe_down_fp8: GemvShape = GemvShape(2, 256, 1)
     vec_fp8: int = 0
+    # The M-row GEMVs (speculative verify) over fp8 weights: the tensor-core kernel (each e4m3 * scale rounded to
+    # bf16, its operand) at `gemv_rows`' shapes. Not yet swept on a GPU; empty: the `gemv_fp8` shapes on the
+    # fold kernel.
+    gemv_rows_fp8: tuple[RowsRule, ...] = (RowsRule(4096, 16, 256, 1, 5), RowsRule(10000, 32, 256, 2, 3),
+                                           RowsRule(NO_LIMIT, 32, 256, 2, 3))
     # Round every e4m3 * scale to bf16 in the kernels, as the eager oracle's dequantized weights are:
     # the fp8 step then differs from the eager one only in the order of sums (parity diagnostics).
     fp8_round_weights: bool = False
@@ -200,12 +206,14 @@ class Tuning:
 
     def shape(self, n: int, fp8: bool = False, rows: bool = False, wide: bool = False) -> GemvShape | RowsShape:
         """The shape of a GEMV with `n` output rows over bf16 or `fp8` weights; `rows`: an M-row GEMV's
-        (`gemv_rows`; by the `gemv` rules with the fold kernel when that is empty); `wide`: over more than
-        8 rows (`gemv_rows_wide` when it has rules)."""
+        (`gemv_rows` / `gemv_rows_fp8`; by the `gemv` / `gemv_fp8` rules with the fold kernel when that is empty);
+        `wide`: over more than 8 rows (`gemv_rows_wide` when it has rules; bf16 weights)."""
         if rows and wide and self.gemv_rows_wide and not fp8:
             rules = self.gemv_rows_wide
+        elif fp8:
+            rules = self.gemv_rows_fp8 if rows and self.gemv_rows_fp8 else self.gemv_fp8
         else:
-            rules = self.gemv_fp8 if fp8 else self.gemv_rows if rows and self.gemv_rows else self.gemv
+            rules = self.gemv_rows if rows and self.gemv_rows else self.gemv
         for rule in rules:
             if n <= rule.max_rows:
                 s = rule.shape

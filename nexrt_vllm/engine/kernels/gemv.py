@@ -51,7 +51,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     previous kernel (PDL), cut to a power of two within K; `vec`: columns each thread sums in
     registers before accumulating (`_fold`; 0: a 16-byte load's, 1: elementwise); returns the grid size.
 
-    `m` > 1 (<= 8, or <= 32 with `dot`; bf16 W only): `gemv_rows_kernel` over the rows of x [m, K] into y [m, N], W read
+    `m` > 1 (<= 8, or <= 32 with `dot`): `gemv_rows_kernel` over the rows of x [m, K] into y [m, N], W read
     once for all rows; every row strided (stride(0); unit column stride). Per row: z (PRO_GATED) and
     xn_out [m, K]; EPI_ARGMAX's aux0 fp32 / aux1 int32 [m, P] (P = the grid size returned; any row
     stride, the same for both); EPI_CONV runs the m rows as consecutive tokens from the live conv
@@ -62,7 +62,8 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     `gemv_rows_dot_kernel` (tensor cores, >= 16 weight rows per program) with `dot` pipeline stages.
     `splits` > 1 (with `dot`): K split over that many programs per output tile (at most one per K block),
     summed in split order by the tile's last program (scratch: `splitk_workspace`). With `dot`, `prefetch` > 0
-    loads each program's first K block of W before the wait (one block: it is held in registers).
+    loads each program's first K block of W before the wait (one block: it is held in registers). An FP8 W with
+    `dot` rounds each e4m3 * scale to bf16 (the tensor cores' operand; `round_w` is then implied).
     `l2` (m = 1, bf16 W): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for
     when done."""
     fp8 = hasattr(w, "scale")
@@ -74,7 +75,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         return _gemv_rows(x, w, y, fp8, pro=pro, epi=epi, norm_w=norm_w, z=z, aux0=aux0, aux1=aux1, eps=eps,
                           conv_n=conv_n, group=group, kc=kc, xn_out=xn_out, block_n=block_n, block_k=block_k,
                           num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window, dot=dot,
-                          splits=splits)
+                          splits=splits, round_w=round_w)
     if splits != 1:
         raise ValueError(f"gemv: splits is for the tensor-core M-row kernel (m > 1, dot > 0), got {splits}")
     k = w.shape[-1]
@@ -102,20 +103,10 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         gemv_kernel[(grid,)](x, w, y, *args, pf_ptr, n, k, w.stride(0), eps, conv_n, *pf, PF=segs,
                              PRE=head_blocks(prefetch, k, block_k), VEC=fold_vec(vec, 2, block_k), **common)
         return grid
-    n8 = w.n8
-    tail = w.tail
-    if tail is not None:
-        if epi == EPI_SWIGLU:
-            raise ValueError("gemv: a SwiGLU weight cannot have bf16 tail rows")
-        if n8 % block_n:
-            raise ValueError(f"gemv: {n8} fp8 rows before the bf16 tail are not a multiple of block_n {block_n}")
-    elif n8 != w.shape[0]:
-        raise AssertionError("FP8Weight rows")
-    uniform = w.row_uniform(block_n) and (epi != EPI_SWIGLU or w.row_uniform(block_n, n))
+    f = _fp8_operands(w, epi, n, block_n, dummy)
     gemv_fp8_kernel[(grid,)](
-        x, w.q, w.scale, w.srow, tail if tail is not None else dummy, y, *args, n, k, n8 if tail is not None else n,
-        w.q.stride(0), w.scale.stride(0), tail.stride(0) if tail is not None else 0, eps, conv_n,
-        BKS=w.block[1], UNIFORM=uniform, ROUND_W=round_w, TAIL=tail is not None,
+        x, f["w_ptr"], f["s_ptr"], f["srow_ptr"], f["t_ptr"], y, *args, n, k, f["N8"], f["stride_w"], f["stride_s"],
+        f["stride_t"], eps, conv_n, BKS=f["BKS"], UNIFORM=f["UNIFORM"], ROUND_W=round_w, TAIL=f["TAIL"],
         VEC=fold_vec(vec, 1, block_k), VEC_T=fold_vec(vec, 2, block_k), **common)
     return grid
 
@@ -134,12 +125,30 @@ def l2_target(w, nbytes: int, halves: bool = False):
     return (flat, flat.numel() // 2 if halves else 0, each, segs) if each else None
 
 
+def _fp8_operands(w, epi: int, n: int, block_n: int, dummy) -> dict:
+    """The FP8 keywords of the M-row kernels for `w` (bf16 or an fp8.FP8Weight) and launches of block_n rows."""
+    if not hasattr(w, "scale"):
+        return dict(w_ptr=w, s_ptr=dummy, srow_ptr=dummy, t_ptr=dummy, N8=n, stride_w=w.stride(0), stride_s=0,
+                    stride_t=0, FP8=False, BKS=1, UNIFORM=True, TAIL=False)
+    tail = w.tail
+    if tail is not None:
+        if epi == EPI_SWIGLU:
+            raise ValueError("gemv: a SwiGLU weight cannot have bf16 tail rows")
+        if w.n8 % block_n:
+            raise ValueError(f"gemv: {w.n8} fp8 rows before the bf16 tail are not a multiple of block_n {block_n}")
+    elif w.n8 != w.shape[0]:
+        raise AssertionError("FP8Weight rows")
+    return dict(w_ptr=w.q, s_ptr=w.scale, srow_ptr=w.srow, t_ptr=tail if tail is not None else dummy,
+                N8=w.n8 if tail is not None else n, stride_w=w.q.stride(0), stride_s=w.scale.stride(0),
+                stride_t=tail.stride(0) if tail is not None else 0, FP8=True, BKS=w.block[1],
+                UNIFORM=w.row_uniform(block_n) and (epi != EPI_SWIGLU or w.row_uniform(block_n, n)),
+                TAIL=tail is not None)
+
+
 def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, group, kc, xn_out, block_n,
-               block_k, num_warps, n, prefetch, vec, m, window, dot, splits):
+               block_k, num_warps, n, prefetch, vec, m, window, dot, splits, round_w):
     """`gemv` with m > 1: `gemv_rows_kernel`, or `gemv_rows_dot_kernel` with `dot` pipeline stages (and K
-    split over `splits` programs per output tile)."""
-    if fp8:
-        raise ValueError("gemv: m > 1 needs bf16 weights (got an FP8Weight)")
+    split over `splits` programs per output tile); bf16 W or an fp8.FP8Weight."""
     if not 1 <= m <= (32 if dot else 8):  # the fold keeps the rows in registers; the tensor cores take 32
         raise ValueError(f"gemv: m must be 1..8 (1..32 on the tensor-core kernel, dot > 0), got {m}")
     if epi == EPI_PARTIAL:
@@ -170,10 +179,11 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
         if window is None or window.shape[0] < conv_n or window.shape[1] < kc - 1 + m or window.stride(1) != 1:
             raise ValueError(f"gemv: EPI_CONV with m > 1 needs window [{conv_n}, {kc - 1 + m}]")
         stride_win = window.stride(0)
-    args = (x, w, y, norm_w if norm_w is not None else dummy, z if z is not None else dummy,
-            aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy,
-            window if window is not None else dummy, n, k, w.stride(0), x.stride(0), y.stride(0),
-            z.stride(0) if z is not None else 0, stride_a, stride_win, eps, conv_n)
+    args = dict(x_ptr=x, y_ptr=y, nw_ptr=norm_w if norm_w is not None else dummy, z_ptr=z if z is not None else dummy,
+                aux0_ptr=aux0 if aux0 is not None else dummy, aux1_ptr=aux1 if aux1 is not None else dummy,
+                win_ptr=window if window is not None else dummy, N=n, K=k, stride_x=x.stride(0),
+                stride_y=y.stride(0), stride_z=z.stride(0) if z is not None else 0, stride_a=stride_a,
+                stride_win=stride_win, eps=eps, CONV_N=conv_n, **_fp8_operands(w, epi, n, block_n, dummy))
     common = dict(M=m, MP=triton.next_power_of_2(m), PRO=pro, EPI=epi, GROUP=group, KC=kc,
                   KCP=triton.next_power_of_2(max(kc - 1, 1)), STORE_XN=xn_out is not None,
                   KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
@@ -185,12 +195,13 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
         part, cnt = y, y
         if splits > 1:
             part, cnt = splitk_workspace(y.device, 2 * splits * grid * block_n * common["MP"], grid)
-        gemv_rows_dot_kernel[(grid, splits)](*args, DOT=1 if ASM else 2, SPLITS=splits, part_ptr=part, cnt_ptr=cnt,
+        gemv_rows_dot_kernel[(grid, splits)](**args, DOT=1 if ASM else 2, SPLITS=splits, part_ptr=part, cnt_ptr=cnt,
                                              PRE=head_blocks(min(prefetch, 1), k, block_k), num_stages=dot, **common)
         return grid
     if splits != 1:
         raise ValueError(f"gemv: splits needs the tensor-core M-row kernel (dot > 0), got {splits}")
-    gemv_rows_kernel[(grid,)](*args, PRE=head_blocks(min(prefetch, 4), k, block_k), VEC=min(8, block_k), **common)
+    gemv_rows_kernel[(grid,)](**args, PRE=head_blocks(min(prefetch, 4), k, block_k), VEC=min(8, block_k),
+                              ROUND_W=round_w, **common)
     return grid
 
 

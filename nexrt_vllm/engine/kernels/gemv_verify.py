@@ -1,5 +1,5 @@
 """The M-row GEMV kernels: M <= 8 rows of x (the speculative verify's positions pos..pos+M-1, the batch
-step's request slots), bf16 W.
+step's request slots), bf16 W or an fp8.FP8Weight (e4m3 + block scales, optionally bf16 tail rows).
 
 `gemv_rows_kernel`: y_j = W x_j for the M rows of x, each weight tile loaded once and multiplied by
 every row, so M rows stream W's bytes once. The rows are a leading [MP] dimension (M padded to a
@@ -9,6 +9,12 @@ M tokens in order from the live conv state without writing it, into a window the
 new state from. `gemv_rows_dot_kernel` does the same on the tensor cores, the weight tile as the
 left operand of the product (the compiler then streams it through shared memory in pipeline stages).
 Launched through `kernels.gemv.gemv(..., m=M)`.
+
+FP8 (FP8): the weight tiles are e4m3, each column's block scale gathered beside the tile as the one-row
+fp8 kernel does (gemv_step `_col_scales`). The fold kernel multiplies the scale into x (the one-row kernel's
+products), or with ROUND_W rounds each e4m3 * scale to bf16; the tensor-core kernel always rounds each
+e4m3 * scale to bf16, its MMA operand, which is the value of the eager engine's dequantized weight, so its
+products are the eager ones exactly. Rows past N8 (TAIL) are bf16 at t_ptr: those programs run the bf16 loop.
 """
 import triton
 import triton.language as tl
@@ -16,7 +22,7 @@ import triton.language as tl
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import pdl_begin
 from nexrt_vllm.engine.kernels.common import silu as _silu
-from nexrt_vllm.engine.kernels.gemv_step import _conv_state, _load_x, _rstd, _store_out
+from nexrt_vllm.engine.kernels.gemv_step import _col_scales, _conv_state, _load_x, _rstd, _scale_row, _store_out
 
 
 @triton.jit
@@ -172,41 +178,71 @@ def _x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rs
 
 
 @triton.jit
+def _fold_fp8(acc, w, xv, s_ptr, srow, stride_s, cols, cmask, rmask, BKS: tl.constexpr, UNIFORM: tl.constexpr,
+              ROUND_W: tl.constexpr, VEC: tl.constexpr):
+    """`_fold_rows` of an e4m3 tile w [1, BN, BK] with the x rows xv [MP, BK]: each product w * (x * scale), as the
+    one-row fp8 kernel's (gemv_step `_scaled_dot`), or with ROUND_W bf16(w * scale) * x."""
+    s = _col_scales(s_ptr, srow, stride_s, cols, cmask, rmask, BKS, UNIFORM)
+    if UNIFORM:
+        s3 = s[None, None, :]
+    else:
+        s3 = s[None, :, :]
+    if ROUND_W:
+        out = _fold_rows(acc, _bf16(w.to(tl.float32) * s3), xv[:, None, :], VEC)
+    else:
+        out = _fold_rows(acc, w, xv[:, None, :] * s3, VEC)
+    return out
+
+
+@triton.jit
 def _block_rows(acc, acc_u, w, wu, k0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd, eps, pid, K,
-                PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr,
-                BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+                s_ptr, srow, srow_u, stride_s, rmask, PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr,
+                STORE_XN: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, FP8: tl.constexpr,
+                BKS: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
     """One K block (columns k0..) of the rows: the prologue's x rows, xn stored by program 0, and the
-    loaded weight tile(s) [1, BLOCK_N, BLOCK_K] folded into acc (acc_u: SwiGLU up rows)."""
+    loaded weight tile(s) [1, BLOCK_N, BLOCK_K] folded into acc (acc_u: SwiGLU up rows); FP8: e4m3 tiles
+    with the block scales of scale rows srow (srow_u: the up rows') (`_fold_fp8`)."""
     cols = k0 + tl.arange(0, BLOCK_K)
-    xv = _x_block(x_ptr, stride_x, jrow, jm, cols, cols < K, nw_ptr, z_ptr, stride_z, rstd, eps, pid, PRO, GROUP,
+    cmask = cols < K
+    xv = _x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, pid, PRO, GROUP,
                   STORE_XN, BLOCK_K)
-    acc = _fold_rows(acc, w, xv[:, None, :], VEC)
-    if EPI == 2:
-        acc_u = _fold_rows(acc_u, wu, xv[:, None, :], VEC)
+    if FP8:
+        acc = _fold_fp8(acc, w, xv, s_ptr, srow, stride_s, cols, cmask, rmask, BKS, UNIFORM, ROUND_W, VEC)
+        if EPI == 2:
+            acc_u = _fold_fp8(acc_u, wu, xv, s_ptr, srow_u, stride_s, cols, cmask, rmask, BKS, UNIFORM, ROUND_W, VEC)
+    else:
+        acc = _fold_rows(acc, w, xv[:, None, :], VEC)
+        if EPI == 2:
+            acc_u = _fold_rows(acc_u, wu, xv[:, None, :], VEC)
     return acc, acc_u
 
 
 @triton.jit
 def _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w, eps, rstd,
-              w0, w1, w2, w3, u0, u1, u2, u3, PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr,
-              STORE_XN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              PRE: tl.constexpr, VEC: tl.constexpr):
-    """`_acc` (bf16 W) for every row of x: (y, y_up) [MP, BLOCK_N] fp32. The head tiles (w0.., u0..:
-    the first PRE K blocks, `_w_head_rows`) are folded as the loop folds the rest."""
+              w0, w1, w2, w3, u0, u1, u2, u3, s_ptr, srow, srow_u, stride_s, PRO: tl.constexpr, EPI: tl.constexpr,
+              GROUP: tl.constexpr, STORE_XN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, PRE: tl.constexpr, VEC: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr,
+              UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
+    """`_acc` for every row of x: (y, y_up) [MP, BLOCK_N] fp32. The head tiles (w0.., u0..: the first PRE K
+    blocks, `_w_head_rows`; bf16 W only) are folded as the loop folds the rest."""
     MP: tl.constexpr = jrow.shape[0]
     acc = tl.zeros([MP, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc_u = acc
     if PRE > 0:
         acc, acc_u = _block_rows(acc, acc_u, w0, u0, 0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd, eps,
-                                 pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+                                 pid, K, s_ptr, srow, srow_u, stride_s, rmask, PRO, EPI, GROUP, STORE_XN, BLOCK_K,
+                                 VEC, False, BKS, UNIFORM, ROUND_W)
     if PRE > 1:
         acc, acc_u = _block_rows(acc, acc_u, w1, u1, BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd,
-                                 eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+                                 eps, pid, K, s_ptr, srow, srow_u, stride_s, rmask, PRO, EPI, GROUP, STORE_XN,
+                                 BLOCK_K, VEC, False, BKS, UNIFORM, ROUND_W)
     if PRE > 2:
         acc, acc_u = _block_rows(acc, acc_u, w2, u2, 2 * BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z,
-                                 rstd, eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+                                 rstd, eps, pid, K, s_ptr, srow, srow_u, stride_s, rmask, PRO, EPI, GROUP, STORE_XN,
+                                 BLOCK_K, VEC, False, BKS, UNIFORM, ROUND_W)
         acc, acc_u = _block_rows(acc, acc_u, w3, u3, 3 * BLOCK_K, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z,
-                                 rstd, eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+                                 rstd, eps, pid, K, s_ptr, srow, srow_u, stride_s, rmask, PRO, EPI, GROUP, STORE_XN,
+                                 BLOCK_K, VEC, False, BKS, UNIFORM, ROUND_W)
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
         w = _w_tile(w_ptr, rows, rmask, k0 + offs_k, K, stride_w, EVEN_K)
@@ -214,7 +250,8 @@ def _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, r
         if EPI == 2:
             wu = _w_tile(w_ptr + N * stride_w, rows, rmask, k0 + offs_k, K, stride_w, EVEN_K)
         acc, acc_u = _block_rows(acc, acc_u, w, wu, k0, x_ptr, stride_x, jrow, jm, nw_ptr, z_ptr, stride_z, rstd,
-                                 eps, pid, K, PRO, EPI, GROUP, STORE_XN, BLOCK_K, VEC)
+                                 eps, pid, K, s_ptr, srow, srow_u, stride_s, rmask, PRO, EPI, GROUP, STORE_XN,
+                                 BLOCK_K, VEC, FP8, BKS, UNIFORM, ROUND_W)
     return tl.sum(acc, 2), tl.sum(acc_u, 2)
 
 
@@ -264,22 +301,25 @@ def _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_p
 
 
 @triton.jit
-def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win_ptr,
-                     N, K, stride_w, stride_x, stride_y, stride_z, stride_a, stride_win, eps, CONV_N,
-                     M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr,
-                     KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
-                     VEC: tl.constexpr, PDL: tl.constexpr):
+def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win_ptr, s_ptr, srow_ptr, t_ptr,
+                     N, K, N8, stride_w, stride_s, stride_t, stride_x, stride_y, stride_z, stride_a, stride_win, eps,
+                     CONV_N, M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr,
+                     GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr,
+                     KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr,
+                     UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr):
     """`gemv_kernel` over the M rows of x [M, K] (row stride stride_x) into y [M, N] (stride_y): one
     load of each weight tile (the same tiles, prefetch head and eviction as M = 1) feeds M dot
-    products. Same prologues and epilogues per row (`_epilogue_rows`)."""
+    products. Same prologues and epilogues per row (`_epilogue_rows`). FP8: `gemv_fp8_kernel`'s
+    operands (s_ptr, srow_ptr; rows >= N8 bf16 at t_ptr with TAIL)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     jrow = tl.arange(0, MP)
     jm = jrow < M
-    y, y_up = _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
-                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, 0, PRE, VEC, PDL)
+    y, y_up = _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows,
+                           rmask, pid, N, K, N8, stride_w, stride_s, stride_t, eps, PRO, EPI, GROUP, STORE_XN, KP,
+                           BLOCK_N, BLOCK_K, EVEN_K, 0, PRE, VEC, PDL, 1, FP8, BKS, UNIFORM, ROUND_W, TAIL)
     _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows, rmask,
                    pid, CONV_N, EPI, KC, KCP)
 
@@ -297,23 +337,57 @@ def _dot_t(w, xt, acc, DOT: tl.constexpr):
 
 
 @triton.jit
+def _w_dot_tile(wp, wmask, s_ptr, srow, stride_s, cols, cmask, rmask, FP8: tl.constexpr, BKS: tl.constexpr,
+                UNIFORM: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile for `_dot_t`: bf16 W as loaded; FP8: each e4m3 * its column's block scale
+    rounded to bf16 (the eager engine's dequantized weight, exactly)."""
+    w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
+    if FP8:
+        s = _col_scales(s_ptr, srow, stride_s, cols, cmask, rmask, BKS, UNIFORM)
+        if UNIFORM:
+            w = _bf16(w.to(tl.float32) * s[None, :]).to(tl.bfloat16)
+        else:
+            w = _bf16(w.to(tl.float32) * s).to(tl.bfloat16)
+    return w
+
+
+@triton.jit
+def _scale_rows(srow_ptr, pid, rows, rmask, N, EPI: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+                UNIFORM: tl.constexpr):
+    """(srow, srow_u): the scale rows of the program's rows of an e4m3 W and of its SwiGLU up rows N + rows
+    (`_scale_row`); 0 for bf16 W."""
+    srow = 0
+    srow_u = 0
+    if FP8:
+        srow = _scale_row(srow_ptr, pid * BLOCK_N, rows, rmask, FP8, UNIFORM)
+        srow_u = srow
+        if EPI == 2:
+            srow_u = _scale_row(srow_ptr + N, pid * BLOCK_N, rows, rmask, FP8, UNIFORM)
+    return srow, srow_u
+
+
+@triton.jit
 def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w, eps,
                PRO: tl.constexpr, EPI: tl.constexpr, GROUP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
-               PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr = 1):
+               PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr = 1,
+               s_ptr=None, srow_ptr=None, stride_s=0, FP8: tl.constexpr = False, BKS: tl.constexpr = 1,
+               UNIFORM: tl.constexpr = True, ROUND_W: tl.constexpr = False):
     """y, y_up [MP, BLOCK_N]: this program's BLOCK_N outputs for the M rows of x after the prologue (y_up: EPI 2's
     up half), PDL's wait included. DOT 0: `gemv_rows_kernel`'s fold (PRE K blocks of W loaded before the
     wait, VEC-column FMA runs); DOT 1 / 2: `gemv_rows_dot_kernel`'s tensor-core loop (`_dot_t`), over the
     K blocks of split program_id(1) of SPLITS (the split's partial sums); PRE > 0: its first K block of W
-    loaded before the wait."""
+    loaded before the wait. FP8: W is e4m3 with block scales (s_ptr, row map srow_ptr; no PRE)."""
     MP: tl.constexpr = jrow.shape[0]
+    tl.static_assert(not FP8 or PRE == 0, "FP8 weights load nothing before the wait")
     if DOT == 0:
         w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
         pdl_begin(PDL)
+        srow, srow_u = _scale_rows(srow_ptr, pid, rows, rmask, N, EPI, BLOCK_N, FP8, UNIFORM)
         rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
         y, y_up = _acc_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K,
-                            stride_w, eps, rstd, w0, w1, w2, w3, u0, u1, u2, u3, PRO, EPI, GROUP, STORE_XN, BLOCK_N,
-                            BLOCK_K, EVEN_K, PRE, VEC)
+                            stride_w, eps, rstd, w0, w1, w2, w3, u0, u1, u2, u3, s_ptr, srow, srow_u, stride_s, PRO,
+                            EPI, GROUP, STORE_XN, BLOCK_N, BLOCK_K, EVEN_K, PRE, VEC, FP8, BKS, UNIFORM, ROUND_W)
     else:
         acc = tl.zeros([BLOCK_N, MP], dtype=tl.float32)
         acc_u = acc
@@ -337,6 +411,7 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
             if EPI == 2:
                 wu_h = tl.load(hp + N * stride_w, mask=hmask, other=0.0, eviction_policy="evict_first")
         pdl_begin(PDL)
+        srow, srow_u = _scale_rows(srow_ptr, pid, rows, rmask, N, EPI, BLOCK_N, FP8, UNIFORM)
         rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
         if PRE > 0:  # the first block's products, in the loop's order: the same sums as without the head
             xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, hcols, hcm, nw_ptr, z_ptr, stride_z, rstd, eps, pid,
@@ -353,14 +428,40 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
             else:
                 wmask = rmask[:, None] & cmask[None, :]
             wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
-            w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
+            w = _w_dot_tile(wp, wmask, s_ptr, srow, stride_s, cols, cmask, rmask, FP8, BKS, UNIFORM)
             xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, pid,
                                    PRO, GROUP, STORE_XN, BLOCK_K))
             acc = _dot_t(w, xt, acc, DOT)
             if EPI == 2:
-                wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0, eviction_policy="evict_first")
+                wu = _w_dot_tile(wp + N * stride_w, wmask, s_ptr, srow_u, stride_s, cols, cmask, rmask, FP8, BKS,
+                                 UNIFORM)
                 acc_u = _dot_t(wu, xt, acc_u, DOT)
         y, y_up = tl.trans(acc), tl.trans(acc_u)
+    return y, y_up
+
+
+@triton.jit
+def _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid,
+                 N, K, N8, stride_w, stride_s, stride_t, eps, PRO: tl.constexpr, EPI: tl.constexpr,
+                 GROUP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, PRE: tl.constexpr,
+                 VEC: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr,
+                 UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr):
+    """`_gemv_rows` over the launch's weight: bf16 W, or FP8 e4m3 rows < N8 and (TAIL) bf16 rows >= N8 at t_ptr
+    (N8 a multiple of BLOCK_N, so each program reads one of the two, as `gemv_fp8_kernel`'s do)."""
+    if FP8:
+        if TAIL and pid * BLOCK_N >= N8:
+            y, y_up = _gemv_rows(x_ptr, t_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows - N8, rmask, pid,
+                                 N - N8, K, stride_t, eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K,
+                                 DOT, 0, VEC, PDL, SPLITS)
+        else:
+            y, y_up = _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask & (rows < N8),
+                                 pid, N8, K, stride_w, eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K,
+                                 DOT, 0, VEC, PDL, SPLITS, s_ptr, srow_ptr, stride_s, True, BKS, UNIFORM, ROUND_W)
+    else:
+        y, y_up = _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K,
+                             stride_w, eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, PRE, VEC,
+                             PDL, SPLITS)
     return y, y_up
 
 
@@ -396,13 +497,14 @@ def _split_sum(y, y_up, part_ptr, cnt_ptr, pid, n_tiles, EPI: tl.constexpr, SPLI
 
 
 @triton.jit
-def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win_ptr,
-                         N, K, stride_w, stride_x, stride_y, stride_z, stride_a, stride_win, eps, CONV_N,
-                         M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr,
+def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win_ptr, s_ptr, srow_ptr, t_ptr,
+                         N, K, N8, stride_w, stride_s, stride_t, stride_x, stride_y, stride_z, stride_a, stride_win,
+                         eps, CONV_N, M: tl.constexpr, MP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr,
                          GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr,
                          KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                          DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr,
-                         PRE: tl.constexpr = 0):
+                         PRE: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr,
+                         TAIL: tl.constexpr):
     """`gemv_rows_kernel` through the tensor cores with the weight as the left operand: acc [BLOCK_N, MP] =
     W[rows] @ x^T (the compiler pads the MP columns to the instruction's). Each weight tile goes from the load
     straight into the product, so the compiler streams it through shared memory in pipeline stages
@@ -411,14 +513,16 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     SPLITS > 1 (grid [tiles, SPLITS]): each program sums its share of K (`_split_sum`); the last of a tile's
     programs to finish adds the tile's partials in split order and runs the epilogue, so a launch over few
     output rows streams its weight from SPLITS times the programs and the sums do not depend on which
-    program finishes last. PRE > 0: each program's first weight tile is loaded before the PDL wait."""
+    program finishes last. PRE > 0: each program's first weight tile is loaded before the PDL wait (bf16 W).
+    FP8: as `gemv_rows_kernel`'s, each weight rounded to bf16 after its scale (`_w_dot_tile`)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     jrow = tl.arange(0, MP)
     jm = jrow < M
-    y, y_up = _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K, stride_w,
-                         eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, PRE, 1, PDL, SPLITS)
+    y, y_up = _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows,
+                           rmask, pid, N, K, N8, stride_w, stride_s, stride_t, eps, PRO, EPI, GROUP, STORE_XN, KP,
+                           BLOCK_N, BLOCK_K, EVEN_K, DOT, PRE, 1, PDL, SPLITS, FP8, BKS, UNIFORM, True, TAIL)
     if SPLITS > 1:
         y, y_up, last = _split_sum(y, y_up, part_ptr, cnt_ptr, pid, tl.num_programs(0), EPI, SPLITS)
         rmask = rows < N * last  # the epilogue's stores: the last program's only
