@@ -22,7 +22,7 @@ on the CPU); `--train-graft` trains them and exits without a GPU, so a GPU run f
 checkpoints' block format (e4m3 + 128 x 128 fp32 scales, read natively by the fp8 kernels); the
 byte count is then what the fp8 step reads (e4m3 values, scales, scale-row maps, the bf16 rest),
 and `fp8_vs_bf16` compares the two per context. With `--speculative mtp` the MTP round runs in each format (the
-FP8 verify's M-row GEMVs and experts read e4m3 + scales; the head stays bf16, as the loader dequantizes it).
+FP8 verify's M-row GEMVs, experts and MTP head read e4m3 + scales).
 
 `--tp N` runs each shape tensor-parallel on the graph path (gpu/tp.py): N processes, rank r on cuda:r,
 each replaying its own captured step with NCCL inside; per context the step time of rank 0's replays

@@ -26,8 +26,9 @@ from nexrt_vllm.bench.shapes import NAMES, SHAPES
 ACCEPT = (2.0, 2.5, 3.0, 3.5)
 
 
-def random_mtp_head(eng, seed: int = 5) -> None:
-    """Give the engine's model a random MTP head of its shape (bf16; matrices N(0, 0.02), norms N(0, 0.1))."""
+def random_mtp_head(eng, seed: int = 5, dtype: str = "bf16") -> None:
+    """Give the engine's model a random MTP head of its shape (bf16; matrices N(0, 0.02), norms N(0, 0.1));
+    `dtype` "fp8": its projections quantized as the target's (an FP8 checkpoint's head, kept by the loader)."""
     from nexrt_vllm.engine.spec.mtp import expected_mtp_shapes
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -35,6 +36,8 @@ def random_mtp_head(eng, seed: int = 5) -> None:
     for n, shape in expected_mtp_shapes(eng.config).items():
         std = 0.02 if len(shape) > 1 else 0.1
         heads["mtp." + n] = (torch.randn(shape, generator=g) * std).to(eng.dtype).to(eng.device)
+    if dtype == "fp8":
+        heads = S.fp8_weights(heads, eng.config)
     eng.model.mtp = heads
 
 
@@ -149,10 +152,10 @@ def time_step_and_round(eng, fused, g_plain, spec, ctx: int, reps: int) -> tuple
 
 
 def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab=None, dtype: str = "bf16"):
-    """A random-weight engine of shape `key` (`dtype` "fp8": quantized as the published FP8 checkpoints) with a
-    random bf16 MTP head (the loader dequantizes an FP8 checkpoint's head), speculating."""
+    """A random-weight engine of shape `key` with a random MTP head (`dtype` "fp8": both quantized as the published
+    FP8 checkpoints), speculating."""
     eng = S.random_engine(key, max_len, dtype)
-    random_mtp_head(eng)
+    random_mtp_head(eng, dtype=dtype)
     eng.enable_speculative("mtp", num_spec, draft_vocab)
     return eng
 
@@ -185,7 +188,7 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
     if graft_dir:
         eng, tcfg = S.graft_engine(key, graft_dir, max_len, dtype=dtype)
         prompt, seg = S.periodic_prompt(tcfg.vocab_size)
-        random_mtp_head(eng)
+        random_mtp_head(eng, dtype=dtype)
         eng.enable_speculative("mtp", num_spec, draft_vocab)
     else:
         eng = spec_engine(key, max_len, num_spec, draft_vocab, dtype)

@@ -167,6 +167,14 @@ def cat_rows(parts: list) -> FP8Weight:
                      torch.cat(srow).to(torch.int32), fp8[0].block, torch.cat(tails, dim=-2) if tails else None)
 
 
+def stack_experts(rows: list[list[FP8Weight]]) -> FP8Weight:
+    """Experts' stacked weight [E, N, K] from each expert's parts (e.g. its gate and up tensors), each part
+    keeping its own scale grid (`cat_rows`); the experts share one grid, as a checkpoint's do."""
+    cats = [cat_rows(r) for r in rows]
+    return FP8Weight(torch.stack([c.q for c in cats]), torch.stack([c.scale for c in cats]), cats[0].srow,
+                     cats[0].block)
+
+
 def split_views(fused: FP8Weight, parts: list) -> list:
     """Views of `fused` (from cat_rows(parts)) standing in for each part: FP8Weights over the fused
     q / scale rows (their own srow), tensors over the tail."""
@@ -250,4 +258,4 @@ def quantize_tensors(tensors: dict, cfg, block: tuple[int, int] = (128, 128),
 
 
 __all__ = ["FP8Weight", "FP8_MAX", "KEEP_SUFFIXES", "PUBLISHED_NOT_CONVERT", "keepable", "grid_rows", "linear",
-           "cat_rows", "split_views", "take_rows", "quantize_block", "quantize_weight", "quantize_tensors"]
+           "cat_rows", "stack_experts", "split_views", "take_rows", "quantize_block", "quantize_weight", "quantize_tensors"]

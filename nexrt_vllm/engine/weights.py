@@ -326,6 +326,11 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
             names = [x for g in groups for x in g]
             if all(x in scales for x in names):
                 keep.update(names)
+        # the MTP head as the checkpoint stores it: its fp8 projections, and its experts when all are fp8
+        keep.update(n for n in mtp_names if n in scales and fp8.keepable(n))
+        head_experts = [n for n in mtp_names if EXPERT_RE.match(n[len("mtp."):])]
+        if head_experts and all(n in scales for n in head_experts):
+            keep.update(head_experts)
     for file in sorted(want):
         with safe_open(file, framework="pt") as f:
             for n in want[file]:
@@ -347,9 +352,7 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype: torch.dtype, device: str
     for canon, groups in stacked.items():
         rows = [[raw.pop(x) for x in g] for g in groups]
         if isinstance(rows[0][0], fp8.FP8Weight):  # every expert's parts: kept (see `keep`)
-            cats = [fp8.cat_rows(r) for r in rows]
-            tensors[canon] = fp8.FP8Weight(torch.stack([c.q for c in cats]), torch.stack([c.scale for c in cats]),
-                                           cats[0].srow, cats[0].block)
+            tensors[canon] = fp8.stack_experts(rows)
         else:
             tensors[canon] = torch.stack([torch.cat(r, dim=0) for r in rows])
     for n in mtp_names:

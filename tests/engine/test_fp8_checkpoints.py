@@ -296,6 +296,27 @@ def test_kept_fp8_dequantizes_to_the_oracle(fp8_ckpts, family):
         assert gu.srow.tolist() == [r // bn for r in range(I)] + [-(-I // bn) + r // bn for r in range(I)]
 
 
+def test_kept_fp8_mtp_head(ckpt_factory, tmp_path):
+    """The MTP head as the checkpoint stores it: its fp8 projections and per-expert tensors stay e4m3 + scales
+    (the experts stacked by `mtp_weights`, each keeping its gate / up grid) and dequantize to exactly what the
+    dequantize-at-load path builds; its fc (not a kept projection) is dequantized."""
+    from nexrt_vllm.engine.fp8 import FP8Weight
+    from nexrt_vllm.engine.spec.mtp import mtp_weights
+    fp8 = make_fp8_checkpoint(ckpt_factory("qwen3_5_moe", "bfloat16", num_experts=4, num_experts_per_tok=2, mtp=True),
+                              str(tmp_path / "fp8"), block=BLOCK)
+    cfg = ModelConfig.from_pretrained(fp8)
+    kept, kept_mtp = load_checkpoint(fp8, cfg, torch.bfloat16, progress=False, keep_fp8=True)
+    want, want_mtp = load_checkpoint(fp8, cfg, torch.bfloat16, progress=False)
+    assert kept_mtp.keys() == want_mtp.keys()
+    assert not isinstance(kept_mtp["mtp.fc.weight"], FP8Weight)
+    assert isinstance(kept_mtp["mtp.layers.0.self_attn.q_proj.weight"], FP8Weight)
+    head, ref = (mtp_weights(cfg, m, t["embed_tokens.weight"]) for m, t in ((kept_mtp, kept), (want_mtp, want)))
+    for name in ("gate_up_proj", "down_proj"):
+        w, r = getattr(head.layer.ffn, name), getattr(ref.layer.ffn, name)
+        assert isinstance(w, FP8Weight) and torch.equal(w.dequant(torch.bfloat16), r), name
+    assert torch.equal(head.fc, ref.fc)
+
+
 def test_fp8_weights_switch(fp8_ckpts):
     from nexrt_vllm.engine.engine import keep_fp8
     _, fp8, _ = fp8_ckpts["qwen3_5"]

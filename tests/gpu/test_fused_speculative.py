@@ -170,8 +170,8 @@ def test_four_drafts(ckpt_factory):
 def test_fp8_checkpoint(ckpt_factory, tmp_path):
     """The trained Qwen3-Next with its MTP head quantized as the published FP8 releases are (128 x 128 blocks; head,
     router, shared-expert gate and the GDN's b / a in bf16): the round over the kept fp8 weights (the verify's M-row
-    GEMVs on the tensor-core kernel and the fold kernel, fp8 experts; the loader dequantizes the MTP head) gives the
-    tokens of the eager one-token loop on the dequantized checkpoint, and its drafts are accepted."""
+    GEMVs on the tensor-core kernel and the fold kernel, fp8 experts, the MTP head's fp8 layer) gives the tokens of
+    the eager one-token loop on the dequantized checkpoint, and its drafts are accepted."""
     path = make_fp8_checkpoint(ckpt_factory("qwen3_next", "bfloat16", **TRAINED_MTP["qwen3_next"]),
                                str(tmp_path / "fp8"), block=128, not_convert=PUBLISHED_NOT_CONVERT)
     deq = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False,
@@ -186,8 +186,9 @@ def test_fp8_checkpoint(ckpt_factory, tmp_path):
         CPU_TUNING, gemv_fp8=((1 << 62, 64, 128, 4),), gemv_rows_fp8=((1 << 62, 64, 128, 4, 2),),
         gemv_gated_fp8=(64, 128, 4), lm_fp8=(128, 128, 4), moe_fp8=(64, 128, 4), moe_down_fp8=(64, 64, 4)))
     L = runner.d.f.layers
-    attn = next(x.mixer for x in L if hasattr(x.mixer, "w_qkv"))
-    assert all(isinstance(w, FP8Weight) for w in (L[0].mixer.w_in, L[0].mixer.w_out, L[0].ffn.gate_up, attn.w_qkv))
+    attn, head = next(x.mixer for x in L if hasattr(x.mixer, "w_qkv")), runner.d.head
+    assert all(isinstance(w, FP8Weight) for w in (L[0].mixer.w_in, L[0].mixer.w_out, L[0].ffn.gate_up, attn.w_qkv,
+                                                  head.mixer.w_qkv, head.ffn.gate_up, head.ffn.down))
     assert int(eng.prefill(prompt).argmax()) == first
     eng.speculative.rounds = [0] * (K + 2)
     assert list(eng.stream(first, sp)) == want

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from nexrt_vllm.engine.config import ModelConfig
 from nexrt_vllm.engine.errors import ConfigError, WeightsError
-from nexrt_vllm.engine.fp8 import linear
+from nexrt_vllm.engine.fp8 import FP8Weight, linear, stack_experts
 from nexrt_vllm.engine.model import (LayerWeights, MoEWeights, attention_decode, attn_qkv, layer_weights, mlp,
                                      moe_decode, rms_norm, rope_tables)
 
@@ -96,9 +96,14 @@ def mtp_weights(cfg: ModelConfig, raw: dict[str, torch.Tensor], embed: torch.Ten
             problems.append(f"per-expert tensors of layers.0.mlp.experts must cover experts 0..{E - 1} for "
                             f"gate, up and down, got {[sorted(d) for d in experts.values()]}")
         else:
-            t["layers.0.mlp.experts.gate_up_proj"] = torch.stack(
-                [torch.cat((experts["gate"][j], experts["up"][j])) for j in range(E)])
-            t["layers.0.mlp.experts.down_proj"] = torch.stack([experts["down"][j] for j in range(E)])
+            if isinstance(experts["gate"][0], FP8Weight):  # kept fp8 (the loader keeps all or none)
+                t["layers.0.mlp.experts.gate_up_proj"] = stack_experts(
+                    [[experts["gate"][j], experts["up"][j]] for j in range(E)])
+                t["layers.0.mlp.experts.down_proj"] = stack_experts([[experts["down"][j]] for j in range(E)])
+            else:
+                t["layers.0.mlp.experts.gate_up_proj"] = torch.stack(
+                    [torch.cat((experts["gate"][j], experts["up"][j])) for j in range(E)])
+                t["layers.0.mlp.experts.down_proj"] = torch.stack([experts["down"][j] for j in range(E)])
     embed_shape = (cfg.vocab_size, cfg.hidden_size)
     for n, shape in want.items():
         if n not in t:
