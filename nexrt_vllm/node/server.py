@@ -452,9 +452,8 @@ async def serve(args) -> None:
     cfg = engine.config
     log.info("weights loaded (%s, %s) in %.1fs", args.load_format, engine.weight_format, time.monotonic() - t0)
     # GPU graph path: compiled and captured once here, before the node serves (not per request).
-    if args.graph == "auto":  # the batch step reads bf16 weights only
-        args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 \
-            and (args.max_batch == 1 or engine.weight_format != "fp8") else "off"
+    if args.graph == "auto":
+        args.graph = "fused" if engine.device.type == "cuda" and engine.dtype == torch.bfloat16 else "off"
     if args.speculative != "off":
         from nexrt_vllm.engine import EngineError
         try:

@@ -2,8 +2,8 @@
 MTP rounds in one plan of fused Triton launches, verify rows slot-major) against each request alone, on
 CPU through the Triton interpreter.
 
-Trained tiny checkpoints with trained MTP heads (confident greedy tokens, drafts that get accepted):
-every slot's tokens equal the eager engine's one-token loop for its request alone, token for token,
+Trained tiny checkpoints with trained MTP heads (confident greedy tokens, drafts that get accepted; one also
+quantized as the published FP8 checkpoints and read e4m3): every slot's tokens equal the eager engine's one-token loop for its request alone, token for token,
 while slots join late, leave early (max_tokens), meet a stop id or are cancelled; a request with the
 head's prompt context drafts at once (its rounds accept what the eager speculative loop accepts),
 one after a hand-off without it starts from placeholder drafts; a request that runs to its
@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from nexrt_vllm.engine import Engine, EngineError, SamplingParams, kernels
+from nexrt_vllm.engine.fp8 import PUBLISHED_NOT_CONVERT, FP8Weight
 from nexrt_vllm.engine.gpu.batch_round import BatchRoundRunner
 from nexrt_vllm.engine.gpu.tuning import Tuning
+from nexrt_vllm.testing import make_fp8_checkpoint
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
 
 kernels.load(interpret=True)
@@ -30,7 +32,9 @@ K, MAX_LEN = 2, 48  # drafts per round (M = 3)
 CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128, 4, 2),), gemv_gated=(64, 128, 4),
                     gemv_gated_rows=(64, 128, 4, 0), gemv_router=(64, 128, 4), prefetch=0, lm=(128, 256, 4),
                     lm_rows=(128, 128, 4, 2), attn_splits=2, attn_block=32, gdn_block_v=64, moe=(64, 128, 1),
-                    moe_down=(64, 64, 1), gemv_rows_wide=())
+                    moe_down=(64, 64, 1), gemv_rows_wide=(), gemv_fp8=((1 << 62, 64, 128, 4),),
+                    gemv_rows_fp8=((1 << 62, 64, 128, 4, 2),), gemv_gated_fp8=(64, 128, 4), lm_fp8=(128, 128, 4),
+                    moe_fp8=(64, 128, 4), moe_down_fp8=(64, 64, 4))
 
 
 def alone(ref: Engine, prompt: list[int], n: int) -> tuple[int, list[int]]:
@@ -39,9 +43,10 @@ def alone(ref: Engine, prompt: list[int], n: int) -> tuple[int, list[int]]:
     return first, list(ref.stream(first, SamplingParams(max_tokens=n + 1, ignore_eos=True)))
 
 
-def batch_engine(path: str, slots: int, tuning: Tuning = CPU_TUNING, **kw) -> tuple[Engine, BatchRoundRunner,
-                                                                                      list[Engine]]:
-    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
+def batch_engine(path: str, slots: int, tuning: Tuning = CPU_TUNING, fp8_weights: str = "auto",
+                 **kw) -> tuple[Engine, BatchRoundRunner, list[Engine]]:
+    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False,
+                                 fp8_weights=fp8_weights)
     eng.enable_speculative("mtp", K, **kw)
     runner = eng.batch_runner(slots, tuning)
     assert isinstance(runner, BatchRoundRunner)
@@ -68,10 +73,17 @@ def run(runner, got: dict, ends: dict, n_steps: int | None = None) -> None:
 # shapes past 8 rows (Tuning.gemv_rows_wide: the round's 9 rows), there with K split over two programs
 # (RowsShape.splits; the K = 128 GEMVs have one K block of 128: one split), the GDN commit that runs the
 # accepted tokens again instead of the verify keeping a state per position (Tuning.gdn_recommit)
-@pytest.mark.parametrize("arch,knobs", [("qwen3_5", False), ("qwen3_next", False), ("qwen3_5", True)])
-def test_batched_round_equals_each_request_alone(ckpt_factory, arch, knobs):
+# fp8: the checkpoint quantized as the published FP8 releases, its weights (the MTP head's too) kept e4m3 + scales,
+# against the eager engine on them (which dequantizes each weight as loading would)
+@pytest.mark.parametrize("arch,knobs,fmt", [("qwen3_5", False, "bf16"), ("qwen3_next", False, "bf16"),
+                                            ("qwen3_5", True, "bf16"), ("qwen3_next", True, "fp8")])
+def test_batched_round_equals_each_request_alone(ckpt_factory, tmp_path, arch, knobs, fmt):
     path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
-    ref = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
+    if fmt == "fp8":
+        path = make_fp8_checkpoint(path, str(tmp_path / "fp8"), block=128, not_convert=PUBLISHED_NOT_CONVERT)
+    keep = "keep" if fmt == "fp8" else "auto"
+    ref = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False,
+                                 fp8_weights=keep)
     prompts = [periodic_prompt(n, seed=s) for n, s in ((21, 31), (9, 32), (30, 33))]
     steps = [4, 9, MAX_LEN - 30 - 1]  # slot 2 runs to its context's end
     refs = [alone(ref, p, n) for p, n in zip(prompts, steps)]
@@ -79,8 +91,11 @@ def test_batched_round_equals_each_request_alone(ckpt_factory, arch, knobs):
     tuning = dataclasses.replace(CPU_TUNING, conv_all_slots=True, norm_rows=4, batch_attn_splits=4, gdn_recommit=True,
                                  gemv_rows_wide=((1 << 62, 32, 128, 4, 2, 2),)) if knobs else \
         dataclasses.replace(CPU_TUNING, conv_all_slots=False, batch_attn_splits=0, gdn_recommit=False)  # other sides
-    eng, runner, engines = batch_engine(path, 3, tuning)
+    eng, runner, engines = batch_engine(path, 3, tuning, keep)
     d = runner.d
+    if fmt == "fp8":
+        assert all(isinstance(w, FP8Weight) for w in (d.b.layers[0].mixer.w_in, d.b.layers[0].ffn.gate_up,
+                                                      d.head.mixer.w_qkv))
     assert [d._norm_once(k * d.M, k) for k in (1, 2, 3)] == [False, knobs, knobs]
     assert d.recommit == knobs and (d.rec_after is None) == knobs
     assert [s.group for s in d.plan()].count("verify_gdn_in_proj+conv") == len(d.cfg.gdn_layers) * (2 if knobs else 1)

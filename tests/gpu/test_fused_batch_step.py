@@ -2,8 +2,9 @@
 plan of fused Triton launches) against each request alone, on CPU through the Triton interpreter.
 
 Three slots with different prompts and positions, on trained tiny checkpoints of the three families
-(confident greedy tokens): each slot's tokens equal the eager engine's for its request alone and the
-single-request fused step's (FusedDecoder), token for token, while the others join late, leave
+(confident greedy tokens; Qwen3-Next also quantized as the published FP8 checkpoints, its weights kept e4m3 +
+scales, against the eager engine on them, which dequantizes each weight as loading would): each slot's tokens
+equal the eager engine's for its request alone and the single-request fused step's (FusedDecoder), token for token, while the others join late, leave
 early (max_tokens) or are cancelled mid-stream. A slot that is not live is left byte for byte as
 it was (its state, position and token), before it joins and after it left. The slot engines'
 states are views of the stacked states: the eager prefill writes the slot the batch step reads.
@@ -14,11 +15,13 @@ import pytest
 import torch
 
 from nexrt_vllm.engine import Engine, EngineError, SamplingParams, StateError, kernels
+from nexrt_vllm.engine.fp8 import PUBLISHED_NOT_CONVERT, FP8Weight
 from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
 from nexrt_vllm.engine.gpu.batch_runner import BatchRunner
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder
 from nexrt_vllm.engine.gpu.tuning import Tuning
 from nexrt_vllm.engine.state import StackedStates
+from nexrt_vllm.testing import make_fp8_checkpoint
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
 
 kernels.load(interpret=True)
@@ -31,7 +34,9 @@ SLOTS, MAX_LEN = 3, 64
 CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128, 4, 2),), prefetch=0,
                     gemv_gated_rows=(64, 128, 4, 0),
                     lm=(128, 256, 4), lm_rows=(128, 128, 4, 2), attn_splits=2, attn_block=32, gdn_block_v=64,
-                    moe=(64, 128, 1), moe_down=(64, 64, 1))
+                    moe=(64, 128, 1), moe_down=(64, 64, 1), gemv_fp8=((1 << 62, 64, 128, 4),),
+                    gemv_rows_fp8=((1 << 62, 64, 128, 4, 2),), gemv_gated_fp8=(64, 128, 4), lm_fp8=(128, 128, 4),
+                    moe_fp8=(64, 128, 4), moe_down_fp8=(64, 64, 4))
 
 
 def alone(eng: Engine, prompt: list[int], n: int) -> tuple[int, list[int], list[int]]:
@@ -60,22 +65,30 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 # split: the GDN out_proj's norm in a launch of its own (Tuning.gated_norm_rows; 3 slots take the prologue
 # by default), and the attention's K/V in other splits than the one-request step's (Tuning.batch_attn_splits)
-@pytest.mark.parametrize("arch,split", [("qwen3_5", False), ("qwen3_5", True), ("qwen3_5_moe", False),
-                                        ("qwen3_next", False)])
-def test_batch_step_equals_each_request_alone(ckpt_factory, arch, split):
+@pytest.mark.parametrize("arch,split,fmt", [("qwen3_5", False, "bf16"), ("qwen3_5", True, "bf16"),
+                                            ("qwen3_5_moe", False, "bf16"), ("qwen3_next", False, "bf16"),
+                                            ("qwen3_next", True, "fp8")])
+def test_batch_step_equals_each_request_alone(ckpt_factory, tmp_path, arch, split, fmt):
     path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
-    ref = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
+    if fmt == "fp8":
+        path = make_fp8_checkpoint(path, str(tmp_path / "fp8"), block=128, not_convert=PUBLISHED_NOT_CONVERT)
+    load = dict(device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False,
+                fp8_weights="keep" if fmt == "fp8" else "auto")
+    ref = Engine.from_pretrained(path, **load)
     prompts = [periodic_prompt(n, seed=s) for n, s in ((21, 31), (9, 32), (30, 33))]
     steps = [4, 5, 6]  # tokens per request (slot 0 leaves first)
     refs = [alone(ref, p, n) for p, n in zip(prompts, steps)]
     for first, want, fused in refs:
         assert fused == want, (arch, want, fused)
 
-    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=MAX_LEN, progress=False)
+    eng = Engine.from_pretrained(path, **load)
     states = StackedStates(eng.model.config, SLOTS, MAX_LEN, eng.dtype, eng.device)
     tuning = dataclasses.replace(CPU_TUNING, gated_norm_rows=2, batch_attn_splits=4) if split else \
         dataclasses.replace(CPU_TUNING, gated_norm_rows=8, batch_attn_splits=0)
     runner = BatchRunner(BatchDecoder(eng.model, states, tuning))
+    if fmt == "fp8":  # the in_proj (its b / a a bf16 tail), experts, attention read e4m3
+        L = runner.d.layers
+        assert all(isinstance(w, FP8Weight) for w in (L[0].mixer.w_in, L[0].ffn.gate_up, L[0].ffn.down))
     eng.use_batch(runner)
     engines = eng.slots(SLOTS)
     assert [e.state for e in engines] == states.states and all(e.batch_graph is runner for e in engines)

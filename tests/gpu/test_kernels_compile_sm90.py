@@ -75,9 +75,9 @@ F8_ARGMAX = dict(F8, aux0_ptr="*fp32", aux1_ptr="*i32")
 GF = dict({k: v for k, v in G.items() if k != "PF"}, BLOCK_N=2, BLOCK_K=2048, BKS=128, UNIFORM=True, ROUND_W=False,
           TAIL=False, VEC=16, VEC_T=8)
 MF = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=8, BLOCK_K=512, E=256, EP=256, NORM=True, BKS=128,
-          FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1)
+          FP8_E=True, FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1, HAS_LIVE=False)
 MDF = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, BKS=128, FP8_E=True,
-           FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1, EVEN=True)
+           FP8_S=True, UNI_E=True, UNI_S=True, ROUND_W=False, VEC_E=16, VEC_S=16, M=1, EVEN=True, HAS_LIVE=False)
 ALIGN_G = ("x_ptr", "w_ptr", "s_ptr", "srow_ptr", "t_ptr", "y_ptr", "nw_ptr", "z_ptr", "K", "stride_w", "stride_t")
 ALIGN_M = ("x_ptr", "gu_ptr", "sgu_ptr", "act_ptr", "stride_ge", "act_ptr", "dn_ptr", "sdn_ptr", "stride_de")
 FP8_VARIANTS = [
@@ -114,8 +114,9 @@ SPEC_T = {"forced_ptr": "*i64", "rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "s
           "base_ptr": "*i64", "nacc_ptr": "*i64", "round_ptr": "*i64", "rounds_ptr": "*i64", "dtok_ptr": "*i64",
           "dpos_ptr": "*i64", "live_ptr": "*i32", "max_len": "i64"}
 # the MoE experts at the step's one-warp defaults (M = 1 token row; the verify: M = 4)
-MU = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8, M=1)
-MD = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, VEC=8, M=1)
+MU = dict(K=2048, I=512, IS=512, TOPK=8, IMAX=512, BLOCK_N=2, BLOCK_K=256, E=256, EP=256, NORM=True, VEC=8, M=1,
+          HAS_LIVE=False)
+MD = dict(I=512, IS=512, E=256, TOPK=8, TOPKP=8, IMAX=512, BLOCK_N=1, BLOCK_K=512, VEC=8, M=1, HAS_LIVE=False)
 AV = dict(M=4, HAS_START=False, NSPLIT=128, MIN_PER=64, H=8, G=4, RP=16, HD=256, BLOCK=64, DOT_F32=False)
 SPEC_VARIANTS = [
     ("rows_rmsnorm_store", gemv.gemv_rows_kernel, dict(R, PRO=1, EPI=0, PRE=0), 4, {}, ALIGN_R),
@@ -204,6 +205,8 @@ BT = {"live_ptr": "*i32", "tok_ptr": "*i64", "pos_ptr": "*i64", "step_ptr": "*i6
       "s_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "state_ptr": "*fp32",
       "wts_ptr": "*fp32", "ids_ptr": "*i32", "pmax_ptr": "*fp32", "pidx_ptr": "*i32"}
 R8 = dict(RD, M=8, MP=8)
+# kernels/batch.py gemv_rows_conv_kernel (the batch step's in_proj + per-slot conv)
+BC = dict(KC=4, KCP=4, KP=2048, BLOCK_K=256, EVEN_K=True, FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False)
 ALIGN_B = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "K", "stride_w", "stride_x", "stride_y")
 BATCH_VARIANTS = [
     ("batch_rows8_qkv", gemv.gemv_rows_dot_kernel, dict(R8, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
@@ -218,13 +221,19 @@ BATCH_VARIANTS = [
     ("batch_rows2_qkv", gemv.gemv_rows_dot_kernel, dict(RD, M=2, MP=2, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {},
      ALIGN_R),
     ("batch_rows_conv_dot", batch.gemv_rows_conv_kernel,
-     dict(M=8, MP=8, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, PRE=0, VEC=1, STAGES=3), 2,
-     BT, ALIGN_B),
+     dict(BC, M=8, MP=8, BLOCK_N=32, DOT=1, PRE=0, VEC=1, STAGES=3), 2, BT, ALIGN_B),
     ("batch_rows_conv_m3_dot", batch.gemv_rows_conv_kernel,
-     dict(M=3, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, PRE=0, VEC=1, STAGES=3), 2,
-     BT, ALIGN_B),
+     dict(BC, M=3, MP=4, BLOCK_N=32, DOT=1, PRE=0, VEC=1, STAGES=3), 2, BT, ALIGN_B),
     ("batch_rows_conv_fold_prefetch", batch.gemv_rows_conv_kernel,
-     dict(M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, DOT=0, PRE=2, VEC=8), 4, BT, ALIGN_B),
+     dict(BC, M=4, MP=4, BLOCK_N=8, DOT=0, PRE=2, VEC=8), 4, BT, ALIGN_B),
+    # an FP8 checkpoint's batch step: the in_proj's e4m3 rows and bf16 tail, the experts of the live rows
+    ("batch_rows_conv_fp8_dot_tail", batch.gemv_rows_conv_kernel,
+     dict(BC, M=8, MP=8, BLOCK_N=32, BLOCK_K=128, DOT=1, PRE=0, VEC=1, STAGES=3, FP8=True, BKS=128, TAIL=True), 2,
+     dict(BT, **F8), ALIGN_B),
+    ("batch_moe_gate_up_fp8", moe.moe_gate_up_fp8_kernel, dict(MF, BLOCK_N=2, BLOCK_K=256, M=8, HAS_LIVE=True), 1,
+     dict(BT, **F8, live_ptr="*i32"), ALIGN_M),
+    ("batch_moe_down_fp8", moe.moe_down_fp8_kernel, dict(MDF, M=8, HAS_LIVE=True), 1, dict(BT, **F8, live_ptr="*i32"),
+     ALIGN_M),
     ("batch_embed", batch.embed_rows_kernel, dict(BLOCK=1024), 4, BT, ()),
     ("batch_qk_rope", batch.qk_rope_rows_kernel, dict(H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2, BT, ()),
     ("batch_attn_scores", batch.attn_scores_rows_kernel, dict(A, NSPLIT=128, MIN_PER=64, G=4, BLOCK=64), 4, BT, ()),
@@ -235,14 +244,15 @@ BATCH_VARIANTS = [
      BT, ()),
     ("batch_gdn_step_35b_prefetch", batch.gdn_step_rows_kernel,
      dict(HV=32, HK=16, DK=128, DV=128, BLOCK_V=16, PRE=True), 1, BT, ()),
-    ("batch_moe_gate_up", batch.moe_gate_up_rows_kernel, dict(MU, M=8), 1, BT, ALIGN_M),
-    ("batch_moe_down", batch.moe_down_rows_kernel, dict(MD, M=8), 1, BT, ALIGN_M),
+    ("batch_moe_gate_up", moe.moe_gate_up_kernel, dict(MU, M=8, HAS_LIVE=True), 1, BT, ALIGN_M),
+    ("batch_moe_down", moe.moe_down_kernel, dict(MD, M=8, HAS_LIVE=True), 1, BT, ALIGN_M),
     ("batch_finish", batch.finish_rows_kernel, dict(B=8, BLOCK=4096), 8, BT, ()),
 ]
 # The batched round (engine/gpu/batch_round.py) over B = 8 slots x M = 4 positions (32 rows): its 32-row
 # tensor-core GEMVs, kernels/batch_round.py's per-slot verify kernels, the per-slot accept / commit / pick.
 R32 = dict(RD, M=32, MP=32)
-CS = dict(R=32, RP=32, M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, STAGES=3)
+CS = dict(R=32, RP=32, M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, STAGES=3,
+          FP8=False, BKS=1, UNIFORM=True, TAIL=False)
 ROUND_VARIANTS = [
     ("round_rows32_qkv", gemv.gemv_rows_dot_kernel, dict(R32, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
     ("round_rows32_gated_residual", gemv.gemv_rows_dot_kernel, dict(R32, PRO=2, EPI=1, GROUP=128, BLOCK_K=1024,
@@ -259,6 +269,8 @@ ROUND_VARIANTS = [
     ("round_conv_all_slots", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=True, PRO=1), 2, BT, ALIGN_B),
     ("round_conv_slots_normed", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=True, PRO=0), 2, BT,
      ALIGN_B),
+    ("round_conv_slots_fp8_tail", batch_round.gemv_conv_slots_kernel,
+     dict(CS, ALL_SLOTS=True, PRO=1, BLOCK_K=128, FP8=True, BKS=128, TAIL=True), 2, dict(BT, **F8), ALIGN_B),
     ("round_rmsnorm_rows", gemv.rmsnorm_rows_kernel, dict(KP=2048, BLOCK_K=1024), 4, {}, ()),
     ("round_gdn_verify", batch_round.gdn_verify_rows_kernel,
      dict(M=4, HV=16, HK=16, DK=128, DV=128, BLOCK_V=16, STORE=True), 1, dict(BT, rec_ptr="*fp32"), ()),
@@ -334,7 +346,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 92 + 40 + 38 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 92 + 46 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
@@ -362,11 +374,11 @@ def test_fp8_rows_convert_e4m3_in_the_kernel(compiled):
 
 def test_batch_step_gemvs_run_on_the_tensor_cores(compiled):
     """The batch step's M-row GEMVs at 2 and 8 rows, the batched round's at 32 (and the in_proj with the
-    per-slot conv epilogue on its tensor-core path, slot by slot and all slots at once) stream their weight
-    tiles through pipelined copies into tensor-core MMAs."""
+    per-slot conv epilogue on its tensor-core path, slot by slot and all slots at once; over FP8 weights too)
+    stream their weight tiles through pipelined copies into tensor-core MMAs."""
     dots = {k: v for k, v in compiled.items() if k.startswith(("batch_rows", "round_rows", "round_conv"))
             and "fold" not in k}
-    assert len(dots) == 18 + 14
+    assert len(dots) == 18 + 14 + 4
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
 

@@ -12,8 +12,8 @@ bytes), their per-slot programs return at once.
 The plan has no host value in it, so gpu/batch_runner.py captures it whole in one CUDA graph; which
 slots step is the device mask `live`, written by the host between replays. Greedy only (no
 sampling, logprobs or grammar masks: those requests decode on their slot engine's eager loop).
-Weights are fused as gpu/fusion.py fuses them for `FusedDecoder`; FP8 weights are refused (the
-M-row GEMVs read bf16).
+Weights are fused as gpu/fusion.py fuses them for `FusedDecoder`, bf16 or an FP8 checkpoint's kept e4m3 +
+block scales (the M-row GEMVs and the MoE experts read either).
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ import dataclasses
 
 import torch
 
-from nexrt_vllm.engine.errors import EngineError, NotBuiltError
+from nexrt_vllm.engine.errors import EngineError
 from nexrt_vllm.engine.fp8 import FP8Weight
 from nexrt_vllm.engine.gpu.control import ControlMemory
 from nexrt_vllm.engine.gpu.decoder import Launch, _require_gpu_dtype, gdn_kw
 from nexrt_vllm.engine.gpu.fusion import FusedLayer, GDNMixer, MoEFFN, fuse_ffn, fuse_mixer
-from nexrt_vllm.engine.gpu.tuning import Tuning, gemv_kwargs, pdl_enabled
+from nexrt_vllm.engine.gpu.tuning import Tuning, gemv_kwargs, moe_kwargs, pdl_enabled
 from nexrt_vllm.engine.state import StackedStates
 
 
@@ -51,13 +51,13 @@ class BatchDecoder:
     the model's weights here (gpu/fusion.py re-points the eager model at the fused matrices)."""
 
     def __init__(self, model, states: StackedStates, tuning: Tuning | None = None, layers=None):
-        from nexrt_vllm.engine.kernels import batch, common, gdn, gemv  # triton: GPU path only
+        from nexrt_vllm.engine.kernels import batch, common, gdn, gemv, moe  # triton: GPU path only
         cfg = model.config
         _require_gpu_dtype(cfg, states.dtype)
         if not 2 <= states.n <= batch.MAX_ROWS:
             raise EngineError(f"the batch step runs 2..{batch.MAX_ROWS} slots, got {states.n} (one slot: the "
                               f"single-request step, FusedDecoder)")
-        self.k_batch, self.k_common, self.k_gemv, self.k_gdn = batch, common, gemv, gdn
+        self.k_batch, self.k_common, self.k_gemv, self.k_gdn, self.k_moe = batch, common, gemv, gdn, moe
         self.model, self.cfg, self.states, self.t = model, cfg, states, tuning or Tuning()
         self.n = n = states.n
         self.pdl = pdl_enabled(self.t.pdl, common.DEFAULT_PDL, torch.cuda.get_device_capability(states.device)
@@ -70,11 +70,6 @@ class BatchDecoder:
                 L.mixer, state=states.gdn(i) if isinstance(L.mixer, GDNMixer) else states.attention(i)), L.ffn)
                 for i, L in enumerate(layers)]
         self.embed, self.final_norm, self.lm_head = model.embed, model.final_norm, model.lm_head
-        fp8 = [w for w in self._weights() if isinstance(w, FP8Weight)]
-        if fp8:
-            raise NotBuiltError("the batch step (--max-batch > 1 on the CUDA graph path) reads bf16 weights only; "
-                                "this engine keeps FP8 weights (load with fp8_weights='dequantize', or decode the "
-                                "batch on the eager step, --graph off)")
         dev, dt, c = states.device, states.dtype, cfg
         z = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)  # noqa: E731
         H = c.hidden_size
@@ -108,17 +103,10 @@ class BatchDecoder:
         self.control = self.mem.mode
         self.ring_host, self.ring = self.mem.host["slot_ring"], self.mem.device["slot_ring"]
 
-    def _weights(self):
-        for L in self.layers:
-            m, ff = L.mixer, L.ffn
-            yield from ((m.w_in, m.w_out) if isinstance(m, GDNMixer) else (m.w_qkv, m.w_o))
-            yield from ((ff.w_router, ff.gate_up, ff.down, ff.s_gate_up, ff.s_down) if isinstance(ff, MoEFFN)
-                        else (ff.w_gate_up, ff.w_down))
-        yield self.lm_head
-
     def rows_shape(self, w, n: int, prefetch: int | None = None) -> dict:
-        """The M-row `gemv` keywords over `w` with n output rows (`Tuning.gemv_rows` rules)."""
-        return gemv_kwargs(self.t, w, self.t.shape(n, rows=True), prefetch)
+        """The M-row `gemv` keywords over `w` (bf16 or fp8) with n output rows (`Tuning.gemv_rows` /
+        `gemv_rows_fp8` rules)."""
+        return gemv_kwargs(self.t, w, self.t.shape(n, fp8=isinstance(w, FP8Weight), rows=True), prefetch)
 
     # ---- one batch step ------------------------------------------------------------------------------
     def plan(self, k: int | None = None) -> list[Launch]:
@@ -143,15 +131,16 @@ class BatchDecoder:
 
     def _gdn(self, L: FusedLayer, k: int) -> list[tuple]:
         c, g, t, m, eps, kb = self.cfg, self.k_gemv, self.t, L.mixer, self.cfg.rms_norm_eps, self.k_batch
-        sh = self.t.shape(m.w_in.shape[0], rows=True)
+        sh = self.rows_shape(m.w_in, m.w_in.shape[0], t.prefetch_conv)
         # the out_proj: fewer slots than Tuning.gated_norm_rows take the gated shape (`gemv_gated_rows`); the
         # replay's slots, or with Tuning.batch_invariant the node's (batch_round.py `_choice_rows`)
         split = (self.n if t.batch_invariant else k) >= t.gated_norm_rows
         return [
             ("gdn_in_proj+conv", lambda: kb.gemv_rows_conv(
                 self.res[:k], m.w_in, self.buf[:k], L.input_norm, m.state.conv, m.conv_w, self.live[:k], eps=eps,
-                conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh.block_n, block_k=sh.block_k, num_warps=sh.num_warps,
-                dot=sh.stages, prefetch=t.prefetch_conv)),
+                conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
+                num_warps=sh["num_warps"], dot=sh["dot"], prefetch=sh.get("prefetch", 0),
+                round_w=sh.get("round_w", False))),
             ("gdn_step", lambda: kb.gdn_step_rows(
                 self.buf[:k], m.state.rec, self.o[:k], m.a_log, m.dt_bias, self.live[:k], **gdn_kw(c, t),
                 prefetch=t.prefetch > 0)),
@@ -184,12 +173,9 @@ class BatchDecoder:
             ("moe_router", lambda: g.gemv(
                 self.res[:k], f.w_router, self.router_logits[:k], pro=g.PRO_RMSNORM, norm_w=L.post_norm,
                 eps=c.rms_norm_eps, xn_out=self.xn[:k], m=k, **self.rows_shape(f.w_router, f.w_router.shape[0]))),
-            ("moe_experts", lambda: self.k_batch.moe_experts_rows(
+            ("moe_experts", lambda: self.k_moe.moe_experts(
                 self.xn[:k], self.res[:k], self.router_logits[:k], f.gate_up, f.s_gate_up, f.down, f.s_down,
-                self.act[:k], self.ids[:k], self.wts[:k], self.live[:k], top_k=c.num_experts_per_tok,
-                block_n=t.moe.block_n, block_k=t.moe.block_k, down_block_n=t.moe_down.block_n,
-                down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps, down_num_warps=t.moe_down.num_warps,
-                norm_topk=c.norm_topk_prob, vec=t.vec))]
+                self.act[:k], self.ids[:k], self.wts[:k], live=self.live[:k], **moe_kwargs(t, c, f)))]
 
     def _dense(self, L: FusedLayer, k: int) -> list[tuple]:
         c, g, f = self.cfg, self.k_gemv, L.ffn

@@ -35,13 +35,14 @@ import torch
 
 from nexrt_vllm.engine.decode_loop import DecodeLoop
 from nexrt_vllm.engine.errors import EngineError, NotBuiltError
+from nexrt_vllm.engine.fp8 import FP8Weight
 from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder, gated_out_proj
 from nexrt_vllm.engine.gpu.batch_runner import SlotEvent, SlotRunner
 from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import Launch, gdn_kw
 from nexrt_vllm.engine.gpu.fusion import FusedLayer, GDNMixer, MoEFFN
 from nexrt_vllm.engine.gpu.spec_round import SYNTHETIC_ROUNDS, draft_rows, fuse_head
-from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
+from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs, moe_kwargs
 from nexrt_vllm.engine.model import rope_tables
 
 
@@ -159,10 +160,11 @@ class BatchRoundDecoder:
         steps of one slot) without a fixed shape: the one-row GEMV's own rule, as the one-request round's chain
         runs it (the M-row rules' 16-row, one-warp shapes on the one-row kernel took the H100's chained gate/up
         121 µs a round against 42)."""
+        fp8 = isinstance(w, FP8Weight)
         if shape is None and not dot and self._choice_rows(rows, k) == 1:
-            return gemv_kwargs(self.t, w, self.t.shape(n_out))
+            return gemv_kwargs(self.t, w, self.t.shape(n_out, fp8=fp8))
         wide = self._choice_rows(rows, k) > 8
-        s = shape or self.t.shape(n_out, rows=True, wide=wide)
+        s = shape or self.t.shape(n_out, fp8=fp8, rows=True, wide=wide)
         if (dot or wide) and s.stages == 0:
             s = RowsShape(max(16, s.block_n), max(16, s.block_k), s.num_warps, 2)
         return gemv_kwargs(self.t, w, s)
@@ -273,12 +275,9 @@ class BatchRoundDecoder:
             return [("moe_router", lambda: g.gemv(
                         x, ff.w_router, self.router_logits[:m], pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
                         xn_out=self.xn[:m], m=m, **router_kw)),
-                    ("moe_experts", lambda: self.b.k_batch.moe_experts_rows(
+                    ("moe_experts", lambda: self.b.k_moe.moe_experts(
                         self.xn[:m], x, self.router_logits[:m], ff.gate_up, ff.s_gate_up, ff.down, ff.s_down,
-                        self.act[:m], self.ids[:m], self.wts[:m], live, top_k=c.num_experts_per_tok,
-                        block_n=t.moe.block_n, block_k=t.moe.block_k, down_block_n=t.moe_down.block_n,
-                        down_block_k=t.moe_down.block_k, num_warps=t.moe.num_warps,
-                        down_num_warps=t.moe_down.num_warps, norm_topk=c.norm_topk_prob, vec=t.vec))]
+                        self.act[:m], self.ids[:m], self.wts[:m], live=live, **moe_kwargs(t, c, ff)))]
         up_kw = self._rows_kw(ff.w_gate_up, ff.w_gate_up.shape[0] // 2, m, k)
         down_kw = self._rows_kw(ff.w_down, c.hidden_size, m, k)
         return self._rmsnorm_gemv("mlp_gate_up+swiglu", x, L.post_norm, ff.w_gate_up, self.act_dense[:m], m, norm_once,

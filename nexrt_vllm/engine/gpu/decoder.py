@@ -21,7 +21,7 @@ from nexrt_vllm.engine.errors import EngineError
 from nexrt_vllm.engine.fp8 import FP8Weight
 from nexrt_vllm.engine.gpu.control import RING, ControlMemory
 from nexrt_vllm.engine.gpu.fusion import FusedLayer, GDNMixer, MoEFFN, fuse_ffn, fuse_mixer
-from nexrt_vllm.engine.gpu.tuning import GemvShape, Tuning, gemv_kwargs, pdl_enabled
+from nexrt_vllm.engine.gpu.tuning import GemvShape, Tuning, gemv_kwargs, moe_kwargs, pdl_enabled
 from nexrt_vllm.engine.state import DecodeState
 
 
@@ -135,17 +135,6 @@ class FusedDecoder:
         """The `gemv` launch keywords over `w` with a fixed shape per weight format."""
         return gemv_kwargs(self.t, w, fp8 if isinstance(w, FP8Weight) else bf16)
 
-    def moe_shape(self, f) -> dict:
-        """The `moe.moe_experts` launch keywords of the MoE block `f` (bf16 or fp8 experts): the Tuning shapes per
-        weight format, the routing's top-k."""
-        t, c = self.t, self.cfg
-        up8 = isinstance(f.gate_up, FP8Weight) or isinstance(f.s_gate_up, FP8Weight)
-        dn8 = isinstance(f.down, FP8Weight) or isinstance(f.s_down, FP8Weight)
-        up, dn = t.moe_fp8 if up8 else t.moe, t.moe_down_fp8 if dn8 else t.moe_down
-        return dict(top_k=c.num_experts_per_tok, block_n=up.block_n, block_k=up.block_k, down_block_n=dn.block_n,
-                    down_block_k=dn.block_k, num_warps=up.num_warps, down_num_warps=dn.num_warps,
-                    norm_topk=c.norm_topk_prob, round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec)
-
     # ---- one decode step -------------------------------------------------------------------------
     def plan(self) -> list[Launch]:
         """The fused step as its launches, in order: the step runs them; benchmarks/decode_bench.py
@@ -225,7 +214,7 @@ class FusedDecoder:
              (f.w_router, False)),
             ("moe_experts", lambda: self.k_moe.moe_experts(
                 self.xn, self.block_out, self.router_logits, f.gate_up, f.s_gate_up, f.down, f.s_down,
-                self.act, self.ids, self.wts, **self.moe_shape(f)), None)]
+                self.act, self.ids, self.wts, **moe_kwargs(t, c, f)), None)]
 
     def _dense(self, L: FusedLayer) -> list[tuple]:
         c, g, f = self.cfg, self.k_gemv, L.ffn

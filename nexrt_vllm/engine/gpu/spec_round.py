@@ -45,7 +45,7 @@ from nexrt_vllm.engine.gpu.control import RING, wait_record
 from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch, gdn_kw
 from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
 from nexrt_vllm.engine.gpu.runner import GraphRunner, capture_graph
-from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs
+from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs, moe_kwargs
 from nexrt_vllm.engine.spec.draft_vocab import check_draft_vocab
 from nexrt_vllm.engine.state import AttentionState
 
@@ -218,7 +218,7 @@ class SpecDecoder:
                         xn_out=self.xn[:m], m=m, **f.fixed_shape(ff.w_router, t.gemv_router, t.gemv_router_fp8))),
                     ("moe_experts", lambda: f.k_moe.moe_experts(
                         xs(self.xn), xs(x), xs(self.router_logits), ff.gate_up, ff.s_gate_up, ff.down, ff.s_down,
-                        xs(self.act), xs(self.ids), xs(self.wts), **f.moe_shape(ff)))]
+                        xs(self.act), xs(self.ids), xs(self.wts), **moe_kwargs(t, c, ff)))]
         return [
             ("mlp_gate_up+swiglu", lambda: g.gemv(
                 x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,

@@ -280,6 +280,17 @@ def gemv_kwargs(t: Tuning, w, shape: GemvShape | RowsShape, prefetch: int | None
     return {**kw, "prefetch": prefetch, "vec": t.vec}
 
 
+def moe_kwargs(t: Tuning, cfg, f) -> dict:
+    """The `kernels.moe.moe_experts` keywords of the MoE block `f` (gpu/fusion.py MoEFFN; bf16 or fp8 experts): the
+    Tuning shapes of each weight format, the routing's top-k."""
+    up8 = isinstance(f.gate_up, FP8Weight) or isinstance(f.s_gate_up, FP8Weight)
+    dn8 = isinstance(f.down, FP8Weight) or isinstance(f.s_down, FP8Weight)
+    up, dn = t.moe_fp8 if up8 else t.moe, t.moe_down_fp8 if dn8 else t.moe_down
+    return dict(top_k=cfg.num_experts_per_tok, block_n=up.block_n, block_k=up.block_k, down_block_n=dn.block_n,
+                down_block_k=dn.block_k, num_warps=up.num_warps, down_num_warps=dn.num_warps,
+                norm_topk=cfg.norm_topk_prob, round_w=t.fp8_round_weights, vec=t.vec_fp8 if up8 or dn8 else t.vec)
+
+
 def pdl_enabled(requested: bool | None, process_default: bool, capability: tuple[int, int] | None) -> bool:
     """Whether the step's kernels launch with PDL: as requested (None: the process default), and only
     on a device that has it (compute capability 9.0+, Hopper; None: not a CUDA device). The kernels

@@ -15,8 +15,8 @@ order of their fp32 sums.
 - `qk_rope_rows_kernel`, `attn_{scores,pv,combine}_rows_kernel`: kernels/attention.py's decode
   kernels per slot (its K/V cache, position, scratch rows);
 - `gdn_step_rows_kernel`: kernels/gdn.py's step per slot (its recurrent state);
-- `moe_gate_up_rows_kernel`, `moe_down_rows_kernel`: kernels/moe.py's M-row experts with the
-  programs of slots that are not live idle (their experts are not read);
+- the MoE experts: kernels/moe.py's M-row launches with `live` (the programs of slots that are not live
+  idle; their experts are not read);
 - `finish_rows_kernel`: per live slot the greedy token from the lm_head's per-row partials, its
   next input token and position, and (step << 32 | token) in its column of the control ring.
 """
@@ -29,9 +29,8 @@ from nexrt_vllm.engine.kernels.common import ASM, LAUNCH, pdl_begin
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gdn import gdn_step_kernel
-from nexrt_vllm.engine.kernels.gemv import fold_vec, head_blocks
-from nexrt_vllm.engine.kernels.gemv_verify import _gemv_rows
-from nexrt_vllm.engine.kernels.moe import _down, _gate_up, _token_row
+from nexrt_vllm.engine.kernels.gemv import EPI_CONV, fp8_operands, head_blocks
+from nexrt_vllm.engine.kernels.gemv_verify import _gemv_rows_w
 from nexrt_vllm.engine.kernels.sampling import argmax_partials
 
 MAX_ROWS = 8  # slots of one batch step (the M-row GEMVs keep the rows in registers)
@@ -93,21 +92,24 @@ def _conv_rows(y, y_ptr, stride_y, conv_ptr, stride_cs, cw_ptr, live_ptr, jrow, 
 
 
 @triton.jit
-def gemv_rows_conv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, live_ptr, N, K, stride_w, stride_x, stride_y,
-                          stride_cs, eps, CONV_N, M: tl.constexpr, MP: tl.constexpr, KC: tl.constexpr,
-                          KCP: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          EVEN_K: tl.constexpr, DOT: tl.constexpr, PRE: tl.constexpr, VEC: tl.constexpr,
-                          PDL: tl.constexpr):
+def gemv_rows_conv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, live_ptr, s_ptr, srow_ptr, t_ptr, N, K, N8,
+                          stride_w, stride_s, stride_t, stride_x, stride_y, stride_cs, eps, CONV_N, M: tl.constexpr,
+                          MP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, KP: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
+                          PRE: tl.constexpr, VEC: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr,
+                          UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
     """The GDN in_proj of the M rows of x (RMSNorm prologue) with the causal conv per row (`_conv_rows`):
     DOT 0 `gemv_rows_kernel`'s fold (PRE K blocks of W loaded before the PDL wait), DOT 1 / 2
-    `gemv_rows_dot_kernel`'s tensor-core loop (2: fp32 products, the interpreter)."""
+    `gemv_rows_dot_kernel`'s tensor-core loop (2: fp32 products, the interpreter); bf16 W or FP8 (e4m3 rows
+    < N8 with block scales, TAIL: bf16 rows at t_ptr; gemv_verify `_gemv_rows_w`)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     jrow = tl.arange(0, MP)
     jm = jrow < M
-    y, _ = _gemv_rows(x_ptr, w_ptr, nw_ptr, nw_ptr, stride_x, 0, jrow, jm, rows, rmask, pid, N, K, stride_w, eps, 1, 0,
-                      1, False, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, PRE, VEC, PDL)
+    y, _ = _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, nw_ptr, stride_x, 0, jrow, jm, rows, rmask, pid,
+                        N, K, N8, stride_w, stride_s, stride_t, eps, 1, 0, 1, False, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT,
+                        PRE, VEC, PDL, 1, FP8, BKS, UNIFORM, ROUND_W, TAIL)
     _conv_rows(y, y_ptr, stride_y, conv_ptr, stride_cs, cw_ptr, live_ptr, jrow, jm, rows, rmask, CONV_N, KC, KCP)
 
 
@@ -185,35 +187,6 @@ def gdn_step_rows_kernel(buf_ptr, state_ptr, out_ptr, a_log_ptr, dt_bias_ptr, li
 
 
 @triton.jit
-def moe_gate_up_rows_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr, live_ptr, stride_ge,
-                            stride_x, stride_a, stride_r, stride_l, K: tl.constexpr, I: tl.constexpr,
-                            IS: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
-                            VEC: tl.constexpr, M: tl.constexpr, PDL: tl.constexpr):
-    """`moe_gate_up_kernel` over M token rows (bf16 weights); the programs of a row whose slot is not live
-    idle (its experts are not read)."""
-    pdl_begin(PDL)
-    r, _ = _token_row(tl.program_id(1), M, TOPK)
-    if _live(live_ptr, r):
-        _gate_up(x_ptr, gu_ptr, gu_ptr, ids_ptr, sgu_ptr, sgu_ptr, ids_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-                 stride_ge, 0, 0, 0, stride_x, stride_a, stride_r, stride_l, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E,
-                 EP, NORM, 1, False, False, True, True, False, VEC, VEC, M, False)
-
-
-@triton.jit
-def moe_down_rows_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, live_ptr, N, stride_de,
-                         stride_a, stride_r, stride_l, stride_res, I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr,
-                         TOPK: tl.constexpr, TOPKP: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, VEC: tl.constexpr, M: tl.constexpr, PDL: tl.constexpr):
-    """`moe_down_kernel` over M token rows (grid axis 1 the row); a row whose slot is not live idles."""
-    pdl_begin(PDL)
-    if _live(live_ptr, tl.program_id(1)):
-        _down(act_ptr, dn_ptr, dn_ptr, ids_ptr, sdn_ptr, sdn_ptr, ids_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
-              stride_de, 0, 0, 0, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N,
-              BLOCK_K, 1, False, False, True, True, False, VEC, VEC, M, False, False)
-
-
-@triton.jit
 def finish_rows_kernel(pmax_ptr, pidx_ptr, NP, stride_p, live_ptr, tok_ptr, pos_ptr, step_ptr, ring_ptr, RING,
                        RING_B, B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program: per live slot b < B the greedy token of row b (its NP (max, argmax) partials at row
@@ -243,11 +216,11 @@ def embed_rows(tok, live, table, out):
 
 
 def gemv_rows_conv(x, w, y, norm_w, conv, conv_w, live, *, eps, conv_n, kc, block_n, block_k, num_warps, dot=0,
-                   prefetch=0):
-    """y [B, N] = the GDN in_proj of RMSNorm(x [B, K]) (w [N, K] bf16), then per row b the causal conv
-    + SiLU on its first conv_n outputs over slot b's conv state conv[b] ([B, conv_n, kc-1], updated
+                   prefetch=0, round_w=False):
+    """y [B, N] = the GDN in_proj of RMSNorm(x [B, K]) (w [N, K] bf16 or an fp8.FP8Weight), then per row b the
+    causal conv + SiLU on its first conv_n outputs over slot b's conv state conv[b] ([B, conv_n, kc-1], updated
     in place where live[b]). `dot` > 0: the tensor-core loop with `dot` pipeline stages; else the fold
-    with `prefetch` K blocks before the PDL wait."""
+    with `prefetch` K blocks before the PDL wait (bf16 W; `round_w`: an FP8 W's, as gemv.gemv's)."""
     m, k, n = x.shape[0], w.shape[1], w.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv_rows_conv: 1..{MAX_ROWS} rows, got {m}")
@@ -261,11 +234,15 @@ def gemv_rows_conv(x, w, y, norm_w, conv, conv_w, live, *, eps, conv_n, kc, bloc
     common = dict(M=m, MP=triton.next_power_of_2(m), KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
                   KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, **LAUNCH,
                   num_warps=num_warps)
-    args = (x, w, y, norm_w, conv, conv_w, live, n, k, w.stride(0), _rows(x), _rows(y), conv.stride(0), eps, conv_n)
+    if hasattr(w, "scale") and prefetch:
+        raise ValueError("gemv_rows_conv: prefetch is for bf16 weights (got an FP8Weight)")
+    args = dict(x_ptr=x, y_ptr=y, nw_ptr=norm_w, conv_ptr=conv, cw_ptr=conv_w, live_ptr=live, N=n, K=k,
+                stride_x=_rows(x), stride_y=_rows(y), stride_cs=conv.stride(0), eps=eps, CONV_N=conv_n,
+                ROUND_W=round_w, **fp8_operands(w, EPI_CONV, n, block_n, y))
     if dot:
-        gemv_rows_conv_kernel[grid](*args, DOT=1 if ASM else 2, PRE=0, VEC=1, num_stages=dot, **common)
+        gemv_rows_conv_kernel[grid](**args, DOT=1 if ASM else 2, PRE=0, VEC=1, num_stages=dot, **common)
     else:
-        gemv_rows_conv_kernel[grid](*args, DOT=0, PRE=head_blocks(min(prefetch, 4), k, block_k), VEC=min(8, block_k),
+        gemv_rows_conv_kernel[grid](**args, DOT=0, PRE=head_blocks(min(prefetch, 4), k, block_k), VEC=min(8, block_k),
                                     **common)
 
 
@@ -314,32 +291,6 @@ def gdn_step_rows(buf, state, out, a_log, dt_bias, live, *, num_k_heads, num_v_h
         buf, state, out, a_log, dt_bias, live, key_dim, value_dim, off_b, off_b + num_v_heads, float(head_k_dim) ** 0.5,
         _rows(buf), state.stride(0), _rows(out), HV=num_v_heads, HK=num_k_heads, DK=head_k_dim, DV=head_v_dim,
         BLOCK_V=block_v, PRE=bool(prefetch), **LAUNCH, num_warps=num_warps)
-
-
-def moe_experts_rows(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, live, *, top_k,
-                     block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
-                     norm_topk=True, vec=0):
-    """`moe.moe_experts` over the M rows of xn [M, H] (bf16 weights), the rows of slots that are not live
-    (live [M]) skipped; per-row tensors as there ([M, ...] with row strides)."""
-    if any(hasattr(w, "scale") for w in (gate_up, shared_gate_up, down, shared_down)):
-        raise ValueError("moe_experts_rows: bf16 expert weights only (got an FP8Weight)")
-    n_exp, two_i, hidden = gate_up.shape
-    inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
-    imax = max(inter, inter_s)
-    m = xn.shape[0]
-    if not (ids.stride(0) == wts.stride(0) and act.shape[-1] >= (top_k + 1) * imax):
-        raise ValueError(f"moe_experts_rows: ids / wts with one row stride and act rows of >= {(top_k + 1) * imax}")
-    rows = dict(stride_a=_rows(act), stride_r=_rows(ids), stride_l=_rows(logits), M=m)
-    bk = min(block_k or 512, triton.next_power_of_2(hidden))
-    bkd = min(down_block_k or 512, triton.next_power_of_2(imax))
-    moe_gate_up_rows_kernel[(triton.cdiv(imax, block_n), m * (1 + top_k))](
-        xn, gate_up, shared_gate_up, act, ids, logits, wts, live, gate_up.stride(0), stride_x=_rows(xn), **rows,
-        K=hidden, I=inter, IS=inter_s, TOPK=top_k, IMAX=imax, BLOCK_N=block_n, BLOCK_K=bk, E=n_exp,
-        EP=triton.next_power_of_2(n_exp), NORM=norm_topk, VEC=fold_vec(vec, 2, bk), **LAUNCH, num_warps=num_warps)
-    moe_down_rows_kernel[(triton.cdiv(hidden, down_block_n), m)](
-        act, down, shared_down, ids, wts, logits, res, live, hidden, down.stride(0), stride_res=_rows(res), **rows,
-        I=inter, IS=inter_s, E=n_exp, TOPK=top_k, TOPKP=triton.next_power_of_2(top_k), IMAX=imax,
-        BLOCK_N=down_block_n, BLOCK_K=bkd, VEC=fold_vec(vec, 2, bkd), **LAUNCH, num_warps=down_num_warps)
 
 
 def finish_rows(pmax, pidx, n_partials, live, tok, pos, step, ring):

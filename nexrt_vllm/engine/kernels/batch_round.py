@@ -31,19 +31,23 @@ from nexrt_vllm.engine.kernels.common import ASM, LAUNCH
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gdn import gdn_verify_kernel
-from nexrt_vllm.engine.kernels.gemv_verify import _epilogue_rows, _gemv_rows
+from nexrt_vllm.engine.kernels.gemv import EPI_CONV, fp8_operands
+from nexrt_vllm.engine.kernels.gemv_verify import _epilogue_rows, _gemv_rows_w
 
 MAX_ROWS = 32  # rows of one launch (B * M): the tensor-core M-row GEMV's column tile
 
 
 @triton.jit
-def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, N, K, stride_w, stride_x,
-                           stride_y, stride_cs, stride_ws, stride_win, eps, CONV_N, B, R: tl.constexpr,
-                           RP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr,
-                           KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           DOT: tl.constexpr, ALL_SLOTS: tl.constexpr, PRO: tl.constexpr, PDL: tl.constexpr):
+def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_ptr, live_ptr, s_ptr, srow_ptr, t_ptr,
+                           N, K, N8, stride_w, stride_s, stride_t, stride_x, stride_y, stride_cs, stride_ws, stride_win,
+                           eps, CONV_N, B, R: tl.constexpr, RP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+                           KC: tl.constexpr, KCP: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, ALL_SLOTS: tl.constexpr,
+                           PRO: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr,
+                           TAIL: tl.constexpr, PDL: tl.constexpr):
     """y [R, N] = W RMSNorm(x_r) (PRO 1; PRO 0: x already normed, gemv.rmsnorm_rows) for the R = B * M rows
-    (tensor-core loop, DOT 1; 2: fp32 products, the interpreter); then for each live slot b the conv epilogue
+    (tensor-core loop, DOT 1; 2: fp32 products, the interpreter; W bf16 or FP8 as gemv_verify `_gemv_rows_w`
+    reads it); then for each live slot b the conv epilogue
     of its rows b*M .. b*M+M-1 over its conv state (conv_ptr + b * stride_cs, read only) and window
     (win_ptr + b * stride_ws, [CONV_N, KC-1+M]):
     one slot after the other (`_epilogue_rows`), or with ALL_SLOTS every row at once (`_conv_all_slots`)."""
@@ -51,8 +55,9 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     jr = tl.arange(0, RP)
-    y, _ = _gemv_rows(x_ptr, w_ptr, nw_ptr, nw_ptr, stride_x, 0, jr, jr < R, rows, rmask, pid, N, K, stride_w, eps,
-                      PRO, 0, 1, False, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL)
+    y, _ = _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, nw_ptr, stride_x, 0, jr, jr < R, rows, rmask, pid,
+                        N, K, N8, stride_w, stride_s, stride_t, eps, PRO, 0, 1, False, KP, BLOCK_N, BLOCK_K, EVEN_K,
+                        DOT, 0, 1, PDL, 1, FP8, BKS, UNIFORM, True, TAIL)
     tl.store(y_ptr + jr[:, None] * stride_y + rows[None, :], _bf16(y).to(y_ptr.dtype.element_ty),
              mask=(jr < R)[:, None] & rmask[None, :])
     if pid * BLOCK_N < CONV_N:  # programs past the conv channels are done
@@ -198,9 +203,10 @@ def attn_verify_combine_rows_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_pt
 
 def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv_n, kc, block_n, block_k, num_warps,
                     stages=2, all_slots=False, normed=False):
-    """y [B*m, N] = the GDN in_proj of RMSNorm(x [B*m, K]) (w [N, K] bf16), then per live slot b the verify's
-    causal conv + SiLU on its m rows' first conv_n outputs from its conv state conv[b] ([B, conv_n, kc-1],
-    read only) into its window window[b] ([B, conv_n, kc-1+m]: the state, then the m new inputs);
+    """y [B*m, N] = the GDN in_proj of RMSNorm(x [B*m, K]) (w [N, K] bf16 or an fp8.FP8Weight), then per live
+    slot b the verify's causal conv + SiLU on its m rows' first conv_n outputs from its conv state conv[b]
+    ([B, conv_n, kc-1], read only) into its window window[b] ([B, conv_n, kc-1+m]: the state, then the m new
+    inputs);
     `all_slots`: every slot's rows in one pass (Tuning.conv_all_slots); `normed`: x is RMSNorm(x) already
     (gemv.rmsnorm_rows; norm_w unused)."""
     r, k, n, nb = x.shape[0], w.shape[1], w.shape[0], live.numel()
@@ -215,8 +221,10 @@ def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv
         raise ValueError(f"gemv_conv_slots: the tensor-core loop needs block_n and block_k >= 16 (got {block_n}, "
                          f"{block_k})")
     gemv_conv_slots_kernel[(triton.cdiv(n, block_n),)](
-        x, w, y, norm_w, conv, conv_w, window, live, n, k, w.stride(0), x.stride(0), y.stride(0), conv.stride(0),
-        window.stride(0), window.stride(1), eps, conv_n, nb, R=r, RP=max(16, triton.next_power_of_2(r)), M=m,
+        x_ptr=x, y_ptr=y, nw_ptr=norm_w, conv_ptr=conv, cw_ptr=conv_w, win_ptr=window, live_ptr=live, N=n, K=k,
+        stride_x=x.stride(0), stride_y=y.stride(0), stride_cs=conv.stride(0), stride_ws=window.stride(0),
+        stride_win=window.stride(1), eps=eps, CONV_N=conv_n, B=nb, **fp8_operands(w, EPI_CONV, n, block_n, y),
+        R=r, RP=max(16, triton.next_power_of_2(r)), M=m,
         MP=triton.next_power_of_2(m), KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)), KP=triton.next_power_of_2(k),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT=1 if ASM else 2, ALL_SLOTS=all_slots,
         PRO=0 if normed else 1, **LAUNCH,

@@ -103,7 +103,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         gemv_kernel[(grid,)](x, w, y, *args, pf_ptr, n, k, w.stride(0), eps, conv_n, *pf, PF=segs,
                              PRE=head_blocks(prefetch, k, block_k), VEC=fold_vec(vec, 2, block_k), **common)
         return grid
-    f = _fp8_operands(w, epi, n, block_n, dummy)
+    f = fp8_operands(w, epi, n, block_n, dummy)
     gemv_fp8_kernel[(grid,)](
         x, f["w_ptr"], f["s_ptr"], f["srow_ptr"], f["t_ptr"], y, *args, n, k, f["N8"], f["stride_w"], f["stride_s"],
         f["stride_t"], eps, conv_n, BKS=f["BKS"], UNIFORM=f["UNIFORM"], ROUND_W=round_w, TAIL=f["TAIL"],
@@ -125,7 +125,7 @@ def l2_target(w, nbytes: int, halves: bool = False):
     return (flat, flat.numel() // 2 if halves else 0, each, segs) if each else None
 
 
-def _fp8_operands(w, epi: int, n: int, block_n: int, dummy) -> dict:
+def fp8_operands(w, epi: int, n: int, block_n: int, dummy) -> dict:
     """The FP8 keywords of the M-row kernels for `w` (bf16 or an fp8.FP8Weight) and launches of block_n rows."""
     if not hasattr(w, "scale"):
         return dict(w_ptr=w, s_ptr=dummy, srow_ptr=dummy, t_ptr=dummy, N8=n, stride_w=w.stride(0), stride_s=0,
@@ -183,7 +183,7 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
                 aux0_ptr=aux0 if aux0 is not None else dummy, aux1_ptr=aux1 if aux1 is not None else dummy,
                 win_ptr=window if window is not None else dummy, N=n, K=k, stride_x=x.stride(0),
                 stride_y=y.stride(0), stride_z=z.stride(0) if z is not None else 0, stride_a=stride_a,
-                stride_win=stride_win, eps=eps, CONV_N=conv_n, **_fp8_operands(w, epi, n, block_n, dummy))
+                stride_win=stride_win, eps=eps, CONV_N=conv_n, **fp8_operands(w, epi, n, block_n, dummy))
     common = dict(M=m, MP=triton.next_power_of_2(m), PRO=pro, EPI=epi, GROUP=group, KC=kc,
                   KCP=triton.next_power_of_2(max(kc - 1, 1)), STORE_XN=xn_out is not None,
                   KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
@@ -241,7 +241,7 @@ def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
                               BLOCK_K=min(block_k, triton.next_power_of_2(k)), **LAUNCH, num_warps=num_warps)
 
 
-__all__ = ["gemv", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel",
+__all__ = ["gemv", "fp8_operands", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel",
            "gemv_rows_dot_kernel", "rmsnorm_rows", "rmsnorm_rows_kernel",
            "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
            "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]

@@ -175,15 +175,28 @@ def _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_p
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, gu_ptr, sgu_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr, stride_ge,
-                       stride_x, stride_a, stride_r, stride_l,
+                       stride_x, stride_a, stride_r, stride_l, live_ptr,
                        K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                        TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr, VEC: tl.constexpr,
-                       M: tl.constexpr, PDL: tl.constexpr):
-    """Launch 2 over bf16 weights (`_gate_up`)."""
-    _gate_up(x_ptr, gu_ptr, gu_ptr, ids_ptr, sgu_ptr, sgu_ptr, ids_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-             stride_ge, 0, 0, 0, stride_x, stride_a, stride_r, stride_l, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K, E,
-             EP, NORM, 1, False, False, True, True, False, VEC, VEC, M, PDL)
+                       M: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+    """Launch 2 over bf16 weights (`_gate_up`); HAS_LIVE: the programs of a row whose live word is 0 idle
+    (`_row_live`)."""
+    if _row_live(live_ptr, _token_row(tl.program_id(1), M, TOPK)[0], HAS_LIVE, PDL):
+        _gate_up(x_ptr, gu_ptr, gu_ptr, ids_ptr, sgu_ptr, sgu_ptr, ids_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
+                 stride_ge, 0, 0, 0, stride_x, stride_a, stride_r, stride_l, K, I, IS, TOPK, IMAX, BLOCK_N, BLOCK_K,
+                 E, EP, NORM, 1, False, False, True, True, False, VEC, VEC, M, PDL and not HAS_LIVE)
+
+
+@triton.jit
+def _row_live(live_ptr, r, HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+    """Whether token row r computes: with HAS_LIVE (the batch step's rows, one per request slot) its live word,
+    read after the PDL wait (which the launch's body then skips); else always."""
+    on = True
+    if HAS_LIVE:
+        pdl_begin(PDL)
+        on = tl.load(live_ptr + r) != 0
+    return on
 
 
 @triton.jit
@@ -318,19 +331,20 @@ def _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_pt
 
 @triton.jit
 def moe_down_kernel(act_ptr, dn_ptr, sdn_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N, stride_de,
-                    stride_a, stride_r, stride_l, stride_res,
+                    stride_a, stride_r, stride_l, stride_res, live_ptr,
                     I: tl.constexpr, IS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
                     IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                    M: tl.constexpr, PDL: tl.constexpr):
-    """Launch 3 over bf16 weights (`_down`; masked, `_row_mask`)."""
-    _down(act_ptr, dn_ptr, dn_ptr, ids_ptr, sdn_ptr, sdn_ptr, ids_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
-          stride_de, 0, 0, 0, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N,
-          BLOCK_K, 1, False, False, True, True, False, VEC, VEC, M, False, PDL)
+                    M: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+    """Launch 3 over bf16 weights (`_down`; masked, `_row_mask`; HAS_LIVE: `_row_live`, grid axis 1 the row)."""
+    if _row_live(live_ptr, tl.program_id(1), HAS_LIVE, PDL):
+        _down(act_ptr, dn_ptr, dn_ptr, ids_ptr, sdn_ptr, sdn_ptr, ids_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
+              stride_de, 0, 0, 0, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK, TOPKP, IMAX, BLOCK_N,
+              BLOCK_K, 1, False, False, True, True, False, VEC, VEC, M, False, PDL and not HAS_LIVE)
 
 
 def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act, ids, wts, *, top_k,
                 block_n=8, block_k=None, down_block_n=4, down_block_k=None, num_warps=4, down_num_warps=4,
-                norm_topk=True, round_w=False, vec=0):
+                norm_topk=True, round_w=False, vec=0, live=None):
     """Routed + shared experts for one token, or for M tokens (xn [M, H]: the verify rows, each routed
     on its own), after the router launch (`gemv`, xn_out) has left the normed input xn [H] and
     logits [E+1] (router logits, then the shared-expert gate logit). The gate_up launch routes and
@@ -341,13 +355,16 @@ def moe_experts(xn, res, logits, gate_up, shared_gate_up, down, shared_down, act
     (one program per row, slot and block: an expert several rows chose is read from HBM about once,
     the rows' concurrent reads of its tiles meeting in L2). Any of the four weights may be an
     fp8.FP8Weight (e4m3 + block scales): the launches then run the fp8 kernels, which read each
-    weight in its own format (`round_w`: gemv_step._acc's ROUND_W; `vec`: gemv.gemv's)."""
+    weight in its own format (`round_w`: gemv_step._acc's ROUND_W; `vec`: gemv.gemv's). `live` (int32 [M],
+    the batch step's slots): the programs of a row whose word is 0 idle (its experts are not read, its
+    tensors are left as they are)."""
     n_exp, two_i, hidden = gate_up.shape
     inter, inter_s = two_i // 2, shared_gate_up.shape[0] // 2
     imax = max(inter, inter_s)
     m = xn.shape[0] if xn.dim() == 2 else 1
     st = lambda t: t.stride(0) if m > 1 else 0  # noqa: E731 - a row stride; none for one token
-    rows = dict(stride_a=st(act), stride_r=st(ids), stride_l=st(logits), M=m)
+    rows = dict(stride_a=st(act), stride_r=st(ids), stride_l=st(logits), M=m,
+                live_ptr=live if live is not None else ids, HAS_LIVE=live is not None)
     if m > 1 and not (ids.stride(0) == wts.stride(0) and act.shape[-1] >= (top_k + 1) * imax):
         raise ValueError(f"moe_experts: {m} rows need ids / wts with one row stride and act rows of "
                          f">= {(top_k + 1) * imax} elements")
@@ -428,30 +445,34 @@ def _fp8(routed, shared):
 @triton.jit
 def moe_gate_up_fp8_kernel(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr,
                            logits_ptr, wts_ptr, stride_ge, stride_gse, stride_gs, stride_sgs,
-                           stride_x, stride_a, stride_r, stride_l, K: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
-                           TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
+                           stride_x, stride_a, stride_r, stride_l, live_ptr, K: tl.constexpr, I: tl.constexpr,
+                           IS: tl.constexpr, TOPK: tl.constexpr, IMAX: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, NORM: tl.constexpr,
                            BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
                            UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
-                           M: tl.constexpr, PDL: tl.constexpr):
+                           M: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     """`moe_gate_up_kernel` with fp8 routed experts (FP8_E: gu e4m3 [E, 2I, K], scales gus
     [E, S, ceil(K/bk)], row map gur [2I]) and / or an fp8 shared expert (FP8_S: sgu, sgus, sgur)."""
-    _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
-             stride_ge, stride_gse, stride_gs, stride_sgs, stride_x, stride_a, stride_r, stride_l, K, I, IS, TOPK,
-             IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, PDL)
+    if _row_live(live_ptr, _token_row(tl.program_id(1), M, TOPK)[0], HAS_LIVE, PDL):
+        _gate_up(x_ptr, gu_ptr, gus_ptr, gur_ptr, sgu_ptr, sgus_ptr, sgur_ptr, act_ptr, ids_ptr, logits_ptr, wts_ptr,
+                 stride_ge, stride_gse, stride_gs, stride_sgs, stride_x, stride_a, stride_r, stride_l, K, I, IS,
+                 TOPK, IMAX, BLOCK_N, BLOCK_K, E, EP, NORM, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S,
+                 M, PDL and not HAS_LIVE)
 
 
 @triton.jit
 def moe_down_fp8_kernel(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr,
                         res_ptr, N, stride_de, stride_dse, stride_ds, stride_sds,
-                        stride_a, stride_r, stride_l, stride_res, I: tl.constexpr, IS: tl.constexpr,
+                        stride_a, stride_r, stride_l, stride_res, live_ptr, I: tl.constexpr, IS: tl.constexpr,
                         E: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
                         IMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         BKS: tl.constexpr, FP8_E: tl.constexpr, FP8_S: tl.constexpr, UNI_E: tl.constexpr,
                         UNI_S: tl.constexpr, ROUND_W: tl.constexpr, VEC_E: tl.constexpr, VEC_S: tl.constexpr,
-                        M: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+                        M: tl.constexpr, EVEN: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     """`moe_down_kernel` with fp8 routed down projections (FP8_E: dn e4m3 [E, H, I], scales dns, row
     map dnr [H]) and / or an fp8 shared down (FP8_S)."""
-    _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr, N,
-          stride_de, stride_dse, stride_ds, stride_sds, stride_a, stride_r, stride_l, stride_res, I, IS, E, TOPK,
-          TOPKP, IMAX, BLOCK_N, BLOCK_K, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, EVEN, PDL)
+    if _row_live(live_ptr, tl.program_id(1), HAS_LIVE, PDL):
+        _down(act_ptr, dn_ptr, dns_ptr, dnr_ptr, sdn_ptr, sdns_ptr, sdnr_ptr, ids_ptr, wts_ptr, logits_ptr, res_ptr,
+              N, stride_de, stride_dse, stride_ds, stride_sds, stride_a, stride_r, stride_l, stride_res, I, IS, E,
+              TOPK, TOPKP, IMAX, BLOCK_N, BLOCK_K, BKS, FP8_E, FP8_S, UNI_E, UNI_S, ROUND_W, VEC_E, VEC_S, M, EVEN,
+              PDL and not HAS_LIVE)
