@@ -105,9 +105,9 @@ R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256,
          FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False)
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
 RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1,
-          SPLITS=1, PRE=0, FP8=False, BKS=1, UNIFORM=True, TAIL=False)
+          SPLITS=1, PRE=0, FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False)
 # the M-row GEMVs over FP8 weights (the verify / batch step of an FP8 checkpoint): K blocks of whole scale blocks
-RDF = dict(RD, FP8=True, BKS=128, BLOCK_K=128)
+RDF = dict(RD, FP8=True, BKS=128, BLOCK_K=128, ROUND_W=False)
 RF = dict(R, FP8=True, BKS=128, BLOCK_K=512, VEC=8)
 ARGMAX = {"y_ptr": "*fp32", "aux0_ptr": "*fp32", "aux1_ptr": "*i32"}
 SPEC_T = {"forced_ptr": "*i64", "rec_ptr": "*fp32", "rec_after_ptr": "*fp32", "start_ptr": "*i64", "a_ptr": "*i64", "y_ptr": "*i64",
@@ -160,6 +160,9 @@ SPEC_VARIANTS = [
      dict(RDF, PRO=0, EPI=1, KP=8192, STAGES=5, SPLITS=2), 1, F8, ALIGN_R),
     ("rows_fp8_dot_per_row_scales", gemv.gemv_rows_dot_kernel,
      dict(RDF, PRO=1, EPI=0, BLOCK_N=32, STAGES=3, UNIFORM=False), 2, F8, ALIGN_R),
+    # K blocks across scale blocks (or Tuning.fp8_round_weights): each e4m3 * scale rounded to bf16 first
+    ("rows_fp8_dot_round_weights", gemv.gemv_rows_dot_kernel,
+     dict(RDF, PRO=1, EPI=0, BLOCK_N=32, BLOCK_K=256, STAGES=3, ROUND_W=True), 2, F8, ALIGN_R),
     ("rows_fp8_dot_lm_head_argmax", gemv.gemv_rows_dot_kernel,
      dict(RDF, PRO=1, EPI=4, STORE_XN=True, BLOCK_N=64, STAGES=3), 4, F8_ARGMAX, ALIGN_R),
     ("rows_fp8_fold_gated_residual", gemv.gemv_rows_kernel,
@@ -252,7 +255,7 @@ BATCH_VARIANTS = [
 # tensor-core GEMVs, kernels/batch_round.py's per-slot verify kernels, the per-slot accept / commit / pick.
 R32 = dict(RD, M=32, MP=32)
 CS = dict(R=32, RP=32, M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, STAGES=3,
-          FP8=False, BKS=1, UNIFORM=True, TAIL=False)
+          FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False)
 ROUND_VARIANTS = [
     ("round_rows32_qkv", gemv.gemv_rows_dot_kernel, dict(R32, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
     ("round_rows32_gated_residual", gemv.gemv_rows_dot_kernel, dict(R32, PRO=2, EPI=1, GROUP=128, BLOCK_K=1024,
@@ -346,7 +349,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 92 + 46 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 94 + 46 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
@@ -364,7 +367,7 @@ def test_fp8_rows_convert_e4m3_in_the_kernel(compiled):
     """The M-row GEMVs over FP8 weights convert e4m3 in the kernel (no bf16 copy of the weights); the tensor-core
     ones still stream the tiles through pipelined copies into MMAs."""
     fp8 = {k: v for k, v in compiled.items() if k.startswith("rows_fp8_")}
-    assert len(fp8) == 16
+    assert len(fp8) == 18
     for name, v in fp8.items():
         assert v["e4m3_cvt"] > 0, (name, v)
         if "_dot_" in name:

@@ -181,11 +181,11 @@ class Tuning:
     moe_fp8: GemvShape = GemvShape(8, 512, 2)
     moe_down_fp8: GemvShape = GemvShape(2, 256, 1)
     vec_fp8: int = 0
-    # The M-row GEMVs (speculative verify) over fp8 weights: the tensor-core kernel (each e4m3 * scale rounded to
-    # bf16, its operand) at `gemv_rows`' shapes. Not yet swept on a GPU; empty: the `gemv_fp8` shapes on the
-    # fold kernel.
-    gemv_rows_fp8: tuple[RowsRule, ...] = (RowsRule(4096, 16, 256, 1, 5), RowsRule(10000, 32, 256, 2, 3),
-                                           RowsRule(NO_LIMIT, 32, 256, 2, 3))
+    # The M-row GEMVs (speculative verify, batch decoders) over fp8 weights: the tensor-core kernel with K blocks of
+    # 128, inside the checkpoints' 128-column scale blocks (e4m3 into the MMA, each block's sums scaled after).
+    # Not yet swept; empty: the `gemv_fp8` shapes on the fold kernel.
+    gemv_rows_fp8: tuple[RowsRule, ...] = (RowsRule(4096, 16, 128, 1, 5), RowsRule(10000, 32, 128, 2, 3),
+                                           RowsRule(NO_LIMIT, 32, 128, 2, 3))
     # Round every e4m3 * scale to bf16 in the kernels, as the eager oracle's dequantized weights are:
     # the fp8 step then differs from the eager one only in the order of sums (parity diagnostics).
     fp8_round_weights: bool = False

@@ -12,9 +12,10 @@ Launched through `kernels.gemv.gemv(..., m=M)`.
 
 FP8 (FP8): the weight tiles are e4m3, each column's block scale gathered beside the tile as the one-row
 fp8 kernel does (gemv_step `_col_scales`). The fold kernel multiplies the scale into x (the one-row kernel's
-products), or with ROUND_W rounds each e4m3 * scale to bf16; the tensor-core kernel always rounds each
-e4m3 * scale to bf16, its MMA operand, which is the value of the eager engine's dequantized weight, so its
-products are the eager ones exactly. Rows past N8 (TAIL) are bf16 at t_ptr: those programs run the bf16 loop.
+products), or with ROUND_W rounds each e4m3 * scale to bf16. The tensor-core kernel multiplies a K block that lies
+inside one scale block as it is (e4m3 is exact in bf16) and scales the block's sums per row; otherwise (or with
+ROUND_W) it rounds each e4m3 * scale to bf16 first, the eager engine's dequantized weight. Rows past N8 (TAIL)
+are bf16 at t_ptr: those programs run the bf16 loop.
 """
 import triton
 import triton.language as tl
@@ -337,6 +338,18 @@ def _dot_t(w, xt, acc, DOT: tl.constexpr):
 
 
 @triton.jit
+def _dot_scaled(w, xt, acc, s_ptr, srow, stride_s, sc, rmask, UNIFORM: tl.constexpr, DOT: tl.constexpr):
+    """acc + (w @ xt) times the block scale of each weight row at scale column sc: an e4m3 tile as bf16 (exact) within
+    one column block of the scale grid; srow the program's scale row (UNIFORM) or each row's."""
+    p = _dot_t(w, xt, tl.zeros_like(acc), DOT)
+    if UNIFORM:
+        out = acc + p * tl.load(s_ptr + srow * stride_s + sc)
+    else:
+        out = acc + p * tl.load(s_ptr + srow * stride_s + sc, mask=rmask, other=0.0)[:, None]
+    return out
+
+
+@triton.jit
 def _w_dot_tile(wp, wmask, s_ptr, srow, stride_s, cols, cmask, rmask, FP8: tl.constexpr, BKS: tl.constexpr,
                 UNIFORM: tl.constexpr):
     """A [BLOCK_N, BLOCK_K] weight tile for `_dot_t`: bf16 W as loaded; FP8: each e4m3 * its column's block scale
@@ -420,6 +433,9 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
             if EPI == 2:
                 acc_u = _dot_t(wu_h, xt, acc_u, DOT)
             k_lo += BLOCK_K
+        # FP8 with K blocks inside scale blocks: each tile's products on the tensor cores as loaded (e4m3 is exact
+        # in bf16), times the block's scale per row after; else each weight dequantized first (`_w_dot_tile`)
+        SCALED: tl.constexpr = FP8 and not ROUND_W and BKS % BLOCK_K == 0
         for k0 in range(k_lo, k_hi, BLOCK_K):
             cols = k0 + offs_k
             cmask = cols < K
@@ -428,14 +444,25 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
             else:
                 wmask = rmask[:, None] & cmask[None, :]
             wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
-            w = _w_dot_tile(wp, wmask, s_ptr, srow, stride_s, cols, cmask, rmask, FP8, BKS, UNIFORM)
+            if SCALED:
+                w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.bfloat16)
+            else:
+                w = _w_dot_tile(wp, wmask, s_ptr, srow, stride_s, cols, cmask, rmask, FP8, BKS, UNIFORM)
             xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, pid,
                                    PRO, GROUP, STORE_XN, BLOCK_K))
-            acc = _dot_t(w, xt, acc, DOT)
+            if SCALED:
+                acc = _dot_scaled(w, xt, acc, s_ptr, srow, stride_s, k0 // BKS, rmask, UNIFORM, DOT)
+            else:
+                acc = _dot_t(w, xt, acc, DOT)
             if EPI == 2:
-                wu = _w_dot_tile(wp + N * stride_w, wmask, s_ptr, srow_u, stride_s, cols, cmask, rmask, FP8, BKS,
-                                 UNIFORM)
-                acc_u = _dot_t(wu, xt, acc_u, DOT)
+                if SCALED:
+                    wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0,
+                                 eviction_policy="evict_first").to(tl.bfloat16)
+                    acc_u = _dot_scaled(wu, xt, acc_u, s_ptr, srow_u, stride_s, k0 // BKS, rmask, UNIFORM, DOT)
+                else:
+                    wu = _w_dot_tile(wp + N * stride_w, wmask, s_ptr, srow_u, stride_s, cols, cmask, rmask, FP8, BKS,
+                                     UNIFORM)
+                    acc_u = _dot_t(wu, xt, acc_u, DOT)
         y, y_up = tl.trans(acc), tl.trans(acc_u)
     return y, y_up
 
@@ -504,7 +531,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                          KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                          DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr,
                          PRE: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr,
-                         TAIL: tl.constexpr):
+                         ROUND_W: tl.constexpr, TAIL: tl.constexpr):
     """`gemv_rows_kernel` through the tensor cores with the weight as the left operand: acc [BLOCK_N, MP] =
     W[rows] @ x^T (the compiler pads the MP columns to the instruction's). Each weight tile goes from the load
     straight into the product, so the compiler streams it through shared memory in pipeline stages
@@ -514,7 +541,9 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     programs to finish adds the tile's partials in split order and runs the epilogue, so a launch over few
     output rows streams its weight from SPLITS times the programs and the sums do not depend on which
     program finishes last. PRE > 0: each program's first weight tile is loaded before the PDL wait (bf16 W).
-    FP8: as `gemv_rows_kernel`'s, each weight rounded to bf16 after its scale (`_w_dot_tile`)."""
+    FP8: as `gemv_rows_kernel`'s: a K block inside one scale block goes to the tensor cores as e4m3 (exact in bf16)
+    and its products are scaled per row after (`_dot_scaled`); otherwise, or with ROUND_W, each weight is rounded
+    to bf16 after its scale first (`_w_dot_tile`: the eager engine's dequantized weight)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -522,7 +551,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     jm = jrow < M
     y, y_up = _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows,
                            rmask, pid, N, K, N8, stride_w, stride_s, stride_t, eps, PRO, EPI, GROUP, STORE_XN, KP,
-                           BLOCK_N, BLOCK_K, EVEN_K, DOT, PRE, 1, PDL, SPLITS, FP8, BKS, UNIFORM, True, TAIL)
+                           BLOCK_N, BLOCK_K, EVEN_K, DOT, PRE, 1, PDL, SPLITS, FP8, BKS, UNIFORM, ROUND_W, TAIL)
     if SPLITS > 1:
         y, y_up, last = _split_sum(y, y_up, part_ptr, cnt_ptr, pid, tl.num_programs(0), EPI, SPLITS)
         rmask = rows < N * last  # the epilogue's stores: the last program's only
