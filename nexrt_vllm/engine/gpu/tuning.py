@@ -181,11 +181,13 @@ class Tuning:
     moe_fp8: GemvShape = GemvShape(8, 512, 2)
     moe_down_fp8: GemvShape = GemvShape(2, 256, 1)
     vec_fp8: int = 0
-    # The M-row GEMVs (speculative verify, batch decoders) over fp8 weights: the tensor-core kernel with K blocks of
-    # 128, inside the checkpoints' 128-column scale blocks (e4m3 into the MMA, each block's sums scaled after).
-    # Not yet swept; empty: the `gemv_fp8` shapes on the fold kernel.
-    gemv_rows_fp8: tuple[RowsRule, ...] = (RowsRule(4096, 16, 128, 1, 5), RowsRule(10000, 32, 128, 2, 3),
-                                           RowsRule(NO_LIMIT, 32, 128, 2, 3))
+    # The M-row GEMVs (speculative verify, batch decoders) over fp8 weights: the fold kernel (each column's scale
+    # into x, as the one-row fp8 kernel). H100, MTP round at 8K, 32K drafts, random weights (benchmarks/results/
+    # gpu/spec_fp8_h100.json): 2B 2.451 ms, 35B-A3B (20 layers) 2.723; with K blocks of 2048: 2.555 / 2.757; on the
+    # tensor-core kernel (e4m3 tiles of 128 columns into the MMA, sums scaled per block) 2.618-2.840 / 3.265, with
+    # each weight dequantized to bf16 first 3.492 at 2B. Empty: the `gemv_fp8` shapes on the fold kernel.
+    gemv_rows_fp8: tuple[RowsRule, ...] = (RowsRule(4096, 4, 1024, 4, 0), RowsRule(10000, 16, 512, 4, 0),
+                                           RowsRule(NO_LIMIT, 16, 512, 4, 0))
     # Round every e4m3 * scale to bf16 in the kernels, as the eager oracle's dequantized weights are:
     # the fp8 step then differs from the eager one only in the order of sums (parity diagnostics).
     fp8_round_weights: bool = False
