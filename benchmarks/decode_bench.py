@@ -22,7 +22,8 @@ on the CPU); `--train-graft` trains them and exits without a GPU, so a GPU run f
 checkpoints' block format (e4m3 + 128 x 128 fp32 scales, read natively by the fp8 kernels); the
 byte count is then what the fp8 step reads (e4m3 values, scales, scale-row maps, the bf16 rest),
 and `fp8_vs_bf16` compares the two per context. With `--speculative mtp` the MTP round runs in each format (the
-FP8 verify's M-row GEMVs, experts and MTP head read e4m3 + scales).
+FP8 verify's M-row GEMVs, experts and MTP head read e4m3 + scales), and with `--batch` the batch step or the
+batched round.
 
 `--tp N` runs each shape tensor-parallel on the graph path (gpu/tp.py): N processes, rank r on cuda:r,
 each replaying its own captured step with NCCL inside; per context the step time of rank 0's replays
@@ -442,7 +443,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tp-collectives", default="group", help="with --tp: the step's collectives, comma-separated "
                     "to time each in the same run: group (NCCL) and/or peer (one-shot kernels over peer memory)")
     ap.add_argument("--batch", default="", help="batch sizes, e.g. 1,2,4,8: the captured batch step (B requests "
-                    "per step, nexrt_vllm/bench/batch_step.py) against the one-request step (1), bf16")
+                    "per step, nexrt_vllm/bench/batch_step.py) against the one-request step (1), in each --dtype")
     ap.add_argument("--batch-slots", type=int, default=0,
                     help="with --batch and --speculative mtp: every batch size as the bucket of a node of this many "
                          "slots (what a --max-batch N node replays with B requests live; 1 too); 0: B slots each")
@@ -519,37 +520,39 @@ def main(argv=None) -> int:
             ap.error(f"--batch: comma-separated batch sizes, got {args.batch!r}")
         if not batches or not 1 <= batches[0] <= batches[-1] <= 8:
             ap.error(f"--batch: sizes in [1, 8], got {args.batch!r}")
-        if dtypes != ["bf16"] or args.tp > 1 or (args.speculative != "off" and args.graft):
-            ap.error("--batch runs bf16 weights at --tp 1 (with --speculative: random weights, not --graft)")
+        if args.tp > 1 or (args.speculative != "off" and args.graft):
+            ap.error("--batch runs at --tp 1 (with --speculative: random weights, not --graft)")
         if args.batch_slots and (args.speculative != "mtp" or not batches[-1] <= args.batch_slots <= 8):
             ap.error(f"--batch-slots: with --speculative mtp, from the largest batch size to 8, got {args.batch_slots}")
-        for key in args.shapes.split(","):
+        for key, dt in ((k, d) for k in args.shapes.split(",") for d in dtypes):
             try:
                 if args.speculative == "mtp":
                     results["shapes"].append(batch_round.run_batch_round_shape(
                         key, contexts, batches, args.steps, tuning, args.num_speculative_tokens, args.draft_vocab,
-                        args.breakdown_ctx, args.batch_slots))
+                        args.breakdown_ctx, args.batch_slots, dtype=dt))
                     save()
                     continue
                 results["shapes"].append(batch_step.run_batch_shape(
                     key, contexts, batches, args.steps, bw, tuning, args.graft, args.batch_parity_steps,
-                    args.breakdown_ctx))
+                    args.breakdown_ctx, dtype=dt))
             except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
                 import traceback
                 traceback.print_exc()
-                results.setdefault("errors", {})[key + "/batch"] = f"{type(e).__name__}: {e}"
+                results.setdefault("errors", {})[key + ("/batch" if dt == "bf16" else f"/{dt}/batch")] = \
+                    f"{type(e).__name__}: {e}"
                 torch.cuda.empty_cache()
             save()
         log(f"{'shape':<22}{'B':>3}{'live':>5}{'ctx':>7}{'ms/step':>9}{'xB1':>7}{'tok/s/req':>10}{'tok/s':>8}"
             f"{'GB/step':>9}{'MBU%':>7}")
         for r in results["shapes"]:
+            name = r["shape"] + ("" if r.get("dtype", "bf16") == "bf16" else f" {r['dtype']}")
             for c in r["rows"]:
                 if "round_ms" in c:  # the batched round (batch_round.py)
-                    log(f"{r['shape']:<22}{c['batch']:>3}{'all':>5}{c['context']:>7}  round {c['round_ms']:.3f} ms "
+                    log(f"{name:<22}{c['batch']:>3}{'all':>5}{c['context']:>7}  round {c['round_ms']:.3f} ms "
                         f"= {c['round_over_step']:.2f}x step, {c.get('tok_s_per_request_at_acceptance', 0):.0f} "
                         f"tok/s/req, {c.get('tok_s_total_at_acceptance', 0):.0f} tok/s at the golden acceptance")
                     continue
-                log(f"{r['shape']:<22}{c['batch']:>3}{c['live']:>5}{c['context']:>7}{c['step_ms']:>9.3f}"
+                log(f"{name:<22}{c['batch']:>3}{c['live']:>5}{c['context']:>7}{c['step_ms']:>9.3f}"
                     f"{c.get('step_over_b1', float('nan')):>7.3f}{c['tok_s_per_request']:>10.0f}"
                     f"{c['tok_s_total']:>8.0f}{c['bytes_per_step'] / 1e9:>9.3f}{100 * c['mbu']:>7.1f}")
         judge(results)
@@ -640,7 +643,8 @@ def judge(results: dict) -> None:
         if "batches" in r:  # the batch step (batch_step.run_batch_shape): per batch size
             for b, pb in p.items():
                 if trained:
-                    record(results, f"{r['shape']}/batch{b}/tokens_equal_alone", pb["all_equal_eager"])
+                    record(results, f"{r['shape']}/{r.get('dtype', 'bf16')}/batch{b}/tokens_equal_alone",
+                           pb["all_equal_eager"])
             continue
         if "round_graph_equals_eager" in p:  # the MTP round (spec_round.run_spec_shape)
             tag = f"{r['shape']}/mtp" + ("" if r.get("dtype", "bf16") == "bf16" else f"/{r['dtype']}")

@@ -62,16 +62,17 @@ def build(eng, layers, tuning, B: int, max_len: int, num_spec: int, draft_vocab,
 
 
 def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], steps: int, tuning=None,
-                          num_spec: int = 3, draft_vocab=None, breakdown_ctx: int = 8192, slots: int = 0) -> dict:
+                          num_spec: int = 3, draft_vocab=None, breakdown_ctx: int = 8192, slots: int = 0,
+                          dtype: str = "bf16") -> dict:
     t0 = time.time()
     M = num_spec + 1
     max_len = max(contexts, default=0) + (steps + 8) * M + 64
-    eng = spec_round.spec_engine(key, max_len, num_spec, draft_vocab)
+    eng = spec_round.spec_engine(key, max_len, num_spec, draft_vocab, dtype)
     fused, runner1, spec1 = spec_round.capture(eng, tuning, draft_vocab)
     g1 = runner1.capture(False)
     S.log(f"[{key}/batch-round] one-request step and round captured in {time.time() - t0:.1f}s")
     L = GOLDEN.get(num_spec)
-    res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "random", "dtype": "bf16", "pdl": fused.pdl,
+    res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "random", "dtype": dtype, "pdl": fused.pdl,
            "batches": batches, "num_speculative_tokens": num_spec, "acceptance_length": L,
            "draft_vocab": spec1.d.draft_vocab, "slots": slots or None, "rows": []}
     gen = torch.Generator(device=eng.device).manual_seed(1234)

@@ -137,7 +137,7 @@ def parity(eng, fused_runner, runner, prompts: list[list[int]], steps: int) -> d
 
 
 def run_batch_shape(key: str, contexts: list[int], batches: list[int], steps: int, bw: float, tuning=None,
-                    graft_dir: str = "", parity_steps: int = 0, breakdown_ctx: int = 8192) -> dict:
+                    graft_dir: str = "", parity_steps: int = 0, breakdown_ctx: int = 8192, dtype: str = "bf16") -> dict:
     from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder
     from nexrt_vllm.engine.gpu.batch_runner import BatchRunner, bucket
     from nexrt_vllm.engine.gpu.decoder import FusedDecoder
@@ -148,16 +148,16 @@ def run_batch_shape(key: str, contexts: list[int], batches: list[int], steps: in
     max_len = max(contexts, default=0) + max(steps, parity_steps) + 64
     seg = None
     if graft_dir:
-        eng, tcfg = S.graft_engine(key, graft_dir, max_len)
+        eng, tcfg = S.graft_engine(key, graft_dir, max_len, dtype=dtype)
         vocab = tcfg.vocab_size
     else:
-        eng = S.random_engine(key, max_len)
+        eng = S.random_engine(key, max_len, dtype)
         vocab = eng.config.vocab_size
     fused = FusedDecoder(eng.model, eng.state, mode="fused", tuning=tuning)
     runner1 = GraphRunner(fused)
     g1 = runner1.capture(False)
     S.log(f"[{key}/batch] one-request step captured in {time.time() - t0:.1f}s")
-    res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "graft" if graft_dir else "random", "dtype": "bf16",
+    res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "graft" if graft_dir else "random", "dtype": dtype,
            "pdl": fused.pdl, "batches": batches, "targets_step_ratio_at_8k": TARGETS.get(key, {}), "rows": []}
     gen = torch.Generator(device=eng.device).manual_seed(1234)
     base: dict[int, float] = {}
