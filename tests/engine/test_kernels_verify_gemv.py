@@ -445,23 +445,6 @@ def test_split_k_equals_one_split(m, splits, epi):
         gemv.gemv(x[:2], w[:n], nan_rows(2, n), m=2, dot=0, block_n=16, block_k=32, splits=2)
 
 
-@pytest.mark.parametrize("m", [4, 12])
-@pytest.mark.parametrize("splits", [1, 4])  # 4: K's 5 blocks split 2 + 2 + 1 + none
-@pytest.mark.parametrize("epi", ["swiglu", "residual", "conv", "argmax"])
-def test_dot_head_before_the_wait_gives_the_same_bytes(m, splits, epi):
-    """`prefetch` on the tensor-core kernel (Tuning.dot_prefetch): each program's first K block of W is loaded
-    before the PDL wait and its products come first, then the loop over the rest: the same sums in the same
-    order as without it, so the same bytes, for every epilogue the verify launches, a ragged K and a split
-    past K (which loads nothing)."""
-    # K: 5 blocks of 32, the last one ragged; the residual add over un-normed rows covers the plain prologue
-    _, _, _, launch = epilogue_case(m, 150, epi, seed=5)
-    extra = {"splits": splits, "pro": gemv.PRO_NONE} if epi == "residual" else {"splits": splits}
-    plain, head = launch(prefetch=0, **extra), launch(prefetch=1, **extra)
-    for name in plain:
-        assert not head[name].isnan().any(), name
-        assert torch.equal(head[name], plain[name]), name
-
-
 def fp8_weight(n: int, k: int, block, seed: int, halves: bool = False, tail: int = 0):
     """An FP8Weight [n (+ tail), k]: one checkpoint tensor, or with `halves` a SwiGLU [gate; up] whose halves
     keep grids of their own, and `tail` bf16 rows after the fp8 ones (the GDN in_proj's b / a)."""

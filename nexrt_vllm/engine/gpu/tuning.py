@@ -87,10 +87,6 @@ class Tuning:
     # one-request round) the same split lost (1,959 -> 2,004 µs), so `gemv_rows` keeps one split.
     gemv_rows_wide: tuple[RowsRule, ...] = (RowsRule(4096, 16, 256, 1, 5, 2), RowsRule(10000, 32, 256, 2, 3),
                                             RowsRule(NO_LIMIT, 32, 256, 2, 3))
-    # K blocks of weight the tensor-core M-row GEMVs (a `RowsShape` with stages > 0) load before the PDL wait:
-    # 0 or 1 (held in registers), as `prefetch` does for the one-row GEMVs. Their pipelined copies are issued
-    # only after the wait and the x prologue. Off until an A/B on the GPU says otherwise.
-    dot_prefetch: int = 0
     gemv_gated_rows: RowsShape = RowsShape(8, 1024, 8, 0)
     lm_rows: RowsShape = RowsShape(64, 256, 4, 3)
     gemv_gated: GemvShape = GemvShape(8, 1024, 8)  # GDN out_proj (gated-norm prologue)
@@ -265,8 +261,8 @@ def tuning_overrides(kvs: str) -> tuple[Tuning, dict]:
 def gemv_kwargs(t: Tuning, w, shape: GemvShape | RowsShape, prefetch: int | None = None) -> dict:
     """The `kernels.gemv.gemv` keywords of a launch of `shape` over the weight `w` (bf16, or an
     fp8.FP8Weight, whose fp8 rows before a bf16 tail must fill whole programs). `prefetch`: K blocks
-    of a bf16 `w` ahead of the wait (None: `t.prefetch`, `t.dot_prefetch` on the tensor-core M-row
-    kernel; fp8 weights load none early)."""
+    of a bf16 `w` ahead of the wait (None: `t.prefetch`; fp8 weights and the tensor-core M-row kernel load none
+    early)."""
     kw = {"block_n": shape.block_n, "block_k": shape.block_k, "num_warps": shape.num_warps}
     if isinstance(shape, RowsShape):
         kw["dot"] = shape.stages
@@ -277,9 +273,7 @@ def gemv_kwargs(t: Tuning, w, shape: GemvShape | RowsShape, prefetch: int | None
         if w.tail is not None:
             kw["block_n"] = min(kw["block_n"], w.n8 & -w.n8)
         return kw
-    if prefetch is None:
-        prefetch = t.dot_prefetch if isinstance(shape, RowsShape) and shape.stages else t.prefetch
-    return {**kw, "prefetch": prefetch, "vec": t.vec}
+    return {**kw, "prefetch": t.prefetch if prefetch is None else prefetch, "vec": t.vec}
 
 
 def moe_kwargs(t: Tuning, cfg, f) -> dict:

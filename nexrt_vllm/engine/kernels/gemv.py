@@ -61,9 +61,8 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     accumulators for m rows would not fit in registers) and `prefetch` is cut to 4 blocks. `dot` > 0:
     `gemv_rows_dot_kernel` (tensor cores, >= 16 weight rows per program) with `dot` pipeline stages.
     `splits` > 1 (with `dot`): K split over that many programs per output tile (at most one per K block),
-    summed in split order by the tile's last program (scratch: `splitk_workspace`). With `dot`, `prefetch` > 0
-    loads each program's first K block of W before the wait (one block: it is held in registers). An FP8 W with
-    `dot`: K blocks inside the scale blocks are multiplied as e4m3 and scaled after, else (or with `round_w`) each
+    summed in split order by the tile's last program (scratch: `splitk_workspace`); `prefetch` is not used with
+    `dot`. An FP8 W with `dot`: K blocks inside the scale blocks are multiplied as e4m3 and scaled after, else (or with `round_w`) each
     e4m3 * scale is rounded to bf16 first (kernels/gemv_verify.py).
     `l2` (m = 1, bf16 W): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for
     when done."""
@@ -197,8 +196,7 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
         if splits > 1:
             part, cnt = splitk_workspace(y.device, 2 * splits * grid * block_n * common["MP"], grid)
         gemv_rows_dot_kernel[(grid, splits)](**args, DOT=1 if ASM else 2, SPLITS=splits, part_ptr=part, cnt_ptr=cnt,
-                                             PRE=head_blocks(min(prefetch, 1), k, block_k), ROUND_W=round_w,
-                                             num_stages=dot, **common)
+                                             ROUND_W=round_w, num_stages=dot, **common)
         return grid
     if splits != 1:
         raise ValueError(f"gemv: splits needs the tensor-core M-row kernel (dot > 0), got {splits}")

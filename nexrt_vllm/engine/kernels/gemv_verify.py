@@ -389,8 +389,8 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
     """y, y_up [MP, BLOCK_N]: this program's BLOCK_N outputs for the M rows of x after the prologue (y_up: EPI 2's
     up half), PDL's wait included. DOT 0: `gemv_rows_kernel`'s fold (PRE K blocks of W loaded before the
     wait, VEC-column FMA runs); DOT 1 / 2: `gemv_rows_dot_kernel`'s tensor-core loop (`_dot_t`), over the
-    K blocks of split program_id(1) of SPLITS (the split's partial sums); PRE > 0: its first K block of W
-    loaded before the wait. FP8: W is e4m3 with block scales (s_ptr, row map srow_ptr; no PRE)."""
+    K blocks of split program_id(1) of SPLITS (the split's partial sums). FP8: W is e4m3 with block scales
+    (s_ptr, row map srow_ptr; no PRE)."""
     MP: tl.constexpr = jrow.shape[0]
     tl.static_assert(not FP8 or PRE == 0, "FP8 weights load nothing before the wait")
     if DOT == 0:
@@ -411,28 +411,9 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
             per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
             k_lo = tl.program_id(1) * per
             k_hi = tl.minimum(K, k_lo + per)
-        if PRE > 0:
-            # The split's first weight tile into registers before the wait (weights never depend on the
-            # previous kernel): its bytes stream while that kernel drains and the x prologue runs, where the
-            # pipelined copies of the loop below are issued only after both. A split past K loads nothing.
-            hcols = k_lo + offs_k
-            hcm = hcols < k_hi
-            hmask = rmask[:, None] & hcm[None, :]
-            hp = w_ptr + rows[:, None] * stride_w + hcols[None, :]
-            w_h = tl.load(hp, mask=hmask, other=0.0, eviction_policy="evict_first")
-            wu_h = w_h
-            if EPI == 2:
-                wu_h = tl.load(hp + N * stride_w, mask=hmask, other=0.0, eviction_policy="evict_first")
         pdl_begin(PDL)
         srow, srow_u = _scale_rows(srow_ptr, pid, rows, rmask, N, EPI, BLOCK_N, FP8, UNIFORM)
         rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
-        if PRE > 0:  # the first block's products, in the loop's order: the same sums as without the head
-            xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, hcols, hcm, nw_ptr, z_ptr, stride_z, rstd, eps, pid,
-                                   PRO, GROUP, STORE_XN, BLOCK_K))
-            acc = _dot_t(w_h, xt, acc, DOT)
-            if EPI == 2:
-                acc_u = _dot_t(wu_h, xt, acc_u, DOT)
-            k_lo += BLOCK_K
         # FP8 with K blocks inside scale blocks: each tile's products on the tensor cores as loaded (e4m3 is exact
         # in bf16), times the block's scale per row after; else each weight dequantized first (`_w_dot_tile`)
         SCALED: tl.constexpr = FP8 and not ROUND_W and BKS % BLOCK_K == 0
@@ -530,8 +511,8 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                          GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr,
                          KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                          DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr,
-                         PRE: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr,
-                         ROUND_W: tl.constexpr, TAIL: tl.constexpr):
+                         FP8: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr,
+                         TAIL: tl.constexpr):
     """`gemv_rows_kernel` through the tensor cores with the weight as the left operand: acc [BLOCK_N, MP] =
     W[rows] @ x^T (the compiler pads the MP columns to the instruction's). Each weight tile goes from the load
     straight into the product, so the compiler streams it through shared memory in pipeline stages
@@ -540,7 +521,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     SPLITS > 1 (grid [tiles, SPLITS]): each program sums its share of K (`_split_sum`); the last of a tile's
     programs to finish adds the tile's partials in split order and runs the epilogue, so a launch over few
     output rows streams its weight from SPLITS times the programs and the sums do not depend on which
-    program finishes last. PRE > 0: each program's first weight tile is loaded before the PDL wait (bf16 W).
+    program finishes last.
     FP8: as `gemv_rows_kernel`'s: a K block inside one scale block goes to the tensor cores as e4m3 (exact in bf16)
     and its products are scaled per row after (`_dot_scaled`); otherwise, or with ROUND_W, each weight is rounded
     to bf16 after its scale first (`_w_dot_tile`: the eager engine's dequantized weight)."""
@@ -551,7 +532,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     jm = jrow < M
     y, y_up = _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows,
                            rmask, pid, N, K, N8, stride_w, stride_s, stride_t, eps, PRO, EPI, GROUP, STORE_XN, KP,
-                           BLOCK_N, BLOCK_K, EVEN_K, DOT, PRE, 1, PDL, SPLITS, FP8, BKS, UNIFORM, ROUND_W, TAIL)
+                           BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL, SPLITS, FP8, BKS, UNIFORM, ROUND_W, TAIL)
     if SPLITS > 1:
         y, y_up, last = _split_sum(y, y_up, part_ptr, cnt_ptr, pid, tl.num_programs(0), EPI, SPLITS)
         rmask = rows < N * last  # the epilogue's stores: the last program's only
