@@ -406,6 +406,23 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_recorded(results: dict, where: str, run) -> None:
+    """Append `run()`'s result to results["shapes"]; an exception is printed and recorded under results["errors"]
+    [where] (judge() then fails the run), and the benchmark goes on to the next shape."""
+    try:
+        results["shapes"].append(run())
+    except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
+        import traceback
+        traceback.print_exc()
+        results.setdefault("errors", {})[where] = f"{type(e).__name__}: {e}"
+        torch.cuda.empty_cache()
+
+
+def err_key(key: str, dtype: str, what: str = "") -> str:
+    """An errors key: the shape, then the dtype unless bf16, then `what` (the mode: batch, mtp) if any."""
+    return "/".join([key] + ([dtype] if dtype != "bf16" else []) + ([what] if what else []))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="2b,35b")
@@ -525,22 +542,14 @@ def main(argv=None) -> int:
         if args.batch_slots and (args.speculative != "mtp" or not batches[-1] <= args.batch_slots <= 8):
             ap.error(f"--batch-slots: with --speculative mtp, from the largest batch size to 8, got {args.batch_slots}")
         for key, dt in ((k, d) for k in args.shapes.split(",") for d in dtypes):
-            try:
-                if args.speculative == "mtp":
-                    results["shapes"].append(batch_round.run_batch_round_shape(
-                        key, contexts, batches, args.steps, tuning, args.num_speculative_tokens, args.draft_vocab,
-                        args.breakdown_ctx, args.batch_slots, dtype=dt))
-                    save()
-                    continue
-                results["shapes"].append(batch_step.run_batch_shape(
+            if args.speculative == "mtp":
+                run_recorded(results, err_key(key, dt, "batch"), lambda: batch_round.run_batch_round_shape(
+                    key, contexts, batches, args.steps, tuning, args.num_speculative_tokens, args.draft_vocab,
+                    args.breakdown_ctx, args.batch_slots, dtype=dt))
+            else:
+                run_recorded(results, err_key(key, dt, "batch"), lambda: batch_step.run_batch_shape(
                     key, contexts, batches, args.steps, bw, tuning, args.graft, args.batch_parity_steps,
                     args.breakdown_ctx, dtype=dt))
-            except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
-                import traceback
-                traceback.print_exc()
-                results.setdefault("errors", {})[key + ("/batch" if dt == "bf16" else f"/{dt}/batch")] = \
-                    f"{type(e).__name__}: {e}"
-                torch.cuda.empty_cache()
             save()
         log(f"{'shape':<22}{'B':>3}{'live':>5}{'ctx':>7}{'ms/step':>9}{'xB1':>7}{'tok/s/req':>10}{'tok/s':>8}"
             f"{'GB/step':>9}{'MBU%':>7}")
@@ -564,42 +573,23 @@ def main(argv=None) -> int:
         group = Group(args.tp, device="cuda", timeout=600)
         try:
             for key, coll in ((k, c) for k in args.shapes.split(",") for c in args.tp_collectives.split(",")):
-                try:
-                    results["shapes"].append(run_tp_shape(group, key, args.tp, contexts, args.steps, args.parity_steps,
-                                                          args.eager_steps, bw, tuning, coll))
-                except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
-                    import traceback
-                    traceback.print_exc()
-                    results.setdefault("errors", {})[f"{key}/tp{args.tp}/{coll}"] = f"{type(e).__name__}: {e}"
-                    torch.cuda.empty_cache()
+                run_recorded(results, f"{key}/tp{args.tp}/{coll}", lambda: run_tp_shape(
+                    group, key, args.tp, contexts, args.steps, args.parity_steps, args.eager_steps, bw, tuning, coll))
                 save()
         finally:
             group.close()
     for key in args.shapes.split(",") if args.tp == 1 else ():
         if args.speculative == "mtp":
             for dt in dtypes:
-                try:
-                    results["shapes"].append(spec_round.run_spec_shape(
-                        key, contexts, args.steps, args.parity_steps, bw, tuning, args.graft,
-                        args.num_speculative_tokens, args.draft_vocab, args.breakdown_ctx, dtype=dt))
-                except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
-                    import traceback
-                    traceback.print_exc()
-                    results.setdefault("errors", {})[key + ("/mtp" if dt == "bf16" else f"/{dt}/mtp")] = \
-                        f"{type(e).__name__}: {e}"
-                    torch.cuda.empty_cache()
+                run_recorded(results, err_key(key, dt, "mtp"), lambda: spec_round.run_spec_shape(
+                    key, contexts, args.steps, args.parity_steps, bw, tuning, args.graft,
+                    args.num_speculative_tokens, args.draft_vocab, args.breakdown_ctx, dtype=dt))
                 save()
             continue
         for dt in dtypes:
-            try:
-                results["shapes"].append(run_shape(key, contexts, args.steps, args.parity_steps, args.eager_steps, bw,
-                                                   args.breakdown_ctx, tuning, args.graft, dtype=dt,
-                                                   controls=not args.no_eager_controls))
-            except Exception as e:  # noqa: BLE001 - record it and go on to the next shape
-                import traceback
-                traceback.print_exc()
-                results.setdefault("errors", {})[key if dt == "bf16" else f"{key}/{dt}"] = f"{type(e).__name__}: {e}"
-                torch.cuda.empty_cache()
+            run_recorded(results, err_key(key, dt), lambda: run_shape(
+                key, contexts, args.steps, args.parity_steps, args.eager_steps, bw, args.breakdown_ctx, tuning,
+                args.graft, dtype=dt, controls=not args.no_eager_controls))
             if len(dtypes) > 1:
                 results["fp8_vs_bf16"] = compare_dtypes(results["shapes"])
             save()

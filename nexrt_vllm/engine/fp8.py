@@ -258,4 +258,5 @@ def quantize_tensors(tensors: dict, cfg, block: tuple[int, int] = (128, 128),
 
 
 __all__ = ["FP8Weight", "FP8_MAX", "KEEP_SUFFIXES", "PUBLISHED_NOT_CONVERT", "keepable", "grid_rows", "linear",
-           "cat_rows", "stack_experts", "split_views", "take_rows", "quantize_block", "quantize_weight", "quantize_tensors"]
+           "cat_rows", "stack_experts", "split_views", "take_rows", "quantize_block", "quantize_weight",
+           "quantize_tensors"]

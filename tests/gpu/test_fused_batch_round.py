@@ -3,8 +3,8 @@ MTP rounds in one plan of fused Triton launches, verify rows slot-major) against
 CPU through the Triton interpreter.
 
 Trained tiny checkpoints with trained MTP heads (confident greedy tokens, drafts that get accepted; one also
-quantized as the published FP8 checkpoints and read e4m3): every slot's tokens equal the eager engine's one-token loop for its request alone, token for token,
-while slots join late, leave early (max_tokens), meet a stop id or are cancelled; a request with the
+quantized as the published FP8 checkpoints and read e4m3): every slot's tokens equal the eager engine's
+one-token loop for its request alone, token for token, while slots join late, leave early (max_tokens), meet a stop id or are cancelled; a request with the
 head's prompt context drafts at once (its rounds accept what the eager speculative loop accepts),
 one after a hand-off without it starts from placeholder drafts; a request that runs to its
 context's last position speculates to the end (the accept clamps the round, its rows past the end

@@ -4,8 +4,8 @@ plan of fused Triton launches) against each request alone, on CPU through the Tr
 Three slots with different prompts and positions, on trained tiny checkpoints of the three families
 (confident greedy tokens; Qwen3-Next also quantized as the published FP8 checkpoints, its weights kept e4m3 +
 scales, against the eager engine on them, which dequantizes each weight as loading would): each slot's tokens
-equal the eager engine's for its request alone and the single-request fused step's (FusedDecoder), token for token, while the others join late, leave
-early (max_tokens) or are cancelled mid-stream. A slot that is not live is left byte for byte as
+equal the eager engine's for its request alone and the single-request fused step's (FusedDecoder), token
+for token, while the others join late, leave early (max_tokens) or are cancelled mid-stream. A slot that is not live is left byte for byte as
 it was (its state, position and token), before it joins and after it left. The slot engines'
 states are views of the stacked states: the eager prefill writes the slot the batch step reads.
 The graph capture and the pipelined replays on the device: tests/gpu/test_batch_graph.py (gpu)."""

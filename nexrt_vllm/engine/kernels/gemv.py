@@ -62,8 +62,8 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     `gemv_rows_dot_kernel` (tensor cores, >= 16 weight rows per program) with `dot` pipeline stages.
     `splits` > 1 (with `dot`): K split over that many programs per output tile (at most one per K block),
     summed in split order by the tile's last program (scratch: `splitk_workspace`); `prefetch` is not used with
-    `dot`. An FP8 W with `dot`: K blocks inside the scale blocks are multiplied as e4m3 and scaled after, else (or with `round_w`) each
-    e4m3 * scale is rounded to bf16 first (kernels/gemv_verify.py).
+    `dot`. An FP8 W with `dot`: K blocks inside the scale blocks are multiplied as e4m3 and scaled after, else
+    (or with `round_w`) each e4m3 * scale is rounded to bf16 first (kernels/gemv_verify.py).
     `l2` (m = 1, bf16 W): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for
     when done."""
     fp8 = hasattr(w, "scale")
@@ -241,7 +241,7 @@ def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
                               BLOCK_K=min(block_k, triton.next_power_of_2(k)), **LAUNCH, num_warps=num_warps)
 
 
-__all__ = ["gemv", "fp8_operands", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel", "gemv_rows_kernel",
-           "gemv_rows_dot_kernel", "rmsnorm_rows", "rmsnorm_rows_kernel",
+__all__ = ["gemv", "fp8_operands", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel",
+           "gemv_rows_kernel", "gemv_rows_dot_kernel", "rmsnorm_rows", "rmsnorm_rows_kernel",
            "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
            "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]

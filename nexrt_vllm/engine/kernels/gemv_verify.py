@@ -338,24 +338,32 @@ def _dot_t(w, xt, acc, DOT: tl.constexpr):
 
 
 @triton.jit
-def _dot_scaled(w, xt, acc, s_ptr, srow, stride_s, sc, rmask, UNIFORM: tl.constexpr, DOT: tl.constexpr):
-    """acc + (w @ xt) times the block scale of each weight row at scale column sc: an e4m3 tile as bf16 (exact) within
-    one column block of the scale grid; srow the program's scale row (UNIFORM) or each row's."""
-    p = _dot_t(w, xt, tl.zeros_like(acc), DOT)
-    if UNIFORM:
-        out = acc + p * tl.load(s_ptr + srow * stride_s + sc)
+def _dot_w(w, xt, acc, s_ptr, srow, stride_s, sc, rmask, UNIFORM: tl.constexpr, SCALED: tl.constexpr,
+           DOT: tl.constexpr):
+    """acc + w @ xt (`_dot_t`) for a tile from `_w_dot_tile`; SCALED (an e4m3 tile as bf16 within one column block
+    of the scale grid): the tile's sums times each weight row's block scale at scale column sc, srow the program's
+    scale row (UNIFORM) or each row's."""
+    if SCALED:
+        p = _dot_t(w, xt, tl.zeros_like(acc), DOT)
+        if UNIFORM:
+            out = acc + p * tl.load(s_ptr + srow * stride_s + sc)
+        else:
+            out = acc + p * tl.load(s_ptr + srow * stride_s + sc, mask=rmask, other=0.0)[:, None]
     else:
-        out = acc + p * tl.load(s_ptr + srow * stride_s + sc, mask=rmask, other=0.0)[:, None]
+        out = _dot_t(w, xt, acc, DOT)
     return out
 
 
 @triton.jit
 def _w_dot_tile(wp, wmask, s_ptr, srow, stride_s, cols, cmask, rmask, FP8: tl.constexpr, BKS: tl.constexpr,
-                UNIFORM: tl.constexpr):
-    """A [BLOCK_N, BLOCK_K] weight tile for `_dot_t`: bf16 W as loaded; FP8: each e4m3 * its column's block scale
-    rounded to bf16 (the eager engine's dequantized weight, exactly)."""
+                UNIFORM: tl.constexpr, SCALED: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile for `_dot_w`: bf16 W as loaded; FP8 with SCALED: the e4m3 values as bf16
+    (exact; scaled after the product); FP8 otherwise: each e4m3 * its column's block scale rounded to bf16 (the
+    eager engine's dequantized weight, exactly)."""
     w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
-    if FP8:
+    if SCALED:
+        w = w.to(tl.bfloat16)
+    elif FP8:
         s = _col_scales(s_ptr, srow, stride_s, cols, cmask, rmask, BKS, UNIFORM)
         if UNIFORM:
             w = _bf16(w.to(tl.float32) * s[None, :]).to(tl.bfloat16)
@@ -415,7 +423,7 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
         srow, srow_u = _scale_rows(srow_ptr, pid, rows, rmask, N, EPI, BLOCK_N, FP8, UNIFORM)
         rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
         # FP8 with K blocks inside scale blocks: each tile's products on the tensor cores as loaded (e4m3 is exact
-        # in bf16), times the block's scale per row after; else each weight dequantized first (`_w_dot_tile`)
+        # in bf16), times the block's scale per row after (`_dot_w`); else each weight dequantized first (`_w_dot_tile`)
         SCALED: tl.constexpr = FP8 and not ROUND_W and BKS % BLOCK_K == 0
         for k0 in range(k_lo, k_hi, BLOCK_K):
             cols = k0 + offs_k
@@ -425,25 +433,14 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
             else:
                 wmask = rmask[:, None] & cmask[None, :]
             wp = w_ptr + rows[:, None] * stride_w + cols[None, :]
-            if SCALED:
-                w = tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.bfloat16)
-            else:
-                w = _w_dot_tile(wp, wmask, s_ptr, srow, stride_s, cols, cmask, rmask, FP8, BKS, UNIFORM)
+            w = _w_dot_tile(wp, wmask, s_ptr, srow, stride_s, cols, cmask, rmask, FP8, BKS, UNIFORM, SCALED)
             xt = tl.trans(_x_block(x_ptr, stride_x, jrow, jm, cols, cmask, nw_ptr, z_ptr, stride_z, rstd, eps, pid,
                                    PRO, GROUP, STORE_XN, BLOCK_K))
-            if SCALED:
-                acc = _dot_scaled(w, xt, acc, s_ptr, srow, stride_s, k0 // BKS, rmask, UNIFORM, DOT)
-            else:
-                acc = _dot_t(w, xt, acc, DOT)
+            acc = _dot_w(w, xt, acc, s_ptr, srow, stride_s, k0 // BKS, rmask, UNIFORM, SCALED, DOT)
             if EPI == 2:
-                if SCALED:
-                    wu = tl.load(wp + N * stride_w, mask=wmask, other=0.0,
-                                 eviction_policy="evict_first").to(tl.bfloat16)
-                    acc_u = _dot_scaled(wu, xt, acc_u, s_ptr, srow_u, stride_s, k0 // BKS, rmask, UNIFORM, DOT)
-                else:
-                    wu = _w_dot_tile(wp + N * stride_w, wmask, s_ptr, srow_u, stride_s, cols, cmask, rmask, FP8, BKS,
-                                     UNIFORM)
-                    acc_u = _dot_t(wu, xt, acc_u, DOT)
+                wu = _w_dot_tile(wp + N * stride_w, wmask, s_ptr, srow_u, stride_s, cols, cmask, rmask, FP8, BKS,
+                                 UNIFORM, SCALED)
+                acc_u = _dot_w(wu, xt, acc_u, s_ptr, srow_u, stride_s, k0 // BKS, rmask, UNIFORM, SCALED, DOT)
         y, y_up = tl.trans(acc), tl.trans(acc_u)
     return y, y_up
 
@@ -523,7 +520,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     output rows streams its weight from SPLITS times the programs and the sums do not depend on which
     program finishes last.
     FP8: as `gemv_rows_kernel`'s: a K block inside one scale block goes to the tensor cores as e4m3 (exact in bf16)
-    and its products are scaled per row after (`_dot_scaled`); otherwise, or with ROUND_W, each weight is rounded
+    and its products are scaled per row after (`_dot_w`); otherwise, or with ROUND_W, each weight is rounded
     to bf16 after its scale first (`_w_dot_tile`: the eager engine's dequantized weight)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
