@@ -418,9 +418,11 @@ def run_recorded(results: dict, where: str, run) -> None:
         torch.cuda.empty_cache()
 
 
-def err_key(key: str, dtype: str, what: str = "") -> str:
-    """An errors key: the shape, then the dtype unless bf16, then `what` (the mode: batch, mtp) if any."""
-    return "/".join([key] + ([dtype] if dtype != "bf16" else []) + ([what] if what else []))
+def err_key(key: str, dtype: str, what: str = "", draft_weights: str = "checkpoint") -> str:
+    """An errors key: the shape, then the dtype unless bf16, then `what` (the mode: batch, mtp) if any, then the
+    MTP head's format unless the checkpoint's."""
+    return "/".join([key] + ([dtype] if dtype != "bf16" else []) + ([what] if what else []) +
+                    ([f"draft-{draft_weights}"] if draft_weights != "checkpoint" else []))
 
 
 def main(argv=None) -> int:
@@ -455,6 +457,10 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-token-map", default=None, metavar="FILE",
                     help="the head drafts from the ids of this map (nexrt-decode --draft-token-map); not with "
                          "--draft-vocab")
+    ap.add_argument("--draft-weights", default="checkpoint",
+                    help="with --speculative mtp: the MTP head's formats, comma-separated to time each in the "
+                         "same run: checkpoint (as stored) and/or fp8 (its projections and lm_head rows quantized at load, "
+                         "nexrt-decode --draft-weights fp8)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks on the graph path (rank r on cuda:r; "
                     "random bf16 weights only: not with --graft, --dtype fp8 or --speculative)")
     ap.add_argument("--tp-collectives", default="group", help="with --tp: the step's collectives, comma-separated "
@@ -470,6 +476,11 @@ def main(argv=None) -> int:
     dtypes = [d for d in args.dtype.split(",") if d]
     if not dtypes or any(d not in ("bf16", "fp8") for d in dtypes):
         ap.error(f"--dtype: a comma-separated list of bf16 / fp8, got {args.dtype!r}")
+    drafts = [d for d in args.draft_weights.split(",") if d]
+    if not drafts or any(d not in ("checkpoint", "fp8") for d in drafts):
+        ap.error(f"--draft-weights: a comma-separated list of checkpoint / fp8, got {args.draft_weights!r}")
+    if drafts != ["checkpoint"] and args.speculative != "mtp":
+        ap.error("--draft-weights needs --speculative mtp")
     if set(args.tp_collectives.split(",")) - {"group", "peer"}:
         ap.error(f"--tp-collectives takes group and/or peer, not {args.tp_collectives!r}")
     if args.tp < 1:
@@ -543,9 +554,10 @@ def main(argv=None) -> int:
             ap.error(f"--batch-slots: with --speculative mtp, from the largest batch size to 8, got {args.batch_slots}")
         for key, dt in ((k, d) for k in args.shapes.split(",") for d in dtypes):
             if args.speculative == "mtp":
-                run_recorded(results, err_key(key, dt, "batch"), lambda: batch_round.run_batch_round_shape(
-                    key, contexts, batches, args.steps, tuning, args.num_speculative_tokens, args.draft_vocab,
-                    args.breakdown_ctx, args.batch_slots, dtype=dt))
+                for dw in drafts:
+                    run_recorded(results, err_key(key, dt, "batch", dw), lambda: batch_round.run_batch_round_shape(
+                        key, contexts, batches, args.steps, tuning, args.num_speculative_tokens, args.draft_vocab,
+                        args.breakdown_ctx, args.batch_slots, dtype=dt, draft_weights=dw))
             else:
                 run_recorded(results, err_key(key, dt, "batch"), lambda: batch_step.run_batch_shape(
                     key, contexts, batches, args.steps, bw, tuning, args.graft, args.batch_parity_steps,
@@ -554,7 +566,8 @@ def main(argv=None) -> int:
         log(f"{'shape':<22}{'B':>3}{'live':>5}{'ctx':>7}{'ms/step':>9}{'xB1':>7}{'tok/s/req':>10}{'tok/s':>8}"
             f"{'GB/step':>9}{'MBU%':>7}")
         for r in results["shapes"]:
-            name = r["shape"] + ("" if r.get("dtype", "bf16") == "bf16" else f" {r['dtype']}")
+            name = r["shape"] + ("" if r.get("dtype", "bf16") == "bf16" else f" {r['dtype']}") + (
+                "" if r.get("draft_weights", "checkpoint") == "checkpoint" else f" draft-{r['draft_weights']}")
             for c in r["rows"]:
                 if "round_ms" in c:  # the batched round (batch_round.py)
                     log(f"{name:<22}{c['batch']:>3}{'all':>5}{c['context']:>7}  round {c['round_ms']:.3f} ms "
@@ -580,10 +593,10 @@ def main(argv=None) -> int:
             group.close()
     for key in args.shapes.split(",") if args.tp == 1 else ():
         if args.speculative == "mtp":
-            for dt in dtypes:
-                run_recorded(results, err_key(key, dt, "mtp"), lambda: spec_round.run_spec_shape(
+            for dt, dw in ((d, w) for d in dtypes for w in drafts):
+                run_recorded(results, err_key(key, dt, "mtp", dw), lambda: spec_round.run_spec_shape(
                     key, contexts, args.steps, args.parity_steps, bw, tuning, args.graft,
-                    args.num_speculative_tokens, args.draft_vocab, args.breakdown_ctx, dtype=dt))
+                    args.num_speculative_tokens, args.draft_vocab, args.breakdown_ctx, dtype=dt, draft_weights=dw))
                 save()
             continue
         for dt in dtypes:
@@ -637,7 +650,8 @@ def judge(results: dict) -> None:
                            pb["all_equal_eager"])
             continue
         if "round_graph_equals_eager" in p:  # the MTP round (spec_round.run_spec_shape)
-            tag = f"{r['shape']}/mtp" + ("" if r.get("dtype", "bf16") == "bf16" else f"/{r['dtype']}")
+            tag = f"{r['shape']}/mtp" + ("" if r.get("dtype", "bf16") == "bf16" else f"/{r['dtype']}") + (
+                "" if r.get("draft_weights", "checkpoint") == "checkpoint" else f"/draft-{r['draft_weights']}")
             if trained:
                 record(results, f"{tag}/round_graph_parity", p["round_graph_equals_eager"])
                 record(results, f"{tag}/plain_graph_parity", p["plain_graph_equals_eager"])

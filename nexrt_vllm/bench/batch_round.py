@@ -63,16 +63,18 @@ def build(eng, layers, tuning, B: int, max_len: int, num_spec: int, draft_vocab,
 
 def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], steps: int, tuning=None,
                           num_spec: int = 3, draft_vocab=None, breakdown_ctx: int = 8192, slots: int = 0,
-                          dtype: str = "bf16") -> dict:
+                          dtype: str = "bf16", draft_weights: str = "checkpoint") -> dict:
     t0 = time.time()
     M = num_spec + 1
     max_len = max(contexts, default=0) + (steps + 8) * M + 64
-    eng = spec_round.spec_engine(key, max_len, num_spec, draft_vocab, dtype)
+    eng = spec_round.spec_engine(key, max_len, num_spec, draft_vocab, dtype, draft_weights)
+    tg = spec_round.tag(key, dtype, draft_weights)
     fused, runner1, spec1 = spec_round.capture(eng, tuning, draft_vocab)
     g1 = runner1.capture(False)
-    S.log(f"[{key}/batch-round] one-request step and round captured in {time.time() - t0:.1f}s")
+    S.log(f"[{tg}/batch-round] one-request step and round captured in {time.time() - t0:.1f}s")
     L = GOLDEN.get(num_spec)
-    res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "random", "dtype": dtype, "pdl": fused.pdl,
+    res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "random", "dtype": dtype,
+           "draft_weights": draft_weights, "pdl": fused.pdl,
            "batches": batches, "num_speculative_tokens": num_spec, "acceptance_length": L,
            "draft_vocab": spec1.d.draft_vocab, "slots": slots or None, "rows": []}
     gen = torch.Generator(device=eng.device).manual_seed(1234)
@@ -95,12 +97,12 @@ def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], ste
             t_step, t_round = spec_round.time_step_and_round(eng, fused, g1, spec1, ctx, steps)
             base[ctx], one_step[ctx] = t_round, t_step
             res["rows"].append(dict(row(1, ctx, t_round, t_step), one_request=True))
-            S.log(f"[{key}/batch-round] B 1 ctx {ctx}: round {t_round * 1e3:.3f} ms = {t_round / t_step:.2f}x step")
+            S.log(f"[{tg}/batch-round] B 1 ctx {ctx}: round {t_round * 1e3:.3f} ms = {t_round / t_step:.2f}x step")
     for B in [b for b in batches if b > 1 or slots]:
         t1 = time.time()
         states, bd, rd, g_step, g_round = build(eng, fused.layers, tuning, B, max_len, num_spec, draft_vocab, gen,
                                                 slots)
-        S.log(f"[{key}/batch-round] B {B}: captured in {time.time() - t1:.1f}s, {len(rd.plan())} launches, GPU mem "
+        S.log(f"[{tg}/batch-round] B {B}: captured in {time.time() - t1:.1f}s, {len(rd.plan())} launches, GPU mem "
               f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
         for ctx in contexts:
             fill_slots(states, ctx, gen)
@@ -114,7 +116,7 @@ def run_batch_round_shape(key: str, contexts: list[int], batches: list[int], ste
                 r["marginals"] = S.group_marginals(rd.plan(B), lambda: rd.b.k_common.launch_options(rd.b.pdl),
                                                    (rd.pos, rd.tok, rd.step, rd.round, rd.acc, rd.base))
             res["rows"].append(r)
-            S.log(f"[{key}/batch-round] B {B} ctx {ctx}: round {t_round * 1e3:.3f} ms = {r['round_over_step']:.2f}x "
+            S.log(f"[{tg}/batch-round] B {B} ctx {ctx}: round {t_round * 1e3:.3f} ms = {r['round_over_step']:.2f}x "
                   f"its step" + (f", {r['round_over_b1_round']:.2f}x the B 1 round" if ctx in base else "")
                   + (f", at acceptance {L}: {r['tok_s_per_request_at_acceptance']:.0f} tok/s/request, "
                      f"{r['tok_s_total_at_acceptance']:.0f} tok/s" if L else ""))

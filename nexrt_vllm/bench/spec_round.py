@@ -102,7 +102,7 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
             if group == "fc":
                 b = nb(sd.drafter.w.fc)
             elif group == "lm_head+argmax":
-                b = sd.draft_vocab * c.hidden_size * sd.f.lm_head.element_size()
+                b = nb(sd.draft_lm) * sd.draft_vocab // sd.draft_lm.shape[0]  # the rows it reads (any format)
             elif group in ("input", "select", "pick", "pick+input"):
                 b = 0
             else:
@@ -151,13 +151,20 @@ def time_step_and_round(eng, fused, g_plain, spec, ctx: int, reps: int) -> tuple
     return t_step, S.time_from(spec.graph, eng.state.position, ctx, reps)
 
 
-def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab=None, dtype: str = "bf16"):
+def spec_engine(key: str, max_len: int, num_spec: int = 3, draft_vocab=None, dtype: str = "bf16",
+                draft_weights: str = "checkpoint"):
     """A random-weight engine of shape `key` with a random MTP head (`dtype` "fp8": both quantized as the published
-    FP8 checkpoints), speculating."""
+    FP8 checkpoints), speculating with the head in `draft_weights` (spec/mtp.py DRAFT_WEIGHTS)."""
     eng = S.random_engine(key, max_len, dtype)
     random_mtp_head(eng, dtype=dtype)
-    eng.enable_speculative("mtp", num_spec, draft_vocab)
+    eng.enable_speculative("mtp", num_spec, draft_vocab, draft_weights=draft_weights)
     return eng
+
+
+def tag(key: str, dtype: str, draft_weights: str) -> str:
+    """A log / check tag: the shape, then the weight format unless bf16, the draft weights unless the checkpoint's."""
+    return "/".join([key] + ([dtype] if dtype != "bf16" else []) +
+                    ([f"draft-{draft_weights}"] if draft_weights != "checkpoint" else []))
 
 
 def measure_round(eng, tuning, ctx: int, draft_vocab=None, reps: int = 100) -> dict:
@@ -178,7 +185,7 @@ def measure_round(eng, tuning, ctx: int, draft_vocab=None, reps: int = 100) -> d
 
 def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int, bw: float, tuning=None,
                    graft_dir: str = "", num_spec: int = 3, draft_vocab=None,
-                   breakdown_ctx: int = 8192, dtype: str = "bf16") -> dict:
+                   breakdown_ctx: int = 8192, dtype: str = "bf16", draft_weights: str = "checkpoint") -> dict:
     from nexrt_vllm.engine.sampling import SamplingParams
 
     t0 = time.time()
@@ -189,16 +196,17 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
         eng, tcfg = S.graft_engine(key, graft_dir, max_len, dtype=dtype)
         prompt, seg = S.periodic_prompt(tcfg.vocab_size)
         random_mtp_head(eng, dtype=dtype)
-        eng.enable_speculative("mtp", num_spec, draft_vocab)
+        eng.enable_speculative("mtp", num_spec, draft_vocab, draft_weights=draft_weights)
     else:
-        eng = spec_engine(key, max_len, num_spec, draft_vocab, dtype)
+        eng = spec_engine(key, max_len, num_spec, draft_vocab, dtype, draft_weights)
     fused, runner, spec = capture(eng, tuning, draft_vocab)
-    tag = key if dtype == "bf16" else f"{key}/{dtype}"
+    tag_ = tag(key, dtype, draft_weights)
     sd = spec.d
-    S.log(f"[{tag}/mtp] built + captured in {time.time() - t0:.1f}s; GPU mem "
+    S.log(f"[{tag_}/mtp] built + captured in {time.time() - t0:.1f}s; GPU mem "
            f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; {len(sd.plan())} launches per round")
     res = {"shape": NAMES[key], "config": SHAPES[key], "weights": "graft" if graft_dir else "random", "dtype": dtype,
-           "num_speculative_tokens": num_spec, "verify_width": M, "draft_vocab": sd.draft_vocab,
+           "draft_weights": draft_weights, "num_speculative_tokens": num_spec, "verify_width": M,
+           "draft_vocab": sd.draft_vocab,
            "draft_vocab_kind": "first" if sd.draft_ids is None else "map",
            "launches_per_round": len(sd.plan()), "launches_per_step": len(fused.plan()), "contexts": []}
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -225,7 +233,7 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
                          "tokens_head": got[:24]}
         if seg:
             res["parity"]["continues_period"] = got[:21] == [seg[(len(prompt) + i) % len(seg)] for i in range(21)]
-        S.log(f"[{tag}/mtp] parity: round graph == eager {got == eager} (plain graph == eager {plain == eager}, "
+        S.log(f"[{tag_}/mtp] parity: round graph == eager {got == eager} (plain graph == eager {plain == eager}, "
                f"first divergence {div}), acceptance length {res['parity']['acceptance_length']:.2f} over "
                f"{sum(rounds)} rounds")
     g_plain = runner.capture(False)
@@ -251,11 +259,11 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
             eng.state.position.fill_(ctx)
             marg = row["round_marginals"] = round_marginals(sd)
             for name, v in sorted(row["round_groups"].items(), key=lambda kv: -kv[1]["us_per_round"])[:14]:
-                S.log(f"[{tag}/mtp]   {name:<34}{v['launches']:>4} launches {v['us_per_round']:>9.1f} us "
+                S.log(f"[{tag_}/mtp]   {name:<34}{v['launches']:>4} launches {v['us_per_round']:>9.1f} us "
                        f"(in the graph {marg['groups_us'][name]:>7.1f}) {v['bytes_per_round'] / 1e6:>9.1f} MB "
                        f"{v['GBps']:>7.0f} GB/s")
         res["contexts"].append(row)
-        S.log(f"[{tag}/mtp] ctx {ctx}: step {t_step * 1e3:.3f} ms (MBU {100 * row['mbu_step']:.1f}%), round "
+        S.log(f"[{tag_}/mtp] ctx {ctx}: step {t_step * 1e3:.3f} ms (MBU {100 * row['mbu_step']:.1f}%), round "
                f"{t_round * 1e3:.3f} ms = {row['round_over_step']:.3f}x (MBU {100 * row['mbu_round']:.1f}%, "
                f"{nb_round['total'] / 1e9:.2f} GB), at acceptance 2.0/2.5/3.0/3.5: "
                + "/".join(f"{a / t_round:.0f}" for a in ACCEPT) + " tok/s (computed)")

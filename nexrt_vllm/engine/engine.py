@@ -251,7 +251,7 @@ class Engine:
 
     # ---- speculative decoding (engine/spec/speculative.py) ----------------------------------------
     def enable_speculative(self, method: str = "mtp", num_speculative_tokens: int = 3,
-                           draft_vocab=None, synthetic=None) -> None:
+                           draft_vocab=None, synthetic=None, draft_weights: str = "checkpoint") -> None:
         """Decode with the checkpoint's MTP head drafting `num_speculative_tokens` tokens per round,
         verified in one pass of M = num_speculative_tokens + 1 positions (greedy and sampled output
         distributed exactly as without; docs/NODE.md). ConfigError if the checkpoint has no MTP head
@@ -259,13 +259,19 @@ class Engine:
         path (`use_graph("fused")`, before or after this) greedy requests run the captured round,
         whose head drafts from `draft_vocab` only: None = every id, an int N = ids 0..N-1, a token map
         = a 1-D sequence (or tensor) of distinct ids, e.g. the most frequent ones (spec/draft_vocab.py;
-        exact output either way, only acceptance depends on it).
+        exact output either way, only acceptance depends on it). `draft_weights` (spec/mtp.py DRAFT_WEIGHTS):
+        "checkpoint" = the head as stored, "fp8" = its projections and a copy of the lm_head quantized at load
+        (drafts read about half the bytes; exact output either way).
         `synthetic` (engine.spec.synthetic.SyntheticAcceptance, benchmarks only): every round accepts the
         drafts its schedule says instead of the matching ones - output is then no longer the target's."""
         from nexrt_vllm.engine.spec.draft_vocab import check_draft_vocab
 
+        from nexrt_vllm.engine.spec.mtp import DRAFT_WEIGHTS
+
         if method != "mtp":
             raise ConfigError(f"unknown speculative method {method!r}; supported: 'mtp'")
+        if draft_weights not in DRAFT_WEIGHTS:
+            raise ConfigError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {draft_weights!r}")
         if self.batch_graph is not None:
             raise NotBuiltError("enable speculative decoding before the batch graph (use_batch_graph) is built")
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
@@ -278,7 +284,8 @@ class Engine:
         if synthetic is not None and synthetic.num_drafts != num_speculative_tokens:
             raise ConfigError(f"the synthetic acceptance schedule has {synthetic.num_drafts} rates, one per draft; "
                               f"num_speculative_tokens is {num_speculative_tokens}")
-        self.speculative = self._new_speculator(num_speculative_tokens)
+        self.speculative = None  # a new head in the format asked for, not the last one's
+        self.speculative = self._new_speculator(num_speculative_tokens, draft_weights=draft_weights)
         self.speculative.synthetic = synthetic
         self.draft_vocab = draft_vocab
         if self.graph is not None:
@@ -291,17 +298,16 @@ class Engine:
         s.synthetic, s.on_round = self.speculative.synthetic, self.speculative.on_round
         return s
 
-    def _new_speculator(self, num_speculative_tokens: int, over=None):
+    def _new_speculator(self, num_speculative_tokens: int, over=None, draft_weights: str = "checkpoint"):
         """A Speculator over this engine's model with a drafter cache (or `over`: Drafter's) and verify
-        scratch of its own."""
+        scratch of its own; the first one builds the head's weights in the format `draft_weights` names."""
         from nexrt_vllm.engine.spec.mtp import Drafter, mtp_weights
         from nexrt_vllm.engine.spec.speculative import Speculator
 
         # the slots share the head's weights (a MoE head's experts are stacked once, here)
         w = self.speculative.drafter.w if self.speculative is not None else \
-            mtp_weights(self.config, self.model.mtp, self.model.embed)
-        drafter = Drafter(self.model.config, w, self.model.lm_head, self.max_seq_len, extra=num_speculative_tokens + 1,
-                          over=over)
+            mtp_weights(self.config, self.model.mtp, self.model.embed, self.model.lm_head, draft_weights)
+        drafter = Drafter(self.model.config, w, self.max_seq_len, extra=num_speculative_tokens + 1, over=over)
         return Speculator(self.model, drafter, num_speculative_tokens)
 
     # ---- generation -----------------------------------------------------------------------------

@@ -151,6 +151,7 @@ class Endpoints:
         if spec is None:
             return None
         return {"method": self.args.speculative, "num_speculative_tokens": spec.num_speculative_tokens,
+                "draft_weights": self.args.draft_weights,
                 "synthetic_acceptance": spec.synthetic.describe() if spec.synthetic is not None else None,
                 "draft_vocab": describe_draft_vocab(self.node.engine.draft_vocab, self.node.cfg.vocab_size)}
 
@@ -242,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="graph path: the MTP head drafts from the token ids of this map (JSON {\"token_ids\": "
                          "[...]}, e.g. the most frequent ids of text like the traffic: `nexrt-vllm draft-token-map`); "
                          "exact output, acceptance depends on the map's coverage; not with --draft-vocab")
+    ap.add_argument("--draft-weights", choices=("checkpoint", "fp8"), default="checkpoint",
+                    help="the MTP head's format: checkpoint = as stored; fp8 = its projections and a copy of the "
+                         "lm_head quantized to block-scaled e4m3 at load (as the published FP8 releases store "
+                         "the head), so a draft reads about half the bytes; exact output either way, acceptance "
+                         "may move")
     ap.add_argument("--speculative-synthetic-acceptance", type=float, default=None, metavar="L",
                     help="benchmarks only: pin the mean tokens per round to L with vLLM's synthetic schedule "
                          "(accepted drafts are emitted as drafted, so output is no longer the model's own; e.g. "
@@ -351,6 +357,8 @@ def _positive(ap, args) -> None:
             ap.error("give --draft-vocab or --draft-token-map, not both")
     elif args.draft_vocab is not None or args.draft_token_map is not None:
         ap.error("--draft-vocab / --draft-token-map need --speculative mtp")
+    elif args.draft_weights != "checkpoint":
+        ap.error("--draft-weights needs --speculative mtp")
     args.synthetic = _synthetic(ap, args)
     if args.tp > 1 and args.device not in ("cpu", "cuda"):
         ap.error(f"--tp > 1 places rank r on cuda:r: give --device cuda or cpu, not {args.device!r}")
@@ -458,12 +466,13 @@ async def serve(args) -> None:
         from nexrt_vllm.engine import EngineError
         try:
             engine.enable_speculative(args.speculative, args.num_speculative_tokens, draft_vocab,
-                                      synthetic=args.synthetic)
+                                      synthetic=args.synthetic, draft_weights=args.draft_weights)
         except EngineError as e:
             raise ValueError(f"--speculative {args.speculative}: {e}") from None
         dv = describe_draft_vocab(draft_vocab, cfg.vocab_size)
-        log.info("speculative decoding: %s, %d draft tokens per round, draft vocabulary: %s %d ids%s",
-                 args.speculative, args.num_speculative_tokens, dv["kind"], dv["size"],
+        log.info("speculative decoding: %s, %d draft tokens per round, draft weights: %s, draft vocabulary: "
+                 "%s %d ids%s", args.speculative, args.num_speculative_tokens, args.draft_weights, dv["kind"],
+                 dv["size"],
                  "" if args.graph != "off" or draft_vocab is None
                  else " (the CUDA graph path's round reads it; this node runs the eager round, which drafts "
                       "from every id)")

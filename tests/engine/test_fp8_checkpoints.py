@@ -310,7 +310,8 @@ def test_kept_fp8_mtp_head(ckpt_factory, tmp_path):
     assert kept_mtp.keys() == want_mtp.keys()
     assert not isinstance(kept_mtp["mtp.fc.weight"], FP8Weight)
     assert isinstance(kept_mtp["mtp.layers.0.self_attn.q_proj.weight"], FP8Weight)
-    head, ref = (mtp_weights(cfg, m, t["embed_tokens.weight"]) for m, t in ((kept_mtp, kept), (want_mtp, want)))
+    head, ref = (mtp_weights(cfg, m, t["embed_tokens.weight"], t["lm_head.weight"])
+                 for m, t in ((kept_mtp, kept), (want_mtp, want)))
     for name in ("gate_up_proj", "down_proj"):
         w, r = getattr(head.layer.ffn, name), getattr(ref.layer.ffn, name)
         assert isinstance(w, FP8Weight) and torch.equal(w.dequant(torch.bfloat16), r), name

@@ -183,6 +183,47 @@ def test_acceptance_length_of_the_trained_head(trained):
     assert stats["rows"][0] > stats["none"][0], stats  # the shipped rows are attended to
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_fp8_draft_weights(trained, arch):
+    """draft_weights="fp8": the head's projections (attention, MLP / experts; not the router) and a copy of the
+    lm_head in block-scaled e4m3, the target's own weights untouched; greedy output is the plain engine's and the
+    trained head's drafts are still accepted."""
+    from nexrt_vllm.engine.fp8 import FP8Weight
+
+    path = trained(arch)
+    plain, spec = engine(path, spec=False), engine(path, spec=False)
+    spec.enable_speculative("mtp", K, draft_weights="fp8")
+    w = spec.speculative.drafter.w
+    mixer, ffn = w.layer.mixer, w.layer.ffn
+    projections = [mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj] + (
+        [ffn.gate_up_proj, ffn.down_proj, ffn.shared.gate_proj] if hasattr(ffn, "router")
+        else [ffn.gate_proj, ffn.up_proj, ffn.down_proj])
+    assert all(isinstance(p, FP8Weight) for p in projections)
+    if hasattr(ffn, "router"):
+        assert isinstance(ffn.router, torch.Tensor) and isinstance(ffn.shared_gate, torch.Tensor)
+    assert isinstance(w.fc, torch.Tensor) and isinstance(spec.model.lm_head, torch.Tensor)
+    head = w.lm_head.dequant(torch.float32)
+    err = (head - spec.model.lm_head).abs().max() / spec.model.lm_head.abs().max()
+    assert 0 < err < 1 / 16, err  # e4m3: 3 mantissa bits
+    as_stored = engine(path)
+    sp = SamplingParams(max_tokens=129, ignore_eos=True)
+    total = {e: [0] * (K + 2) for e in (spec, as_stored)}
+    for prompt in (periodic_prompt(40, seed=11), periodic_prompt(120, seed=12), random_prompt(13)):
+        first = int(plain.prefill(prompt).argmax())
+        want = list(plain.stream(first, sp))
+        for e in (spec, as_stored):
+            e.speculative.rounds = [0] * (K + 2)
+            assert int(e.prefill(prompt).argmax()) == first
+            assert list(e.stream(first, sp)) == want
+            if prompt != random_prompt(13):
+                total[e] = [x + y for x, y in zip(total[e], e.speculative.rounds)]
+    fp8, stored = mean_len(total[spec]), mean_len(total[as_stored])
+    print(f"acceptance length: fp8 head {fp8:.3f} {total[spec]}, as stored {stored:.3f} {total[as_stored]}")
+    assert fp8 > 0.9 * stored and fp8 > 1.5, total
+    with pytest.raises(ConfigError, match=r"draft_weights must be one of \('checkpoint', 'fp8'\), got 'int4'"):
+        spec.enable_speculative("mtp", K, draft_weights="int4")
+
+
 # ---- sampling ---------------------------------------------------------------------------------
 
 def _chi2_pvalue(counts: dict, probs: dict, n: int) -> float:

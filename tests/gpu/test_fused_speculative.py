@@ -7,7 +7,8 @@ drafting through a draft token map that holds every id in a scrambled order; aft
 without that context, with the head drafting from half the vocabulary or from a token map that
 lacks the continuation's tokens (no round accepts a draft), and across a stop id the tokens stay
 exact; the committed K/V rows equal the plain loop's; on an FP8 checkpoint (weights kept e4m3 + block scales) the
-round's tokens equal the dequantized engine's one-token loop. The graph capture and the pipelined replays are
+round's tokens equal the dequantized engine's one-token loop, and a bf16 checkpoint drafting with its head in fp8
+(`draft_weights="fp8"`) gives the target's tokens with the eager fp8 head's acceptance. The graph capture and the pipelined replays are
 GPU-only (benchmarks/checks/gpu_check.py --speculative); here each replay runs the round's launches in order.
 The interpreter takes ~10-20 s per round, hence the short streams (the H200 run checks 256 tokens)."""
 import dataclasses
@@ -34,6 +35,9 @@ CPU_TUNING = Tuning(gemv=((1 << 62, 64, 128, 4),), gemv_rows=((1 << 62, 64, 128,
                     gemv_gated_rows=(64, 128, 4, 0), gemv_router=(64, 128, 4), prefetch=0, lm=(128, 256, 4),
                     lm_rows=(128, 128, 4, 2), attn_splits=2, round_attn_splits=0, attn_block=32, gdn_block_v=64,
                     moe=(64, 128, 1), moe_down=(64, 64, 1))
+FP8_TUNING = dataclasses.replace(
+    CPU_TUNING, gemv_fp8=((1 << 62, 64, 128, 4),), gemv_rows_fp8=((1 << 62, 64, 128, 4, 2),),
+    gemv_gated_fp8=(64, 128, 4), lm_fp8=(128, 128, 4), moe_fp8=(64, 128, 4), moe_down_fp8=(64, 64, 4))
 
 
 def engines(ckpt_factory, arch):
@@ -182,9 +186,7 @@ def test_fp8_checkpoint(ckpt_factory, tmp_path):
     prompt, sp = periodic_prompt(40, seed=11), SamplingParams(max_tokens=7, ignore_eos=True)
     first = int(deq.prefill(prompt).argmax())
     want = list(deq.stream(first, sp))
-    runner = on_graph_path(eng, tuning=dataclasses.replace(
-        CPU_TUNING, gemv_fp8=((1 << 62, 64, 128, 4),), gemv_rows_fp8=((1 << 62, 64, 128, 4, 2),),
-        gemv_gated_fp8=(64, 128, 4), lm_fp8=(128, 128, 4), moe_fp8=(64, 128, 4), moe_down_fp8=(64, 64, 4)))
+    runner = on_graph_path(eng, tuning=FP8_TUNING)
     L = runner.d.f.layers
     attn, head = next(x.mixer for x in L if hasattr(x.mixer, "w_qkv")), runner.d.head
     assert all(isinstance(w, FP8Weight) for w in (L[0].mixer.w_in, L[0].mixer.w_out, L[0].ffn.gate_up, attn.w_qkv,
@@ -194,3 +196,30 @@ def test_fp8_checkpoint(ckpt_factory, tmp_path):
     assert list(eng.stream(first, sp)) == want
     rounds = eng.speculative.rounds
     assert sum(k * c for k, c in enumerate(rounds)) > 1.5 * sum(rounds), rounds
+
+
+def test_fp8_draft_head(ckpt_factory):
+    """A bf16 checkpoint drafting with its MTP head in fp8 (draft_weights="fp8"): the head's projections and the
+    token map's rows of its lm_head copy e4m3 + block scales on the fp8 launches, the target's weights bf16. The
+    round gives the target's tokens and accepts what the eager loop with the same fp8 head accepts."""
+    plain, eng = engines(ckpt_factory, "qwen3_5")
+    eng.enable_speculative("mtp", K, draft_weights="fp8")
+    V = eng.config.vocab_size
+    prompt, sp = periodic_prompt(40, seed=15), SamplingParams(max_tokens=13, ignore_eos=True)
+    first = int(plain.prefill(prompt).argmax())
+    want = list(plain.stream(first, sp))
+    eng.prefill(prompt)
+    eng.speculative.rounds = [0] * (K + 2)
+    assert list(eng.stream(first, sp)) == want  # the eager loop, fp8 head
+    eager_rounds = eng.speculative.rounds
+    runner = on_graph_path(eng, draft_vocab=torch.randperm(V, generator=torch.Generator().manual_seed(5)),
+                           tuning=FP8_TUNING)
+    d = runner.d
+    assert isinstance(d.draft_lm, FP8Weight) and d.draft_lm.shape[0] == V
+    assert all(isinstance(w, FP8Weight) for w in (d.head.mixer.w_qkv, d.head.mixer.w_o, d.head.ffn.w_gate_up,
+                                                  d.head.ffn.w_down))
+    assert not any(isinstance(w, FP8Weight) for w in (d.f.lm_head, d.f.layers[-1].ffn.w_gate_up))
+    eng.prefill(prompt)
+    eng.speculative.rounds = [0] * (K + 2)
+    assert list(eng.stream(first, sp)) == want
+    assert eng.speculative.rounds == eager_rounds and eager_rounds[K + 1] >= 2, (eng.speculative.rounds, eager_rounds)

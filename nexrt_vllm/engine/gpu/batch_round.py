@@ -120,7 +120,7 @@ class BatchRoundDecoder:
         self.draft_start = z(n, d=i64)
         self.draft_cos, self.draft_sin = rope_tables(c, rows, dt, dev)
         self.head = fuse_head(w, self.draft_k, self.draft_v)
-        self.draft_vocab, self.draft_lm, self.draft_ids = draft_rows(batch.lm_head, draft_vocab)
+        self.draft_vocab, self.draft_lm, self.draft_ids = draft_rows(w.lm_head, draft_vocab)
         self.fc_in, self.u = z(R, 2 * H), z(R, H)
         self.u1, self.g1 = z(n, H), z(n, H)
         self.sel, self.row0 = z(n, d=i64), torch.arange(n, device=dev, dtype=i64) * M

@@ -92,7 +92,7 @@ class SpecDecoder:
         self.drafter, self.scratch = spec.drafter, spec.scratch
         V = c.vocab_size
         dev, dt, H = f.state.device, f.state.dtype, c.hidden_size
-        self.draft_vocab, self.draft_lm, self.draft_ids = draft_rows(f.lm_head, draft_vocab)
+        self.draft_vocab, self.draft_lm, self.draft_ids = draft_rows(self.drafter.w.lm_head, draft_vocab)
         z = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)  # noqa: E731
         i64 = torch.int64
         # control: verify tokens [t, d_1..], target tokens y, first position of the round, accepted count,
@@ -128,7 +128,9 @@ class SpecDecoder:
         self.fc_in, self.u = z(M, 2 * H), z(M, H)
         self.u1, self.g1 = z(1, H), z(1, H)
         self.dlogits = z(self.draft_vocab, d=torch.float32)
-        self.n_dpart = -(-self.draft_vocab // f.lm_shape["block_n"])
+        # the head's lm_head launch: the target's shape rule, or the fp8 one for an fp8 draft head (spec/mtp.py)
+        self.dlm_shape = dict(f.fixed_shape(self.draft_lm, f.t.lm, f.t.lm_fp8), n=self.draft_vocab)
+        self.n_dpart = -(-self.draft_vocab // self.dlm_shape["block_n"])
         self.dpmax, self.dpidx = z(self.n_dpart, d=torch.float32), z(self.n_dpart, d=torch.int32)
         # the round record ring (round << 32 | tokens emitted), host-mapped beside the token ring
         self.rounds_host, self.rounds = f.mem.host["rounds"], f.mem.device["rounds"]
@@ -232,7 +234,6 @@ class SpecDecoder:
         the draft before it fused with its input, `draft_pick_input`; the last draft's pick ends the round)."""
         f, c, M, g, d, w = self.f, self.cfg, self.M, self.f.k_gemv, self.drafter, self.drafter.w
         eps, ks = c.rms_norm_eps, self.k_spec
-        lm = dict(f.lm_shape, n=self.draft_vocab)
         words = (self.dpmax, self.dpidx, self.n_dpart, self.tokens, self.dtok, self.base, self.acc, self.dpos)
 
         def head(x, fc_in, pos, m, first):
@@ -244,7 +245,7 @@ class SpecDecoder:
         def lm_head():
             return ("lm_head+argmax", lambda: g.gemv(
                 self.u1, self.draft_lm, self.dlogits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=w.norm,
-                aux0=self.dpmax, aux1=self.dpidx, xn_out=self.g1, eps=eps, **lm))
+                aux0=self.dpmax, aux1=self.dpidx, xn_out=self.g1, eps=eps, **self.dlm_shape))
 
         def pick_input(k):  # d_k, and the fc input of the chained step (g, d_k) that drafts d_{k+1}
             return ("pick+input", lambda: ks.draft_pick_input(

@@ -15,6 +15,12 @@ Checkpoint tensors: `mtp.fc.weight` [H, 2H], `mtp.pre_fc_norm_embedding.weight`,
 `mtp.pre_fc_norm_hidden.weight`, `mtp.norm.weight` [H], `mtp.layers.0.*` with a decoder layer's
 Hugging Face names (experts per expert or stacked, as for the model's layers), optionally
 `mtp.embed_tokens.weight` (else the model's embedding is shared).
+
+Draft weights (`DRAFT_WEIGHTS`): "checkpoint" drafts with the head as stored and the target's lm_head;
+"fp8" quantizes, at load, the head's projections the published FP8 releases quantize (attention, MLP or
+experts; 128 x 128 blocks, as `fp8.quantize_tensors`) and a copy of the lm_head for the drafter alone, so a
+draft reads about half the bytes. Exactness does not depend on the drafts (the target verifies every token);
+only acceptance can move. The head of an FP8 checkpoint kept in fp8 is used as it is.
 """
 from __future__ import annotations
 
@@ -26,11 +32,14 @@ import torch.nn.functional as F
 
 from nexrt_vllm.engine.config import ModelConfig
 from nexrt_vllm.engine.errors import ConfigError, WeightsError
-from nexrt_vllm.engine.fp8 import FP8Weight, linear, stack_experts
+from nexrt_vllm.engine.fp8 import PUBLISHED_NOT_CONVERT, FP8Weight, linear, quantize_tensors, quantize_weight, \
+    stack_experts
 from nexrt_vllm.engine.model import (LayerWeights, MoEWeights, attention_decode, attn_qkv, layer_weights, mlp,
                                      moe_decode, rms_norm, rope_tables)
 
 PREFIX = "mtp."
+DRAFT_WEIGHTS = ("checkpoint", "fp8")
+FP8_BLOCK = (128, 128)  # the published Qwen3.5 / Qwen3-Next FP8 releases' blocks
 _EXPERT_RE = re.compile(r"^layers\.0\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
@@ -58,6 +67,7 @@ class MTPWeights:
     pre_fc_norm_hidden: torch.Tensor
     norm: torch.Tensor
     layer: LayerWeights
+    lm_head: object  # the drafter's lm_head: the target's (the same tensor), or its fp8 copy (draft weights "fp8")
 
 
 def random_mtp_tensors(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 5) -> dict[str, torch.Tensor]:
@@ -71,9 +81,13 @@ def random_mtp_tensors(cfg: ModelConfig, dtype: torch.dtype, device, seed: int =
     return out
 
 
-def mtp_weights(cfg: ModelConfig, raw: dict[str, torch.Tensor], embed: torch.Tensor) -> MTPWeights:
-    """Build the head from the loader's `mtp.*` tensors (checked here: they are loaded unvalidated).
-    ConfigError if there is no head; WeightsError listing every missing / misshaped tensor."""
+def mtp_weights(cfg: ModelConfig, raw: dict[str, torch.Tensor], embed: torch.Tensor, lm_head,
+                draft_weights: str = "checkpoint") -> MTPWeights:
+    """Build the head from the loader's `mtp.*` tensors (checked here: they are loaded unvalidated), drafting
+    through `lm_head` (the target's), in the format `draft_weights` names (DRAFT_WEIGHTS). ConfigError if there
+    is no head or the format is unknown; WeightsError listing every missing / misshaped tensor."""
+    if draft_weights not in DRAFT_WEIGHTS:
+        raise ConfigError(f"draft weights must be one of {DRAFT_WEIGHTS}, got {draft_weights!r}")
     if not raw:
         raise ConfigError("the checkpoint has no MTP head (no mtp.* tensors): speculative decoding "
                           "with --speculative mtp needs one")
@@ -119,10 +133,22 @@ def mtp_weights(cfg: ModelConfig, raw: dict[str, torch.Tensor], embed: torch.Ten
     if problems:
         raise WeightsError(f"the checkpoint's MTP head does not match the {cfg.architecture} config: "
                            + "; ".join(problems))
+    if draft_weights == "fp8":
+        t.update(_quantized_layer(t, cfg))
+        if not isinstance(lm_head, FP8Weight):
+            lm_head = quantize_weight(lm_head, FP8_BLOCK)
     return MTPWeights(embed=t.get("embed_tokens.weight", embed), fc=t["fc.weight"],
                       pre_fc_norm_embedding=t["pre_fc_norm_embedding.weight"],
                       pre_fc_norm_hidden=t["pre_fc_norm_hidden.weight"], norm=t["norm.weight"],
-                      layer=layer_weights(cfg, t, "layers.0.", "full_attention", moe))
+                      layer=layer_weights(cfg, t, "layers.0.", "full_attention", moe), lm_head=lm_head)
+
+
+def _quantized_layer(t: dict, cfg: ModelConfig) -> dict:
+    """The head layer's bf16 projections that a published FP8 release stores in e4m3, quantized (FP8_BLOCK; the
+    router, the shared-expert gate and the norms stay); projections already FP8Weight are left as they are."""
+    bf16 = {n: v for n, v in t.items() if n.startswith("layers.0.") and isinstance(v, torch.Tensor)}
+    return {n: v for n, v in quantize_tensors(bf16, cfg, FP8_BLOCK, PUBLISHED_NOT_CONVERT).items()
+            if isinstance(v, FP8Weight)}
 
 
 class Drafter:
@@ -134,8 +160,8 @@ class Drafter:
     max_seq_len for the chained steps of the last rounds. `over` (k, v, start): tensors of those
     shapes to use instead of its own (a slot of the batched round's head caches, gpu/batch_round.py)."""
 
-    def __init__(self, cfg: ModelConfig, w: MTPWeights, lm_head, max_seq_len: int, extra: int, over=None):
-        self.config, self.w, self.lm_head = cfg, w, lm_head
+    def __init__(self, cfg: ModelConfig, w: MTPWeights, max_seq_len: int, extra: int, over=None):
+        self.config, self.w = cfg, w
         dtype, device = w.fc.dtype, w.fc.device
         rows = max_seq_len + extra
         shape = (cfg.num_kv_heads, rows, cfg.head_dim)
@@ -174,7 +200,7 @@ class Drafter:
         else:
             y = mlp(layer.ffn, y)
         g = rms_norm(x + y, self.w.norm, eps)
-        return g, linear(g, self.lm_head).float()
+        return g, linear(g, self.w.lm_head).float()
 
     @torch.no_grad()
     def prefill(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
