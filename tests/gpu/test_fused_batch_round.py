@@ -74,9 +74,11 @@ def run(runner, got: dict, ends: dict, n_steps: int | None = None) -> None:
 # (RowsShape.splits; the K = 128 GEMVs have one K block of 128: one split), the GDN commit that runs the
 # accepted tokens again instead of the verify keeping a state per position (Tuning.gdn_recommit)
 # fp8: the checkpoint quantized as the published FP8 releases, its weights (the MTP head's too) kept e4m3 + scales,
-# against the eager engine on them (which dequantizes each weight as loading would)
+# against the eager engine on them (which dequantizes each weight as loading would); draft-fp8: a bf16 checkpoint
+# whose MTP head drafts in fp8 (draft_weights="fp8": its projections and lm_head rows quantized at load)
 @pytest.mark.parametrize("arch,knobs,fmt", [("qwen3_5", False, "bf16"), ("qwen3_next", False, "bf16"),
-                                            ("qwen3_5", True, "bf16"), ("qwen3_next", True, "fp8")])
+                                            ("qwen3_5", True, "bf16"), ("qwen3_next", True, "fp8"),
+                                            ("qwen3_5", False, "draft-fp8")])
 def test_batched_round_equals_each_request_alone(ckpt_factory, tmp_path, arch, knobs, fmt):
     path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
     if fmt == "fp8":
@@ -91,11 +93,15 @@ def test_batched_round_equals_each_request_alone(ckpt_factory, tmp_path, arch, k
     tuning = dataclasses.replace(CPU_TUNING, conv_all_slots=True, norm_rows=4, batch_attn_splits=4, gdn_recommit=True,
                                  gemv_rows_wide=((1 << 62, 32, 128, 4, 2, 2),)) if knobs else \
         dataclasses.replace(CPU_TUNING, conv_all_slots=False, batch_attn_splits=0, gdn_recommit=False)  # other sides
-    eng, runner, engines = batch_engine(path, 3, tuning, keep)
+    eng, runner, engines = batch_engine(path, 3, tuning, keep, **(
+        {"draft_weights": "fp8"} if fmt == "draft-fp8" else {}))
     d = runner.d
     if fmt == "fp8":
         assert all(isinstance(w, FP8Weight) for w in (d.b.layers[0].mixer.w_in, d.b.layers[0].ffn.gate_up,
                                                       d.head.mixer.w_qkv))
+    if fmt == "draft-fp8":
+        assert all(isinstance(w, FP8Weight) for w in (d.head.mixer.w_qkv, d.head.ffn.w_down, d.draft_lm))
+        assert not isinstance(d.b.layers[0].ffn.w_gate_up, FP8Weight)
     assert [d._norm_once(k * d.M, k) for k in (1, 2, 3)] == [False, knobs, knobs]
     assert d.recommit == knobs and (d.rec_after is None) == knobs
     assert [s.group for s in d.plan()].count("verify_gdn_in_proj+conv") == len(d.cfg.gdn_layers) * (2 if knobs else 1)

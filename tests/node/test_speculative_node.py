@@ -29,8 +29,9 @@ MAP = list(range(379, 2, -1))  # the periodic prompts' ids (connector_harness.pe
 def node(ckpt, tmp_path_factory):
     path = tmp_path_factory.mktemp("map") / "map.json"
     path.write_text(json.dumps({"source": "test", "coverage": {"heldout": None}, "token_ids": MAP}))
+    # the head drafts in fp8 (its projections and lm_head copy quantized at load): exact tokens all the same
     n = NodeProcess(ckpt, "mooncake", "--speculative", "mtp", "--num-speculative-tokens", "3",
-                    "--draft-token-map", str(path), max_seq_len=512)
+                    "--draft-token-map", str(path), "--draft-weights", "fp8", max_seq_len=512)
     yield n
     assert n.wait_free()["busy_slots"] == 0
     n.stop()
@@ -52,8 +53,8 @@ def _request(node, side, rid, prompt, max_tokens, **sampling):
 
 def test_greedy_tokens_and_acceptance_histogram(node, side):
     caps = node.call("GET", "/capabilities")[1]
-    assert caps["speculative"] == {"method": "mtp", "num_speculative_tokens": 3, "synthetic_acceptance": None,
-                                   "draft_vocab": {"kind": "map", "size": len(MAP)}}
+    assert caps["speculative"] == {"method": "mtp", "num_speculative_tokens": 3, "draft_weights": "fp8",
+                                   "synthetic_acceptance": None, "draft_vocab": {"kind": "map", "size": len(MAP)}}
     assert node.metric("nexrt_spec_synthetic_acceptance_length") == 0
     assert node.metric("nexrt_speculative", 'method="mtp",num_speculative_tokens="3"') == 1
     def hist():
@@ -114,6 +115,10 @@ def test_refusals(ckpt_factory, ckpt, tmp_path):
     assert r.returncode == 2 and "give --draft-vocab or --draft-token-map, not both" in r.stderr
     r = _start(ckpt, "--draft-token-map", str(tmp_path / "dup.json"))
     assert r.returncode == 2 and "--draft-vocab / --draft-token-map need --speculative mtp" in r.stderr
+    r = _start(ckpt, "--draft-weights", "fp8")
+    assert r.returncode == 2 and "--draft-weights needs --speculative mtp" in r.stderr
+    r = _start(ckpt, "--speculative", "mtp", "--draft-weights", "int4")
+    assert r.returncode == 2 and "--draft-weights: invalid choice: 'int4'" in r.stderr
     r = _start(ckpt, "--speculative", "mtp", "--num-speculative-tokens", "0")
     assert r.returncode == 2 and "--num-speculative-tokens must be in [1, 15]" in r.stderr
     r = _start(ckpt, "--speculative-synthetic-acceptance", "3.39")
