@@ -49,7 +49,7 @@ def build(eng, layers, tuning, B: int, max_len: int, num_spec: int, draft_vocab,
     M, n = num_spec + 1, max(slots, B)
     states = StackedStates(eng.model.config, n, max_len, eng.dtype, eng.device, pad_rows=M)
     bd = BatchDecoder(eng.model, states, tuning, layers=layers)
-    rd = BatchRoundDecoder(bd, eng.speculative.drafter.w, num_spec, draft_vocab)
+    rd = BatchRoundDecoder(bd, eng.speculative.drafter.w.rows, num_spec, draft_vocab)
     bd.live.zero_()
     g_step = capture_graph(lambda: bd.launch(B), (bd.step, bd.tok, bd.pos), (bd.ring, bd.ring_host)) \
         if B >= 2 else None

@@ -107,7 +107,7 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
                 b = 0
             else:
                 n_e = (head_e if rows > 1 else k) if isinstance(sd.head.ffn, MoEFFN) else 0
-                b = layer_bytes(group, sd.head, rows, n, n_e)
+                b = layer_bytes(group, sd.head_rows if rows > 1 else sd.head, rows, n, n_e)
         else:  # accept: the partials
             b = 0
         out[s.group] = out.get(s.group, 0) + b

@@ -157,7 +157,8 @@ class Engine:
         if spec is None:
             return BatchRunner(batch)
         from nexrt_vllm.engine.gpu.batch_round import BatchRoundDecoder, BatchRoundRunner
-        d = BatchRoundDecoder(batch, spec.drafter.w, spec.num_speculative_tokens, self.draft_vocab,
+        # the batched round's head passes span the slots' rows: the head as stored (spec/mtp.py MTPWeights.rows)
+        d = BatchRoundDecoder(batch, spec.drafter.w.rows, spec.num_speculative_tokens, self.draft_vocab,
                               synthetic=spec.synthetic is not None)
         return BatchRoundRunner(d, [self._slot_speculator(d.drafter_views(b)) for b in range(n)])
 

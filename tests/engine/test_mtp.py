@@ -186,8 +186,9 @@ def test_acceptance_length_of_the_trained_head(trained):
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 def test_fp8_draft_weights(trained, arch):
     """draft_weights="fp8": the head's projections (attention, MLP / experts; not the router) and a copy of the
-    lm_head in block-scaled e4m3, the target's own weights untouched; greedy output is the plain engine's and the
-    trained head's drafts are still accepted."""
+    lm_head in block-scaled e4m3 for the single-row drafts, the head as stored kept for passes over several rows,
+    the target's own weights untouched; greedy output is the plain engine's and the trained head's drafts are
+    accepted as often as the stored head's."""
     from nexrt_vllm.engine.fp8 import FP8Weight
 
     path = trained(arch)
@@ -202,6 +203,10 @@ def test_fp8_draft_weights(trained, arch):
     if hasattr(ffn, "router"):
         assert isinstance(ffn.router, torch.Tensor) and isinstance(ffn.shared_gate, torch.Tensor)
     assert isinstance(w.fc, torch.Tensor) and isinstance(spec.model.lm_head, torch.Tensor)
+    # passes over several rows (the prompt, the verified rows) read the head as stored
+    stored = w.rows
+    assert stored is w.stored and stored.lm_head is spec.model.lm_head
+    assert isinstance(stored.layer.mixer.q_proj, torch.Tensor) and stored.fc is w.fc
     head = w.lm_head.dequant(torch.float32)
     err = (head - spec.model.lm_head).abs().max() / spec.model.lm_head.abs().max()
     assert 0 < err < 1 / 16, err  # e4m3: 3 mantissa bits

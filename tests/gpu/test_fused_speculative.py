@@ -199,9 +199,10 @@ def test_fp8_checkpoint(ckpt_factory, tmp_path):
 
 
 def test_fp8_draft_head(ckpt_factory):
-    """A bf16 checkpoint drafting with its MTP head in fp8 (draft_weights="fp8"): the head's projections and the
-    token map's rows of its lm_head copy e4m3 + block scales on the fp8 launches, the target's weights bf16. The
-    round gives the target's tokens and accepts what the eager loop with the same fp8 head accepts."""
+    """A bf16 checkpoint drafting with its MTP head in fp8 (draft_weights="fp8"): the chained steps read the head's
+    fp8 projections, every draft the token map's rows of the fp8 lm_head copy, the pass over the verified rows the
+    head as stored; the target's weights bf16. The round gives the target's tokens and accepts what the eager loop
+    with the same head accepts."""
     plain, eng = engines(ckpt_factory, "qwen3_5")
     eng.enable_speculative("mtp", K, draft_weights="fp8")
     V = eng.config.vocab_size
@@ -216,9 +217,11 @@ def test_fp8_draft_head(ckpt_factory):
                            tuning=FP8_TUNING)
     d = runner.d
     assert isinstance(d.draft_lm, FP8Weight) and d.draft_lm.shape[0] == V
+    # the chained single-row steps read the fp8 copy; the pass over the verified rows the head as stored
     assert all(isinstance(w, FP8Weight) for w in (d.head.mixer.w_qkv, d.head.mixer.w_o, d.head.ffn.w_gate_up,
                                                   d.head.ffn.w_down))
-    assert not any(isinstance(w, FP8Weight) for w in (d.f.lm_head, d.f.layers[-1].ffn.w_gate_up))
+    assert not any(isinstance(w, FP8Weight) for w in (d.f.lm_head, d.f.layers[-1].ffn.w_gate_up,
+                                                      d.head_rows.mixer.w_qkv, d.head_rows.ffn.w_down))
     eng.prefill(prompt)
     eng.speculative.rounds = [0] * (K + 2)
     assert list(eng.stream(first, sp)) == want

@@ -125,6 +125,10 @@ class SpecDecoder:
         self.hn = z(M, H)  # final-normed hidden rows (the lm_head's normed input)
         # the head: its layer fused like the target's, its attention over the drafter's own cache
         self.head = fuse_head(self.drafter.w, self.drafter.k, self.drafter.v)
+        # the pass over the verified rows reads the head as stored (spec/mtp.py: with draft weights "fp8" the
+        # chained single-row steps read the fp8 copy, the M-row pass not: the fp8 M-row GEMVs stream slower)
+        self.head_rows = self.head if self.drafter.w.stored is None else \
+            fuse_head(self.drafter.w.stored, self.drafter.k, self.drafter.v)
         self.fc_in, self.u = z(M, 2 * H), z(M, H)
         self.u1, self.g1 = z(1, H), z(1, H)
         self.dlogits = z(self.draft_vocab, d=torch.float32)
@@ -239,8 +243,9 @@ class SpecDecoder:
         def head(x, fc_in, pos, m, first):
             fc_kw = f.gemv_shape(w.fc, c.hidden_size, rows=m > 1)
             steps = [first, ("fc", lambda: g.gemv(fc_in, w.fc, x, m=m, **fc_kw))]
-            steps += self._attention(self.head, x, pos, d.start, m, d.rope_cos, d.rope_sin)
-            return steps + self._ffn(self.head, x, m)
+            layer = self.head_rows if m > 1 else self.head
+            steps += self._attention(layer, x, pos, d.start, m, d.rope_cos, d.rope_sin)
+            return steps + self._ffn(layer, x, m)
 
         def lm_head():
             return ("lm_head+argmax", lambda: g.gemv(

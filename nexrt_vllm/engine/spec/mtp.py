@@ -19,11 +19,15 @@ Hugging Face names (experts per expert or stacked, as for the model's layers), o
 Draft weights (`DRAFT_WEIGHTS`): "checkpoint" drafts with the head as stored and the target's lm_head;
 "fp8" quantizes, at load, the head's projections the published FP8 releases quantize (attention, MLP or
 experts; 128 x 128 blocks, as `fp8.quantize_tensors`) and a copy of the lm_head for the drafter alone, so a
-draft reads about half the bytes. Exactness does not depend on the drafts (the target verifies every token);
-only acceptance can move. The head of an FP8 checkpoint kept in fp8 is used as it is.
+single-row draft reads about half the bytes. The head's passes over several rows (the prompt, the verified
+rows of a round, the batched round's slots) keep reading the head as stored (`MTPWeights.stored`): the GPU's
+fp8 M-row GEMVs stream slower than its bf16 ones, so there fp8 would cost time (H100, 2B: the batched round
+at 8 slots 3.29 -> 3.54 ms). Exactness does not depend on the drafts (the target verifies every token); only
+acceptance can move. The head of an FP8 checkpoint kept in fp8 is used as it is.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -68,6 +72,12 @@ class MTPWeights:
     norm: torch.Tensor
     layer: LayerWeights
     lm_head: object  # the drafter's lm_head: the target's (the same tensor), or its fp8 copy (draft weights "fp8")
+    stored: "MTPWeights | None" = None  # draft weights "fp8": the head as stored, which multi-row passes read
+
+    @property
+    def rows(self) -> "MTPWeights":
+        """The head the passes over several rows read: as stored."""
+        return self.stored if self.stored is not None else self
 
 
 def random_mtp_tensors(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 5) -> dict[str, torch.Tensor]:
@@ -133,14 +143,16 @@ def mtp_weights(cfg: ModelConfig, raw: dict[str, torch.Tensor], embed: torch.Ten
     if problems:
         raise WeightsError(f"the checkpoint's MTP head does not match the {cfg.architecture} config: "
                            + "; ".join(problems))
-    if draft_weights == "fp8":
-        t.update(_quantized_layer(t, cfg))
-        if not isinstance(lm_head, FP8Weight):
-            lm_head = quantize_weight(lm_head, FP8_BLOCK)
-    return MTPWeights(embed=t.get("embed_tokens.weight", embed), fc=t["fc.weight"],
+    head = MTPWeights(embed=t.get("embed_tokens.weight", embed), fc=t["fc.weight"],
                       pre_fc_norm_embedding=t["pre_fc_norm_embedding.weight"],
                       pre_fc_norm_hidden=t["pre_fc_norm_hidden.weight"], norm=t["norm.weight"],
                       layer=layer_weights(cfg, t, "layers.0.", "full_attention", moe), lm_head=lm_head)
+    if draft_weights == "checkpoint":
+        return head
+    quantized = {**t, **_quantized_layer(t, cfg)}
+    return dataclasses.replace(
+        head, layer=layer_weights(cfg, quantized, "layers.0.", "full_attention", moe),
+        lm_head=lm_head if isinstance(lm_head, FP8Weight) else quantize_weight(lm_head, FP8_BLOCK), stored=head)
 
 
 def _quantized_layer(t: dict, cfg: ModelConfig) -> dict:
@@ -186,8 +198,10 @@ class Drafter:
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """Rows at `positions` (int64 [T], device, consecutive): hidden [T, H], tokens [T] (the token
         after each row's position). Writes their K/V rows; each attends causally to the valid rows
-        up to its own. Returns (g [T, H] post-norm, fp32 logits [T, vocab]). No host syncs."""
-        cfg, eps, layer = self.config, self.config.rms_norm_eps, self.w.layer
+        up to its own. Returns (g [T, H] post-norm, fp32 logits [T, vocab]). No host syncs. A single row reads
+        the drafter's layer, several rows the layer as stored (MTPWeights.rows); the logits the drafter's lm_head."""
+        cfg, eps = self.config, self.config.rms_norm_eps
+        layer = self.w.layer if positions.shape[0] == 1 else self.w.rows.layer
         x = self._input(hidden, tokens)
         cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
         pos = positions.unsqueeze(1)
@@ -206,8 +220,8 @@ class Drafter:
     def prefill(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
         """Rows 0..T-1 from the prompt (hidden [T, H] of positions 0..T-1, tokens [T] = prompt tokens
         1..T): the full MTP context, as vLLM's proposer builds it during prefill. Only their K/V
-        rows are needed (no later step reads the rows' outputs). start = 0."""
-        cfg, eps, layer = self.config, self.config.rms_norm_eps, self.w.layer
+        rows are needed (no later step reads the rows' outputs). start = 0. Reads the layer as stored."""
+        cfg, eps, layer = self.config, self.config.rms_norm_eps, self.w.rows.layer
         self.start.zero_()
         T = tokens.shape[0]
         if T == 0:
