@@ -68,6 +68,7 @@ from nexrt_vllm.bench.checks import finish, record, write
 from nexrt_vllm.bench.shapes import HF_TOKS, NAMES, SHAPES
 from nexrt_vllm.bench.step import (GROUPS, bytes_per_step, copy_bandwidth, fill_context, graft_checkpoint, graft_engine,
                                    kernel_groups, log, periodic_prompt, random_engine, time_replays, tuning_from)
+from nexrt_vllm.engine.spec.mtp import DRAFT_WEIGHTS
 from nexrt_vllm.engine.state import GDNState
 
 
@@ -477,7 +478,7 @@ def main(argv=None) -> int:
     if not dtypes or any(d not in ("bf16", "fp8") for d in dtypes):
         ap.error(f"--dtype: a comma-separated list of bf16 / fp8, got {args.dtype!r}")
     drafts = [d for d in args.draft_weights.split(",") if d]
-    if not drafts or any(d not in ("checkpoint", "fp8") for d in drafts):
+    if not drafts or any(d not in DRAFT_WEIGHTS for d in drafts):
         ap.error(f"--draft-weights: a comma-separated list of checkpoint / fp8, got {args.draft_weights!r}")
     if drafts != ["checkpoint"] and args.speculative != "mtp":
         ap.error("--draft-weights needs --speculative mtp")

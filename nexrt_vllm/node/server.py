@@ -31,6 +31,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from nexrt_vllm.engine.spec.draft_vocab import describe_draft_vocab
+from nexrt_vllm.engine.spec.mtp import DRAFT_WEIGHTS
 from nexrt_vllm.handoff import protocol as P
 from nexrt_vllm.handoff.contracts import (AdmitReply, AdmitRequest, CancelRequest, ContractError, GenerateRequest,
                                           Refusal)
@@ -243,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="graph path: the MTP head drafts from the token ids of this map (JSON {\"token_ids\": "
                          "[...]}, e.g. the most frequent ids of text like the traffic: `nexrt-vllm draft-token-map`); "
                          "exact output, acceptance depends on the map's coverage; not with --draft-vocab")
-    ap.add_argument("--draft-weights", choices=("checkpoint", "fp8"), default="checkpoint",
+    ap.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default="checkpoint",
                     help="the MTP head's format: checkpoint = as stored; fp8 = its projections and a copy of the "
                          "lm_head quantized to block-scaled e4m3 at load (as the published FP8 releases store "
                          "the head), so a draft reads about half the bytes; exact output either way, acceptance "
