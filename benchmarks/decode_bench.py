@@ -420,10 +420,9 @@ def run_recorded(results: dict, where: str, run) -> None:
 
 
 def err_key(key: str, dtype: str, what: str = "", draft_weights: str = "checkpoint") -> str:
-    """An errors key: the shape, then the dtype unless bf16, then `what` (the mode: batch, mtp) if any, then the
-    MTP head's format unless the checkpoint's."""
-    return "/".join([key] + ([dtype] if dtype != "bf16" else []) + ([what] if what else []) +
-                    ([f"draft-{draft_weights}"] if draft_weights != "checkpoint" else []))
+    """An errors key: the run's tag (spec_round.tag: the shape, the dtype unless bf16, the MTP head's format unless
+    the checkpoint's), then `what` (the mode: batch, mtp) if any."""
+    return spec_round.tag(key, dtype, draft_weights) + (f"/{what}" if what else "")
 
 
 def main(argv=None) -> int:

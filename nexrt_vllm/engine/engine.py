@@ -266,13 +266,10 @@ class Engine:
         `synthetic` (engine.spec.synthetic.SyntheticAcceptance, benchmarks only): every round accepts the
         drafts its schedule says instead of the matching ones - output is then no longer the target's."""
         from nexrt_vllm.engine.spec.draft_vocab import check_draft_vocab
-
-        from nexrt_vllm.engine.spec.mtp import DRAFT_WEIGHTS
+        from nexrt_vllm.engine.spec.mtp import mtp_weights
 
         if method != "mtp":
             raise ConfigError(f"unknown speculative method {method!r}; supported: 'mtp'")
-        if draft_weights not in DRAFT_WEIGHTS:
-            raise ConfigError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {draft_weights!r}")
         if self.batch_graph is not None:
             raise NotBuiltError("enable speculative decoding before the batch graph (use_batch_graph) is built")
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
@@ -285,8 +282,10 @@ class Engine:
         if synthetic is not None and synthetic.num_drafts != num_speculative_tokens:
             raise ConfigError(f"the synthetic acceptance schedule has {synthetic.num_drafts} rates, one per draft; "
                               f"num_speculative_tokens is {num_speculative_tokens}")
-        self.speculative = None  # a new head in the format asked for, not the last one's
-        self.speculative = self._new_speculator(num_speculative_tokens, draft_weights=draft_weights)
+        # the head in the format asked for (not an earlier call's), which the slots' speculators then share (a MoE
+        # head's experts are stacked once, here); mtp_weights refuses an unknown format before anything changes
+        w = mtp_weights(self.config, self.model.mtp, self.model.embed, self.model.lm_head, draft_weights)
+        self.speculative = self._new_speculator(num_speculative_tokens, w)
         self.speculative.synthetic = synthetic
         self.draft_vocab = draft_vocab
         if self.graph is not None:
@@ -295,19 +294,16 @@ class Engine:
     def _slot_speculator(self, over=None):
         """A Speculator for another request slot: this engine's settings (drafts, synthetic schedule,
         `on_round`), a drafter cache of its own (or `over`, as `_new_speculator`)."""
-        s = self._new_speculator(self.speculative.num_speculative_tokens, over)
+        s = self._new_speculator(self.speculative.num_speculative_tokens, self.speculative.drafter.w, over)
         s.synthetic, s.on_round = self.speculative.synthetic, self.speculative.on_round
         return s
 
-    def _new_speculator(self, num_speculative_tokens: int, over=None, draft_weights: str = "checkpoint"):
-        """A Speculator over this engine's model with a drafter cache (or `over`: Drafter's) and verify
-        scratch of its own; the first one builds the head's weights in the format `draft_weights` names."""
-        from nexrt_vllm.engine.spec.mtp import Drafter, mtp_weights
+    def _new_speculator(self, num_speculative_tokens: int, w, over=None):
+        """A Speculator over this engine's model drafting with the head `w` (spec/mtp.py MTPWeights), with a
+        drafter cache (or `over`: Drafter's) and verify scratch of its own."""
+        from nexrt_vllm.engine.spec.mtp import Drafter
         from nexrt_vllm.engine.spec.speculative import Speculator
 
-        # the slots share the head's weights (a MoE head's experts are stacked once, here)
-        w = self.speculative.drafter.w if self.speculative is not None else \
-            mtp_weights(self.config, self.model.mtp, self.model.embed, self.model.lm_head, draft_weights)
         drafter = Drafter(self.model.config, w, self.max_seq_len, extra=num_speculative_tokens + 1, over=over)
         return Speculator(self.model, drafter, num_speculative_tokens)
 

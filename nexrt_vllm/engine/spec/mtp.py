@@ -97,7 +97,7 @@ def mtp_weights(cfg: ModelConfig, raw: dict[str, torch.Tensor], embed: torch.Ten
     through `lm_head` (the target's), in the format `draft_weights` names (DRAFT_WEIGHTS). ConfigError if there
     is no head or the format is unknown; WeightsError listing every missing / misshaped tensor."""
     if draft_weights not in DRAFT_WEIGHTS:
-        raise ConfigError(f"draft weights must be one of {DRAFT_WEIGHTS}, got {draft_weights!r}")
+        raise ConfigError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {draft_weights!r}")
     if not raw:
         raise ConfigError("the checkpoint has no MTP head (no mtp.* tensors): speculative decoding "
                           "with --speculative mtp needs one")
