@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from nexrt_vllm.engine import Engine, SamplingParams
-from nexrt_vllm.engine.gpu.tuning import Tuning
 from nexrt_vllm.testing.connector_harness import TRAINED_MTP, periodic_prompt
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800)]
@@ -74,12 +73,10 @@ def test_captured_batch_step_equals_each_request_alone(ckpt_factory, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-@pytest.mark.parametrize("aside", [False, True], ids=["commit-in-line", "commit-aside"])
-def test_captured_batched_round_equals_each_request_alone(ckpt_factory, arch, aside):
+def test_captured_batched_round_equals_each_request_alone(ckpt_factory, arch):
     """The batched MTP round graph (engine/gpu/batch_round.py, 4 slots x M = 4 = 16 verify rows): each
     request's greedy tokens equal the eager one-token loop's alone, slots joining late and one running to
-    its context's last position; the trained heads' drafts are accepted (more than one token a round). Also
-    with the commit on a second stream beside the draft chain (Tuning.commit_aside)."""
+    its context's last position; the trained heads' drafts are accepted (more than one token a round)."""
     L = 160
     path = ckpt_factory(arch, "bfloat16", **TRAINED_MTP[arch])
     ref = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_seq_len=L, progress=False)
@@ -92,7 +89,7 @@ def test_captured_batched_round_equals_each_request_alone(ckpt_factory, arch, as
     del ref
     eng = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_seq_len=L, progress=False)
     eng.enable_speculative("mtp", 3)
-    eng.use_batch_graph(4, tuning=Tuning(commit_aside=aside))
+    eng.use_batch_graph(4)
     runner, engines = eng.batch_graph, eng.slots(4)
     assert runner.graph is not None and runner.M == 4 and sorted(runner.graphs) == runner.buckets == [1, 2, 4]
     for e, p in zip(engines, prompts):

@@ -39,7 +39,7 @@ from nexrt_vllm.engine.fp8 import FP8Weight
 from nexrt_vllm.engine.gpu.batch_decoder import BatchDecoder, gated_out_proj
 from nexrt_vllm.engine.gpu.batch_runner import SlotEvent, SlotRunner
 from nexrt_vllm.engine.gpu.control import RING, wait_record
-from nexrt_vllm.engine.gpu.decoder import Launch, commit_stream, gdn_kw, run_plan
+from nexrt_vllm.engine.gpu.decoder import Launch, gdn_kw
 from nexrt_vllm.engine.gpu.fusion import FusedLayer, GDNMixer, MoEFFN
 from nexrt_vllm.engine.gpu.spec_round import SYNTHETIC_ROUNDS, draft_rows, fuse_head
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs, moe_kwargs
@@ -95,7 +95,6 @@ class BatchRoundDecoder:
             i: z(n, M, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, d=torch.float32)
             for i in c.gdn_layers}
         self.gdn_buf = {i: z(R, batch.buf.shape[1]) for i in c.gdn_layers} if self.recommit else {}
-        self.aside = commit_stream(self.t, dev)  # Tuning.commit_aside: the commit beside the draft chain
         self.commit_all = self.k_gdn.Recommit(
             [(self.gdn_buf[i], self.states.gdn(i).conv, self.states.gdn(i).rec, self.window[i],
               batch.layers[i].mixer.a_log, batch.layers[i].mixer.dt_bias) for i in c.gdn_layers], m=M,
@@ -334,7 +333,8 @@ class BatchRoundDecoder:
     def launch(self, k: int | None = None) -> None:
         """Enqueue one round over slots 0..k-1 (default: all)."""
         with self.b.k_common.launch_options(self.b.pdl):
-            run_plan(self.plan(k), self.aside)
+            for s in self.plan(k):
+                s.run()
         if self.b.control == "pinned-copy":  # the rings reach the host by copy nodes (gpu/control.py)
             self.ring_host.copy_(self.ring, non_blocking=True)
             self.rounds_host.copy_(self.rounds, non_blocking=True)

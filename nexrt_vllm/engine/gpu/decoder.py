@@ -49,34 +49,6 @@ class Launch:
     run: Callable[[], None]
 
 
-def run_plan(launches: list[Launch], aside: "torch.cuda.Stream | None" = None) -> None:
-    """Enqueue a round's launches in order on the current stream; with `aside` (Tuning.commit_aside) the
-    "commit" group's on that stream instead: it waits for what is enqueued before the first commit (the
-    accept), and the current stream waits for it at the end. A CUDA graph captures the two as a branch
-    that joins at the round's end. The commit reads the verify's GDN rows and writes the target's GDN states;
-    the draft launches after it never read those, and the next round waits for the join."""
-    fork = None
-    for s in launches:
-        if aside is None or s.group != "commit":
-            s.run()
-            continue
-        if fork is None:
-            fork = torch.cuda.Event()
-            fork.record(torch.cuda.current_stream())
-            aside.wait_event(fork)
-        with torch.cuda.stream(aside):
-            s.run()
-    if fork is not None:
-        join = torch.cuda.Event()
-        join.record(aside)
-        torch.cuda.current_stream().wait_event(join)
-
-
-def commit_stream(t: Tuning, device: torch.device) -> "torch.cuda.Stream | None":
-    """The stream a round's commit runs on (`run_plan`): Tuning.commit_aside on a CUDA device, else None."""
-    return torch.cuda.Stream(device=device) if t.commit_aside and device.type == "cuda" else None
-
-
 class FusedDecoder:
     """Static buffers + fused weights over an eager `Model`; `launch()` enqueues one decode step.
 

@@ -42,7 +42,7 @@ from nexrt_vllm.engine.errors import EngineError, NotBuiltError
 from nexrt_vllm.engine.fp8 import take_rows
 from nexrt_vllm.engine.gpu.batch_decoder import gated_out_proj
 from nexrt_vllm.engine.gpu.control import RING, wait_record
-from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch, commit_stream, gdn_kw, run_plan
+from nexrt_vllm.engine.gpu.decoder import FusedDecoder, Launch, gdn_kw
 from nexrt_vllm.engine.gpu.fusion import AttentionMixer, FusedLayer, GDNMixer, MoEFFN, concat_shared, fuse_ffn
 from nexrt_vllm.engine.gpu.runner import GraphRunner, capture_graph
 from nexrt_vllm.engine.gpu.tuning import RowsShape, gemv_kwargs, moe_kwargs
@@ -106,7 +106,6 @@ class SpecDecoder:
         # which the commit runs again up to the accepted token (kernels/gdn.py Recommit: all layers, one launch)
         self.recommit = f.t.gdn_recommit
         self.gdn_buf = {i: z(M, f.buf.numel()) for i in c.gdn_layers} if self.recommit else {}
-        self.aside = commit_stream(f.t, dev)  # Tuning.commit_aside: the commit beside the draft chain
         self.commit_all = f.k_gdn.Recommit(
             [(self.gdn_buf[i], f.state.gdn(i).conv, f.state.gdn(i).rec, self.scratch.window(i, M),
               f.layers[i].mixer.a_log, f.layers[i].mixer.dt_bias) for i in c.gdn_layers], m=M,
@@ -273,7 +272,8 @@ class SpecDecoder:
 
     def launch(self) -> None:
         with self.f.launch_options():
-            run_plan(self.plan(), self.aside)
+            for s in self.plan():
+                s.run()
         if self.f.control == "pinned-copy":  # the rings reach the host by copy nodes (gpu/control.py)
             self.f.ring_host.copy_(self.f.ring, non_blocking=True)
             self.rounds_host.copy_(self.rounds, non_blocking=True)

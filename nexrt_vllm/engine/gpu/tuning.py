@@ -110,11 +110,6 @@ class Tuning:
     # B = 8) become B state writes at the commit, and 18 commit launches one. H200, decode_bench at 8K
     # (round_knobs_2b_h200.json): 2B round 1.916 -> 1.864 ms, B = 8 3.154 -> 2.934; 35B-A3B 5.362 -> 5.218.
     gdn_recommit: bool = True
-    # The speculative rounds' commit (it reads the verify's GDN rows and writes the target's GDN states, which
-    # the draft chain never reads) on a second stream beside the draft chain, joined at the round's end: a
-    # branch of the round graph instead of a launch between the accept and the first draft (gpu/decoder.py
-    # `run_plan`).
-    commit_aside: bool = False
     # The batched round's launch choices (GEMV shapes and kernels, the norm in a launch of its own) follow
     # the rows of the replay's bucket, so one live slot runs the one-request round's choices (its in_proj +
     # conv launch, one-row GEMVs in the head's chained steps). With the choices of its 8 slots' 32 rows an
