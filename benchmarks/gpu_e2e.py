@@ -540,6 +540,10 @@ def main(argv=None) -> int:
                     help="the node's --draft-vocab N: its MTP head drafts from the first N token ids (default: all)")
     ap.add_argument("--draft-token-map", default=None, metavar="FILE",
                     help="the node's --draft-token-map FILE: its MTP head drafts from the map's ids")
+    ap.add_argument("--draft-weights", default="checkpoint", metavar="FORMAT",
+                    help="the node's --draft-weights (checkpoint: the MTP head as stored; fp8: its projections and "
+                         "lm_head rows quantized at load for its single-row drafts), decode_bench's in the same run; "
+                         "recorded in the JSON. Pinned acceptance hides what fp8 drafting does to acceptance")
     ap.add_argument("--acceptance-length", type=float, default=None,
                     help="pinned mean tokens per round for both (default: InferenceX's golden value for the "
                          "draft count, e.g. 3.39 at 3)")
@@ -575,9 +579,16 @@ def main(argv=None) -> int:
         ap.error("give --draft-vocab or --draft-token-map, not both")
     if (a.draft_vocab is not None or a.draft_token_map) and not spec:
         ap.error("--draft-vocab / --draft-token-map are for --speculative mtp")
-    # the head's draft vocabulary, as the node and decode_bench take it
+    if a.draft_weights != "checkpoint":
+        if not spec:
+            ap.error("--draft-weights is for --speculative mtp")
+        from nexrt_vllm.engine.spec.mtp import DRAFT_WEIGHTS  # torch: only for a format to check
+        if a.draft_weights not in DRAFT_WEIGHTS:
+            ap.error(f"--draft-weights: one of {', '.join(DRAFT_WEIGHTS)}, got {a.draft_weights!r}")
+    # the head's draft vocabulary and weights, as the node and decode_bench take them
     draft = ["--draft-vocab", str(a.draft_vocab)] if a.draft_vocab is not None else \
         ["--draft-token-map", os.path.abspath(a.draft_token_map)] if a.draft_token_map else []
+    draft += ["--draft-weights", a.draft_weights] if a.draft_weights != "checkpoint" else []
     if a.tp < 1:
         ap.error("--tp must be >= 1")
     for flag, v in (("--share", a.share), ("--baseline-share", a.baseline_share)):
@@ -630,6 +641,7 @@ def main(argv=None) -> int:
                       "--speculative-synthetic-acceptance", str(a.acceptance_length)]
         node_extra += draft
         summary.update({"speculative": "mtp", "num_speculative_tokens": a.num_speculative_tokens,
+                        "draft_weights": a.draft_weights,
                         "acceptance_length": a.acceptance_length, "baseline_speculative_config": vspec,
                         "node_speculative_flags": node_extra, "vllm_mtp": {}})
     summary["hw"] = "cpu"

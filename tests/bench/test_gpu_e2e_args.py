@@ -11,6 +11,8 @@ from benchmarks.gpu_e2e import main
     (["--speculative", "mtp", "--vllm-mtp"], "--vllm-mtp is for a plain node"),
     (["--interleave", "--concurrent-baseline", "--paths", "nexrt", "vllm_mtp", "--speculative", "mtp"],
      "the paths nexrt and vllm"),
+    (["--draft-weights", "fp8"], "--draft-weights is for --speculative mtp"),
+    (["--speculative", "mtp", "--draft-weights", "fp4"], "--draft-weights: one of checkpoint, fp8, got 'fp4'"),
 ])
 def test_refused(tmp_path, capsys, argv, reason):
     with pytest.raises(SystemExit) as e:
