@@ -294,11 +294,12 @@ def _merge_shape(paths: list[str], runs: list[dict]) -> dict:
     # what the node served with, from the last run that measured the NexRT path, whatever the files' order (a
     # baselines-only run records the flags it would have given a node)
     served = [r for r in runs if r.get("nexrt") or (r.get("concurrency") or {}).get("nexrt")]
-    for key in ("node_speculative_flags", "draft_weights", "node_tuning") if served else ():
-        if key in served[-1]:
-            m[key] = served[-1][key]
-        else:
-            m.pop(key, None)
+    if served:
+        for key in ("node_speculative_flags", "draft_weights", "node_tuning"):
+            if key in served[-1]:
+                m[key] = served[-1][key]
+            else:
+                m.pop(key, None)
     for key in ("nexrt", "vllm", "vllm_mtp", "node", "ttft_breakdown"):
         m[key] = {k: v for r in runs for k, v in r.get(key, {}).items()}
     for key in ("engine", "inferencex_client"):

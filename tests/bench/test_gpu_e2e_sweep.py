@@ -61,4 +61,3 @@ def test_merge_joins_sweeps_of_separate_runs(tmp_path):
     assert by_c["4"]["interactivity_x"] == pytest.approx(2.98 / 1.06)
     assert m["nexrt_throughput_scaling"]["8k1k"]["output_tok_s_over_conc1"] == pytest.approx(3722 / 1200)
     assert os.path.getsize(str(tmp_path / "m_pareto.png")) > 1000
-
