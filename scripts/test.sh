@@ -1,15 +1,41 @@
 #!/usr/bin/env bash
 # Installs everything (scripts/setup.sh) and runs the whole test suite on CPU. `.ci/run` calls this.
+# Arguments go to pytest (then one pytest run over what they name).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false UCX_NET_DEVICES=lo
-log=$(mktemp)
-set +e
-python3 -m pytest tests -q -rfEs --durations=30 --timeout=900 -p no:cacheprovider "$@" 2>&1 | tee "$log"
-rc=${PIPESTATUS[0]}
-set -e
+opts=(-q -rfEs --durations=30 --timeout=900 -p no:cacheprovider)
 # Mooncake's C++ logs a few lines at interpreter exit, after pytest's summary: repeat the summary last.
-grep -E "^[0-9]+ (passed|failed)|^(=+ )?[0-9]+ (passed|failed)|no tests ran" "$log" | tail -1
-rm -f "$log"
-exit "$rc"
+summary() { grep -E "^[0-9]+ (passed|failed)|^(=+ )?[0-9]+ (passed|failed)|no tests ran" "$1" | tail -1; }
+log=$(mktemp)
+side_log=$(mktemp)
+tmp=$(mktemp -d)
+trap 'rm -rf "$log" "$side_log" "$tmp"' EXIT
+set +e
+if [ $# -gt 0 ]; then
+  python3 -m pytest "${opts[@]}" "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  summary "$log"
+  exit "$rc"
+fi
+# Two lanes on the CPU's cores: the fused-decoder tests (the Triton interpreter, one
+# thread each, no servers) run niced beside the rest (servers, transfers, the router), which would otherwise
+# leave one core idle most of the time. The side lane's output follows the main lane's.
+side=(tests/gpu tests/node/test_batch_graph_jobs.py)
+# each lane its own pytest temporary directory (a session removes the older ones it finds)
+nice -n 10 python3 -m pytest "${opts[@]}" --basetemp="$tmp/side" "${side[@]}" > "$side_log" 2>&1 &
+side_pid=$!
+ignores=()
+for p in "${side[@]}"; do ignores+=(--ignore="$p"); done
+python3 -m pytest "${opts[@]}" --basetemp="$tmp/main" tests "${ignores[@]}" 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+wait "$side_pid"
+side_rc=$?
+set -e
+echo "==== the side lane: ${side[*]} ===="
+cat "$side_log"
+echo "main lane: $(summary "$log")"
+echo "side lane: $(summary "$side_log")"
+[ "$rc" -eq 0 ] && [ "$side_rc" -eq 0 ]
