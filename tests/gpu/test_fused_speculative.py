@@ -103,6 +103,37 @@ def test_handoff_draft_vocab_and_stop(ckpt_factory):
     assert got == want[:want.index(stop) + 1] and eng.finish_reason == "stop"
 
 
+def test_verify_gemvs_ask_l2_for_the_next_weight(ckpt_factory):
+    """Tuning.rows_l2_prefetch: each verify GEMV asks L2 for the first bytes of the next verify GEMV's weight
+    (both halves of a SwiGLU weight), the verify's last (the lm_head) and every other launch (the head's too)
+    for nothing, no launch without it (the default); the round's tokens are the same with it."""
+    plain, eng = engines(ckpt_factory, "qwen3_5")
+    prompt = periodic_prompt(40, seed=13)
+    first = int(plain.prefill(prompt).argmax())
+    sp = SamplingParams(max_tokens=7, ignore_eos=True)
+    want = list(plain.stream(first, sp))
+    assert not any(hasattr(s.run, "keywords") for s in on_graph_path(eng).d.plan())
+    nbytes = 4096
+    d = on_graph_path(eng, tuning=dataclasses.replace(CPU_TUNING, rows_l2_prefetch=nbytes)).d
+    plan, layers = d.plan(), d.f.layers
+    weights = {"gdn_in_proj+conv": lambda L: L.mixer.w_in, "gdn_out_proj": lambda L: L.mixer.w_out,
+               "attn_qkv_proj": lambda L: L.mixer.w_qkv, "attn_o_proj": lambda L: L.mixer.w_o,
+               "mlp_gate_up+swiglu": lambda L: L.ffn.w_gate_up, "mlp_down": lambda L: L.ffn.w_down,
+               "lm_head+argmax": lambda L: d.f.lm_head}
+    gemvs = [s for s in plan if s.group.startswith("verify_") and s.group[7:] in weights]
+    assert len(gemvs) == 4 * len(layers) + 1
+    for s, nxt in zip(gemvs, gemvs[1:]):
+        flat, off1, each, segs = s.run.keywords["l2"]
+        w = weights[nxt.group[7:]](layers[nxt.layer] if nxt.layer is not None else None)
+        halves = nxt.group == "verify_mlp_gate_up+swiglu"
+        assert flat.data_ptr() == w.data_ptr() and flat.numel() == w.numel() * w.element_size()
+        assert (segs, off1, each) == (2 if halves else 1, flat.numel() // 2 if halves else 0,
+                                      nbytes // (2 if halves else 1)), s.group
+    assert sum(hasattr(s.run, "keywords") for s in plan) == len(gemvs) - 1
+    eng.prefill(prompt)
+    assert list(eng.stream(first, sp)) == want
+
+
 def test_draft_token_map(ckpt_factory):
     """The head drafting from a token map: its lm_head reads the map's rows (a gathered copy), the
     pick maps the argmax index back to the token id."""

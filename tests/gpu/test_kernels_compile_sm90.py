@@ -102,10 +102,10 @@ FP8_VARIANTS = [
 ]
 # The speculative round (engine/gpu/spec_round.py) at M = 4 verify rows, the 2B / 35B-A3B shapes at the Tuning defaults.
 R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, VEC=8, M=4, MP=4,
-         FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False)
+         FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False, PF=0)
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
 RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1,
-          SPLITS=1, FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False)
+          SPLITS=1, FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False, PF=0)
 # the M-row GEMVs over FP8 weights (the verify / batch step of an FP8 checkpoint): K blocks of whole scale blocks
 RDF = dict(RD, FP8=True, BKS=128, BLOCK_K=128, ROUND_W=False)
 RF = dict(R, FP8=True, BKS=128, BLOCK_K=512, VEC=8)
@@ -146,6 +146,11 @@ SPEC_VARIANTS = [
     ("rows_dot_split2_residual", gemv.gemv_rows_dot_kernel, dict(RD, PRO=0, EPI=1, KP=8192, STAGES=5, SPLITS=2), 1, {},
      ALIGN_R),
     ("rows_dot_split2_swiglu", gemv.gemv_rows_dot_kernel, dict(RD, PRO=1, EPI=2, STAGES=3, SPLITS=2), 1, {}, ALIGN_R),
+    # Tuning.rows_l2_prefetch: the next GEMV's first weight bytes asked of L2 when a program is done
+    ("rows_dot_swiglu_l2", gemv.gemv_rows_dot_kernel, dict(RD, PRO=1, EPI=2, BLOCK_N=32, STAGES=3, PF=1), 2, {},
+     ALIGN_R),
+    ("rows_gated_residual_l2", gemv.gemv_rows_kernel,
+     dict(R, PRO=2, EPI=1, GROUP=128, KP=4096, BLOCK_N=8, BLOCK_K=1024, PRE=0, PF=1), 8, {}, ALIGN_R),
     # FP8 weights (published layout: 128 x 128 blocks; the GDN in_proj's b / a rows a bf16 tail)
     ("rows_fp8_dot_qkv", gemv.gemv_rows_dot_kernel, dict(RDF, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, F8, ALIGN_R),
     ("rows_fp8_dot_in_proj_conv_tail", gemv.gemv_rows_dot_kernel,
@@ -344,14 +349,14 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 90 + 46 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 94 + 46 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
     """The tensor-core M-row kernel: its weight tiles go global -> shared by asynchronous copies (the
     compiler's software pipeline) into tensor-core MMAs (warpgroup or warp)."""
     dots = {k: v for k, v in compiled.items() if k.startswith("rows_dot_")}
-    assert len(dots) == 14
+    assert len(dots) == 16
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
         # the split-K fixup: one arrival count per program (a gpu-scope acq_rel atomic), only when split

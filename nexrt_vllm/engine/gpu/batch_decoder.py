@@ -36,11 +36,12 @@ def gated_out_proj(g, k_gdn, o, z, mixer: GDNMixer, res, rows: int, group: int, 
     prologue in the GEMV ("gdn_out_proj"), or with `split` (`Tuning.gated_norm_rows`) the norm in place over
     o first ("gdn_out_norm") and then the plain GEMV. Callers decide `split` from their most rows, not a
     replay's, so a request's arithmetic does not depend on the slots live with it."""
-    if not split:
-        return [("gdn_out_proj", lambda: g.gemv(o, mixer.w_out, res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL,
-                                                norm_w=mixer.norm, z=z, eps=eps, group=group, m=rows, **shape))]
+    if not split:  # the GEMV launches take `gemv`'s l2 keyword (spec_round.py's L2 requests)
+        return [("gdn_out_proj", lambda **l2: g.gemv(o, mixer.w_out, res, pro=g.PRO_GATED, epi=g.EPI_RESIDUAL,
+                                                     norm_w=mixer.norm, z=z, eps=eps, group=group, m=rows, **l2,
+                                                     **shape))]
     return [("gdn_out_norm", lambda: k_gdn.gated_norm_rows(o, z, mixer.norm, o, m=rows, group=group, eps=eps)),
-            ("gdn_out_proj", lambda: g.gemv(o, mixer.w_out, res, epi=g.EPI_RESIDUAL, m=rows, **shape))]
+            ("gdn_out_proj", lambda **l2: g.gemv(o, mixer.w_out, res, epi=g.EPI_RESIDUAL, m=rows, **l2, **shape))]
 
 
 class BatchDecoder:

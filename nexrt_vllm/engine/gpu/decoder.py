@@ -149,7 +149,7 @@ class FusedDecoder:
         entries.append(("lm_head+argmax", None, lambda **l2: g.gemv(
             self.res, self.lm_head, self.lm_out, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=self.final_norm,
             aux0=self.pmax, aux1=self.pidx, eps=c.rms_norm_eps, **l2, **self.lm_shape), (self.lm_head, False)))
-        targets = self._l2_plan([e[3] for e in entries])
+        targets = self._l2_plan([e[3] for e in entries], self.t.l2_prefetch)
         return [Launch(group, i, fn if t is None else functools.partial(fn, l2=t))
                 for (group, i, fn, _), t in zip(entries, targets)]
 
@@ -158,18 +158,18 @@ class FusedDecoder:
         reduction of their partial output, gpu/tp.py)."""
         return launches
 
-    def _l2_plan(self, streams: list) -> list:
+    def _l2_plan(self, streams: list, nbytes: int) -> list:
         """Per launch, the `gemv` l2 target it asks for: each GEMV launch over bf16 weights (stream =
-        (weight, SwiGLU halves)) asks for the first `Tuning.l2_prefetch` bytes of the next GEMV's
-        weight; in an MoE model no launch asks (see `Tuning.l2_prefetch`)."""
+        (weight, SwiGLU halves)) asks for the first `nbytes` of the next GEMV's weight
+        (`Tuning.l2_prefetch`, the round's `rows_l2_prefetch`); in an MoE model no launch asks."""
         out, nxt = [None] * len(streams), None
-        if self.cfg.num_experts or self.t.l2_prefetch <= 0:
+        if self.cfg.num_experts or nbytes <= 0:
             return out
         for j in range(len(streams) - 1, -1, -1):
             s = streams[j]
             if s is not None:
                 if nxt is not None and not isinstance(s[0], FP8Weight):
-                    out[j] = self.k_gemv.l2_target(nxt[0], self.t.l2_prefetch, halves=nxt[1])
+                    out[j] = self.k_gemv.l2_target(nxt[0], nbytes, halves=nxt[1])
                 nxt = s
         return out
 

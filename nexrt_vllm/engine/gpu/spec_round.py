@@ -34,6 +34,7 @@ has no room for M more positions with the plain step graph.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -151,15 +152,20 @@ class SpecDecoder:
     def plan(self) -> list[Launch]:
         """The round's launches in order (group names: verify_* / accept / commit / draft_*)."""
         f, c, M, g = self.f, self.cfg, self.M, self.f.k_gemv
-        steps = [Launch("verify_embed", None, lambda: torch.index_select(f.embed, 0, self.tokens, out=self.res))]
+        verify = [("embed", None, lambda: torch.index_select(f.embed, 0, self.tokens, out=self.res), None)]
         for i, L in enumerate(f.layers):
             mixer = self._gdn(i, L) if isinstance(L.mixer, GDNMixer) else self._attention(L, self.res, f.state.position,
                                                                                          None, M, f.model.rope_cos,
                                                                                          f.model.rope_sin)
-            steps += [Launch("verify_" + grp, i, fn) for grp, fn in mixer + self._ffn(L, self.res, M)]
-        steps.append(Launch("verify_lm_head+argmax", None, lambda: g.gemv(
+            verify += [(grp, i, fn, stream) for grp, fn, stream in mixer + self._ffn(L, self.res, M)]
+        verify.append(("lm_head+argmax", None, lambda **l2: g.gemv(
             self.res, f.lm_head, self.logits, pro=g.PRO_RMSNORM, epi=g.EPI_ARGMAX, norm_w=f.final_norm,
-            aux0=self.pmax, aux1=self.pidx, xn_out=self.hn, eps=c.rms_norm_eps, m=M, **self.lm_rows)))
+            aux0=self.pmax, aux1=self.pidx, xn_out=self.hn, eps=c.rms_norm_eps, m=M, **l2, **self.lm_rows),
+            (f.lm_head, False)))
+        # Tuning.rows_l2_prefetch: each M-row GEMV asks L2 for the next one's first weight bytes when done
+        targets = f._l2_plan([e[3] for e in verify], f.t.rows_l2_prefetch)
+        steps = [Launch("verify_" + grp, i, fn if t is None else functools.partial(fn, l2=t))
+                 for (grp, i, fn, _), t in zip(verify, targets)]
         steps.append(Launch("accept", None, lambda: self.k_spec.accept(
             self.pmax, self.pidx, self.n_part, self.tokens, self.y, f.state.position, self.base, self.acc, f.step,
             self.round, f.ring, self.rounds, RING, self.forced)))
@@ -181,36 +187,38 @@ class SpecDecoder:
         split = M >= t.gated_norm_rows  # the out_proj's norm in a launch of its own (batch_decoder.gated_out_proj)
         out_shape = f.gemv_shape(m.w_out, c.hidden_size, rows=True) if split else \
             self._rows_rule(m.w_out, t.gemv_gated_rows)
+        out_proj = gated_out_proj(g, f.k_gdn, self.o, buf[:, c.conv_dim:c.conv_dim + c.value_dim], m, self.res, M,
+                                  c.linear_value_head_dim, eps, split, out_shape)
         return [
-            ("gdn_in_proj+conv", lambda: g.gemv(
+            ("gdn_in_proj+conv", lambda **l2: g.gemv(
                 self.res, m.w_in, buf, pro=g.PRO_RMSNORM, epi=g.EPI_CONV, norm_w=L.input_norm,
                 aux0=m.state.conv, aux1=m.conv_w, window=self.scratch.window(i, M), eps=eps, conv_n=c.conv_dim,
-                kc=c.conv_kernel, m=M,
-                **f.gemv_shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv, rows=True))),
+                kc=c.conv_kernel, m=M, **l2,
+                **f.gemv_shape(m.w_in, m.w_in.shape[0], prefetch=t.prefetch_conv, rows=True)), (m.w_in, False)),
             ("gdn_step", lambda: f.k_gdn.gdn_verify_step(
                 buf, m.state.rec, None if self.recommit else self.rec_after[i], self.o, m.a_log, m.dt_bias, m=M,
-                **gdn_kw(c, t), prefetch=t.prefetch > 0)),
-            *gated_out_proj(g, f.k_gdn, self.o, buf[:, c.conv_dim:c.conv_dim + c.value_dim], m, self.res, M,
-                            c.linear_value_head_dim, eps, split, out_shape)]
+                **gdn_kw(c, t), prefetch=t.prefetch > 0), None),
+            *[(grp, fn, (m.w_out, False) if grp == "gdn_out_proj" else None) for grp, fn in out_proj]]
 
     def _attention(self, L: FusedLayer, x, pos, start, m: int, cos, sin):
         """A full-attention mixer over rows x[:m] at positions pos..pos+m-1 (the target's layers, or the
-        head's over its own cache with `start`)."""
+        head's over its own cache with `start`): (group, launch, its GEMV's (weight, SwiGLU halves) or None)."""
         c, g, t, a, eps, f = self.cfg, self.f.k_gemv, self.f.t, L.mixer, self.cfg.rms_norm_eps, self.f
         buf, q, o = self.buf[:m], self.q[:m], self.o[:m]
         return [
-            ("attn_qkv_proj", lambda: g.gemv(
-                x, a.w_qkv, buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, m=m,
-                **f.gemv_shape(a.w_qkv, a.w_qkv.shape[0], rows=m > 1))),
+            ("attn_qkv_proj", lambda **l2: g.gemv(
+                x, a.w_qkv, buf, pro=g.PRO_RMSNORM, norm_w=L.input_norm, eps=eps, m=m, **l2,
+                **f.gemv_shape(a.w_qkv, a.w_qkv.shape[0], rows=m > 1)), (a.w_qkv, False)),
             ("attn_qknorm_rope_kvwrite", lambda: f.k_attn.qk_rope_cache(
                 buf, q, a.state.k, a.state.v, a.q_norm, a.k_norm, cos, sin, pos, num_heads=c.num_heads,
-                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim, eps=eps, m=m)),
+                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim, eps=eps, m=m), None),
             ("attn_splitk+combine", lambda: f.k_attn.attention_verify(
                 q, a.state.k, a.state.v, pos, buf, o, **self.attn_scratch, m=m, num_heads=c.num_heads,
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, start=start, nsplit=t.spec_attn_splits,
-                block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps)),
-            ("attn_o_proj", lambda: g.gemv(
-                o, a.w_o, x, epi=g.EPI_RESIDUAL, m=m, **f.gemv_shape(a.w_o, c.hidden_size, rows=m > 1)))]
+                block=t.attn_block, min_per=t.attn_min_per, num_warps=t.attn_warps), None),
+            ("attn_o_proj", lambda **l2: g.gemv(
+                o, a.w_o, x, epi=g.EPI_RESIDUAL, m=m, **l2, **f.gemv_shape(a.w_o, c.hidden_size, rows=m > 1)),
+             (a.w_o, False))]
 
     def _ffn(self, L: FusedLayer, x, m: int):
         c, g, t, ff, eps, f = self.cfg, self.f.k_gemv, self.f.t, L.ffn, self.cfg.rms_norm_eps, self.f
@@ -221,17 +229,19 @@ class SpecDecoder:
             xs = (lambda b: b[:m]) if m > 1 else (lambda b: b[0])  # noqa: E731
             return [("moe_router", lambda: g.gemv(
                         x, ff.w_router, self.router_logits[:m], pro=g.PRO_RMSNORM, norm_w=L.post_norm, eps=eps,
-                        xn_out=self.xn[:m], m=m, **f.fixed_shape(ff.w_router, t.gemv_router, t.gemv_router_fp8))),
+                        xn_out=self.xn[:m], m=m, **f.fixed_shape(ff.w_router, t.gemv_router, t.gemv_router_fp8)),
+                     None),
                     ("moe_experts", lambda: f.k_moe.moe_experts(
                         xs(self.xn), xs(x), xs(self.router_logits), ff.gate_up, ff.s_gate_up, ff.down, ff.s_down,
-                        xs(self.act), xs(self.ids), xs(self.wts), **moe_kwargs(t, c, ff)))]
+                        xs(self.act), xs(self.ids), xs(self.wts), **moe_kwargs(t, c, ff)), None)]
         return [
-            ("mlp_gate_up+swiglu", lambda: g.gemv(
+            ("mlp_gate_up+swiglu", lambda **l2: g.gemv(
                 x, ff.w_gate_up, self.act_dense[:m], pro=g.PRO_RMSNORM, epi=g.EPI_SWIGLU, norm_w=L.post_norm,
-                eps=eps, m=m, **f.gemv_shape(ff.w_gate_up, ff.w_gate_up.shape[0] // 2, rows=m > 1))),
-            ("mlp_down", lambda: g.gemv(
-                self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m,
-                **f.gemv_shape(ff.w_down, c.hidden_size, rows=m > 1)))]
+                eps=eps, m=m, **l2, **f.gemv_shape(ff.w_gate_up, ff.w_gate_up.shape[0] // 2, rows=m > 1)),
+             (ff.w_gate_up, True)),
+            ("mlp_down", lambda **l2: g.gemv(
+                self.act_dense[:m], ff.w_down, x, epi=g.EPI_RESIDUAL, m=m, **l2,
+                **f.gemv_shape(ff.w_down, c.hidden_size, rows=m > 1)), (ff.w_down, False))]
 
     def _draft(self) -> list[Launch]:
         """The head's launches: groups draft_* (the M-row pass) and chain_* (each chained step, from the pick of
@@ -244,8 +254,8 @@ class SpecDecoder:
             fc_kw = f.gemv_shape(w.fc, c.hidden_size, rows=m > 1)
             steps = [first, ("fc", lambda: g.gemv(fc_in, w.fc, x, m=m, **fc_kw))]
             layer = self.head_rows if m > 1 else self.head
-            steps += self._attention(layer, x, pos, d.start, m, d.rope_cos, d.rope_sin)
-            return steps + self._ffn(layer, x, m)
+            launches = self._attention(layer, x, pos, d.start, m, d.rope_cos, d.rope_sin) + self._ffn(layer, x, m)
+            return steps + [(grp, fn) for grp, fn, _ in launches]
 
         def lm_head():
             return ("lm_head+argmax", lambda: g.gemv(

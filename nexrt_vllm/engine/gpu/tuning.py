@@ -193,6 +193,9 @@ class Tuning:
     # step; asking for much more made it slower. MoE models ask nothing (their step was not reliably
     # faster with it), nor do GEMVs over fp8 weights (theirs was slower).
     l2_prefetch: int = 1 << 20
+    # The same for the speculative round's verify (gpu/spec_round.py): bytes of the next M-row GEMV's weight each
+    # M-row GEMV over bf16 weights asks L2 for as its programs finish; 0: none.
+    rows_l2_prefetch: int = 0
 
     def __post_init__(self):
         for f in fields(self):

@@ -64,18 +64,15 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     summed in split order by the tile's last program (scratch: `splitk_workspace`); `prefetch` is not used with
     `dot`. An FP8 W with `dot`: K blocks inside the scale blocks are multiplied as e4m3 and scaled after, else
     (or with `round_w`) each e4m3 * scale is rounded to bf16 first (kernels/gemv_verify.py).
-    `l2` (m = 1, bf16 W): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for
-    when done."""
+    `l2` (bf16 W): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for when done."""
     fp8 = hasattr(w, "scale")
     if fp8 and (prefetch or l2 is not None):
         raise ValueError("gemv: prefetch and l2 are for bf16 weights (got an FP8Weight)")
     if m != 1:
-        if l2 is not None:
-            raise ValueError("gemv: l2 prefetch is for m = 1 launches")
         return _gemv_rows(x, w, y, fp8, pro=pro, epi=epi, norm_w=norm_w, z=z, aux0=aux0, aux1=aux1, eps=eps,
                           conv_n=conv_n, group=group, kc=kc, xn_out=xn_out, block_n=block_n, block_k=block_k,
                           num_warps=num_warps, n=n, prefetch=prefetch, vec=vec, m=m, window=window, dot=dot,
-                          splits=splits, round_w=round_w)
+                          splits=splits, round_w=round_w, l2=l2)
     if splits != 1:
         raise ValueError(f"gemv: splits is for the tensor-core M-row kernel (m > 1, dot > 0), got {splits}")
     k = w.shape[-1]
@@ -90,12 +87,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         z = xn_out
     args = (norm_w if norm_w is not None else dummy, z if z is not None else dummy,
             aux0 if aux0 is not None else dummy, aux1 if aux1 is not None else dummy)
-    if l2 is not None:
-        pf_t, pf_off1, pf_each, segs = l2
-        per = -(-pf_each // grid)
-        pf_ptr, pf = pf_t, (pf_off1, pf_each, -(-per // 16) * 16)
-    else:
-        pf_ptr, pf, segs = dummy, (0, 0, 0), 0
+    pf_ptr, pf, segs = l2_args(l2, grid, dummy)
     common = dict(PRO=pro, EPI=epi, GROUP=group, KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)),
                   STORE_XN=xn_out is not None, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
                   EVEN_K=(k % block_k == 0), **LAUNCH, num_warps=num_warps)
@@ -109,6 +101,16 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         f["stride_t"], eps, conv_n, BKS=f["BKS"], UNIFORM=f["UNIFORM"], ROUND_W=round_w, TAIL=f["TAIL"],
         VEC=fold_vec(vec, 1, block_k), VEC_T=fold_vec(vec, 2, block_k), **common)
     return grid
+
+
+def l2_args(l2, programs: int, dummy) -> tuple:
+    """A launch's L2 request (`l2`: an `l2_target` or None) as kernel operands over `programs` programs:
+    (pf_ptr, (pf_off1, pf_each, pf_chunk), PF)."""
+    if l2 is None:
+        return dummy, (0, 0, 0), 0
+    pf_t, pf_off1, pf_each, segs = l2
+    per = -(-pf_each // programs)
+    return pf_t, (pf_off1, pf_each, -(-per // 16) * 16), segs
 
 
 def l2_target(w, nbytes: int, halves: bool = False):
@@ -146,7 +148,7 @@ def fp8_operands(w, epi: int, n: int, block_n: int, dummy) -> dict:
 
 
 def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, group, kc, xn_out, block_n,
-               block_k, num_warps, n, prefetch, vec, m, window, dot, splits, round_w):
+               block_k, num_warps, n, prefetch, vec, m, window, dot, splits, round_w, l2):
     """`gemv` with m > 1: `gemv_rows_kernel`, or `gemv_rows_dot_kernel` with `dot` pipeline stages (and K
     split over `splits` programs per output tile); bf16 W or an fp8.FP8Weight."""
     if not 1 <= m <= (32 if dot else 8):  # the fold keeps the rows in registers; the tensor cores take 32
@@ -195,13 +197,17 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
         part, cnt = y, y
         if splits > 1:
             part, cnt = splitk_workspace(y.device, 2 * splits * grid * block_n * common["MP"], grid)
+        pf_ptr, (pf_off1, pf_each, pf_chunk), segs = l2_args(l2, grid * splits, dummy)
         gemv_rows_dot_kernel[(grid, splits)](**args, DOT=1 if ASM else 2, SPLITS=splits, part_ptr=part, cnt_ptr=cnt,
-                                             ROUND_W=round_w, num_stages=dot, **common)
+                                             ROUND_W=round_w, num_stages=dot, pf_ptr=pf_ptr, pf_off1=pf_off1,
+                                             pf_each=pf_each, pf_chunk=pf_chunk, PF=segs, **common)
         return grid
     if splits != 1:
         raise ValueError(f"gemv: splits needs the tensor-core M-row kernel (dot > 0), got {splits}")
+    pf_ptr, (pf_off1, pf_each, pf_chunk), segs = l2_args(l2, grid, dummy)
     gemv_rows_kernel[(grid,)](**args, PRE=head_blocks(min(prefetch, 4), k, block_k), VEC=min(8, block_k),
-                              ROUND_W=round_w, **common)
+                              ROUND_W=round_w, pf_ptr=pf_ptr, pf_off1=pf_off1, pf_each=pf_each, pf_chunk=pf_chunk,
+                              PF=segs, **common)
     return grid
 
 
@@ -241,7 +247,7 @@ def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
                               BLOCK_K=min(block_k, triton.next_power_of_2(k)), **LAUNCH, num_warps=num_warps)
 
 
-__all__ = ["gemv", "fp8_operands", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel",
+__all__ = ["gemv", "fp8_operands", "l2_args", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel",
            "gemv_rows_kernel", "gemv_rows_dot_kernel", "rmsnorm_rows", "rmsnorm_rows_kernel",
            "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
            "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
-from nexrt_vllm.engine.kernels.common import pdl_begin
+from nexrt_vllm.engine.kernels.common import l2_prefetch, pdl_begin
 from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gemv_step import _col_scales, _conv_state, _load_x, _rstd, _scale_row, _store_out
 
@@ -308,11 +308,13 @@ def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win
                      GROUP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, STORE_XN: tl.constexpr,
                      KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr,
-                     UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr):
+                     UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr, pf_ptr, pf_off1, pf_each,
+                     pf_chunk, PF: tl.constexpr):
     """`gemv_kernel` over the M rows of x [M, K] (row stride stride_x) into y [M, N] (stride_y): one
     load of each weight tile (the same tiles, prefetch head and eviction as M = 1) feeds M dot
     products. Same prologues and epilogues per row (`_epilogue_rows`). FP8: `gemv_fp8_kernel`'s
-    operands (s_ptr, srow_ptr; rows >= N8 bf16 at t_ptr with TAIL)."""
+    operands (s_ptr, srow_ptr; rows >= N8 bf16 at t_ptr with TAIL). PF: `gemv_kernel`'s L2 request for the
+    next GEMV's first weight bytes when the program is done (common.l2_prefetch)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -323,6 +325,7 @@ def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr, win
                            BLOCK_N, BLOCK_K, EVEN_K, 0, PRE, VEC, PDL, 1, FP8, BKS, UNIFORM, ROUND_W, TAIL)
     _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows, rmask,
                    pid, CONV_N, EPI, KC, KCP)
+    l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, pid, PF)
 
 
 @triton.jit
@@ -509,7 +512,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                          KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                          DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr,
                          FP8: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr,
-                         TAIL: tl.constexpr):
+                         TAIL: tl.constexpr, pf_ptr, pf_off1, pf_each, pf_chunk, PF: tl.constexpr):
     """`gemv_rows_kernel` through the tensor cores with the weight as the left operand: acc [BLOCK_N, MP] =
     W[rows] @ x^T (the compiler pads the MP columns to the instruction's). Each weight tile goes from the load
     straight into the product, so the compiler streams it through shared memory in pipeline stages
@@ -521,7 +524,8 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     program finishes last.
     FP8: as `gemv_rows_kernel`'s: a K block inside one scale block goes to the tensor cores as e4m3 (exact in bf16)
     and its products are scaled per row after (`_dot_w`); otherwise, or with ROUND_W, each weight is rounded
-    to bf16 after its scale first (`_w_dot_tile`: the eager engine's dequantized weight)."""
+    to bf16 after its scale first (`_w_dot_tile`: the eager engine's dequantized weight).
+    PF: as `gemv_rows_kernel`'s, each of the grid's programs (splits included) asking for its share."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -536,6 +540,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
         jm = jrow < M * last
     _epilogue_rows(y, y_up, y_ptr, stride_y, aux0_ptr, aux1_ptr, stride_a, win_ptr, stride_win, jrow, jm, rows, rmask,
                    pid, CONV_N, EPI, KC, KCP)
+    l2_prefetch(pf_ptr, pf_off1, pf_each, pf_chunk, tl.program_id(1) * tl.num_programs(0) + pid, PF)
 
 
 @triton.jit
