@@ -20,10 +20,11 @@ if [ $# -gt 0 ]; then
   summary "$log"
   exit "$rc"
 fi
-# Two lanes on the CPU's cores: the fused-decoder tests (the Triton interpreter, one
-# thread each, no servers) run niced beside the rest (servers, transfers, the router), which would otherwise
-# leave one core idle most of the time. The side lane's output follows the main lane's.
-side=(tests/gpu tests/node/test_batch_graph_jobs.py)
+# Two lanes on the CPU's cores: tests/gpu (the GPU path's kernels through the Triton interpreter, one thread,
+# no servers) runs niced beside the rest (servers, transfers, the router), which alone leave one of CI's two
+# cores idle most of the time (a fresh clone on 2 cores: 47 min in one lane, 38 in two). The side lane's output
+# follows the main lane's.
+side=(tests/gpu)
 # each lane its own pytest temporary directory (a session removes the older ones it finds)
 nice -n 10 python3 -m pytest "${opts[@]}" --basetemp="$tmp/side" "${side[@]}" > "$side_log" 2>&1 &
 side_pid=$!
