@@ -106,13 +106,15 @@ def test_handoff_draft_vocab_and_stop(ckpt_factory):
 def test_verify_gemvs_ask_l2_for_the_next_weight(ckpt_factory):
     """Tuning.rows_l2_prefetch: each verify GEMV asks L2 for the first bytes of the next verify GEMV's weight
     (both halves of a SwiGLU weight), the verify's last (the lm_head) and every other launch (the head's too)
-    for nothing, no launch without it (the default); the round's tokens are the same with it."""
+    for nothing, no launch with 0; the round's tokens are the same with it."""
     plain, eng = engines(ckpt_factory, "qwen3_5")
     prompt = periodic_prompt(40, seed=13)
     first = int(plain.prefill(prompt).argmax())
     sp = SamplingParams(max_tokens=7, ignore_eos=True)
     want = list(plain.stream(first, sp))
-    assert not any(hasattr(s.run, "keywords") for s in on_graph_path(eng).d.plan())
+    off = dataclasses.replace(CPU_TUNING, rows_l2_prefetch=0)
+    assert not any(hasattr(s.run, "keywords") for s in on_graph_path(eng, tuning=off).d.plan())
+    assert any(hasattr(s.run, "keywords") for s in on_graph_path(eng).d.plan())  # on by default
     nbytes = 4096
     d = on_graph_path(eng, tuning=dataclasses.replace(CPU_TUNING, rows_l2_prefetch=nbytes)).d
     plan, layers = d.plan(), d.f.layers

@@ -194,8 +194,10 @@ class Tuning:
     # faster with it), nor do GEMVs over fp8 weights (theirs was slower).
     l2_prefetch: int = 1 << 20
     # The same for the speculative round's verify (gpu/spec_round.py): bytes of the next M-row GEMV's weight each
-    # M-row GEMV over bf16 weights asks L2 for as its programs finish; 0: none.
-    rows_l2_prefetch: int = 0
+    # M-row GEMV over bf16 weights asks L2 for as its programs finish; 0: none. H100, 2B, 8K, alternated runs
+    # (benchmarks/results/gpu/rows_l2_prefetch_h100.json): round 2.230 -> 2.219 / 2.202 / 2.176 / 2.176 ms at
+    # 1 / 2 / 4 / 8 MiB (fp8 head 2.136 -> 2.083 at 4 MiB), the step unchanged.
+    rows_l2_prefetch: int = 4 << 20
 
     def __post_init__(self):
         for f in fields(self):
