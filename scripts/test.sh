@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything (scripts/setup.sh) and runs the whole test suite on CPU. `.ci/run` calls this.
-# Arguments go to pytest (then one pytest run over what they name).
+# Arguments go to one pytest run over tests/, as options (e.g. -k, -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,7 +14,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$log" "$side_log" "$tmp"' EXIT
 set +e
 if [ $# -gt 0 ]; then
-  python3 -m pytest "${opts[@]}" "$@" 2>&1 | tee "$log"
+  python3 -m pytest tests "${opts[@]}" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   set -e
   summary "$log"
@@ -22,20 +22,16 @@ if [ $# -gt 0 ]; then
 fi
 # Two lanes on the CPU's cores: tests/gpu (the GPU path's kernels through the Triton interpreter, one thread,
 # no servers) runs niced beside the rest (servers, transfers, the router), which alone leave one of CI's two
-# cores idle most of the time (a fresh clone on 2 cores: 47 min in one lane, 38 in two). The side lane's output
-# follows the main lane's.
-side=(tests/gpu)
-# each lane its own pytest temporary directory (a session removes the older ones it finds)
-nice -n 10 python3 -m pytest "${opts[@]}" --basetemp="$tmp/side" "${side[@]}" > "$side_log" 2>&1 &
+# cores idle most of the time (a fresh clone on 2 cores: 47 min in one lane, 36 in two). The side lane's output
+# follows the main lane's. Each lane has its own pytest temporary directory (a session removes older ones).
+nice -n 10 python3 -m pytest tests/gpu "${opts[@]}" --basetemp="$tmp/side" > "$side_log" 2>&1 &
 side_pid=$!
-ignores=()
-for p in "${side[@]}"; do ignores+=(--ignore="$p"); done
-python3 -m pytest "${opts[@]}" --basetemp="$tmp/main" tests "${ignores[@]}" 2>&1 | tee "$log"
+python3 -m pytest tests "${opts[@]}" --basetemp="$tmp/main" --ignore=tests/gpu 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 wait "$side_pid"
 side_rc=$?
 set -e
-echo "==== the side lane: ${side[*]} ===="
+echo "==== the side lane: tests/gpu ===="
 cat "$side_log"
 echo "main lane: $(summary "$log")"
 echo "side lane: $(summary "$side_log")"
