@@ -74,27 +74,6 @@ def test_wide_rows_take_their_own_rules():
     assert w.shape(6144, fp8=True, rows=True, wide=True) == t.shape(6144, fp8=True, rows=True)
 
 
-def test_rows_prefetch_reaches_the_tensor_core_launches():
-    """Tuning.rows_prefetch: the tensor-core M-row launches ask L2 for that many K blocks of each weight row ahead
-    of the wait (`ahead_cols`: columns), the fold kernel keeps `prefetch`; an fp8 weight, rows that do not start on
-    16 bytes, or 0 ask for none."""
-    from nexrt_vllm.engine.fp8 import quantize_weight
-    from nexrt_vllm.engine.gpu.tuning import RowsShape, Tuning, gemv_kwargs
-    from nexrt_vllm.engine.kernels.gemv import ahead_cols
-
-    t = Tuning(rows_prefetch=3, prefetch=1)
-    w = torch.zeros(256, 2048, dtype=torch.bfloat16)
-    dot = gemv_kwargs(t, w, RowsShape(32, 256, 2, 3))
-    assert dot["prefetch"] == 3 and ahead_cols(w, dot["prefetch"], dot["block_k"]) == 3 * 256
-    assert gemv_kwargs(t, w, RowsShape(16, 256, 4, 0))["prefetch"] == 1  # the fold kernel: Tuning.prefetch
-    assert gemv_kwargs(t, w, RowsShape(32, 256, 2, 3), prefetch=0)["prefetch"] == 3
-    assert Tuning().rows_prefetch == 0 and ahead_cols(w, 0, 256) == 0
-    assert ahead_cols(w[:, 1:], 3, 256) == 0  # rows 2 bytes off 16
-    assert ahead_cols(torch.zeros(256, 2044, dtype=torch.bfloat16), 3, 256) == 0  # rows of 4088 bytes
-    fp8 = quantize_weight(w, (128, 128))
-    assert "prefetch" not in gemv_kwargs(t, fp8, RowsShape(32, 256, 2, 3)) and ahead_cols(fp8, 3, 256) == 0
-
-
 def test_tuning_overrides_from_the_command_line(capsys):
     """`nexrt-decode --tuning` / `decode_bench.py --tuning`: fields replaced in the defaults (rules with a
     split count, the K split of the M-row GEMVs, reach the launch keywords); an unknown field, a value that

@@ -105,7 +105,7 @@ R = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256,
          FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False, PF=0)
 ALIGN_R = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "z_ptr", "win_ptr", "K", "stride_w", "stride_x", "stride_y", "stride_z")
 RD = dict(GROUP=1, KC=4, KCP=4, STORE_XN=False, KP=2048, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, M=4, MP=4, DOT=1,
-          SPLITS=1, FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False, PF=0, AHEAD=0)
+          SPLITS=1, FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False, PF=0)
 # the M-row GEMVs over FP8 weights (the verify / batch step of an FP8 checkpoint): K blocks of whole scale blocks
 RDF = dict(RD, FP8=True, BKS=128, BLOCK_K=128, ROUND_W=False)
 RF = dict(R, FP8=True, BKS=128, BLOCK_K=512, VEC=8)
@@ -151,11 +151,6 @@ SPEC_VARIANTS = [
      ALIGN_R),
     ("rows_gated_residual_l2", gemv.gemv_rows_kernel,
      dict(R, PRO=2, EPI=1, GROUP=128, KP=4096, BLOCK_N=8, BLOCK_K=1024, PRE=0, PF=1), 8, {}, ALIGN_R),
-    # Tuning.rows_prefetch: each program's first K blocks of its weight rows asked of L2 before the PDL wait
-    ("rows_dot_swiglu_ahead", gemv.gemv_rows_dot_kernel, dict(RD, PRO=1, EPI=2, BLOCK_N=32, STAGES=3, AHEAD=512), 2,
-     {}, ALIGN_R),
-    ("rows_dot_split2_residual_ahead", gemv.gemv_rows_dot_kernel,
-     dict(RD, PRO=0, EPI=1, KP=8192, STAGES=5, SPLITS=2, AHEAD=256), 1, {}, ALIGN_R),
     # FP8 weights (published layout: 128 x 128 blocks; the GDN in_proj's b / a rows a bf16 tail)
     ("rows_fp8_dot_qkv", gemv.gemv_rows_dot_kernel, dict(RDF, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, F8, ALIGN_R),
     ("rows_fp8_dot_in_proj_conv_tail", gemv.gemv_rows_dot_kernel,
@@ -214,8 +209,7 @@ BT = {"live_ptr": "*i32", "tok_ptr": "*i64", "pos_ptr": "*i64", "step_ptr": "*i6
       "wts_ptr": "*fp32", "ids_ptr": "*i32", "pmax_ptr": "*fp32", "pidx_ptr": "*i32"}
 R8 = dict(RD, M=8, MP=8)
 # kernels/batch.py gemv_rows_conv_kernel (the batch step's in_proj + per-slot conv)
-BC = dict(KC=4, KCP=4, KP=2048, BLOCK_K=256, EVEN_K=True, FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False,
-          AHEAD=0)
+BC = dict(KC=4, KCP=4, KP=2048, BLOCK_K=256, EVEN_K=True, FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False)
 ALIGN_B = ("x_ptr", "w_ptr", "y_ptr", "nw_ptr", "K", "stride_w", "stride_x", "stride_y")
 BATCH_VARIANTS = [
     ("batch_rows8_qkv", gemv.gemv_rows_dot_kernel, dict(R8, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
@@ -261,7 +255,7 @@ BATCH_VARIANTS = [
 # tensor-core GEMVs, kernels/batch_round.py's per-slot verify kernels, the per-slot accept / commit / pick.
 R32 = dict(RD, M=32, MP=32)
 CS = dict(R=32, RP=32, M=4, MP=4, KC=4, KCP=4, KP=2048, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, DOT=1, STAGES=3,
-          FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False, AHEAD=0)
+          FP8=False, BKS=1, UNIFORM=True, ROUND_W=False, TAIL=False)
 ROUND_VARIANTS = [
     ("round_rows32_qkv", gemv.gemv_rows_dot_kernel, dict(R32, PRO=1, EPI=0, BLOCK_N=32, STAGES=3), 2, {}, ALIGN_R),
     ("round_rows32_gated_residual", gemv.gemv_rows_dot_kernel, dict(R32, PRO=2, EPI=1, GROUP=128, BLOCK_K=1024,
@@ -276,8 +270,6 @@ ROUND_VARIANTS = [
     # Tuning.conv_all_slots: the conv epilogue over the 32 rows at once; Tuning.norm_rows: the RMSNorm once per
     # row, then the in_proj over normed rows
     ("round_conv_all_slots", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=True, PRO=1), 2, BT, ALIGN_B),
-    ("round_conv_all_slots_ahead", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=True, PRO=1, AHEAD=512), 2,
-     BT, ALIGN_B),
     ("round_conv_slots_normed", batch_round.gemv_conv_slots_kernel, dict(CS, ALL_SLOTS=True, PRO=0), 2, BT,
      ALIGN_B),
     ("round_conv_slots_fp8_tail", batch_round.gemv_conv_slots_kernel,
@@ -357,14 +349,14 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 98 + 46 + 42 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 94 + 46 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
     """The tensor-core M-row kernel: its weight tiles go global -> shared by asynchronous copies (the
     compiler's software pipeline) into tensor-core MMAs (warpgroup or warp)."""
     dots = {k: v for k, v in compiled.items() if k.startswith("rows_dot_")}
-    assert len(dots) == 20
+    assert len(dots) == 16
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
         # the split-K fixup: one arrival count per program (a gpu-scope acq_rel atomic), only when split
@@ -389,7 +381,7 @@ def test_batch_step_gemvs_run_on_the_tensor_cores(compiled):
     stream their weight tiles through pipelined copies into tensor-core MMAs."""
     dots = {k: v for k, v in compiled.items() if k.startswith(("batch_rows", "round_rows", "round_conv"))
             and "fold" not in k}
-    assert len(dots) == 18 + 14 + 6
+    assert len(dots) == 18 + 14 + 4
     for name, v in dots.items():
         assert v["cp_async"] > 0 and v["wgmma"] + v["mma"] > 0, (name, v)
 
@@ -439,21 +431,7 @@ def test_l2_prefetch_variants_ask_l2_once_per_segment(compiled):
     """Tuning.l2_prefetch: a GEMV with PF segments holds PF bulk L2 prefetches (thread 0's, after its
     epilogue); every other kernel none."""
     for name, v in compiled.items():
-        if "_ahead" in name:
-            continue
         want = 2 if name.startswith("gemv_conv_l2") else 1 if "_l2" in name else 0
         assert v["l2_prefetch"] == want, (name, v)
         if name.endswith("_pdl"):  # after the wait: the programs ask when done
             assert v["l2_before_wait"] == 0, (name, v)
-
-
-def test_rows_prefetch_variants_ask_l2_for_their_rows_before_the_wait(compiled):
-    """Tuning.rows_prefetch: a tensor-core M-row GEMV program asks L2 for the first K blocks of its weight rows
-    (both halves of a SwiGLU weight) before the PDL wait, and loads nothing there."""
-    ahead = {k: v for k, v in compiled.items() if "_ahead" in k}
-    assert len(ahead) == 6
-    for name, v in ahead.items():
-        want = 2 if "swiglu" in name else 1
-        assert v["l2_prefetch"] == want, (name, v)
-        if name.endswith("_pdl"):
-            assert v["l2_before_wait"] == want and v["loads_before_wait"] == 0, (name, v)

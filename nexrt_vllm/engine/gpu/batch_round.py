@@ -226,7 +226,7 @@ class BatchRoundDecoder:
                 x, m.w_in, buf[:R], L.input_norm, st.conv, m.conv_w, self.window[i][:k], live, m=M,
                 eps=eps, conv_n=c.conv_dim, kc=c.conv_kernel, block_n=sh["block_n"], block_k=sh["block_k"],
                 num_warps=sh["num_warps"], stages=sh["dot"], all_slots=t.conv_all_slots, normed=once,
-                round_w=sh.get("round_w", False), prefetch=sh.get("prefetch", 0)))]
+                round_w=sh.get("round_w", False)))]
         return norm + conv + [
             ("gdn_step", lambda: kr.gdn_verify_rows(
                 buf[:R], st.rec, None if self.recommit else self.rec_after[i][:k], self.o[:R], m.a_log, m.dt_bias,

@@ -198,11 +198,6 @@ class Tuning:
     # (benchmarks/results/gpu/rows_l2_prefetch_h100.json): round 2.230 -> 2.219 / 2.202 / 2.176 / 2.176 ms at
     # 1 / 2 / 4 / 8 MiB (fp8 head 2.136 -> 2.083 at 4 MiB), the step unchanged.
     rows_l2_prefetch: int = 4 << 20
-    # With PDL: K blocks of each of its weight rows a program of the tensor-core M-row GEMV (bf16 weights) asks L2
-    # for before it waits on the previous kernel (kernels/gemv_verify.py `_rows_ahead`): its first pipeline stages
-    # then read L2 right after the wait and the x prologue, where the one-row GEMV has `prefetch` blocks in
-    # registers. 0: none.
-    rows_prefetch: int = 0
 
     def __post_init__(self):
         for f in fields(self):
@@ -271,15 +266,13 @@ def tuning_overrides(kvs: str) -> tuple[Tuning, dict]:
 def gemv_kwargs(t: Tuning, w, shape: GemvShape | RowsShape, prefetch: int | None = None) -> dict:
     """The `kernels.gemv.gemv` keywords of a launch of `shape` over the weight `w` (bf16, or an
     fp8.FP8Weight, whose fp8 rows before a bf16 tail must fill whole programs). `prefetch`: K blocks
-    of a bf16 `w` ahead of the wait (None: `t.prefetch`; fp8 weights load none early; the tensor-core M-row kernel
-    asks L2 for `t.rows_prefetch` K blocks of its rows instead)."""
+    of a bf16 `w` ahead of the wait (None: `t.prefetch`; fp8 weights and the tensor-core M-row kernel load none
+    early)."""
     kw = {"block_n": shape.block_n, "block_k": shape.block_k, "num_warps": shape.num_warps}
     if isinstance(shape, RowsShape):
         kw["dot"] = shape.stages
         if shape.splits != 1:
             kw["splits"] = shape.splits
-        if shape.stages:  # the tensor-core kernel's K blocks asked of L2 ahead of the wait
-            prefetch = t.rows_prefetch
     if isinstance(w, FP8Weight):
         kw.update(vec=t.vec_fp8, round_w=t.fp8_round_weights)
         if w.tail is not None:

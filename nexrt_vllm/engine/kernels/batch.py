@@ -29,7 +29,7 @@ from nexrt_vllm.engine.kernels.common import ASM, LAUNCH, pdl_begin
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gdn import gdn_step_kernel
-from nexrt_vllm.engine.kernels.gemv import EPI_CONV, ahead_cols, fp8_operands, head_blocks
+from nexrt_vllm.engine.kernels.gemv import EPI_CONV, fp8_operands, head_blocks
 from nexrt_vllm.engine.kernels.gemv_verify import _gemv_rows_w
 from nexrt_vllm.engine.kernels.sampling import argmax_partials
 
@@ -97,12 +97,10 @@ def gemv_rows_conv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, live_pt
                           MP: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, KP: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
                           PRE: tl.constexpr, VEC: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr,
-                          UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr,
-                          AHEAD: tl.constexpr = 0):
+                          UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
     """The GDN in_proj of the M rows of x (RMSNorm prologue) with the causal conv per row (`_conv_rows`):
     DOT 0 `gemv_rows_kernel`'s fold (PRE K blocks of W loaded before the PDL wait), DOT 1 / 2
-    `gemv_rows_dot_kernel`'s tensor-core loop (2: fp32 products, the interpreter; AHEAD columns of each weight
-    row asked of L2 before the wait); bf16 W or FP8 (e4m3 rows
+    `gemv_rows_dot_kernel`'s tensor-core loop (2: fp32 products, the interpreter); bf16 W or FP8 (e4m3 rows
     < N8 with block scales, TAIL: bf16 rows at t_ptr; gemv_verify `_gemv_rows_w`)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,7 +109,7 @@ def gemv_rows_conv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, live_pt
     jm = jrow < M
     y, _ = _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, nw_ptr, stride_x, 0, jrow, jm, rows, rmask, pid,
                         N, K, N8, stride_w, stride_s, stride_t, eps, 1, 0, 1, False, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT,
-                        PRE, VEC, PDL, 1, FP8, BKS, UNIFORM, ROUND_W, TAIL, AHEAD)
+                        PRE, VEC, PDL, 1, FP8, BKS, UNIFORM, ROUND_W, TAIL)
     _conv_rows(y, y_ptr, stride_y, conv_ptr, stride_cs, cw_ptr, live_ptr, jrow, jm, rows, rmask, CONV_N, KC, KCP)
 
 
@@ -221,9 +219,8 @@ def gemv_rows_conv(x, w, y, norm_w, conv, conv_w, live, *, eps, conv_n, kc, bloc
                    prefetch=0, round_w=False):
     """y [B, N] = the GDN in_proj of RMSNorm(x [B, K]) (w [N, K] bf16 or an fp8.FP8Weight), then per row b the
     causal conv + SiLU on its first conv_n outputs over slot b's conv state conv[b] ([B, conv_n, kc-1], updated
-    in place where live[b]). `dot` > 0: the tensor-core loop with `dot` pipeline stages (`prefetch` K blocks of
-    each weight row asked of L2 before the PDL wait, gemv.gemv's); else the fold with `prefetch` K blocks loaded
-    before the wait (bf16 W; `round_w`: an FP8 W's, as gemv.gemv's)."""
+    in place where live[b]). `dot` > 0: the tensor-core loop with `dot` pipeline stages; else the fold
+    with `prefetch` K blocks before the PDL wait (bf16 W; `round_w`: an FP8 W's, as gemv.gemv's)."""
     m, k, n = x.shape[0], w.shape[1], w.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv_rows_conv: 1..{MAX_ROWS} rows, got {m}")
@@ -243,8 +240,7 @@ def gemv_rows_conv(x, w, y, norm_w, conv, conv_w, live, *, eps, conv_n, kc, bloc
                 stride_x=_rows(x), stride_y=_rows(y), stride_cs=conv.stride(0), eps=eps, CONV_N=conv_n,
                 ROUND_W=round_w, **fp8_operands(w, EPI_CONV, n, block_n, y))
     if dot:
-        gemv_rows_conv_kernel[grid](**args, DOT=1 if ASM else 2, PRE=0, VEC=1, num_stages=dot,
-                                    AHEAD=ahead_cols(w, prefetch, block_k), **common)
+        gemv_rows_conv_kernel[grid](**args, DOT=1 if ASM else 2, PRE=0, VEC=1, num_stages=dot, **common)
     else:
         gemv_rows_conv_kernel[grid](**args, DOT=0, PRE=head_blocks(min(prefetch, 4), k, block_k), VEC=min(8, block_k),
                                     **common)

@@ -31,7 +31,7 @@ from nexrt_vllm.engine.kernels.common import ASM, LAUNCH
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import silu as _silu
 from nexrt_vllm.engine.kernels.gdn import gdn_verify_kernel
-from nexrt_vllm.engine.kernels.gemv import EPI_CONV, ahead_cols, fp8_operands
+from nexrt_vllm.engine.kernels.gemv import EPI_CONV, fp8_operands
 from nexrt_vllm.engine.kernels.gemv_verify import _epilogue_rows, _gemv_rows_w
 
 MAX_ROWS = 32  # rows of one launch (B * M): the tensor-core M-row GEMV's column tile
@@ -44,7 +44,7 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
                            KC: tl.constexpr, KCP: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, ALL_SLOTS: tl.constexpr,
                            PRO: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr,
-                           ROUND_W: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = 0):
+                           ROUND_W: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
     """y [R, N] = W RMSNorm(x_r) (PRO 1; PRO 0: x already normed, gemv.rmsnorm_rows) for the R = B * M rows
     (tensor-core loop, DOT 1; 2: fp32 products, the interpreter; W bf16 or FP8 as gemv_verify `_gemv_rows_w`
     reads it); then for each live slot b the conv epilogue
@@ -57,7 +57,7 @@ def gemv_conv_slots_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, conv_ptr, cw_ptr, win_pt
     jr = tl.arange(0, RP)
     y, _ = _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, nw_ptr, stride_x, 0, jr, jr < R, rows, rmask, pid,
                         N, K, N8, stride_w, stride_s, stride_t, eps, PRO, 0, 1, False, KP, BLOCK_N, BLOCK_K, EVEN_K,
-                        DOT, 0, 1, PDL, 1, FP8, BKS, UNIFORM, ROUND_W, TAIL, AHEAD)
+                        DOT, 0, 1, PDL, 1, FP8, BKS, UNIFORM, ROUND_W, TAIL)
     tl.store(y_ptr + jr[:, None] * stride_y + rows[None, :], _bf16(y).to(y_ptr.dtype.element_ty),
              mask=(jr < R)[:, None] & rmask[None, :])
     if pid * BLOCK_N < CONV_N:  # programs past the conv channels are done
@@ -202,14 +202,13 @@ def attn_verify_combine_rows_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_pt
 # ---- launchers ------------------------------------------------------------------------------------
 
 def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv_n, kc, block_n, block_k, num_warps,
-                    stages=2, all_slots=False, normed=False, round_w=False, prefetch=0):
+                    stages=2, all_slots=False, normed=False, round_w=False):
     """y [B*m, N] = the GDN in_proj of RMSNorm(x [B*m, K]) (w [N, K] bf16 or an fp8.FP8Weight), then per live
     slot b the verify's causal conv + SiLU on its m rows' first conv_n outputs from its conv state conv[b]
     ([B, conv_n, kc-1], read only) into its window window[b] ([B, conv_n, kc-1+m]: the state, then the m new
     inputs);
     `all_slots`: every slot's rows in one pass (Tuning.conv_all_slots); `normed`: x is RMSNorm(x) already
-    (gemv.rmsnorm_rows; norm_w unused); `round_w`: an FP8 W's, as gemv.gemv's; `prefetch`: K blocks of each weight
-    row asked of L2 before the PDL wait (gemv.gemv's with `dot`)."""
+    (gemv.rmsnorm_rows; norm_w unused); `round_w`: an FP8 W's, as gemv.gemv's."""
     r, k, n, nb = x.shape[0], w.shape[1], w.shape[0], live.numel()
     if r != nb * m or not 1 <= r <= MAX_ROWS:
         raise ValueError(f"gemv_conv_slots: {nb} slots x {m} rows = {r} rows, at most {MAX_ROWS}")
@@ -229,7 +228,7 @@ def gemv_conv_slots(x, w, y, norm_w, conv, conv_w, window, live, *, m, eps, conv
         R=r, RP=max(16, triton.next_power_of_2(r)), M=m,
         MP=triton.next_power_of_2(m), KC=kc, KCP=triton.next_power_of_2(max(kc - 1, 1)), KP=triton.next_power_of_2(k),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT=1 if ASM else 2, ALL_SLOTS=all_slots,
-        PRO=0 if normed else 1, AHEAD=ahead_cols(w, prefetch, block_k), **LAUNCH,
+        PRO=0 if normed else 1, **LAUNCH,
         num_warps=num_warps, num_stages=stages)
 
 

@@ -61,10 +61,9 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
     accumulators for m rows would not fit in registers) and `prefetch` is cut to 4 blocks. `dot` > 0:
     `gemv_rows_dot_kernel` (tensor cores, >= 16 weight rows per program) with `dot` pipeline stages.
     `splits` > 1 (with `dot`): K split over that many programs per output tile (at most one per K block),
-    summed in split order by the tile's last program (scratch: `splitk_workspace`); `prefetch` with `dot`: K blocks
-    of each of a program's weight rows (of its split) it asks L2 for before its wait (bf16 W whose rows start on
-    16 bytes; none otherwise). An FP8 W with `dot`: K blocks inside the scale blocks are multiplied as e4m3 and
-    scaled after, else (or with `round_w`) each e4m3 * scale is rounded to bf16 first (kernels/gemv_verify.py).
+    summed in split order by the tile's last program (scratch: `splitk_workspace`); `prefetch` is not used with
+    `dot`. An FP8 W with `dot`: K blocks inside the scale blocks are multiplied as e4m3 and scaled after, else
+    (or with `round_w`) each e4m3 * scale is rounded to bf16 first (kernels/gemv_verify.py).
     `l2` (bf16 W): an `l2_target` of the next GEMV, whose first bytes the programs ask L2 for when done."""
     fp8 = hasattr(w, "scale")
     if fp8 and (prefetch or l2 is not None):
@@ -102,15 +101,6 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         f["stride_t"], eps, conv_n, BKS=f["BKS"], UNIFORM=f["UNIFORM"], ROUND_W=round_w, TAIL=f["TAIL"],
         VEC=fold_vec(vec, 1, block_k), VEC_T=fold_vec(vec, 2, block_k), **common)
     return grid
-
-
-def ahead_cols(w, prefetch: int, block_k: int) -> int:
-    """The AHEAD operand of the tensor-core M-row kernels (gemv_verify `_rows_ahead`): `prefetch` K blocks of each
-    weight row asked of L2 before the wait, for a bf16 W whose rows start on 16 bytes (what a bulk L2 request
-    takes); 0 otherwise."""
-    if prefetch <= 0 or hasattr(w, "scale") or w.data_ptr() % 16 or w.stride(0) % 8 or w.shape[-1] % 8:
-        return 0
-    return prefetch * block_k
 
 
 def l2_args(l2, programs: int, dummy) -> tuple:
@@ -210,8 +200,7 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
         pf_ptr, (pf_off1, pf_each, pf_chunk), segs = l2_args(l2, grid * splits, dummy)
         gemv_rows_dot_kernel[(grid, splits)](**args, DOT=1 if ASM else 2, SPLITS=splits, part_ptr=part, cnt_ptr=cnt,
                                              ROUND_W=round_w, num_stages=dot, pf_ptr=pf_ptr, pf_off1=pf_off1,
-                                             pf_each=pf_each, pf_chunk=pf_chunk, PF=segs,
-                                             AHEAD=ahead_cols(w, prefetch, block_k), **common)
+                                             pf_each=pf_each, pf_chunk=pf_chunk, PF=segs, **common)
         return grid
     if splits != 1:
         raise ValueError(f"gemv: splits needs the tensor-core M-row kernel (dot > 0), got {splits}")
@@ -258,7 +247,7 @@ def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
                               BLOCK_K=min(block_k, triton.next_power_of_2(k)), **LAUNCH, num_warps=num_warps)
 
 
-__all__ = ["gemv", "ahead_cols", "fp8_operands", "l2_args", "l2_target", "splitk_workspace", "gemv_kernel",
-           "gemv_fp8_kernel", "gemv_rows_kernel", "gemv_rows_dot_kernel", "rmsnorm_rows", "rmsnorm_rows_kernel",
+__all__ = ["gemv", "fp8_operands", "l2_args", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel",
+           "gemv_rows_kernel", "gemv_rows_dot_kernel", "rmsnorm_rows", "rmsnorm_rows_kernel",
            "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
            "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]

@@ -20,7 +20,6 @@ are bf16 at t_ptr: those programs run the bf16 loop.
 import triton
 import triton.language as tl
 
-from nexrt_vllm.engine.kernels.common import _ASM
 from nexrt_vllm.engine.kernels.common import bf16_round as _bf16
 from nexrt_vllm.engine.kernels.common import l2_prefetch, pdl_begin
 from nexrt_vllm.engine.kernels.common import silu as _silu
@@ -135,21 +134,6 @@ def _w_tile(w_ptr, rows, rmask, cols, K, stride_w, EVEN_K: tl.constexpr):
     else:
         wmask = rmask[None, :, None] & (cols < K)[None, None, :]
     return tl.load(wp, mask=wmask, other=0.0, eviction_policy="evict_first")
-
-
-@triton.jit
-def _rows_ahead(w_ptr, rows, rmask, stride_w, k_lo, k_hi, AHEAD: tl.constexpr):
-    """Ask L2 for the first AHEAD elements (bf16) of each weight row of the program from column k_lo (at most to
-    k_hi): one bulk prefetch per row, before the PDL wait. These bytes do not depend on the previous kernel, and
-    the tensor-core loop's first pipeline stages read them right after the wait and the x prologue, so they come
-    from L2 instead of HBM. A hint: no result, nothing to order."""
-    if _ASM and AHEAD > 0:
-        n = (tl.minimum(k_hi - k_lo, AHEAD) * 2).to(tl.int32)
-        p = (w_ptr + rows.to(tl.int64) * stride_w + k_lo).to(tl.int64, bitcast=True)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.u32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r,r", [p, tl.zeros_like(rows) + n, (rmask & (n > 0)).to(tl.int32)], dtype=tl.int32,
-            is_pure=False, pack=1)
 
 
 @triton.jit
@@ -412,15 +396,14 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
                PRE: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr = 1,
                s_ptr=None, srow_ptr=None, stride_s=0, FP8: tl.constexpr = False, BKS: tl.constexpr = 1,
-               UNIFORM: tl.constexpr = True, ROUND_W: tl.constexpr = False, AHEAD: tl.constexpr = 0):
+               UNIFORM: tl.constexpr = True, ROUND_W: tl.constexpr = False):
     """y, y_up [MP, BLOCK_N]: this program's BLOCK_N outputs for the M rows of x after the prologue (y_up: EPI 2's
     up half), PDL's wait included. DOT 0: `gemv_rows_kernel`'s fold (PRE K blocks of W loaded before the
     wait, VEC-column FMA runs); DOT 1 / 2: `gemv_rows_dot_kernel`'s tensor-core loop (`_dot_t`), over the
-    K blocks of split program_id(1) of SPLITS (the split's partial sums), the first AHEAD columns of each of its
-    weight rows from the split's start asked of L2 before the wait (`_rows_ahead`; bf16 W). FP8: W is e4m3 with
-    block scales (s_ptr, row map srow_ptr; no PRE, no AHEAD)."""
+    K blocks of split program_id(1) of SPLITS (the split's partial sums). FP8: W is e4m3 with block scales
+    (s_ptr, row map srow_ptr; no PRE)."""
     MP: tl.constexpr = jrow.shape[0]
-    tl.static_assert(not FP8 or (PRE == 0 and AHEAD == 0), "FP8 weights load nothing before the wait")
+    tl.static_assert(not FP8 or PRE == 0, "FP8 weights load nothing before the wait")
     if DOT == 0:
         w0, w1, w2, w3, u0, u1, u2, u3 = _w_head_rows(w_ptr, rows, rmask, N, K, stride_w, EPI, BLOCK_K, PRE)
         pdl_begin(PDL)
@@ -439,9 +422,6 @@ def _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, 
             per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
             k_lo = tl.program_id(1) * per
             k_hi = tl.minimum(K, k_lo + per)
-        _rows_ahead(w_ptr, rows, rmask, stride_w, k_lo, k_hi, AHEAD)
-        if EPI == 2:
-            _rows_ahead(w_ptr + N * stride_w, rows, rmask, stride_w, k_lo, k_hi, AHEAD)
         pdl_begin(PDL)
         srow, srow_u = _scale_rows(srow_ptr, pid, rows, rmask, N, EPI, BLOCK_N, FP8, UNIFORM)
         rstd = _rstd_rows(x_ptr, stride_x, jrow, jm, K, eps, PRO, KP, BLOCK_K)
@@ -474,7 +454,7 @@ def _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, z_ptr, stride_x, 
                  GROUP: tl.constexpr, STORE_XN: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, PRE: tl.constexpr,
                  VEC: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, BKS: tl.constexpr,
-                 UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr, AHEAD: tl.constexpr = 0):
+                 UNIFORM: tl.constexpr, ROUND_W: tl.constexpr, TAIL: tl.constexpr):
     """`_gemv_rows` over the launch's weight: bf16 W, or FP8 e4m3 rows < N8 and (TAIL) bf16 rows >= N8 at t_ptr
     (N8 a multiple of BLOCK_N, so each program reads one of the two, as `gemv_fp8_kernel`'s do)."""
     if FP8:
@@ -489,7 +469,7 @@ def _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, z_ptr, stride_x, 
     else:
         y, y_up = _gemv_rows(x_ptr, w_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows, rmask, pid, N, K,
                              stride_w, eps, PRO, EPI, GROUP, STORE_XN, KP, BLOCK_N, BLOCK_K, EVEN_K, DOT, PRE, VEC,
-                             PDL, SPLITS, AHEAD=AHEAD)
+                             PDL, SPLITS)
     return y, y_up
 
 
@@ -532,8 +512,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
                          KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                          DOT: tl.constexpr, PDL: tl.constexpr, SPLITS: tl.constexpr, part_ptr, cnt_ptr,
                          FP8: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr,
-                         TAIL: tl.constexpr, pf_ptr, pf_off1, pf_each, pf_chunk, PF: tl.constexpr,
-                         AHEAD: tl.constexpr = 0):
+                         TAIL: tl.constexpr, pf_ptr, pf_off1, pf_each, pf_chunk, PF: tl.constexpr):
     """`gemv_rows_kernel` through the tensor cores with the weight as the left operand: acc [BLOCK_N, MP] =
     W[rows] @ x^T (the compiler pads the MP columns to the instruction's). Each weight tile goes from the load
     straight into the product, so the compiler streams it through shared memory in pipeline stages
@@ -546,9 +525,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     FP8: as `gemv_rows_kernel`'s: a K block inside one scale block goes to the tensor cores as e4m3 (exact in bf16)
     and its products are scaled per row after (`_dot_w`); otherwise, or with ROUND_W, each weight is rounded
     to bf16 after its scale first (`_w_dot_tile`: the eager engine's dequantized weight).
-    PF: as `gemv_rows_kernel`'s, each of the grid's programs (splits included) asking for its share.
-    AHEAD (bf16 W): before the PDL wait each program asks L2 for the first AHEAD columns of its weight rows (of its
-    split), what its first pipeline stages load (`_rows_ahead`)."""
+    PF: as `gemv_rows_kernel`'s, each of the grid's programs (splits included) asking for its share."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -556,7 +533,7 @@ def gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, z_ptr, aux0_ptr, aux1_ptr,
     jm = jrow < M
     y, y_up = _gemv_rows_w(x_ptr, w_ptr, s_ptr, srow_ptr, t_ptr, nw_ptr, z_ptr, stride_x, stride_z, jrow, jm, rows,
                            rmask, pid, N, K, N8, stride_w, stride_s, stride_t, eps, PRO, EPI, GROUP, STORE_XN, KP,
-                           BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL, SPLITS, FP8, BKS, UNIFORM, ROUND_W, TAIL, AHEAD)
+                           BLOCK_N, BLOCK_K, EVEN_K, DOT, 0, 1, PDL, SPLITS, FP8, BKS, UNIFORM, ROUND_W, TAIL)
     if SPLITS > 1:
         y, y_up, last = _split_sum(y, y_up, part_ptr, cnt_ptr, pid, tl.num_programs(0), EPI, SPLITS)
         rmask = rows < N * last  # the epilogue's stores: the last program's only
