@@ -193,6 +193,9 @@ SPEC_VARIANTS = [
     ("accept_m5", spec.accept_kernel, dict(M=5, MP=8, BLOCK=16384, ASM=True, SYNTH=False, HAS_LIVE=False, RING_B=1), 8,
      SPEC_T, ()),
     ("mtp_input", spec.mtp_input_kernel, dict(HP=2048), 4, SPEC_T, ()),
+    # the verify's embeddings, each slot's row of its accepted position (one PDL launch each)
+    ("gather_rows", spec.gather_rows_kernel, dict(STEP=0, BLOCK=1024), 4, {"idx_ptr": "*i64"}, ()),
+    ("gather_rows_step", spec.gather_rows_kernel, dict(STEP=4, BLOCK=1024), 4, {"idx_ptr": "*i64"}, ()),
     ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192, HAS_MAP=False, HAS_LIVE=False), 8, SPEC_T, ()),
     # a draft token map (engine/spec/draft_vocab.py): the argmax index mapped to its token id
     ("draft_pick_map", spec.draft_pick_kernel, dict(BLOCK=2048, HAS_MAP=True, HAS_LIVE=False), 4, SPEC_T, ()),
@@ -349,7 +352,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 94 + 46 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 54 + 26 + 98 + 46 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):

@@ -123,7 +123,6 @@ class BatchRoundDecoder:
         self.draft_vocab, self.draft_lm, self.draft_ids = draft_rows(w.lm_head, draft_vocab)
         self.fc_in, self.u = z(R, 2 * H), z(R, H)
         self.u1, self.g1 = z(n, H), z(n, H)
-        self.sel, self.row0 = z(n, d=i64), torch.arange(n, device=dev, dtype=i64) * M
         self.dlogits = z(n, self.draft_vocab, d=torch.float32)
         self.n_dpart = self._partials(self.draft_lm, self.draft_vocab, 1)
         self.dpmax, self.dpidx = z(n, self.n_dpart, d=torch.float32), z(n, self.n_dpart, d=torch.int32)
@@ -177,8 +176,8 @@ class BatchRoundDecoder:
         if not 1 <= k <= self.n:
             raise EngineError(f"a batched round runs 1..{self.n} slots, got {k}")
         R, live, once = k * self.M, self.live[:k], self._norm_once(k * self.M, k)
-        steps = [Launch("verify_embed", None, lambda: torch.index_select(b.embed, 0, self.tok[:k].view(-1),
-                                                                         out=self.res[:R]))]
+        steps = [Launch("verify_embed", None, lambda: self.k_spec.gather_rows(self.tok[:k].view(-1), b.embed,
+                                                                              self.res[:R]))]
         for i, L in enumerate(b.layers):
             mixer = self._gdn(i, L, k) if isinstance(L.mixer, GDNMixer) else self._attention(
                 L, self.res[:R], self.pos[:k], None, self.M, k, b.model.rope_cos, b.model.rope_sin, once)
@@ -313,9 +312,7 @@ class BatchRoundDecoder:
                 self.draft_ids, live=live))
 
         def select():  # u1[b] = u[b * M + acc[b]] (a slot whose round emitted nothing: its row 0, junk)
-            torch.clamp(self.acc[:k], min=0, out=self.sel[:k])
-            self.sel[:k].add_(self.row0[:k])
-            torch.index_select(u, 0, self.sel[:k], out=u1)
+            ks.gather_rows(self.acc[:k], u, u1, step=M)
 
         # each slot's rows base..base+M-1 from (hidden_j, y_j); its row acc drafts d_1
         first = ("input", lambda: ks.mtp_input(self.y[:k].reshape(-1), w.embed, self.hn[:R],
