@@ -232,11 +232,31 @@ def test_qk_rope_cache_and_split_attention():
         assert m_b.view(H, nsplit)[:, live:].isnan().all() and acc_b.view(H, nsplit, hd)[:, live:].isnan().all()
 
 
-def test_embed_row():
+def test_gather_rows_copies_the_indexed_rows():
+    """The step's embedding (one row into a vector), the batch step's (zeros for a slot that is not live) and the
+    verify's (rows of a table by token id), each slot's row of its accepted position in a round (row b * M + acc[b];
+    acc < 0, a round that emitted nothing: row b * M): bit for bit; columns past H are left alone."""
     table = torch.randn(50, 40).to(BF)
     out = nan_like(torch.empty(40, dtype=BF))
-    call(sampling.embed, torch.tensor([37]), table, out)
+    call(sampling.gather_rows, torch.tensor([37]), table, out)
     assert torch.equal(out, table[37])
+    g = torch.Generator().manual_seed(4)
+    H, V, M = 1300, 40, 4  # H past one 1024-column block
+    emb = torch.randn(V, H, generator=g).to(BF)
+    tok = torch.tensor([7, 39, 0, 7])
+    out = torch.full((M, H + 3), float("nan"), dtype=BF)
+    call(sampling.gather_rows, tok, emb, out)
+    assert torch.equal(out[:, :H], emb[tok]) and out[:, H:].isnan().all()
+    live = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    call(sampling.gather_rows, tok, emb, out, live=live)
+    assert torch.equal(out[::2, :H], emb[tok[::2]]) and (out[1::2, :H] == 0).all()
+    u = torch.randn(3 * M, H, generator=g).to(BF)
+    acc = torch.tensor([2, -1, 3])
+    u1 = torch.zeros(3, H, dtype=BF)
+    call(sampling.gather_rows, acc, u, u1, step=M)
+    assert torch.equal(u1, u[torch.tensor([2, M, 2 * M + 3])])
+    with pytest.raises(ValueError, match="gather_rows"):
+        sampling.gather_rows(tok, emb, torch.zeros(M - 1, H, dtype=BF))
 
 
 # (rows gate_up, rows down, warps); the GPU default; a shared expert as wide as the routed ones, every

@@ -2,8 +2,7 @@
 or compiled (NEXRT_KERNEL_DEVICE=cuda): accept counts the leading drafts equal to the target's
 tokens and publishes exactly the round's tokens, the round record and the advanced counters; the MTP
 head's input rows equal the eager `Drafter._input` normalisation; a draft pick stores the argmax
-(through a draft token map, the map's id at it) where the next verify and the next chained step read it; rows
-gathered by a device index are copied exactly."""
+(through a draft token map, the map's id at it) where the next verify and the next chained step read it."""
 import pytest
 import torch
 
@@ -74,25 +73,6 @@ def test_mtp_input_rows():
     call(spec.mtp_input, tok, emb, hid, we, wh, out, 1e-6)
     ref = torch.cat((rms1p(emb[tok], we), rms1p(hid, wh)), dim=-1)
     assert torch.equal(out, ref)
-
-
-def test_gather_rows_copies_the_indexed_rows():
-    """The verify's embeddings (rows of a table by token id) and each slot's row of its accepted position (row
-    b * M + acc[b]; acc < 0, a round that emitted nothing: row b * M), bit for bit; a row past H is left alone."""
-    g = torch.Generator().manual_seed(4)
-    H, V, M = 1300, 40, 4  # H past one 1024-column block
-    emb = torch.randn(V, H, generator=g).to(torch.bfloat16)
-    tok = torch.tensor([7, 39, 0, 7])
-    out = torch.full((M, H + 3), float("nan"), dtype=torch.bfloat16)
-    call(spec.gather_rows, tok, emb, out)
-    assert torch.equal(out[:, :H], emb[tok]) and out[:, H:].isnan().all()
-    u = torch.randn(3 * M, H, generator=g).to(torch.bfloat16)
-    acc = torch.tensor([2, -1, 3])
-    u1 = torch.zeros(3, H, dtype=torch.bfloat16)
-    call(spec.gather_rows, acc, u, u1, step=M)
-    assert torch.equal(u1, u[torch.tensor([2, M, 2 * M + 3])])
-    with pytest.raises(ValueError, match="gather_rows"):
-        spec.gather_rows(tok, emb, torch.zeros(M - 1, H, dtype=torch.bfloat16))
 
 
 def test_draft_pick():

@@ -193,9 +193,13 @@ SPEC_VARIANTS = [
     ("accept_m5", spec.accept_kernel, dict(M=5, MP=8, BLOCK=16384, ASM=True, SYNTH=False, HAS_LIVE=False, RING_B=1), 8,
      SPEC_T, ()),
     ("mtp_input", spec.mtp_input_kernel, dict(HP=2048), 4, SPEC_T, ()),
-    # the verify's embeddings, each slot's row of its accepted position (one PDL launch each)
-    ("gather_rows", spec.gather_rows_kernel, dict(STEP=0, BLOCK=1024), 4, {"idx_ptr": "*i64"}, ()),
-    ("gather_rows_step", spec.gather_rows_kernel, dict(STEP=4, BLOCK=1024), 4, {"idx_ptr": "*i64"}, ()),
+    # rows by a device index: the step's, the batch step's (live slots) and the verify's embeddings, each slot's
+    # row of its accepted position
+    ("gather_rows", sampling.gather_rows_kernel, dict(STEP=0, HAS_LIVE=False, BLOCK=1024), 4, {"idx_ptr": "*i64"}, ()),
+    ("gather_rows_live", sampling.gather_rows_kernel, dict(STEP=0, HAS_LIVE=True, BLOCK=1024), 4,
+     {"idx_ptr": "*i64", "live_ptr": "*i32"}, ()),
+    ("gather_rows_step", sampling.gather_rows_kernel, dict(STEP=4, HAS_LIVE=False, BLOCK=1024), 4, {"idx_ptr": "*i64"},
+     ()),
     ("draft_pick", spec.draft_pick_kernel, dict(BLOCK=8192, HAS_MAP=False, HAS_LIVE=False), 8, SPEC_T, ()),
     # a draft token map (engine/spec/draft_vocab.py): the argmax index mapped to its token id
     ("draft_pick_map", spec.draft_pick_kernel, dict(BLOCK=2048, HAS_MAP=True, HAS_LIVE=False), 4, SPEC_T, ()),
@@ -240,7 +244,6 @@ BATCH_VARIANTS = [
      dict(BT, **F8, live_ptr="*i32"), ALIGN_M),
     ("batch_moe_down_fp8", moe.moe_down_fp8_kernel, dict(MDF, M=8, HAS_LIVE=True), 1, dict(BT, **F8, live_ptr="*i32"),
      ALIGN_M),
-    ("batch_embed", batch.embed_rows_kernel, dict(BLOCK=1024), 4, BT, ()),
     ("batch_qk_rope", batch.qk_rope_rows_kernel, dict(H=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256), 2, BT, ()),
     ("batch_attn_scores", batch.attn_scores_rows_kernel, dict(A, NSPLIT=128, MIN_PER=64, G=4, BLOCK=64), 4, BT, ()),
     ("batch_attn_pv_35b", batch.attn_pv_rows_kernel, dict(A, NSPLIT=128, MIN_PER=64, G=8, BLOCK=64), 4, BT, ()),
@@ -328,7 +331,6 @@ for pdl in (False, True):
         ("attn_scores", attention.attn_scores_kernel, A, 4),
         ("attn_pv", attention.attn_pv_kernel, A, 4),
         ("attn_combine", attention.attn_combine_kernel, dict(NSPLIT=256, MIN_PER=32, BLOCK=32, HD=256, BLOCK_D=64), 4),
-        ("embed", sampling.embed_kernel, dict(BLOCK=1024), 4),
         ("finish", sampling.finish_kernel, FIN, 4),
         # 2B vocabulary: 248320 logits, 122 tail programs of 2048
         ("finish_logprobs_mask", sampling.finish_kernel, dict(FIN, LP=True, CHECK=True), 4),
@@ -352,7 +354,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 54 + 26 + 98 + 46 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 52 + 26 + 100 + 44 + 40 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):

@@ -52,13 +52,14 @@ class BatchDecoder:
     the model's weights here (gpu/fusion.py re-points the eager model at the fused matrices)."""
 
     def __init__(self, model, states: StackedStates, tuning: Tuning | None = None, layers=None):
-        from nexrt_vllm.engine.kernels import batch, common, gdn, gemv, moe  # triton: GPU path only
+        from nexrt_vllm.engine.kernels import batch, common, gdn, gemv, moe, sampling  # triton: GPU path only
         cfg = model.config
         _require_gpu_dtype(cfg, states.dtype)
         if not 2 <= states.n <= batch.MAX_ROWS:
             raise EngineError(f"the batch step runs 2..{batch.MAX_ROWS} slots, got {states.n} (one slot: the "
                               f"single-request step, FusedDecoder)")
         self.k_batch, self.k_common, self.k_gemv, self.k_gdn, self.k_moe = batch, common, gemv, gdn, moe
+        self.k_samp = sampling
         self.model, self.cfg, self.states, self.t = model, cfg, states, tuning or Tuning()
         self.n = n = states.n
         self.pdl = pdl_enabled(self.t.pdl, common.DEFAULT_PDL, torch.cuda.get_device_capability(states.device)
@@ -116,8 +117,8 @@ class BatchDecoder:
         c, g, k = self.cfg, self.k_gemv, k or self.n
         if not 2 <= k <= self.n:
             raise EngineError(f"a batch step runs 2..{self.n} slots, got {k}")
-        steps = [Launch("embed", None, lambda: self.k_batch.embed_rows(self.tok[:k], self.live[:k], self.embed,
-                                                                        self.res[:k]))]
+        steps = [Launch("embed", None, lambda: self.k_samp.gather_rows(self.tok[:k], self.embed, self.res[:k],
+                                                                        live=self.live[:k]))]
         for i, L in enumerate(self.layers):
             mixer = self._gdn if isinstance(L.mixer, GDNMixer) else self._attention
             ffn = self._moe if isinstance(L.ffn, MoEFFN) else self._dense

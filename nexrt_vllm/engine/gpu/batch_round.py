@@ -176,8 +176,8 @@ class BatchRoundDecoder:
         if not 1 <= k <= self.n:
             raise EngineError(f"a batched round runs 1..{self.n} slots, got {k}")
         R, live, once = k * self.M, self.live[:k], self._norm_once(k * self.M, k)
-        steps = [Launch("verify_embed", None, lambda: self.k_spec.gather_rows(self.tok[:k].view(-1), b.embed,
-                                                                              self.res[:R]))]
+        steps = [Launch("verify_embed", None, lambda: b.k_samp.gather_rows(self.tok[:k].view(-1), b.embed,
+                                                                           self.res[:R]))]
         for i, L in enumerate(b.layers):
             mixer = self._gdn(i, L, k) if isinstance(L.mixer, GDNMixer) else self._attention(
                 L, self.res[:R], self.pos[:k], None, self.M, k, b.model.rope_cos, b.model.rope_sin, once)
@@ -312,7 +312,7 @@ class BatchRoundDecoder:
                 self.draft_ids, live=live))
 
         def select():  # u1[b] = u[b * M + acc[b]] (a slot whose round emitted nothing: its row 0, junk)
-            ks.gather_rows(self.acc[:k], u, u1, step=M)
+            self.b.k_samp.gather_rows(self.acc[:k], u, u1, step=M)
 
         # each slot's rows base..base+M-1 from (hidden_j, y_j); its row acc drafts d_1
         first = ("input", lambda: ks.mtp_input(self.y[:k].reshape(-1), w.embed, self.hn[:R],

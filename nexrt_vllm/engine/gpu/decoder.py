@@ -141,7 +141,7 @@ class FusedDecoder:
         times each group and counts the bytes it moves. With `Tuning.l2_prefetch` each GEMV launch
         asks L2, as its programs finish, for the first bytes of the next GEMV's weight (`_l2_plan`)."""
         c, g = self.cfg, self.k_gemv
-        entries = [("embed", None, lambda: self.k_samp.embed(self.tok, self.embed, self.res), None)]
+        entries = [("embed", None, lambda: self.k_samp.gather_rows(self.tok, self.embed, self.res), None)]
         for i, L in enumerate(self.layers):
             mixer = self._gdn if isinstance(L.mixer, GDNMixer) else self._attention
             ffn = self._moe if isinstance(L.ffn, MoEFFN) else self._dense

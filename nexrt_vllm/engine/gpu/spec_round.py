@@ -152,7 +152,7 @@ class SpecDecoder:
     def plan(self) -> list[Launch]:
         """The round's launches in order (group names: verify_* / accept / commit / draft_*)."""
         f, c, M, g = self.f, self.cfg, self.M, self.f.k_gemv
-        verify = [("embed", None, lambda: self.k_spec.gather_rows(self.tokens, f.embed, self.res), None)]
+        verify = [("embed", None, lambda: f.k_samp.gather_rows(self.tokens, f.embed, self.res), None)]
         for i, L in enumerate(f.layers):
             mixer = self._gdn(i, L) if isinstance(L.mixer, GDNMixer) else self._attention(L, self.res, f.state.position,
                                                                                          None, M, f.model.rope_cos,
@@ -271,7 +271,7 @@ class SpecDecoder:
         first = ("input", lambda: ks.mtp_input(self.y, w.embed, self.hn, w.pre_fc_norm_embedding,
                                                w.pre_fc_norm_hidden, self.fc_in, eps))
         steps = head(self.u, self.fc_in, self.base, M, first)
-        steps.append(("select", lambda: ks.gather_rows(self.acc, self.u, self.u1)))
+        steps.append(("select", lambda: f.k_samp.gather_rows(self.acc, self.u, self.u1)))
         out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + [lm_head()]]
         for k in range(1, M - 1):  # chained: (g, d_k) at row base + a + k drafts d_{k+1}
             steps = head(self.u1, self.fc_in[:1], self.dpos, 1, pick_input(k)) + [lm_head()]

@@ -9,7 +9,6 @@ state, position and token stay as they are and cost one load of its `live` word.
 arithmetic is the step's (the same kernels); the GEMVs differ from the one-row ones only in the
 order of their fp32 sums.
 
-- `embed_rows_kernel`: row b = the embedding of slot b's token (zeros for a slot that is not live);
 - `gemv_rows_conv_kernel`: the GDN in_proj over the rows with the step's causal-conv epilogue per
   row over its slot's conv state (gemv_step `_epilogue` EPI 3), on the fold or the tensor-core path;
 - `qk_rope_rows_kernel`, `attn_{scores,pv,combine}_rows_kernel`: kernels/attention.py's decode
@@ -47,21 +46,6 @@ def _slot(live_ptr, AXIS: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     b = tl.program_id(AXIS)
     return b, b.to(tl.int64), _live(live_ptr, b)
-
-
-@triton.jit
-def embed_rows_kernel(tok_ptr, live_ptr, emb_ptr, out_ptr, H, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Grid (B,): out row b = emb[tok[b]] for a live slot, zeros otherwise (the rows of a slot that is not
-    live then carry finite values through the step's GEMVs)."""
-    pdl_begin(PDL)
-    b = tl.program_id(0)
-    live = tl.load(live_ptr + b)
-    tok = tl.where(live != 0, tl.load(tok_ptr + b), 0).to(tl.int64)
-    for h0 in range(0, H, BLOCK):
-        h = h0 + tl.arange(0, BLOCK)
-        # (h * 0 + live): a vector mask (a scalar one trips the interpreter)
-        v = tl.load(emb_ptr + tok * H + h, mask=(h < H) & ((h * 0 + live) != 0), other=0.0)
-        tl.store(out_ptr + b * stride_out + h, v, mask=h < H)
 
 
 @triton.jit
@@ -207,12 +191,6 @@ def finish_rows_kernel(pmax_ptr, pidx_ptr, NP, stride_p, live_ptr, tok_ptr, pos_
 
 def _rows(t) -> int:
     return t.stride(0)
-
-
-def embed_rows(tok, live, table, out):
-    """out [B, H] (row stride) = the embeddings of tok [B] (int64) where live [B] (int32), else zeros."""
-    embed_rows_kernel[(tok.numel(),)](tok, live, table, out, table.shape[1], _rows(out), BLOCK=1024, **LAUNCH,
-                                      num_warps=4)
 
 
 def gemv_rows_conv(x, w, y, norm_w, conv, conv_w, live, *, eps, conv_n, kc, block_n, block_k, num_warps, dot=0,

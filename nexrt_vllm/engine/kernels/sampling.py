@@ -59,17 +59,35 @@ def gumbel_partial_kernel(vals_ptr, idx_ptr, cum_ptr, params_ptr, seed_ptr, pos_
 
 
 @triton.jit
-def embed_kernel(tok_ptr, emb_ptr, out_ptr, H, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out = emb[tok]: the step's first launch reads the token from the device."""
+def gather_rows_kernel(idx_ptr, live_ptr, src_ptr, out_ptr, H, stride_src, stride_out, STEP: tl.constexpr,
+                       HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Grid (R,): out row r = src row (r * STEP + max(idx[r], 0)); with HAS_LIVE zeros where live[r] == 0."""
     pdl_begin(PDL)
-    tok = tl.load(tok_ptr).to(tl.int64)
+    r = tl.program_id(0)
+    on = 1
+    if HAS_LIVE:
+        on = tl.load(live_ptr + r)
+    row = (r * STEP + tl.maximum(tl.where(on != 0, tl.load(idx_ptr + r), 0), 0)).to(tl.int64)
     for h0 in range(0, H, BLOCK):
         h = h0 + tl.arange(0, BLOCK)
-        tl.store(out_ptr + h, tl.load(emb_ptr + tok * H + h, mask=h < H), mask=h < H)
+        # (h * 0 + on): a vector mask (a scalar one trips the interpreter)
+        v = tl.load(src_ptr + row * stride_src + h, mask=(h < H) & ((h * 0 + on) != 0), other=0.0)
+        tl.store(out_ptr + r * stride_out + h, v, mask=h < H)
 
 
-def embed(tok, table, out):
-    embed_kernel[(1,)](tok, table, out, table.shape[1], BLOCK=1024, **LAUNCH, num_warps=4)
+def gather_rows(idx, src, out, step: int = 0, live=None):
+    """out[r] = src[r * step + max(idx[r], 0)] for each of the R = idx.numel() indices (int64, device), in one
+    launch that reads the indices on the device: the step's embedding (R = 1) and the batch step's and the
+    verify's (step 0: src the embedding table, idx the tokens), each slot's row of its accepted position in a round
+    (step M: a slot whose round emitted nothing, idx < 0, takes its first row). `live` (int32 [R]): zeros in the rows
+    where it is 0 (a batch slot that is not live then carries finite values through the step). Rows of src and out
+    with unit column stride; out [R, H] (or [H] for R = 1)."""
+    r, h = idx.numel(), src.shape[1]
+    out2 = out.view(1, -1) if out.dim() == 1 else out
+    if src.stride(1) != 1 or out2.stride(-1) != 1 or out2.shape[0] < r or out2.shape[-1] < h:
+        raise ValueError(f"gather_rows: src [*, {h}] and out [>= {r}, {h}] with unit column stride")
+    gather_rows_kernel[(r,)](idx, live if live is not None else idx, src, out2, h, src.stride(0), out2.stride(0),
+                             STEP=step, HAS_LIVE=live is not None, BLOCK=1024, **LAUNCH, num_warps=4)
 
 
 @triton.jit

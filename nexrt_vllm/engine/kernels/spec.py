@@ -15,9 +15,6 @@ reduces the head's lm_head partials to a draft token (through the draft token ma
 read a map's rows: engine/spec/draft_vocab.py), stores it as the next verify input and as the
 next chained step's token, and sets that step's head position; `draft_pick_input_kernel` is the two in
 one launch (a pick followed by the chained step's input: one launch fewer per chained step).
-`gather_rows_kernel` copies rows picked by a device index (the verify's token embeddings, the head's
-row of the accepted position) in one PDL launch, where torch's indexing would put kernels without the
-grid-dependency pair into the round's chain.
 """
 import triton
 import triton.language as tl
@@ -219,26 +216,3 @@ def draft_pick_input(pmax, pidx, n_partials, tok, dtok, base, acc, dpos, k, embe
 __all__ = ["accept", "accept_kernel", "mtp_input", "mtp_input_kernel", "draft_pick", "draft_pick_kernel",
            "draft_pick_input", "draft_pick_input_kernel"]
 
-
-@triton.jit
-def gather_rows_kernel(idx_ptr, src_ptr, out_ptr, H, stride_src, stride_out, STEP: tl.constexpr, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr):
-    """Grid (R,): out row r = src row (r * STEP + max(idx[r], 0))."""
-    pdl_begin(PDL)
-    r = tl.program_id(0)
-    row = (r * STEP + tl.maximum(tl.load(idx_ptr + r), 0)).to(tl.int64)
-    for h0 in range(0, H, BLOCK):
-        h = h0 + tl.arange(0, BLOCK)
-        tl.store(out_ptr + r * stride_out + h, tl.load(src_ptr + row * stride_src + h, mask=h < H), mask=h < H)
-
-
-def gather_rows(idx, src, out, step: int = 0):
-    """out[r] = src[r * step + max(idx[r], 0)] for each of the R = idx.numel() indices (int64, device): the
-    verify's embeddings (step 0: src the embedding table, idx the tokens), each slot's row of its accepted
-    position (step M: a slot whose round emitted nothing, idx < 0, takes its first row). Rows of src and out
-    with unit column stride; out has R rows."""
-    r, h = idx.numel(), src.shape[1]
-    if src.stride(1) != 1 or out.stride(-1) != 1 or out.shape[0] < r or out.shape[-1] < h:
-        raise ValueError(f"gather_rows: src [*, {h}] and out [>= {r}, {h}] with unit column stride")
-    gather_rows_kernel[(r,)](idx, src, out, h, src.stride(0), out.stride(0), STEP=step, BLOCK=1024, **LAUNCH,
-                             num_warps=4)
