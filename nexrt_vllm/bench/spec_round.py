@@ -105,6 +105,11 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
                 b = nb(sd.draft_lm) * sd.draft_vocab // sd.draft_lm.shape[0]  # the rows it reads (any format)
             elif group in ("input", "select", "pick", "pick+input"):
                 b = 0
+            elif group == "step":  # a chained step in one launch (Tuning.draft_fused): all of the above
+                b = nb(sd.drafter.w.fc) + nb(sd.draft_lm) * sd.draft_vocab // sd.draft_lm.shape[0] + sum(
+                    layer_bytes(g, sd.head, 1, n, 0) for g in ("attn_qkv_proj", "attn_qknorm_rope_kvwrite",
+                                                               "attn_splitk+combine", "attn_o_proj",
+                                                               "mlp_gate_up+swiglu", "mlp_down"))
             else:
                 n_e = (head_e if rows > 1 else k) if isinstance(sd.head.ffn, MoEFFN) else 0
                 b = layer_bytes(group, sd.head_rows if rows > 1 else sd.head, rows, n, n_e)

@@ -141,6 +141,43 @@ class SpecDecoder:
         self.rounds_host, self.rounds = f.mem.host["rounds"], f.mem.device["rounds"]
         # pinned acceptance (benchmarks): accepted-draft counts per round, refilled by the host per stream
         self.forced = z(SYNTHETIC_ROUNDS, d=i64) if spec.synthetic is not None else None
+        self.chain_step = self._fused_chain()  # Tuning.draft_fused: a chained step in one launch, else None
+
+    def _fused_chain(self):
+        """The chained step as one persistent launch (kernels/draft_step.py), a callable of k; None when
+        `Tuning.draft_fused` is off or the head is not one it runs (MoE FFN, bf16 tail rows, a GEMV whose warps
+        differ from the attention's: one launch has one warp count, and the sums' order follows it)."""
+        f, c, t, M = self.f, self.cfg, self.f.t, self.M
+        layer, w = self.head, self.drafter.w
+        ff, a, H = layer.ffn, layer.mixer, c.hidden_size
+        if not t.draft_fused or M < 3 or isinstance(ff, MoEFFN):
+            return None
+        n_ff = ff.w_gate_up.shape[0] // 2
+        gemvs = [(w.fc, f.gemv_shape(w.fc, H), H),
+                 (a.w_qkv, f.gemv_shape(a.w_qkv, a.w_qkv.shape[0]), a.w_qkv.shape[0]),
+                 (a.w_o, f.gemv_shape(a.w_o, H), H), (ff.w_gate_up, f.gemv_shape(ff.w_gate_up, n_ff), n_ff),
+                 (ff.w_down, f.gemv_shape(ff.w_down, H), H), (self.draft_lm, self.dlm_shape, self.draft_vocab)]
+        if ({kw["num_warps"] for _, kw, _ in gemvs} != {t.attn_warps}
+                or any(getattr(g, "tail", None) is not None for g, _, _ in gemvs)):
+            return None
+        from nexrt_vllm.engine.kernels import draft_step as k_ds
+        d, dev = self.drafter, f.state.device
+        self.u2, self.u3 = torch.zeros_like(self.u1), torch.zeros_like(self.u1)
+        self.bar = torch.zeros(2, dtype=torch.int32, device=dev)
+        cuda = dev.type == "cuda"
+        nprog = torch.cuda.get_device_properties(dev).multi_processor_count * t.draft_fused_ctas if cuda else 3
+        attention = dict(k=a.state.k, v=a.state.v, q_norm=a.q_norm, k_norm=a.k_norm, cos=d.rope_cos, sin=d.rope_sin,
+                         start=d.start, **self.attn_scratch, head_dim=c.head_dim, num_heads=c.num_heads,
+                         num_kv_heads=c.num_kv_heads, rotary_dim=c.rotary_dim, nsplit=t.spec_attn_splits,
+                         min_per=t.attn_min_per, block=t.attn_block, dot_f32=f.k_attn._INTERPRETED,
+                         lm=(self.dlogits, self.dpmax, self.dpidx, self.g1))
+        kw = dict(fc_input=(w.embed, self.g1, w.pre_fc_norm_embedding, w.pre_fc_norm_hidden, self.fc_in,
+                            c.rms_norm_eps),
+                  stream=(self.u1, self.u2, self.u3, self.buf, self.q, self.o, self.act_dense), gemvs=gemvs,
+                  norms=(layer.input_norm, layer.post_norm, w.norm), attention=attention, bar=self.bar, nprog=nprog,
+                  ahead=t.draft_l2_ahead, round_w=t.fp8_round_weights, num_warps=t.attn_warps, phases=not cuda)
+        return lambda k: k_ds.draft_step(pick=(self.dpmax, self.dpidx, self.n_dpart, self.draft_ids, self.tokens,
+                                               self.dtok, self.base, self.acc, self.dpos, k), **kw)
 
     def _attn_scratch(self, m: int) -> dict:
         c, t, dev = self.cfg, self.f.t, self.f.state.device
@@ -274,6 +311,9 @@ class SpecDecoder:
         steps.append(("select", lambda: f.k_samp.gather_rows(self.acc, self.u, self.u1)))
         out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + [lm_head()]]
         for k in range(1, M - 1):  # chained: (g, d_k) at row base + a + k drafts d_{k+1}
+            if self.chain_step is not None:
+                out.append(Launch("chain_step", None, functools.partial(self.chain_step, k)))
+                continue
             steps = head(self.u1, self.fc_in[:1], self.dpos, 1, pick_input(k)) + [lm_head()]
             out += [Launch("chain_" + grp, None, fn) for grp, fn in steps]
         out.append(Launch(("chain_" if M > 2 else "draft_") + "pick", None,
