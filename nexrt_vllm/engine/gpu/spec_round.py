@@ -160,6 +160,9 @@ class SpecDecoder:
         if ({kw["num_warps"] for _, kw, _ in gemvs} != {t.attn_warps}
                 or any(getattr(g, "tail", None) is not None for g, _, _ in gemvs)):
             return None
+        # Tuning.draft_fused_rows: more rows per tile than the launches' (not the lm_head's: its partials are the
+        # pick's); a row's sums do not depend on its tile's other rows
+        gemvs[:5] = [(g, dict(kw, block_n=max(kw["block_n"], t.draft_fused_rows)), n) for g, kw, n in gemvs[:5]]
         from nexrt_vllm.engine.kernels import draft_step as k_ds
         d, dev = self.drafter, f.state.device
         self.u2, self.u3 = torch.zeros_like(self.u1), torch.zeros_like(self.u1)

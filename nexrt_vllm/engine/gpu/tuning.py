@@ -206,6 +206,7 @@ class Tuning:
     draft_fused: bool = False
     draft_l2_ahead: int = 64 << 10
     draft_fused_ctas: int = 1
+    draft_fused_rows: int = 0  # rows per tile of its GEMVs but the lm_head, at least (0: the launches' shapes)
 
     def __post_init__(self):
         for f in fields(self):
