@@ -105,6 +105,9 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
                 b = nb(sd.draft_lm) * sd.draft_vocab // sd.draft_lm.shape[0]  # the rows it reads (any format)
             elif group in ("input", "select", "pick", "pick+input"):
                 b = 0
+            elif group == "tail":  # the pass's row a from its o_proj on, in one launch (Tuning.draft_fused_pass)
+                b = nb(sd.draft_lm) * sd.draft_vocab // sd.draft_lm.shape[0] + sum(
+                    layer_bytes(g, sd.head, 1, n, 0) for g in ("attn_o_proj", "mlp_gate_up+swiglu", "mlp_down"))
             elif group == "step":  # a chained step in one launch (Tuning.draft_fused): all of the above
                 b = nb(sd.drafter.w.fc) + nb(sd.draft_lm) * sd.draft_vocab // sd.draft_lm.shape[0] + sum(
                     layer_bytes(g, sd.head, 1, n, 0) for g in ("attn_qkv_proj", "attn_qknorm_rope_kvwrite",

@@ -69,3 +69,25 @@ def test_fused_chain_step_equals_its_launches(ckpt_factory, draft_weights):
         assert torch.equal(f_left[name], t), name
     assert fused.d.bar.tolist() == [0, 0]  # at rest: the interpreter's launches never reach a barrier
     assert sum(k * c for k, c in enumerate(rounds)) > sum(rounds), rounds  # drafts were accepted
+
+
+def test_fused_pass_tail_drafts_from_the_accepted_row(ckpt_factory):
+    """`Tuning.draft_fused_pass`: the head's pass over the verified rows runs its attention over all M rows (their
+    K/V rows, byte for byte the launches'), then only the accepted row from the o_proj on, in the persistent
+    launch's last phases (the head as stored here, so the same weights as the M-row launches): the round's tokens
+    stay the target's and its drafts are accepted as often as with the M-row launches."""
+    path = ckpt_factory("qwen3_5", "bfloat16", **TRAINED_MTP["qwen3_5"])
+    plain = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
+    eng = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=80, progress=False)
+    eng.enable_speculative("mtp", K)
+    prompt, sp = periodic_prompt(40, seed=15), SamplingParams(max_tokens=7, ignore_eos=True)
+    first = int(plain.prefill(prompt).argmax())
+    want = list(plain.stream(first, sp))
+    _, _, rounds, left = _run(eng, prompt, first, sp, dataclasses.replace(TUNING, draft_fused=True), None)
+    fused, tokens, f_rounds, f_left = _run(
+        eng, prompt, first, sp, dataclasses.replace(TUNING, draft_fused=True, draft_fused_pass=True), None)
+    plan = [s.group for s in fused.d.plan()]
+    assert plan.count("draft_tail") == 1 and not any(g in plan for g in ("draft_select", "draft_attn_o_proj",
+                                                                       "draft_mlp_down", "draft_lm_head+argmax"))
+    assert tokens == want and f_rounds == rounds, (f_rounds, rounds)
+    assert torch.equal(f_left["k"], left["k"]) and torch.equal(f_left["v"], left["v"])

@@ -141,6 +141,7 @@ class SpecDecoder:
         self.rounds_host, self.rounds = f.mem.host["rounds"], f.mem.device["rounds"]
         # pinned acceptance (benchmarks): accepted-draft counts per round, refilled by the host per stream
         self.forced = z(SYNTHETIC_ROUNDS, d=i64) if spec.synthetic is not None else None
+        self.pass_tail = None  # Tuning.draft_fused_pass: the M-row pass's o_proj .. lm_head for its one row
         self.chain_step = self._fused_chain()  # Tuning.draft_fused: a chained step in one launch, else None
 
     def _fused_chain(self):
@@ -179,8 +180,11 @@ class SpecDecoder:
                   stream=(self.u1, self.u2, self.u3, self.buf, self.q, self.o, self.act_dense), gemvs=gemvs,
                   norms=(layer.input_norm, layer.post_norm, w.norm), attention=attention, bar=self.bar, nprog=nprog,
                   ahead=t.draft_l2_ahead, round_w=t.fp8_round_weights, num_warps=t.attn_warps, phases=not cuda)
-        return lambda k: k_ds.draft_step(pick=(self.dpmax, self.dpidx, self.n_dpart, self.draft_ids, self.tokens,
-                                               self.dtok, self.base, self.acc, self.dpos, k), **kw)
+        pick = lambda k: (self.dpmax, self.dpidx, self.n_dpart, self.draft_ids, self.tokens, self.dtok,  # noqa: E731
+                          self.base, self.acc, self.dpos, k)
+        if t.draft_fused_pass:  # the pass over the verified rows from its o_proj on: its row of the accepted token
+            self.pass_tail = lambda: k_ds.draft_step(pick=pick(0), select=(self.u, self.o), **kw)
+        return lambda k: k_ds.draft_step(pick=pick(k), **kw)
 
     def _attn_scratch(self, m: int) -> dict:
         c, t, dev = self.cfg, self.f.t, self.f.state.device
@@ -311,8 +315,12 @@ class SpecDecoder:
         first = ("input", lambda: ks.mtp_input(self.y, w.embed, self.hn, w.pre_fc_norm_embedding,
                                                w.pre_fc_norm_hidden, self.fc_in, eps))
         steps = head(self.u, self.fc_in, self.base, M, first)
-        steps.append(("select", lambda: f.k_samp.gather_rows(self.acc, self.u, self.u1)))
-        out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + [lm_head()]]
+        if self.pass_tail is not None:  # the attention's M rows (the head's K/V), then row a alone in one launch
+            out = [Launch("draft_" + grp, None, fn) for grp, fn in steps if grp != "attn_o_proj" and
+                   not grp.startswith("mlp_")] + [Launch("draft_tail", None, self.pass_tail)]
+        else:
+            steps.append(("select", lambda: f.k_samp.gather_rows(self.acc, self.u, self.u1)))
+            out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + [lm_head()]]
         for k in range(1, M - 1):  # chained: (g, d_k) at row base + a + k drafts d_{k+1}
             if self.chain_step is not None:
                 out.append(Launch("chain_step", None, functools.partial(self.chain_step, k)))

@@ -207,6 +207,11 @@ class Tuning:
     draft_l2_ahead: int = 64 << 10
     draft_fused_ctas: int = 1
     draft_fused_rows: int = 0  # rows per tile of its GEMVs but the lm_head, at least (0: the launches' shapes)
+    # With draft_fused, the head's pass over the verified rows too from its o_proj on (their attention writes
+    # the M K/V rows the head needs): only the accepted row goes on, through the head the chained steps read
+    # (fp8 with draft weights "fp8", where the launches read the head as stored for all M rows), in one
+    # launch of the persistent kernel's last phases instead of 5 launches.
+    draft_fused_pass: bool = False
 
     def __post_init__(self):
         for f in fields(self):

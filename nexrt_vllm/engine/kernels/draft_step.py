@@ -32,6 +32,7 @@ from .gemv_step import _acc, _epilogue, _rstd, _w_head
 from .spec import _input_row, _pick
 
 N_PHASES = 11
+SELECT_PHASE = 6  # where a launch continuing the M-row pass begins (`draft_step`'s select)
 
 
 @triton.jit
@@ -88,6 +89,16 @@ def _gemv_phase(x_ptr, w_ptr, s_ptr, srow_ptr, y_ptr, nw_ptr, xn_ptr, aux0_ptr, 
 
 
 @triton.jit
+def _row(nacc_ptr, SELECT: tl.constexpr):
+    """The row of the M-row pass the SELECT launch continues: the accepted count's (a round that emitted
+    nothing, -1: row 0, as `sampling.gather_rows`); 0 for a chained step."""
+    a = 0
+    if SELECT:
+        a = tl.maximum(tl.load(nacc_ptr), 0)
+    return a
+
+
+@triton.jit
 def _copy(src_ptr, dst_ptr, H: tl.constexpr, HP: tl.constexpr):
     c = tl.arange(0, HP)
     tl.store(dst_ptr + c, tl.load(src_ptr + c, mask=c < H), mask=c < H)
@@ -106,7 +117,7 @@ def draft_step_kernel(
         in_norm, post_norm, out_norm, N_QKV, N_LM, logits_ptr, lpmax_ptr, lpidx_ptr, xn_ptr,
         # attention over the head's cache
         kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, stride_ch, stride_cs, start_ptr, s_ptr, m_ptr, l_ptr,
-        acc_ptr, scale, max_len, bar_ptr,
+        acc_ptr, scale, max_len, bar_ptr, stride_su, stride_so,
         H: tl.constexpr, HP: tl.constexpr, FF: tl.constexpr, NH: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr,
         ROT: tl.constexpr, RESTP: tl.constexpr, HDP: tl.constexpr, RP: tl.constexpr, BLOCK_D: tl.constexpr,
         NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, ABLOCK: tl.constexpr, DOT_F32: tl.constexpr,
@@ -124,7 +135,7 @@ def draft_step_kernel(
         L_BN: tl.constexpr, L_BK: tl.constexpr, L_PRE: tl.constexpr, L_VEC: tl.constexpr, L_FP8: tl.constexpr,
         L_BKS: tl.constexpr, L_UNI: tl.constexpr,
         ROUND_W: tl.constexpr, CAP: tl.constexpr, NPROG: tl.constexpr, PHASE0: tl.constexpr,
-        PHASE1: tl.constexpr, PDL: tl.constexpr):
+        PHASE1: tl.constexpr, SELECT: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     pid = tl.program_id(0)
     G: tl.constexpr = NH // KVH
@@ -160,17 +171,21 @@ def draft_step_kernel(
             for item in range(pid, KVH * NSPLIT, NPROG):
                 verify_pv(vc_ptr, dpos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
                           item // NSPLIT, item % NSPLIT, 1, True, NSPLIT, MIN_PER, NH, G, RP, HD, ABLOCK, DOT_F32)
-        elif ph == 6:  # combine + output gate; u2 = u1 for the o_proj's residual add
-            NDB: tl.constexpr = HD // BLOCK_D
-            for item in range(pid, NH * NDB, NPROG):
-                verify_combine(acc_ptr, qkv_ptr, o_ptr, dpos_ptr, start_ptr, 0, 0, item // NDB, item % NDB, 1, True,
-                               NSPLIT, MIN_PER, ABLOCK, NH, HD, BLOCK_D)
+        elif ph == 6:  # combine + output gate (SELECT: the M-row pass's did); u2 = u1 for the o_proj's residual
+            if SELECT:
+                _ahead(wo, swo, H, pid, NPROG, O_BN, NH * HD, 1 if O_FP8 else 2, False, CAP)
+            else:
+                NDB: tl.constexpr = HD // BLOCK_D
+                for item in range(pid, NH * NDB, NPROG):
+                    verify_combine(acc_ptr, qkv_ptr, o_ptr, dpos_ptr, start_ptr, 0, 0, item // NDB, item % NDB, 1,
+                                   True, NSPLIT, MIN_PER, ABLOCK, NH, HD, BLOCK_D)
             if pid == NPROG - 1:
-                _copy(u1_ptr, u2_ptr, H, HP)
+                _copy(u1_ptr + _row(nacc_ptr, SELECT) * stride_su, u2_ptr, H, HP)
         elif ph == 7:  # o_proj + residual
             _ahead(wg, swg, FF, pid, NPROG, G_BN, H, 1 if G_FP8 else 2, True, CAP)
-            _gemv_phase(o_ptr, wo, so, ro, u2_ptr, wo, wo, wo, wo, H, swo, sso, eps, pid, NPROG, NH * HD, 1, 0, 1,
-                        False, O_BN, O_BK, O_PRE, O_VEC, O_FP8, O_BKS, O_UNI, ROUND_W)
+            _gemv_phase(o_ptr + _row(nacc_ptr, SELECT) * stride_so, wo, so, ro, u2_ptr, wo, wo, wo, wo, H, swo, sso,
+                        eps, pid, NPROG, NH * HD, 1, 0, 1, False, O_BN, O_BK, O_PRE, O_VEC, O_FP8, O_BKS, O_UNI,
+                        ROUND_W)
         elif ph == 8:  # RMSNorm + gate/up + SwiGLU; u3 = u2 for the down's residual add
             _ahead(wd, swd, H, pid, NPROG, D_BN, FF, 1 if D_FP8 else 2, False, CAP)
             _gemv_phase(u2_ptr, wg, sg, rg, act_ptr, post_norm, wg, wg, wg, FF, swg, ssg, eps, pid, NPROG, H, HP, 1, 2,
@@ -186,7 +201,7 @@ def draft_step_kernel(
                         pid, NPROG, H, HP, 1, 4, True, L_BN, L_BK, L_PRE, L_VEC, L_FP8, L_BKS, L_UNI, ROUND_W)
 
 
-__all__ = ["draft_step_kernel", "N_PHASES"]
+__all__ = ["draft_step_kernel", "N_PHASES", "SELECT_PHASE"]
 
 
 def gemv_operands(w, kw: dict, epi: int, n: int, dummy) -> tuple[tuple, tuple]:
@@ -209,7 +224,7 @@ def gemv_operands(w, kw: dict, epi: int, n: int, dummy) -> tuple[tuple, tuple]:
 
 
 def draft_step(*, pick: tuple, fc_input: tuple, stream: tuple, gemvs: list, norms: tuple, attention: dict,
-               bar, nprog: int, ahead: int, round_w: bool, num_warps: int, phases: bool = False):
+               bar, nprog: int, ahead: int, round_w: bool, num_warps: int, phases: bool = False, select=None):
     """Launch `draft_step_kernel`: one chained step of the MTP head (module doc).
 
     pick: (pmax, pidx, n_partials, ids or None, tok, dtok, base, acc, dpos, k) as `spec.draft_pick_input`;
@@ -219,10 +234,16 @@ def draft_step(*, pick: tuple, fc_input: tuple, stream: tuple, gemvs: list, norm
     pmax, pidx, xn_out); attention: the head's cache and scratch (see the keys read below);
     bar: int32 [2] zeros (the grid barrier's words, at rest between launches); nprog: programs (at most
     the SM count: all must be resident); ahead: bytes of the next GEMV each program asks L2 for;
-    phases: launch each phase alone (the interpreter, whose programs run one after another), else one launch."""
+    phases: launch each phase alone (the interpreter, whose programs run one after another), else one launch.
+    select: (u rows, o rows) of the MTP head's pass over the verified rows, whose attention ran: phases 6-10 only,
+    from its row of the accepted count (pick's acc), the rest as a chained step's (the drafter's first draft)."""
     pmax, pidx, n_part, ids, tok, dtok, base, acc, dpos, k = pick
     embed, g, w_e, w_h, fc_in, eps = fc_input
     u1, u2, u3, qkv, q, o, act = stream
+    stride_su = stride_so = 0
+    if select is not None:
+        u1, o = select
+        stride_su, stride_so = u1.stride(0), o.stride(0)
     a = attention
     logits, lpmax, lpidx, xn = a["lm"]
     epis = (0, 0, 1, 2, 1, 4)
@@ -239,30 +260,32 @@ def draft_step(*, pick: tuple, fc_input: tuple, stream: tuple, gemvs: list, norm
             embed, g, w_e, w_h, fc_in, eps, u1, u2, u3, qkv, q, o, act, *ops, *norms, gemvs[1][2], gemvs[5][2],
             logits, lpmax, lpidx, xn, kc, a["v"], a["q_norm"], a["k_norm"], a["cos"], a["sin"],
             kc.stride(0), kc.stride(1), a["start"], a["s_buf"], a["m_buf"], a["l_buf"], a["acc_buf"], hd ** -0.5,
-            kc.shape[1], bar)
+            kc.shape[1], bar, stride_su, stride_so)
     names = [p + s for p in "FQOGDL" for s in ("_BN", "_BK", "_PRE", "_VEC", "_FP8", "_BKS", "_UNI")]
     const = dict(H=h, HP=triton.next_power_of_2(h), FF=gemvs[3][2], NH=nh, KVH=kvh, HD=hd, ROT=rot,
                  RESTP=triton.next_power_of_2(hd - rot), HDP=triton.next_power_of_2(hd),
                  RP=max(16, triton.next_power_of_2(g_)), BLOCK_D=min(64, hd), NSPLIT=a["nsplit"],
                  MIN_PER=a["min_per"], ABLOCK=a["block"], DOT_F32=a["dot_f32"], BLOCK_P=block_p,
                  HAS_MAP=ids is not None, **dict(zip(names, shapes)), ROUND_W=round_w, CAP=ahead, NPROG=nprog)
+    const["SELECT"] = select is not None
+    first = SELECT_PHASE if select is not None else 0
     if not phases:
-        _check_resident(args, const, nprog, num_warps, u1.device)
-    for p0, p1 in ([(0, N_PHASES)] if not phases else [(p, p + 1) for p in range(N_PHASES)]):
+        _check_resident(args, const, nprog, num_warps, u1.device, first)
+    for p0, p1 in ([(first, N_PHASES)] if not phases else [(p, p + 1) for p in range(first, N_PHASES)]):
         draft_step_kernel[(nprog,)](*args, **const, PHASE0=p0, PHASE1=p1, **LAUNCH, num_warps=num_warps)
 
 
 _RESIDENT: dict = {}  # (device, constexprs) -> programs the GPU holds at once
 
 
-def _check_resident(args, const, nprog, num_warps, device) -> None:
+def _check_resident(args, const, nprog, num_warps, device, first) -> None:
     """Refuse a launch whose programs the GPU cannot hold all at once (its grid barrier would wait forever): the
     compiled kernel's registers, shared memory and warps per SM against the device's, before the first launch."""
     import torch
 
-    key = (str(device), tuple(sorted(const.items())), num_warps)
+    key = (str(device), tuple(sorted(const.items())), num_warps, first)
     if key not in _RESIDENT:
-        k = draft_step_kernel.warmup(*args, **const, PHASE0=0, PHASE1=N_PHASES, **LAUNCH, num_warps=num_warps,
+        k = draft_step_kernel.warmup(*args, **const, PHASE0=first, PHASE1=N_PHASES, **LAUNCH, num_warps=num_warps,
                                      grid=(nprog,))
         k._init_handles()
         p = torch.cuda.get_device_properties(device)
