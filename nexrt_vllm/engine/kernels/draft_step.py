@@ -291,8 +291,9 @@ def _check_resident(args, const, nprog, num_warps, device, first) -> None:
         p = torch.cuda.get_device_properties(device)
         regs = -(-k.n_regs * 32 // 256) * 256 * num_warps  # per program: whole 256-register warp allocations
         smem = k.metadata.shared + 1024  # plus the block's reserved shared memory
-        per_sm = min(65536 // max(regs, 1), p.shared_memory_per_multiprocessor // smem,
-                     p.max_threads_per_multi_processor // (32 * num_warps))
+        # Hopper's per-SM limits where this torch does not report them
+        per_sm = min(65536 // max(regs, 1), getattr(p, "shared_memory_per_multiprocessor", 233472) // smem,
+                     getattr(p, "max_threads_per_multi_processor", 2048) // (32 * num_warps))
         _RESIDENT[key] = per_sm * p.multi_processor_count
     if nprog > _RESIDENT[key]:
         raise ValueError(f"draft_step: {nprog} programs, but the GPU holds {_RESIDENT[key]} of this kernel at once "
