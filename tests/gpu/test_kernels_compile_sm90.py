@@ -312,7 +312,8 @@ def _draft_types(fp8):
     t.update({n: "*fp32" for n in ("pmax_ptr", "lpmax_ptr", "logits_ptr", "s_ptr", "m_ptr", "l_ptr", "acc_ptr")})
     t.update({n: "*i64" for n in ("tok_ptr", "dtok_ptr", "base_ptr", "nacc_ptr", "dpos_ptr", "start_ptr")})
     t.update({n: "*i32" for n in ("pidx_ptr", "lpidx_ptr", "ids_ptr", "bar_ptr")})
-    t.update({n: "i32" for n in ("NP", "KI", "MT", "N_QKV", "N_LM", "stride_ch", "stride_cs", "max_len")})
+    t.update({n: "i32" for n in ("NP", "KI", "MT", "N_QKV", "N_LM", "stride_ch", "stride_cs", "max_len",
+                                 "stride_su", "stride_so")})
     t.update(eps="fp32", scale="fp32")
     for p in "fqogdl":
         q = fp8 and p != "f"
@@ -324,7 +325,7 @@ def _draft_types(fp8):
 def _draft_consts(fp8):
     c = dict(H=2048, HP=2048, FF=6144, NH=8, KVH=2, HD=256, ROT=64, RESTP=256, HDP=256, RP=16, BLOCK_D=64, NSPLIT=64,
              MIN_PER=64, ABLOCK=64, DOT_F32=False, BLOCK_P=1024, HAS_MAP=False, ROUND_W=False, CAP=65536, NPROG=132,
-             PHASE0=0, PHASE1=draft_step.N_PHASES)
+             PHASE0=0, PHASE1=draft_step.N_PHASES, SELECT=False)
     for p, (bn, bk, pre) in zip("FQOGDL", ((2, 1024, 2), (8, 256, 2), (2, 1024, 2), (8, 256, 2), (2, 1024, 2),
                                            (16, 256, 2))):
         q = fp8 and p != "F"
@@ -336,7 +337,10 @@ def _draft_consts(fp8):
 
 
 DRAFT_VARIANTS = [(f"draft_step_{'fp8' if q else 'bf16'}", draft_step.draft_step_kernel, _draft_consts(q), 4,
-                   _draft_types(q), ()) for q in (False, True)]
+                   _draft_types(q), ()) for q in (False, True)] + [
+    # Tuning.draft_fused_pass: the pass over the verified rows from its o_proj on (its last phases)
+    ("draft_tail_fp8", draft_step.draft_step_kernel,
+     dict(_draft_consts(True), PHASE0=draft_step.SELECT_PHASE, SELECT=True), 4, _draft_types(True), ())]
 out = {}
 for pdl in (False, True):
     on = dict(PDL=pdl)
@@ -388,7 +392,7 @@ def compiled(compile_sm90):
 
 
 def test_every_kernel_builds_a_cubin(compiled):
-    assert len(compiled) == 52 + 26 + 100 + 44 + 40 + 4 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
+    assert len(compiled) == 52 + 26 + 100 + 44 + 40 + 6 and all(v["cubin_bytes"] > 0 for v in compiled.values()), compiled
 
 
 def test_tensor_core_rows_stream_the_weights_through_pipelined_copies(compiled):
@@ -406,11 +410,12 @@ def test_draft_step_has_its_grid_barriers_and_l2_requests(compiled):
     """The persistent chained step: a grid barrier between each two of its 11 phases (an acq_rel arrival and
     acquire reads of the generation word, by one thread per program), and the L2 requests for the next GEMV's
     weight tiles; over fp8 weights e4m3 converted in the kernel."""
-    for name in ("draft_step_bf16", "draft_step_fp8"):
+    for name, phases in (("draft_step_bf16", DRAFT_PHASES), ("draft_step_fp8", DRAFT_PHASES),
+                         ("draft_tail_fp8", DRAFT_PHASES - 6)):
         for pdl in ("", "_pdl"):
             v = compiled[name + pdl]
-            assert v["atomics"] == DRAFT_PHASES - 1 and v["acquire_loads"] >= 2 * (DRAFT_PHASES - 1), (name, v)
-            assert v["l2_prefetch"] >= 6 and (v["e4m3_cvt"] > 0) == ("fp8" in name), (name, v)
+            assert v["atomics"] == phases - 1 and v["acquire_loads"] >= 2 * (phases - 1), (name, v)
+            assert v["l2_prefetch"] >= 3 and (v["e4m3_cvt"] > 0) == ("fp8" in name), (name, v)
 
 
 DRAFT_PHASES = 11  # kernels/draft_step.py N_PHASES (not imported here: this process interprets the kernels)
@@ -484,7 +489,7 @@ def test_l2_prefetch_variants_ask_l2_once_per_segment(compiled):
     """Tuning.l2_prefetch: a GEMV with PF segments holds PF bulk L2 prefetches (thread 0's, after its
     epilogue); every other kernel none but the persistent draft step (its own test)."""
     for name, v in compiled.items():
-        if name.startswith("draft_step"):
+        if name.startswith(("draft_step", "draft_tail")):
             continue
         want = 2 if name.startswith("gemv_conv_l2") else 1 if "_l2" in name else 0
         assert v["l2_prefetch"] == want, (name, v)

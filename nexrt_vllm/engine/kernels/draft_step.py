@@ -26,7 +26,7 @@ launch of its own (`PHASES`), with no barrier: the same phase code, in order.
 import triton
 import triton.language as tl
 
-from .attention import _qk_rope_head, verify_combine, verify_pv, verify_scores
+from .attention import _qk_rope_head, _verify_range, verify_combine, verify_pv, verify_scores
 from .common import _ASM, LAUNCH, _bulk_prefetch, pdl_begin
 from .gemv_step import _acc, _epilogue, _rstd, _w_head
 from .spec import _input_row, _pick
@@ -70,6 +70,20 @@ def _ahead(w_ptr, stride_w, N, pid, NPROG: tl.constexpr, BN: tl.constexpr, K: tl
 
 
 @triton.jit
+def _ahead_kv(kc_ptr, vc_ptr, pos_ptr, start_ptr, stride_ch, stride_cs, pid, NPROG: tl.constexpr, KVH: tl.constexpr,
+              NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, BLOCK: tl.constexpr, HD: tl.constexpr, ESZ: tl.constexpr,
+              CAP: tl.constexpr):
+    """Ask L2 for the K and V rows of this program's attention items (kv head, split) of one query row at pos."""
+    if _ASM and CAP > 0:
+        for item in range(pid, KVH * NSPLIT, NPROG):
+            lo, hi, _, _, _ = _verify_range(pos_ptr, start_ptr, item % NSPLIT, 1, True, NSPLIT, MIN_PER, BLOCK)
+            if lo < hi:
+                off = (item // NSPLIT) * stride_ch + lo * stride_cs
+                _bulk_prefetch(kc_ptr + off, ((hi - lo) * HD * ESZ).to(tl.int32))
+                _bulk_prefetch(vc_ptr + off, ((hi - lo) * HD * ESZ).to(tl.int32))
+
+
+@triton.jit
 def _gemv_phase(x_ptr, w_ptr, s_ptr, srow_ptr, y_ptr, nw_ptr, xn_ptr, aux0_ptr, aux1_ptr, N, stride_w, stride_s, eps,
                 pid, NPROG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr,
                 STORE_XN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRE: tl.constexpr, VEC: tl.constexpr,
@@ -92,9 +106,9 @@ def _gemv_phase(x_ptr, w_ptr, s_ptr, srow_ptr, y_ptr, nw_ptr, xn_ptr, aux0_ptr, 
 def _row(nacc_ptr, SELECT: tl.constexpr):
     """The row of the M-row pass the SELECT launch continues: the accepted count's (a round that emitted
     nothing, -1: row 0, as `sampling.gather_rows`); 0 for a chained step."""
-    a = 0
+    a = tl.zeros([], dtype=tl.int64)
     if SELECT:
-        a = tl.maximum(tl.load(nacc_ptr), 0)
+        a = tl.maximum(tl.load(nacc_ptr).to(tl.int64), 0)
     return a
 
 
@@ -154,8 +168,10 @@ def draft_step_kernel(
             _ahead(wq, swq, N_QKV, pid, NPROG, Q_BN, H, 1 if Q_FP8 else 2, False, CAP)
             _gemv_phase(fcin_ptr, wf, sf, rf, u1_ptr, wf, wf, wf, wf, H, swf, ssf, eps, pid, NPROG, 2 * H, 1, 0, 0,
                         False, F_BN, F_BK, F_PRE, F_VEC, F_FP8, F_BKS, F_UNI, ROUND_W)
-        elif ph == 2:  # RMSNorm + qkv
+        elif ph == 2:  # RMSNorm + qkv; L2: the o_proj's tiles, the attention's K/V rows
             _ahead(wo, swo, H, pid, NPROG, O_BN, NH * HD, 1 if O_FP8 else 2, False, CAP)
+            _ahead_kv(kc_ptr, vc_ptr, dpos_ptr, start_ptr, stride_ch, stride_cs, pid, NPROG, KVH, NSPLIT, MIN_PER,
+                      ABLOCK, HD, 2, CAP)
             _gemv_phase(u1_ptr, wq, sq, rq, qkv_ptr, in_norm, wq, wq, wq, N_QKV, swq, ssq, eps, pid, NPROG, H, HP, 1, 0,
                         False, Q_BN, Q_BK, Q_PRE, Q_VEC, Q_FP8, Q_BKS, Q_UNI, ROUND_W)
         elif ph == 3:  # q/k norm + RoPE, the K/V row at the head position
