@@ -299,6 +299,8 @@ def _check_resident(args, const, nprog, num_warps, device, first) -> None:
     compiled kernel's registers, shared memory and warps per SM against the device's, before the first launch."""
     import torch
 
+    if nprog <= torch.cuda.get_device_properties(device).multi_processor_count:
+        return  # one program per SM at most: the GPU holds a launch it can start at all
     key = (str(device), tuple(sorted(const.items())), num_warps, first)
     if key not in _RESIDENT:
         k = draft_step_kernel.warmup(*args, **const, PHASE0=first, PHASE1=N_PHASES, **LAUNCH, num_warps=num_warps,
