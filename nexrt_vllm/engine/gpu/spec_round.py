@@ -179,7 +179,8 @@ class SpecDecoder:
                             c.rms_norm_eps),
                   stream=(self.u1, self.u2, self.u3, self.buf, self.q, self.o, self.act_dense), gemvs=gemvs,
                   norms=(layer.input_norm, layer.post_norm, w.norm), attention=attention, bar=self.bar, nprog=nprog,
-                  ahead=t.draft_l2_ahead, round_w=t.fp8_round_weights, num_warps=t.attn_warps, phases=not cuda)
+                  ahead=t.draft_l2_ahead, own=t.draft_l2_own, round_w=t.fp8_round_weights, num_warps=t.attn_warps,
+                  phases=not cuda)
         pick = lambda k: (self.dpmax, self.dpidx, self.n_dpart, self.draft_ids, self.tokens, self.dtok,  # noqa: E731
                           self.base, self.acc, self.dpos, k)
         if t.draft_fused_pass:  # the pass over the verified rows from its o_proj on: its row of the accepted token

@@ -206,6 +206,7 @@ class Tuning:
     draft_fused: bool = False
     draft_l2_ahead: int = 64 << 10
     draft_fused_ctas: int = 1
+    draft_l2_own: bool = True  # each GEMV phase first asks L2 for all of its program's tiles
     draft_fused_rows: int = 0  # rows per tile of its GEMVs but the lm_head, at least (0: the launches' shapes)
     # With draft_fused, the head's pass over the verified rows too from its o_proj on (their attention writes
     # the M K/V rows the head needs): only the accepted row goes on, through the head the chained steps read

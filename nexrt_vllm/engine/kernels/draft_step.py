@@ -87,10 +87,15 @@ def _ahead_kv(kc_ptr, vc_ptr, pos_ptr, start_ptr, stride_ch, stride_cs, pid, NPR
 def _gemv_phase(x_ptr, w_ptr, s_ptr, srow_ptr, y_ptr, nw_ptr, xn_ptr, aux0_ptr, aux1_ptr, N, stride_w, stride_s, eps,
                 pid, NPROG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, PRO: tl.constexpr, EPI: tl.constexpr,
                 STORE_XN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRE: tl.constexpr, VEC: tl.constexpr,
-                FP8: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr):
+                FP8: tl.constexpr, BKS: tl.constexpr, UNIFORM: tl.constexpr, ROUND_W: tl.constexpr,
+                OWN: tl.constexpr):
     """The program's row tiles of `gemv` (m = 1, no tail rows): per tile what `gemv_kernel` / `gemv_fp8_kernel`
     computes in the program of that index (its PRE head blocks first, as there). KP: K's power of two (used
-    with PRO 1 only)."""
+    with PRO 1 only). OWN: first ask L2 for all of the program's tiles: one program per SM keeps a tile's
+    loads in flight at a time, where a launch of its own has several programs per SM; the bulk requests keep
+    HBM streaming the rest meanwhile (those the phase before asked for are already there)."""
+    if OWN:
+        _ahead(w_ptr, stride_w, N, pid, NPROG, BN, K, 1 if FP8 else 2, EPI == 2, 1 << 30)
     EVEN_K: tl.constexpr = K % BK == 0
     rstd = _rstd(x_ptr, K, eps, PRO, KP, BK)
     for t in range(pid, tl.cdiv(N, BN), NPROG):
@@ -148,8 +153,8 @@ def draft_step_kernel(
         D_BKS: tl.constexpr, D_UNI: tl.constexpr,
         L_BN: tl.constexpr, L_BK: tl.constexpr, L_PRE: tl.constexpr, L_VEC: tl.constexpr, L_FP8: tl.constexpr,
         L_BKS: tl.constexpr, L_UNI: tl.constexpr,
-        ROUND_W: tl.constexpr, CAP: tl.constexpr, NPROG: tl.constexpr, PHASE0: tl.constexpr,
-        PHASE1: tl.constexpr, SELECT: tl.constexpr, PDL: tl.constexpr):
+        ROUND_W: tl.constexpr, CAP: tl.constexpr, OWN: tl.constexpr, NPROG: tl.constexpr,
+        PHASE0: tl.constexpr, PHASE1: tl.constexpr, SELECT: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     pid = tl.program_id(0)
     G: tl.constexpr = NH // KVH
@@ -167,13 +172,13 @@ def draft_step_kernel(
         elif ph == 1:  # fc
             _ahead(wq, swq, N_QKV, pid, NPROG, Q_BN, H, 1 if Q_FP8 else 2, False, CAP)
             _gemv_phase(fcin_ptr, wf, sf, rf, u1_ptr, wf, wf, wf, wf, H, swf, ssf, eps, pid, NPROG, 2 * H, 1, 0, 0,
-                        False, F_BN, F_BK, F_PRE, F_VEC, F_FP8, F_BKS, F_UNI, ROUND_W)
+                        False, F_BN, F_BK, F_PRE, F_VEC, F_FP8, F_BKS, F_UNI, ROUND_W, OWN)
         elif ph == 2:  # RMSNorm + qkv; L2: the o_proj's tiles, the attention's K/V rows
             _ahead(wo, swo, H, pid, NPROG, O_BN, NH * HD, 1 if O_FP8 else 2, False, CAP)
             _ahead_kv(kc_ptr, vc_ptr, dpos_ptr, start_ptr, stride_ch, stride_cs, pid, NPROG, KVH, NSPLIT, MIN_PER,
                       ABLOCK, HD, 2, CAP)
             _gemv_phase(u1_ptr, wq, sq, rq, qkv_ptr, in_norm, wq, wq, wq, N_QKV, swq, ssq, eps, pid, NPROG, H, HP, 1, 0,
-                        False, Q_BN, Q_BK, Q_PRE, Q_VEC, Q_FP8, Q_BKS, Q_UNI, ROUND_W)
+                        False, Q_BN, Q_BK, Q_PRE, Q_VEC, Q_FP8, Q_BKS, Q_UNI, ROUND_W, OWN)
         elif ph == 3:  # q/k norm + RoPE, the K/V row at the head position
             for item in range(pid, NH + KVH, NPROG):
                 _qk_rope_head(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, item,
@@ -201,20 +206,21 @@ def draft_step_kernel(
             _ahead(wg, swg, FF, pid, NPROG, G_BN, H, 1 if G_FP8 else 2, True, CAP)
             _gemv_phase(o_ptr + _row(nacc_ptr, SELECT) * stride_so, wo, so, ro, u2_ptr, wo, wo, wo, wo, H, swo, sso,
                         eps, pid, NPROG, NH * HD, 1, 0, 1, False, O_BN, O_BK, O_PRE, O_VEC, O_FP8, O_BKS, O_UNI,
-                        ROUND_W)
+                        ROUND_W, OWN)
         elif ph == 8:  # RMSNorm + gate/up + SwiGLU; u3 = u2 for the down's residual add
             _ahead(wd, swd, H, pid, NPROG, D_BN, FF, 1 if D_FP8 else 2, False, CAP)
             _gemv_phase(u2_ptr, wg, sg, rg, act_ptr, post_norm, wg, wg, wg, FF, swg, ssg, eps, pid, NPROG, H, HP, 1, 2,
-                        False, G_BN, G_BK, G_PRE, G_VEC, G_FP8, G_BKS, G_UNI, ROUND_W)
+                        False, G_BN, G_BK, G_PRE, G_VEC, G_FP8, G_BKS, G_UNI, ROUND_W, OWN)
             if pid == NPROG - 1:
                 _copy(u2_ptr, u3_ptr, H, HP)
         elif ph == 9:  # down + residual
             _ahead(wl, swl, N_LM, pid, NPROG, L_BN, H, 1 if L_FP8 else 2, False, CAP)
             _gemv_phase(act_ptr, wd, sd, rd, u3_ptr, wd, wd, wd, wd, H, swd, ssd, eps, pid, NPROG, FF, 1, 0, 1,
-                        False, D_BN, D_BK, D_PRE, D_VEC, D_FP8, D_BKS, D_UNI, ROUND_W)
+                        False, D_BN, D_BK, D_PRE, D_VEC, D_FP8, D_BKS, D_UNI, ROUND_W, OWN)
         else:  # RMSNorm + lm_head + argmax partials; the normed row (g of the next step) by tile 0
             _gemv_phase(u3_ptr, wl, sl, rl, logits_ptr, out_norm, xn_ptr, lpmax_ptr, lpidx_ptr, N_LM, swl, ssl, eps,
-                        pid, NPROG, H, HP, 1, 4, True, L_BN, L_BK, L_PRE, L_VEC, L_FP8, L_BKS, L_UNI, ROUND_W)
+                        pid, NPROG, H, HP, 1, 4, True, L_BN, L_BK, L_PRE, L_VEC, L_FP8, L_BKS, L_UNI, ROUND_W,
+                        OWN)
 
 
 __all__ = ["draft_step_kernel", "N_PHASES", "SELECT_PHASE"]
@@ -240,7 +246,8 @@ def gemv_operands(w, kw: dict, epi: int, n: int, dummy) -> tuple[tuple, tuple]:
 
 
 def draft_step(*, pick: tuple, fc_input: tuple, stream: tuple, gemvs: list, norms: tuple, attention: dict,
-               bar, nprog: int, ahead: int, round_w: bool, num_warps: int, phases: bool = False, select=None):
+               bar, nprog: int, ahead: int, own: bool, round_w: bool, num_warps: int, phases: bool = False,
+               select=None):
     """Launch `draft_step_kernel`: one chained step of the MTP head (module doc).
 
     pick: (pmax, pidx, n_partials, ids or None, tok, dtok, base, acc, dpos, k) as `spec.draft_pick_input`;
@@ -249,7 +256,8 @@ def draft_step(*, pick: tuple, fc_input: tuple, stream: tuple, gemvs: list, norm
     norms: (input, post-attention, final) RMSNorm weights; lm outputs in attention["lm"] = (logits,
     pmax, pidx, xn_out); attention: the head's cache and scratch (see the keys read below);
     bar: int32 [2] zeros (the grid barrier's words, at rest between launches); nprog: programs (at most
-    the SM count: all must be resident); ahead: bytes of the next GEMV each program asks L2 for;
+    the SM count: all must be resident); ahead: bytes of the next GEMV each program asks L2 for; own: each GEMV
+    phase first asks L2 for all of the program's tiles;
     phases: launch each phase alone (the interpreter, whose programs run one after another), else one launch.
     select: (u rows, o rows) of the MTP head's pass over the verified rows, whose attention ran: phases 6-10 only,
     from its row of the accepted count (pick's acc), the rest as a chained step's (the drafter's first draft)."""
@@ -282,7 +290,8 @@ def draft_step(*, pick: tuple, fc_input: tuple, stream: tuple, gemvs: list, norm
                  RESTP=triton.next_power_of_2(hd - rot), HDP=triton.next_power_of_2(hd),
                  RP=max(16, triton.next_power_of_2(g_)), BLOCK_D=min(64, hd), NSPLIT=a["nsplit"],
                  MIN_PER=a["min_per"], ABLOCK=a["block"], DOT_F32=a["dot_f32"], BLOCK_P=block_p,
-                 HAS_MAP=ids is not None, **dict(zip(names, shapes)), ROUND_W=round_w, CAP=ahead, NPROG=nprog)
+                 HAS_MAP=ids is not None, **dict(zip(names, shapes)), ROUND_W=round_w, CAP=ahead, OWN=own,
+                 NPROG=nprog)
     const["SELECT"] = select is not None
     first = SELECT_PHASE if select is not None else 0
     if not phases:
