@@ -13,9 +13,10 @@ Every phase is the launch it replaces, item for item (the same jitted helpers, t
 the drafts are the separate launches' bit for bit. A phase's items (GEMV row tiles, attention (kv head,
 split) pairs, heads) go to the programs round-robin.
 
-Data a phase reads was written by an earlier phase on other SMs. L1 is not coherent across SMs, so no
-buffer is read in one phase and rewritten by another SM in a later one: the residual stream has a buffer per
-residual add (u1 -> u2 -> u3, each a copy of the one before, then added to), so no SM holds a stale line.
+Data a phase reads was written by an earlier phase on other SMs. L1 is not coherent across SMs and a 128-byte
+line holds the rows of several programs' tiles, so no buffer is read in one phase and rewritten in a later one:
+the residual stream has a buffer per residual add (u2 = u1 + o_proj, u3 = u2 + down; the launches add in place),
+so no SM holds a line another rewrote since it read it.
 
 The barrier counts arrivals (cnt) and releases by a generation word (gen): the last program to arrive
 resets cnt and bumps gen, so the pair is back at rest after every launch (CUDA graph replays need no
@@ -28,6 +29,7 @@ import triton.language as tl
 
 from .attention import _qk_rope_head, _verify_range, verify_combine, verify_pv, verify_scores
 from .common import _ASM, LAUNCH, _bulk_prefetch, pdl_begin
+from .common import bf16_round as _bf16
 from .gemv_step import _acc, _epilogue, _rstd, _w_head
 from .spec import _input_row, _pick
 
@@ -104,7 +106,11 @@ def _gemv_phase(x_ptr, w_ptr, s_ptr, srow_ptr, y_ptr, nw_ptr, xn_ptr, aux0_ptr, 
         wh, wuh = _w_head(w_ptr, rows, rmask, N, K, stride_w, EPI, BK, PRE)
         y, y_up = _acc(x_ptr, w_ptr, s_ptr, srow_ptr, nw_ptr, xn_ptr, rows, rmask, t, N, K, stride_w, stride_s, eps,
                        rstd, wh, wuh, PRO, EPI, 1, STORE_XN, BN, BK, EVEN_K, PRE, VEC, FP8, BKS, UNIFORM, ROUND_W)
-        _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, t, 0, EPI, 4, 4)
+        if EPI == 1:  # the residual from aux0, a buffer other than y (module doc: no line re-read after a rewrite)
+            r = tl.load(aux0_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rows, _bf16(r + _bf16(y)).to(y_ptr.dtype.element_ty), mask=rmask)
+        else:
+            _epilogue(y, y_up, y_ptr, aux0_ptr, aux1_ptr, rows, rmask, t, 0, EPI, 4, 4)
 
 
 @triton.jit
@@ -115,12 +121,6 @@ def _row(nacc_ptr, SELECT: tl.constexpr):
     if SELECT:
         a = tl.maximum(tl.load(nacc_ptr).to(tl.int64), 0)
     return a
-
-
-@triton.jit
-def _copy(src_ptr, dst_ptr, H: tl.constexpr, HP: tl.constexpr):
-    c = tl.arange(0, HP)
-    tl.store(dst_ptr + c, tl.load(src_ptr + c, mask=c < H), mask=c < H)
 
 
 @triton.jit
@@ -192,7 +192,7 @@ def draft_step_kernel(
             for item in range(pid, KVH * NSPLIT, NPROG):
                 verify_pv(vc_ptr, dpos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
                           item // NSPLIT, item % NSPLIT, 1, True, NSPLIT, MIN_PER, NH, G, RP, HD, ABLOCK, DOT_F32)
-        elif ph == 6:  # combine + output gate (SELECT: the M-row pass's did); u2 = u1 for the o_proj's residual
+        elif ph == 6:  # combine + output gate (SELECT: the M-row pass's did)
             if SELECT:
                 _ahead(wo, swo, H, pid, NPROG, O_BN, NH * HD, 1 if O_FP8 else 2, False, CAP)
             else:
@@ -200,22 +200,19 @@ def draft_step_kernel(
                 for item in range(pid, NH * NDB, NPROG):
                     verify_combine(acc_ptr, qkv_ptr, o_ptr, dpos_ptr, start_ptr, 0, 0, item // NDB, item % NDB, 1,
                                    True, NSPLIT, MIN_PER, ABLOCK, NH, HD, BLOCK_D)
-            if pid == NPROG - 1:
-                _copy(u1_ptr + _row(nacc_ptr, SELECT) * stride_su, u2_ptr, H, HP)
-        elif ph == 7:  # o_proj + residual
+        elif ph == 7:  # u2 = u1 + o_proj (SELECT: the M-row pass's row a of both)
             _ahead(wg, swg, FF, pid, NPROG, G_BN, H, 1 if G_FP8 else 2, True, CAP)
-            _gemv_phase(o_ptr + _row(nacc_ptr, SELECT) * stride_so, wo, so, ro, u2_ptr, wo, wo, wo, wo, H, swo, sso,
+            a = _row(nacc_ptr, SELECT)
+            _gemv_phase(o_ptr + a * stride_so, wo, so, ro, u2_ptr, wo, wo, u1_ptr + a * stride_su, wo, H, swo, sso,
                         eps, pid, NPROG, NH * HD, 1, 0, 1, False, O_BN, O_BK, O_PRE, O_VEC, O_FP8, O_BKS, O_UNI,
                         ROUND_W, OWN)
-        elif ph == 8:  # RMSNorm + gate/up + SwiGLU; u3 = u2 for the down's residual add
+        elif ph == 8:  # RMSNorm + gate/up + SwiGLU
             _ahead(wd, swd, H, pid, NPROG, D_BN, FF, 1 if D_FP8 else 2, False, CAP)
             _gemv_phase(u2_ptr, wg, sg, rg, act_ptr, post_norm, wg, wg, wg, FF, swg, ssg, eps, pid, NPROG, H, HP, 1, 2,
                         False, G_BN, G_BK, G_PRE, G_VEC, G_FP8, G_BKS, G_UNI, ROUND_W, OWN)
-            if pid == NPROG - 1:
-                _copy(u2_ptr, u3_ptr, H, HP)
-        elif ph == 9:  # down + residual
+        elif ph == 9:  # u3 = u2 + down
             _ahead(wl, swl, N_LM, pid, NPROG, L_BN, H, 1 if L_FP8 else 2, False, CAP)
-            _gemv_phase(act_ptr, wd, sd, rd, u3_ptr, wd, wd, wd, wd, H, swd, ssd, eps, pid, NPROG, FF, 1, 0, 1,
+            _gemv_phase(act_ptr, wd, sd, rd, u3_ptr, wd, wd, u2_ptr, wd, H, swd, ssd, eps, pid, NPROG, FF, 1, 0, 1,
                         False, D_BN, D_BK, D_PRE, D_VEC, D_FP8, D_BKS, D_UNI, ROUND_W, OWN)
         else:  # RMSNorm + lm_head + argmax partials; the normed row (g of the next step) by tile 0
             _gemv_phase(u3_ptr, wl, sl, rl, logits_ptr, out_norm, xn_ptr, lpmax_ptr, lpidx_ptr, N_LM, swl, ssl, eps,
