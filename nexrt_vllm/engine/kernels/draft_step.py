@@ -34,7 +34,7 @@ from .gemv_step import _acc, _epilogue, _rstd, _w_head
 from .spec import _input_row, _pick
 
 N_PHASES = 11
-SELECT_PHASE = 6  # where a launch continuing the M-row pass begins (`draft_step`'s select)
+SELECT_PHASE = 7  # where a launch continuing the M-row pass begins (`draft_step`'s select)
 
 
 @triton.jit
@@ -192,14 +192,11 @@ def draft_step_kernel(
             for item in range(pid, KVH * NSPLIT, NPROG):
                 verify_pv(vc_ptr, dpos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
                           item // NSPLIT, item % NSPLIT, 1, True, NSPLIT, MIN_PER, NH, G, RP, HD, ABLOCK, DOT_F32)
-        elif ph == 6:  # combine + output gate (SELECT: the M-row pass's did)
-            if SELECT:
-                _ahead(wo, swo, H, pid, NPROG, O_BN, NH * HD, 1 if O_FP8 else 2, False, CAP)
-            else:
-                NDB: tl.constexpr = HD // BLOCK_D
-                for item in range(pid, NH * NDB, NPROG):
-                    verify_combine(acc_ptr, qkv_ptr, o_ptr, dpos_ptr, start_ptr, 0, 0, item // NDB, item % NDB, 1,
-                                   True, NSPLIT, MIN_PER, ABLOCK, NH, HD, BLOCK_D)
+        elif ph == 6:  # combine + output gate
+            NDB: tl.constexpr = HD // BLOCK_D
+            for item in range(pid, NH * NDB, NPROG):
+                verify_combine(acc_ptr, qkv_ptr, o_ptr, dpos_ptr, start_ptr, 0, 0, item // NDB, item % NDB, 1, True,
+                               NSPLIT, MIN_PER, ABLOCK, NH, HD, BLOCK_D)
         elif ph == 7:  # u2 = u1 + o_proj (SELECT: the M-row pass's row a of both)
             _ahead(wg, swg, FF, pid, NPROG, G_BN, H, 1 if G_FP8 else 2, True, CAP)
             a = _row(nacc_ptr, SELECT)
@@ -256,7 +253,7 @@ def draft_step(*, pick: tuple, fc_input: tuple, stream: tuple, gemvs: list, norm
     the SM count: all must be resident); ahead: bytes of the next GEMV each program asks L2 for; own: each GEMV
     phase first asks L2 for all of the program's tiles;
     phases: launch each phase alone (the interpreter, whose programs run one after another), else one launch.
-    select: (u rows, o rows) of the MTP head's pass over the verified rows, whose attention ran: phases 6-10 only,
+    select: (u rows, o rows) of the MTP head's pass over the verified rows, whose attention ran: phases 7-10 only,
     from its row of the accepted count (pick's acc), the rest as a chained step's (the drafter's first draft)."""
     pmax, pidx, n_part, ids, tok, dtok, base, acc, dpos, k = pick
     embed, g, w_e, w_h, fc_in, eps = fc_input
