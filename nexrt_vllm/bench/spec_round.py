@@ -54,6 +54,13 @@ def _distinct_experts(sd) -> dict[int | str, int]:
     return out
 
 
+# the persistent draft launches (kernels/draft_step.py) as the groups of the launches they replace: a chained step
+# (Tuning.draft_fused) and the pass's accepted row from its o_proj on (Tuning.draft_fused_pass)
+FUSED = {"step": ("fc", "attn_qkv_proj", "attn_qknorm_rope_kvwrite", "attn_splitk+combine", "attn_o_proj",
+                  "mlp_gate_up+swiglu", "mlp_down", "lm_head+argmax"),
+         "tail": ("attn_o_proj", "mlp_gate_up+swiglu", "mlp_down", "lm_head+argmax")}
+
+
 def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
     """Bytes one round must move at context n (module doc), per launch group and in total."""
     from nexrt_vllm.engine.gpu.fusion import MoEFFN
@@ -83,8 +90,19 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
             "mlp_down": lambda: nb(ff.w_down),
         }[group]()
 
-    out: dict[str, int] = {}
     head_e = distinct.get("draft", k)
+
+    def head_bytes(group, rows):  # one MTP head launch group over `rows` rows
+        if group == "fc":
+            return nb(sd.drafter.w.fc)
+        if group == "lm_head+argmax":
+            return nb(sd.draft_lm) * sd.draft_vocab // sd.draft_lm.shape[0]  # the rows it reads (any format)
+        if group in ("input", "select", "pick", "pick+input"):
+            return 0
+        n_e = (head_e if rows > 1 else k) if isinstance(sd.head.ffn, MoEFFN) else 0
+        return layer_bytes(group, sd.head_rows if rows > 1 else sd.head, rows, n, n_e)
+
+    out: dict[str, int] = {}
     for s in sd.plan():
         stage, _, group = s.group.partition("_")
         if stage == "verify":
@@ -98,24 +116,8 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
             b = sum(2 * (nb(sd.f.state.gdn(i).rec) + nb(sd.f.state.gdn(i).conv))
                     for i in (c.gdn_layers if s.layer is None else [s.layer]))
         elif stage in ("draft", "chain"):
-            rows = M if stage == "draft" else 1
-            if group == "fc":
-                b = nb(sd.drafter.w.fc)
-            elif group == "lm_head+argmax":
-                b = nb(sd.draft_lm) * sd.draft_vocab // sd.draft_lm.shape[0]  # the rows it reads (any format)
-            elif group in ("input", "select", "pick", "pick+input"):
-                b = 0
-            elif group == "tail":  # the pass's row a from its o_proj on, in one launch (Tuning.draft_fused_pass)
-                b = nb(sd.draft_lm) * sd.draft_vocab // sd.draft_lm.shape[0] + sum(
-                    layer_bytes(g, sd.head, 1, n, 0) for g in ("attn_o_proj", "mlp_gate_up+swiglu", "mlp_down"))
-            elif group == "step":  # a chained step in one launch (Tuning.draft_fused): all of the above
-                b = nb(sd.drafter.w.fc) + nb(sd.draft_lm) * sd.draft_vocab // sd.draft_lm.shape[0] + sum(
-                    layer_bytes(g, sd.head, 1, n, 0) for g in ("attn_qkv_proj", "attn_qknorm_rope_kvwrite",
-                                                               "attn_splitk+combine", "attn_o_proj",
-                                                               "mlp_gate_up+swiglu", "mlp_down"))
-            else:
-                n_e = (head_e if rows > 1 else k) if isinstance(sd.head.ffn, MoEFFN) else 0
-                b = layer_bytes(group, sd.head_rows if rows > 1 else sd.head, rows, n, n_e)
+            rows = M if stage == "draft" and group not in FUSED else 1  # a fused launch runs one row
+            b = sum(head_bytes(g, rows) for g in FUSED.get(group, (group,)))
         else:  # accept: the partials
             b = 0
         out[s.group] = out.get(s.group, 0) + b
