@@ -141,18 +141,20 @@ class SpecDecoder:
         self.rounds_host, self.rounds = f.mem.host["rounds"], f.mem.device["rounds"]
         # pinned acceptance (benchmarks): accepted-draft counts per round, refilled by the host per stream
         self.forced = z(SYNTHETIC_ROUNDS, d=i64) if spec.synthetic is not None else None
-        self.pass_tail = None  # Tuning.draft_fused_pass: the M-row pass's o_proj .. lm_head for its one row
-        self.chain_step = self._fused_chain()  # Tuning.draft_fused: a chained step in one launch, else None
+        # Tuning.draft_fused: a chained step in one launch (a callable of k); draft_fused_pass: the M-row pass's
+        # o_proj .. lm_head for its accepted row in one launch; None where not
+        self.chain_step, self.pass_tail = self._fused_draft()
 
-    def _fused_chain(self):
-        """The chained step as one persistent launch (kernels/draft_step.py), a callable of k; None when
-        `Tuning.draft_fused` is off or the head is not one it runs (MoE FFN, bf16 tail rows, a GEMV whose warps
-        differ from the attention's: one launch has one warp count, and the sums' order follows it)."""
+    def _fused_draft(self):
+        """(the chained step as one persistent launch (kernels/draft_step.py), a callable of k; the pass tail, a
+        callable, with `Tuning.draft_fused_pass`), (None, None) when `Tuning.draft_fused` is off or the head is
+        not one it runs (MoE FFN, bf16 tail rows, a GEMV whose warps differ from the attention's: one launch has
+        one warp count, and the sums' order follows it)."""
         f, c, t, M = self.f, self.cfg, self.f.t, self.M
         layer, w = self.head, self.drafter.w
         ff, a, H = layer.ffn, layer.mixer, c.hidden_size
         if not t.draft_fused or M < 3 or isinstance(ff, MoEFFN):
-            return None
+            return None, None
         n_ff = ff.w_gate_up.shape[0] // 2
         gemvs = [(w.fc, f.gemv_shape(w.fc, H), H),
                  (a.w_qkv, f.gemv_shape(a.w_qkv, a.w_qkv.shape[0]), a.w_qkv.shape[0]),
@@ -160,7 +162,7 @@ class SpecDecoder:
                  (ff.w_down, f.gemv_shape(ff.w_down, H), H), (self.draft_lm, self.dlm_shape, self.draft_vocab)]
         if ({kw["num_warps"] for _, kw, _ in gemvs} != {t.attn_warps}
                 or any(getattr(g, "tail", None) is not None for g, _, _ in gemvs)):
-            return None
+            return None, None
         # Tuning.draft_fused_rows: more rows per tile than the launches' (not the lm_head's: its partials are the
         # pick's); a row's sums do not depend on its tile's other rows
         gemvs[:5] = [(g, dict(kw, block_n=max(kw["block_n"], t.draft_fused_rows)), n) for g, kw, n in gemvs[:5]]
@@ -183,9 +185,8 @@ class SpecDecoder:
                   phases=not cuda)
         pick = lambda k: (self.dpmax, self.dpidx, self.n_dpart, self.draft_ids, self.tokens, self.dtok,  # noqa: E731
                           self.base, self.acc, self.dpos, k)
-        if t.draft_fused_pass:  # the pass over the verified rows from its o_proj on: its row of the accepted token
-            self.pass_tail = lambda: k_ds.draft_step(pick=pick(0), select=(self.u, self.o), **kw)
-        return lambda k: k_ds.draft_step(pick=pick(k), **kw)
+        tail = (lambda: k_ds.draft_step(pick=pick(0), select=(self.u, self.o), **kw)) if t.draft_fused_pass else None
+        return (lambda k: k_ds.draft_step(pick=pick(k), **kw)), tail
 
     def _attn_scratch(self, m: int) -> dict:
         c, t, dev = self.cfg, self.f.t, self.f.state.device

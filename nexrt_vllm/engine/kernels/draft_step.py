@@ -224,11 +224,10 @@ def gemv_operands(w, kw: dict, epi: int, n: int, dummy) -> tuple[tuple, tuple]:
     """A GEMV phase's operands from its `gemv` launch keywords `kw` (gpu/tuning.py gemv_kwargs) over `w` (bf16,
     or an fp8.FP8Weight without bf16 tail rows) with n output rows: ((w, scales, scale rows, row stride, scale
     stride), (BN, BK, PRE, VEC, FP8, BKS, UNIFORM)), as `gemv` would launch it."""
-    from .gemv import fold_vec, fp8_operands, head_blocks
+    from .gemv import blocks, fold_vec, fp8_operands, head_blocks
 
     k = w.shape[-1]
-    bk = min(kw.get("block_k") or 512, triton.next_power_of_2(k))
-    bn = kw.get("block_n") or 16
+    bn, bk = blocks(k, kw.get("block_n"), kw.get("block_k"))
     f = fp8_operands(w, epi, n, bn, dummy)
     if f["TAIL"]:
         raise ValueError("draft_step: a weight with bf16 tail rows")

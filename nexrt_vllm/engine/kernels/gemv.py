@@ -77,10 +77,7 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         raise ValueError(f"gemv: splits is for the tensor-core M-row kernel (m > 1, dot > 0), got {splits}")
     k = w.shape[-1]
     n = n if n is not None else (w.shape[0] // 2 if epi == EPI_SWIGLU else w.shape[0])
-    block_k = min(block_k or 512, triton.next_power_of_2(k))
-    if pro == PRO_GATED:  # whole heads per K block (group and block_k are powers of two)
-        block_k = max(block_k, group)
-    block_n = block_n or 16
+    block_n, block_k = blocks(k, block_n, block_k, pro, group)
     grid = triton.cdiv(n, block_n)
     dummy = y
     if xn_out is not None:
@@ -101,6 +98,15 @@ def gemv(x, w, y, *, pro=PRO_NONE, epi=EPI_STORE, norm_w=None, z=None, aux0=None
         f["stride_t"], eps, conv_n, BKS=f["BKS"], UNIFORM=f["UNIFORM"], ROUND_W=round_w, TAIL=f["TAIL"],
         VEC=fold_vec(vec, 1, block_k), VEC_T=fold_vec(vec, 2, block_k), **common)
     return grid
+
+
+def blocks(k: int, block_n=None, block_k=None, pro: int = PRO_NONE, group: int = 1) -> tuple[int, int]:
+    """A `gemv` launch's (rows, K columns) per program from its keywords: 16 and 512 by default, the K block
+    within K's power of two, and for PRO_GATED whole heads per K block (group and block_k powers of two)."""
+    block_k = min(block_k or 512, triton.next_power_of_2(k))
+    if pro == PRO_GATED:
+        block_k = max(block_k, group)
+    return block_n or 16, block_k
 
 
 def l2_args(l2, programs: int, dummy) -> tuple:
@@ -161,10 +167,7 @@ def _gemv_rows(x, w, y, fp8, *, pro, epi, norm_w, z, aux0, aux1, eps, conv_n, gr
                           ("xn_out", xn_out, k)):
         if t is not None and (t.dim() != 2 or t.shape[0] < m or t.shape[1] < cols or t.stride(1) != 1):
             raise ValueError(f"gemv: {name} must be [m, {cols}] with unit column stride (got {tuple(t.shape)})")
-    block_k = min(block_k or 512, triton.next_power_of_2(k))
-    if pro == PRO_GATED:
-        block_k = max(block_k, group)
-    block_n = block_n or 16
+    block_n, block_k = blocks(k, block_n, block_k, pro, group)
     if dot and (block_n < 16 or block_k < 16):
         raise ValueError(f"gemv: the tensor-core M-row kernel needs block_n and block_k >= 16 (got {block_n}, "
                          f"{block_k})")
@@ -247,7 +250,7 @@ def rmsnorm_rows(x, norm_w, out, *, m, eps, block_k=1024, num_warps=4):
                               BLOCK_K=min(block_k, triton.next_power_of_2(k)), **LAUNCH, num_warps=num_warps)
 
 
-__all__ = ["gemv", "fp8_operands", "l2_args", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel",
+__all__ = ["gemv", "blocks", "fp8_operands", "l2_args", "l2_target", "splitk_workspace", "gemv_kernel", "gemv_fp8_kernel",
            "gemv_rows_kernel", "gemv_rows_dot_kernel", "rmsnorm_rows", "rmsnorm_rows_kernel",
            "head_blocks", "fold_vec", "PRO_NONE", "PRO_RMSNORM", "PRO_GATED", "EPI_STORE", "EPI_RESIDUAL",
            "EPI_SWIGLU", "EPI_CONV", "EPI_ARGMAX", "EPI_PARTIAL"]
