@@ -54,13 +54,6 @@ def _distinct_experts(sd) -> dict[int | str, int]:
     return out
 
 
-# the persistent draft launches (kernels/draft_step.py) as the groups of the launches they replace: a chained step
-# (Tuning.draft_fused) and the pass's accepted row from its o_proj on (Tuning.draft_fused_pass)
-FUSED = {"step": ("fc", "attn_qkv_proj", "attn_qknorm_rope_kvwrite", "attn_splitk+combine", "attn_o_proj",
-                  "mlp_gate_up+swiglu", "mlp_down", "lm_head+argmax"),
-         "tail": ("attn_o_proj", "mlp_gate_up+swiglu", "mlp_down", "lm_head+argmax")}
-
-
 def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
     """Bytes one round must move at context n (module doc), per launch group and in total."""
     from nexrt_vllm.engine.gpu.fusion import MoEFFN
@@ -116,8 +109,7 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
             b = sum(2 * (nb(sd.f.state.gdn(i).rec) + nb(sd.f.state.gdn(i).conv))
                     for i in (c.gdn_layers if s.layer is None else [s.layer]))
         elif stage in ("draft", "chain"):
-            rows = M if stage == "draft" and group not in FUSED else 1  # a fused launch runs one row
-            b = sum(head_bytes(g, rows) for g in FUSED.get(group, (group,)))
+            b = head_bytes(group, M if stage == "draft" else 1)
         else:  # accept: the partials
             b = 0
         out[s.group] = out.get(s.group, 0) + b

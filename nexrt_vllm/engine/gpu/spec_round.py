@@ -141,52 +141,6 @@ class SpecDecoder:
         self.rounds_host, self.rounds = f.mem.host["rounds"], f.mem.device["rounds"]
         # pinned acceptance (benchmarks): accepted-draft counts per round, refilled by the host per stream
         self.forced = z(SYNTHETIC_ROUNDS, d=i64) if spec.synthetic is not None else None
-        # Tuning.draft_fused: a chained step in one launch (a callable of k); draft_fused_pass: the M-row pass's
-        # o_proj .. lm_head for its accepted row in one launch; None where not
-        self.chain_step, self.pass_tail = self._fused_draft()
-
-    def _fused_draft(self):
-        """(the chained step as one persistent launch (kernels/draft_step.py), a callable of k; the pass tail, a
-        callable, with `Tuning.draft_fused_pass`), (None, None) when `Tuning.draft_fused` is off or the head is
-        not one it runs (MoE FFN, bf16 tail rows, a GEMV whose warps differ from the attention's: one launch has
-        one warp count, and the sums' order follows it)."""
-        f, c, t, M = self.f, self.cfg, self.f.t, self.M
-        layer, w = self.head, self.drafter.w
-        ff, a, H = layer.ffn, layer.mixer, c.hidden_size
-        if not t.draft_fused or M < 3 or isinstance(ff, MoEFFN):
-            return None, None
-        n_ff = ff.w_gate_up.shape[0] // 2
-        gemvs = [(w.fc, f.gemv_shape(w.fc, H), H),
-                 (a.w_qkv, f.gemv_shape(a.w_qkv, a.w_qkv.shape[0]), a.w_qkv.shape[0]),
-                 (a.w_o, f.gemv_shape(a.w_o, H), H), (ff.w_gate_up, f.gemv_shape(ff.w_gate_up, n_ff), n_ff),
-                 (ff.w_down, f.gemv_shape(ff.w_down, H), H), (self.draft_lm, self.dlm_shape, self.draft_vocab)]
-        if ({kw["num_warps"] for _, kw, _ in gemvs} != {t.attn_warps}
-                or any(getattr(g, "tail", None) is not None for g, _, _ in gemvs)):
-            return None, None
-        # Tuning.draft_fused_rows: more rows per tile than the launches' (not the lm_head's: its partials are the
-        # pick's); a row's sums do not depend on its tile's other rows
-        gemvs[:5] = [(g, dict(kw, block_n=max(kw["block_n"], t.draft_fused_rows)), n) for g, kw, n in gemvs[:5]]
-        from nexrt_vllm.engine.kernels import draft_step as k_ds
-        d, dev = self.drafter, f.state.device
-        self.u2, self.u3 = torch.zeros_like(self.u1), torch.zeros_like(self.u1)
-        self.bar = torch.zeros(2, dtype=torch.int32, device=dev)
-        cuda = dev.type == "cuda"
-        nprog = torch.cuda.get_device_properties(dev).multi_processor_count * t.draft_fused_ctas if cuda else 3
-        attention = dict(k=a.state.k, v=a.state.v, q_norm=a.q_norm, k_norm=a.k_norm, cos=d.rope_cos, sin=d.rope_sin,
-                         start=d.start, **self.attn_scratch, head_dim=c.head_dim, num_heads=c.num_heads,
-                         num_kv_heads=c.num_kv_heads, rotary_dim=c.rotary_dim, nsplit=t.spec_attn_splits,
-                         min_per=t.attn_min_per, block=t.attn_block, dot_f32=f.k_attn._INTERPRETED,
-                         lm=(self.dlogits, self.dpmax, self.dpidx, self.g1))
-        kw = dict(fc_input=(w.embed, self.g1, w.pre_fc_norm_embedding, w.pre_fc_norm_hidden, self.fc_in,
-                            c.rms_norm_eps),
-                  stream=(self.u1, self.u2, self.u3, self.buf, self.q, self.o, self.act_dense), gemvs=gemvs,
-                  norms=(layer.input_norm, layer.post_norm, w.norm), attention=attention, bar=self.bar, nprog=nprog,
-                  ahead=t.draft_l2_ahead, own=t.draft_l2_own, round_w=t.fp8_round_weights, num_warps=t.attn_warps,
-                  phases=not cuda)
-        pick = lambda k: (self.dpmax, self.dpidx, self.n_dpart, self.draft_ids, self.tokens, self.dtok,  # noqa: E731
-                          self.base, self.acc, self.dpos, k)
-        tail = (lambda: k_ds.draft_step(pick=pick(0), select=(self.u, self.o), **kw)) if t.draft_fused_pass else None
-        return (lambda k: k_ds.draft_step(pick=pick(k), **kw)), tail
 
     def _attn_scratch(self, m: int) -> dict:
         c, t, dev = self.cfg, self.f.t, self.f.state.device
@@ -317,16 +271,9 @@ class SpecDecoder:
         first = ("input", lambda: ks.mtp_input(self.y, w.embed, self.hn, w.pre_fc_norm_embedding,
                                                w.pre_fc_norm_hidden, self.fc_in, eps))
         steps = head(self.u, self.fc_in, self.base, M, first)
-        if self.pass_tail is not None:  # the attention's M rows (the head's K/V), then row a alone in one launch
-            out = [Launch("draft_" + grp, None, fn) for grp, fn in steps if grp != "attn_o_proj" and
-                   not grp.startswith("mlp_")] + [Launch("draft_tail", None, self.pass_tail)]
-        else:
-            steps.append(("select", lambda: f.k_samp.gather_rows(self.acc, self.u, self.u1)))
-            out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + [lm_head()]]
+        steps.append(("select", lambda: f.k_samp.gather_rows(self.acc, self.u, self.u1)))
+        out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + [lm_head()]]
         for k in range(1, M - 1):  # chained: (g, d_k) at row base + a + k drafts d_{k+1}
-            if self.chain_step is not None:
-                out.append(Launch("chain_step", None, functools.partial(self.chain_step, k)))
-                continue
             steps = head(self.u1, self.fc_in[:1], self.dpos, 1, pick_input(k)) + [lm_head()]
             out += [Launch("chain_" + grp, None, fn) for grp, fn in steps]
         out.append(Launch(("chain_" if M > 2 else "draft_") + "pick", None,

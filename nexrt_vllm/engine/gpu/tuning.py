@@ -198,21 +198,6 @@ class Tuning:
     # (benchmarks/results/gpu/rows_l2_prefetch_h100.json): round 2.230 -> 2.219 / 2.202 / 2.176 / 2.176 ms at
     # 1 / 2 / 4 / 8 MiB (fp8 head 2.136 -> 2.083 at 4 MiB), the step unchanged.
     rows_l2_prefetch: int = 4 << 20
-    # Each chained step of the one-request round's MTP head (a dense head without bf16 tail rows) as one
-    # persistent launch of one program per SM, its 11 phases separated by grid barriers (kernels/draft_step.py),
-    # instead of 13 launches; `draft_l2_ahead`: bytes of the next phase's GEMV weight each of its programs asks
-    # L2 for as a phase begins (0: none).
-    # `draft_fused_ctas`: its programs per SM (all must be resident at once: a launch the GPU cannot hold is refused).
-    draft_fused: bool = False
-    draft_l2_ahead: int = 64 << 10
-    draft_fused_ctas: int = 1
-    draft_l2_own: bool = True  # each GEMV phase first asks L2 for all of its program's tiles
-    draft_fused_rows: int = 0  # rows per tile of its GEMVs but the lm_head, at least (0: the launches' shapes)
-    # With draft_fused, the head's pass over the verified rows too from its o_proj on (their attention writes
-    # the M K/V rows the head needs): only the accepted row goes on, through the head the chained steps read
-    # (fp8 with draft weights "fp8", where the launches read the head as stored for all M rows), in one
-    # launch of the persistent kernel's last phases instead of 5 launches.
-    draft_fused_pass: bool = False
 
     def __post_init__(self):
         for f in fields(self):

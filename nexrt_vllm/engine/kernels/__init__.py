@@ -10,7 +10,7 @@ import os
 import sys
 
 MODULES = ("attention", "gdn", "gemv", "moe", "sampling", "spec", "tp")
-ALSO = ("batch", "batch_round", "draft_step")  # imported by `load` as well (interpreted with it), not in its result
+ALSO = ("batch", "batch_round")  # imported by `load` as well (interpreted with it), not in its result
 
 
 def load(interpret: bool = False) -> tuple:

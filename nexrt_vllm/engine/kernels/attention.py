@@ -251,12 +251,14 @@ def _verify_range(pos_ptr, start_ptr, sp, M: tl.constexpr, HAS_START: tl.constex
 
 
 @triton.jit
-def verify_scores(q_ptr, k_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, scale, stride_q, stride_ch, stride_cs,
-                  max_len, kvh, sp, M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr,
-                  MIN_PER: tl.constexpr, H: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr,
-                  BLOCK: tl.constexpr, DOT_F32: tl.constexpr):
-    """Pass 1 of kv head kvh's split sp (attn_scores_kernel for M*G rows; scores past a row's own position
-    are -inf, not stored). A program of `attn_verify_scores_kernel`, or an item of a persistent launch's phase."""
+def attn_verify_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, scale, stride_q, stride_ch,
+                              stride_cs, max_len, M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr,
+                              MIN_PER: tl.constexpr, H: tl.constexpr, G: tl.constexpr, RP: tl.constexpr,
+                              HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    # attn_scores_kernel for M*G rows; scores past a row's own position are -inf (not stored).
+    kvh = tl.program_id(0)
+    sp = tl.program_id(1)
     lo, hi, per, length, pos = _verify_range(pos_ptr, start_ptr, sp, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
     r = tl.arange(0, RP)
     d = tl.arange(0, HD)
@@ -274,21 +276,14 @@ def verify_scores(q_ptr, k_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, s
 
 
 @triton.jit
-def attn_verify_scores_kernel(q_ptr, k_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, scale, stride_q, stride_ch,
-                              stride_cs, max_len, M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr,
-                              MIN_PER: tl.constexpr, H: tl.constexpr, G: tl.constexpr, RP: tl.constexpr,
-                              HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+def attn_verify_pv_kernel(v_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
+                          M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
+                          H: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
+                          DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
-    verify_scores(q_ptr, k_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, scale, stride_q, stride_ch, stride_cs,
-                  max_len, tl.program_id(0), tl.program_id(1), M, HAS_START, NSPLIT, MIN_PER, H, G, RP, HD, BLOCK,
-                  DOT_F32)
-
-
-@triton.jit
-def verify_pv(v_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len, kvh, sp,
-              M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr, H: tl.constexpr,
-              G: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr):
-    """Pass 2 of kv head kvh's split sp (attn_pv_kernel for M*G rows: V read once for all of them)."""
+    # attn_pv_kernel for M*G rows: V read once for all of them.
+    kvh = tl.program_id(0)
+    sp = tl.program_id(1)
     lo, hi, per, length, pos = _verify_range(pos_ptr, start_ptr, sp, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
     r = tl.arange(0, RP)
     d = tl.arange(0, HD)
@@ -314,24 +309,17 @@ def verify_pv(v_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, str
 
 
 @triton.jit
-def attn_verify_pv_kernel(v_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
-                          M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
-                          H: tl.constexpr, G: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
-                          DOT_F32: tl.constexpr, PDL: tl.constexpr):
+def attn_verify_combine_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_ptr, stride_qkv, stride_out,
+                               M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
+                               BLOCK: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
+                               PDL: tl.constexpr):
     pdl_begin(PDL)
-    verify_pv(v_cache_ptr, pos_ptr, start_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, stride_ch, stride_cs, max_len,
-              tl.program_id(0), tl.program_id(1), M, HAS_START, NSPLIT, MIN_PER, H, G, RP, HD, BLOCK, DOT_F32)
-
-
-@triton.jit
-def verify_combine(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_ptr, stride_qkv, stride_out, rh, db,
-                   M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
-                   BLOCK: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr):
-    """attn_combine_kernel for row j*H + h = rh, head_dim block db: gate from qkv row j, out row j."""
+    # attn_combine_kernel, grid (M*H, head_dim block): row j*H + h, gate from qkv row j, out row j.
+    rh = tl.program_id(0)
     j = rh // H
     h = rh % H
     s = tl.arange(0, NSPLIT)
-    d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     _, _, per, length, _ = _verify_range(pos_ptr, start_ptr, 0, M, HAS_START, NSPLIT, MIN_PER, BLOCK)
     live = s * per < length
     acc = tl.load(acc_ptr + (rh * NSPLIT + s)[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
@@ -339,17 +327,6 @@ def verify_combine(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_ptr, stride_qkv, st
     gate = tl.load(qkv_ptr + j * stride_qkv + h * 2 * HD + HD + d).to(tl.float32)
     sig = _bf16(1.0 / (1.0 + tl.exp(-gate)))
     tl.store(out_ptr + j * stride_out + h * HD + d, _bf16(_bf16(o) * sig).to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def attn_verify_combine_kernel(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_ptr, stride_qkv, stride_out,
-                               M: tl.constexpr, HAS_START: tl.constexpr, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
-                               BLOCK: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
-                               PDL: tl.constexpr):
-    pdl_begin(PDL)
-    # grid (M*H, head_dim block)
-    verify_combine(acc_ptr, qkv_ptr, out_ptr, pos_ptr, start_ptr, stride_qkv, stride_out, tl.program_id(0),
-                   tl.program_id(1), M, HAS_START, NSPLIT, MIN_PER, BLOCK, H, HD, BLOCK_D)
 
 
 # The interpreter (CPU tests) multiplies bf16 dot operands as raw integers; give it fp32 there.
