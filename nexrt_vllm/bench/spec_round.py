@@ -42,15 +42,15 @@ def random_mtp_head(eng, seed: int = 5, dtype: str = "bf16") -> None:
 
 
 def _distinct_experts(sd) -> dict[int | str, int]:
-    """Run one round launch by launch; after a layer's MoE experts launch (all rows), the distinct
-    experts its rows chose (verify layers by index; "draft": the head's M-row pass)."""
+    """Run one round launch by launch; after a verify layer's MoE experts launch (all rows), the distinct
+    experts its rows chose, by layer index (the head's experts run for one row)."""
     out = {}
     with sd.f.launch_options():
         for s in sd.plan():
             s.run()
-            if s.group in ("verify_moe_experts", "draft_moe_experts"):
+            if s.group == "verify_moe_experts":
                 torch.cuda.synchronize()
-                out[s.layer if s.group.startswith("verify") else "draft"] = int(sd.ids[:sd.M].unique().numel())
+                out[s.layer] = int(sd.ids[:sd.M].unique().numel())
     return out
 
 
@@ -83,17 +83,16 @@ def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
             "mlp_down": lambda: nb(ff.w_down),
         }[group]()
 
-    head_e = distinct.get("draft", k)
-
-    def head_bytes(group, rows):  # one MTP head launch group over `rows` rows
+    def head_bytes(group, rows):  # one MTP head launch group over `rows` rows (its FFN: one row)
         if group == "fc":
             return nb(sd.drafter.w.fc)
         if group == "lm_head+argmax":
             return nb(sd.draft_lm) * sd.draft_vocab // sd.draft_lm.shape[0]  # the rows it reads (any format)
         if group in ("input", "select", "pick", "pick+input"):
             return 0
-        n_e = (head_e if rows > 1 else k) if isinstance(sd.head.ffn, MoEFFN) else 0
-        return layer_bytes(group, sd.head_rows if rows > 1 else sd.head, rows, n, n_e)
+        if group.startswith(("mlp_", "moe_")):
+            return layer_bytes(group, sd.head, 1, n, k)
+        return layer_bytes(group, sd.head_rows if rows > 1 else sd.head, rows, n, 0)
 
     out: dict[str, int] = {}
     for s in sd.plan():
@@ -249,8 +248,7 @@ def run_spec_shape(key: str, contexts: list[int], steps: int, parity_steps: int,
         row = {"context": ctx, "steps": steps, "step_ms": t_step * 1e3, "round_ms": t_round * 1e3,
                "round_over_step": t_round / t_step, "bytes_per_step": nb_step["total"],
                "bytes_per_round": nb_round["total"], "bytes_round_breakdown": nb_round,
-               "distinct_experts_per_layer": (statistics.mean(v for k_, v in distinct.items() if k_ != "draft")
-                                              if distinct else None),
+               "distinct_experts_per_layer": statistics.mean(distinct.values()) if distinct else None,
                "mbu_step": nb_step["total"] / t_step / bw, "mbu_round": nb_round["total"] / t_round / bw,
                "copy_bw_Bps": bw, "tok_s_plain": 1 / t_step,
                "effective_tok_s_computed": {str(a): a / t_round for a in ACCEPT},

@@ -294,11 +294,13 @@ class BatchRoundDecoder:
         words = (self.dpmax[:k], self.dpidx[:k], self.n_dpart, self.tok[:k], self.dtok[:k], self.base[:k],
                  self.acc[:k], self.dpos[:k])
 
-        def head(x, fc_in, pos, m, live_rows, first, norm_once=False):
+        def head(x, fc_in, pos, m, first, norm_once=False):
             fc_kw = self._rows_kw(w.fc, c.hidden_size, x.shape[0], k)
             steps = [first, ("fc", lambda: g.gemv(fc_in, w.fc, x, m=x.shape[0], **fc_kw))]
             steps += self._attention(self.head, x, pos, start, m, k, self.draft_cos, self.draft_sin, norm_once)
-            return steps + self._ffn(self.head, x, live_rows, k, norm_once)
+            if m > 1:  # only each slot's accepted row goes on (the other rows' K/V are written)
+                steps.append(("select", select))
+            return steps + self._ffn(self.head, u1, live, k)
 
         def lm_head():
             return ("lm_head+argmax", lambda: g.gemv(
@@ -317,11 +319,10 @@ class BatchRoundDecoder:
         # each slot's rows base..base+M-1 from (hidden_j, y_j); its row acc drafts d_1
         first = ("input", lambda: ks.mtp_input(self.y[:k].reshape(-1), w.embed, self.hn[:R],
                                                w.pre_fc_norm_embedding, w.pre_fc_norm_hidden, self.fc_in[:R], eps))
-        steps = head(u, self.fc_in[:R], self.base[:k], M, self.row_live[:R], first, self._norm_once(R, k))
-        steps.append(("select", select))
+        steps = head(u, self.fc_in[:R], self.base[:k], M, first, self._norm_once(R, k))
         out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + [lm_head()]]
         for j in range(1, M - 1):  # chained: (g, d_j) at row base + acc + j drafts d_{j+1}
-            steps = head(u1, self.fc_in[:k], self.dpos[:k], 1, live, pick_input(j)) + [lm_head()]
+            steps = head(u1, self.fc_in[:k], self.dpos[:k], 1, pick_input(j)) + [lm_head()]
             out += [Launch("chain_" + grp, None, fn) for grp, fn in steps]
         out.append(Launch(("chain_" if M > 2 else "draft_") + "pick", None,
                           lambda: ks.draft_pick(*words, M - 1, self.draft_ids, live=live)))

@@ -254,8 +254,10 @@ class SpecDecoder:
             fc_kw = f.gemv_shape(w.fc, c.hidden_size, rows=m > 1)
             steps = [first, ("fc", lambda: g.gemv(fc_in, w.fc, x, m=m, **fc_kw))]
             layer = self.head_rows if m > 1 else self.head
-            launches = self._attention(layer, x, pos, d.start, m, d.rope_cos, d.rope_sin) + self._ffn(layer, x, m)
-            return steps + [(grp, fn) for grp, fn, _ in launches]
+            steps += [(grp, fn) for grp, fn, _ in self._attention(layer, x, pos, d.start, m, d.rope_cos, d.rope_sin)]
+            if m > 1:  # only row a goes on (the other rows' K/V are written): the MLP reads one row's weights
+                steps.append(("select", lambda: f.k_samp.gather_rows(self.acc, self.u, self.u1)))
+            return steps + [(grp, fn) for grp, fn, _ in self._ffn(self.head, self.u1, 1)]
 
         def lm_head():
             return ("lm_head+argmax", lambda: g.gemv(
@@ -271,7 +273,6 @@ class SpecDecoder:
         first = ("input", lambda: ks.mtp_input(self.y, w.embed, self.hn, w.pre_fc_norm_embedding,
                                                w.pre_fc_norm_hidden, self.fc_in, eps))
         steps = head(self.u, self.fc_in, self.base, M, first)
-        steps.append(("select", lambda: f.k_samp.gather_rows(self.acc, self.u, self.u1)))
         out = [Launch("draft_" + grp, None, fn) for grp, fn in steps + [lm_head()]]
         for k in range(1, M - 1):  # chained: (g, d_k) at row base + a + k drafts d_{k+1}
             steps = head(self.u1, self.fc_in[:1], self.dpos, 1, pick_input(k)) + [lm_head()]

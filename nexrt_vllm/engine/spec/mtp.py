@@ -20,9 +20,10 @@ Draft weights (`DRAFT_WEIGHTS`): "checkpoint" drafts with the head as stored and
 "fp8" quantizes, at load, the head's projections the published FP8 releases quantize (attention, MLP or
 experts; 128 x 128 blocks, as `fp8.quantize_tensors`) and a copy of the lm_head for the drafter alone, so a
 single-row draft reads about half the bytes. The head's passes over several rows (the prompt, the verified
-rows of a round, the batched round's slots) keep reading the head as stored (`MTPWeights.stored`): the GPU's
-fp8 M-row GEMVs stream slower than its bf16 ones, so there fp8 would cost time (H100, 2B: the batched round
-at 8 slots 3.29 -> 3.54 ms). Exactness does not depend on the drafts (the target verifies every token); only
+rows of a round up to their attention, the batched round's slots) keep reading the head as stored
+(`MTPWeights.stored`): the GPU's fp8 M-row GEMVs stream slower than its bf16 ones, so there fp8 would cost
+time (H100, 2B: the batched round at 8 slots 3.29 -> 3.54 ms). Of a round's verified rows only the accepted
+one goes on past the attention (the others' K/V rows are all later drafts read), through the drafter's layer. Exactness does not depend on the drafts (the target verifies every token); only
 acceptance can move. The head of an FP8 checkpoint kept in fp8 is used as it is.
 """
 from __future__ import annotations
@@ -195,11 +196,13 @@ class Drafter:
         return F.linear(torch.cat((e, rms_norm(hidden, w.pre_fc_norm_hidden, eps)), dim=-1), w.fc)
 
     @torch.no_grad()
-    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, row=None):
         """Rows at `positions` (int64 [T], device, consecutive): hidden [T, H], tokens [T] (the token
         after each row's position). Writes their K/V rows; each attends causally to the valid rows
         up to its own. Returns (g [T, H] post-norm, fp32 logits [T, vocab]). No host syncs. A single row reads
-        the drafter's layer, several rows the layer as stored (MTPWeights.rows); the logits the drafter's lm_head."""
+        the drafter's layer, several rows the layer as stored (MTPWeights.rows); the logits the drafter's lm_head.
+        `row` (int64 [1], device): of several rows only that one goes on after the attention (the K/V rows are all
+        a round needs of the others): its MLP reads the drafter's layer, and g, logits are [1, ...]."""
         cfg, eps = self.config, self.config.rms_norm_eps
         layer = self.w.layer if positions.shape[0] == 1 else self.w.rows.layer
         x = self._input(hidden, tokens)
@@ -208,6 +211,8 @@ class Drafter:
         visible = (self.kv_index.unsqueeze(0) <= pos) & (self.kv_index.unsqueeze(0) >= self.start)
         x = x + attention_decode(layer.mixer, cfg, rms_norm(x, layer.input_norm, eps), cos, sin, self.k, self.v,
                                  positions, visible)
+        if row is not None:
+            x, layer = x.index_select(0, row), self.w.layer
         y = rms_norm(x, layer.post_norm, eps)
         if isinstance(layer.ffn, MoEWeights):  # per row, as decode picks experts (static shapes)
             y = torch.cat([moe_decode(layer.ffn, cfg, y[j:j + 1]) for j in range(y.shape[0])])

@@ -175,8 +175,7 @@ class Speculator:
         """Head rows base..base+T-1 with (hidden, tokens); row a drafts d_1, then M - 2 chained steps.
         Returns (drafts [M-1], q [M-1, V] or None)."""
         T = tokens.shape[0]
-        g, lg = self.drafter.forward(hidden, tokens, base + torch.arange(T, device=base.device))
-        g, lg = g.index_select(0, a), lg.index_select(0, a)
+        g, lg = self.drafter.forward(hidden, tokens, base + torch.arange(T, device=base.device), row=a)
         d, q = self._pick(lg, params, gen)
         drafts, qs = [d], [q]
         for k in range(1, self.M - 1):
