@@ -23,8 +23,9 @@ single-row draft reads about half the bytes. The head's passes over several rows
 rows of a round up to their attention, the batched round's slots) keep reading the head as stored
 (`MTPWeights.stored`): the GPU's fp8 M-row GEMVs stream slower than its bf16 ones, so there fp8 would cost
 time (H100, 2B: the batched round at 8 slots 3.29 -> 3.54 ms). Of a round's verified rows only the accepted
-one goes on past the attention (the others' K/V rows are all later drafts read), through the drafter's layer. Exactness does not depend on the drafts (the target verifies every token); only
-acceptance can move. The head of an FP8 checkpoint kept in fp8 is used as it is.
+one goes on past the attention (the others' K/V rows are all later drafts read), through the drafter's layer.
+Exactness does not depend on the drafts (the target verifies every token); only acceptance can move. The
+head of an FP8 checkpoint kept in fp8 is used as it is.
 """
 from __future__ import annotations
 
