@@ -41,7 +41,7 @@ def random_mtp_head(eng, seed: int = 5, dtype: str = "bf16") -> None:
     eng.model.mtp = heads
 
 
-def _distinct_experts(sd) -> dict[int | str, int]:
+def _distinct_experts(sd) -> dict[int, int]:
     """Run one round launch by launch; after a verify layer's MoE experts launch (all rows), the distinct
     experts its rows chose, by layer index (the head's experts run for one row)."""
     out = {}
@@ -56,8 +56,6 @@ def _distinct_experts(sd) -> dict[int | str, int]:
 
 def round_bytes(sd, n: int, distinct: dict) -> dict[str, int]:
     """Bytes one round must move at context n (module doc), per launch group and in total."""
-    from nexrt_vllm.engine.gpu.fusion import MoEFFN
-
     c, M, nb = sd.cfg, sd.M, S.nbytes
     kv_row = c.num_kv_heads * c.head_dim * sd.f.embed.element_size()
     E, k = c.num_experts, c.num_experts_per_tok
